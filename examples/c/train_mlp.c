@@ -1,0 +1,301 @@
+/* train_mlp.c - the libfsdp demo: an MLP regression trained by N ranks that are
+ * threads of this process, FULL_SHARD with bf16 params, printing the loss and
+ * each rank's memory, beside the loss of the same training run on 1 rank.
+ *
+ *   train_mlp [--ranks N] [--steps S] [--dtype bf16|fp16|fp32] [--sharding S]
+ *
+ * The model code below is what a host framework provides: forward and backward
+ * of Linear+tanh layers by hand. libfsdp owns the parameters, gradients,
+ * optimizer state and the collectives. */
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "fsdp.h"
+
+#define N_LAYERS 4
+#define MAX_RANKS 16
+static const int kDims[N_LAYERS + 1] = {32, 256, 256, 256, 8};
+#define GLOBAL_BATCH 64
+
+typedef struct {
+  int ranks, steps, print_every;
+  const char *dtype, *sharding;
+} options_t;
+
+typedef struct {
+  options_t opt;
+  int world, rank;
+  fsdp_local_group_t *group;
+  pthread_barrier_t *barrier;
+  double *losses;       /* [steps] global loss, written by rank 0 */
+  double *rank_loss;    /* [world] this step's loss per rank */
+  fsdp_memory_stats_t *mem; /* [world] final memory per rank */
+  int failed;
+} job_t;
+
+#define CHECK(call)                                                              \
+  do {                                                                           \
+    fsdp_status_t st_ = (call);                                                  \
+    if (st_ != FSDP_OK) {                                                        \
+      fprintf(stderr, "rank %d: %s failed: %s: %s\n", job->rank, #call,          \
+              fsdp_status_name(st_), fsdp_last_error());                         \
+      job->failed = 1;                                                           \
+      return NULL;                                                               \
+    }                                                                            \
+  } while (0)
+
+/* ---- bf16/fp16 <-> fp32, round to nearest even (the host's own code) ---- */
+static float bits_to_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+static uint32_t f32_to_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+static float half_to_f32(uint16_t h, fsdp_dtype_t t) {
+  if (t == FSDP_DTYPE_BF16) return bits_to_f32((uint32_t)h << 16);
+  { /* fp16 */
+    uint32_t s = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+    if (e == 0x1f) return bits_to_f32(s | 0x7f800000u | (m << 13));
+    if (e) return bits_to_f32(s | ((e + 112u) << 23) | (m << 13));
+    return (s ? -1.0f : 1.0f) * (float)m * 5.9604644775390625e-08f;
+  }
+}
+static uint16_t f32_to_half(float f, fsdp_dtype_t t) {
+  if (t == FSDP_DTYPE_BF16) {
+    uint32_t u = f32_to_bits(f);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+  }
+  { /* fp16 via the nearest representable value; the demo's values are normal */
+    uint32_t u = f32_to_bits(f), s = (u >> 16) & 0x8000u, a = u & 0x7fffffffu;
+    if (a >= 0x477ff000u) return (uint16_t)(s | 0x7c00u);
+    if (a < 0x38800000u) return (uint16_t)(s | (uint32_t)lrintf(bits_to_f32(a) * 16777216.0f));
+    a -= 0x38000000u;
+    return (uint16_t)(s | ((a + 0xfffu + ((a >> 13) & 1u)) >> 13));
+  }
+}
+static float load(const void *p, size_t i, fsdp_dtype_t t) {
+  return t == FSDP_DTYPE_FP32 ? ((const float *)p)[i] : half_to_f32(((const uint16_t *)p)[i], t);
+}
+static void add_to(void *p, size_t i, float v, fsdp_dtype_t t) {
+  if (t == FSDP_DTYPE_FP32) ((float *)p)[i] += v;
+  else ((uint16_t *)p)[i] = f32_to_half(load(p, i, t) + v, t);
+}
+
+/* ---- deterministic data: inputs and targets from a fixed teacher ---- */
+static uint64_t rng_state;
+static float uniform(void) { /* splitmix64 -> [-1, 1) */
+  uint64_t z = (rng_state += 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  z ^= z >> 31;
+  return (float)((double)(z >> 11) / 9007199254740992.0 * 2.0 - 1.0);
+}
+static float g_x[GLOBAL_BATCH][32], g_y[GLOBAL_BATCH][8];
+static void make_data(void) {
+  int b, i, o;
+  rng_state = 42;
+  for (b = 0; b < GLOBAL_BATCH; ++b) {
+    for (i = 0; i < 32; ++i) g_x[b][i] = uniform();
+    for (o = 0; o < 8; ++o) { /* a smooth target the MLP can fit */
+      float s = 0.0f;
+      for (i = 0; i < 32; ++i) s += g_x[b][i] * sinf((float)(o * 32 + i));
+      g_y[b][o] = tanhf(0.3f * s);
+    }
+  }
+}
+
+static void *train(void *arg) {
+  job_t *job = (job_t *)arg;
+  fsdp_config_t *cfg = NULL;
+  fsdp_ctx_t *ctx = NULL;
+  fsdp_unit_t *units[N_LAYERS];
+  fsdp_dtype_t dt;
+  int l, step, rows = GLOBAL_BATCH / job->world, row0 = job->rank * rows;
+  float *act[N_LAYERS + 1], *dact[N_LAYERS + 1];
+
+  CHECK(fsdp_config_create(&cfg));
+  CHECK(fsdp_config_set(cfg, "sharding", job->opt.sharding));
+  CHECK(fsdp_config_set(cfg, "param_dtype", job->opt.dtype));
+  CHECK(fsdp_config_set(cfg, "reduce_dtype", "fp32"));
+  CHECK(fsdp_config_set(cfg, "optimizer", "adamw"));
+  CHECK(fsdp_config_set(cfg, "lr", "3e-3"));
+  CHECK(fsdp_config_set(cfg, "weight_decay", "0.01"));
+  CHECK(fsdp_config_set(cfg, "no_weight_decay", "*bias"));
+  CHECK(fsdp_config_set(cfg, "max_grad_norm", "1.0"));
+  CHECK(fsdp_config_from_env(cfg)); /* FSDP_* variables override the above */
+  CHECK(fsdp_ctx_create(cfg, job->group, job->rank, &ctx));
+  fsdp_config_destroy(cfg);
+  CHECK(fsdp_ctx_param_dtype(ctx, &dt));
+
+  for (l = 0; l < N_LAYERS; ++l) { /* one unit per layer: W [out, in], bias [out] */
+    const char *names[2] = {"weight", "bias"};
+    int32_t ndims[2] = {2, 1};
+    int64_t dims[3];
+    char name[32];
+    int in = kDims[l], out = kDims[l + 1];
+    size_t i;
+    float *w = malloc(sizeof(float) * (size_t)(in * out)), *b = calloc((size_t)out, sizeof(float));
+    dims[0] = out; dims[1] = in; dims[2] = out;
+    snprintf(name, sizeof name, "layer%d", l);
+    CHECK(fsdp_unit_register(ctx, name, 2, names, ndims, dims, &units[l]));
+    rng_state = 1000 + (uint64_t)l; /* same init on every rank and in the 1-rank run */
+    for (i = 0; i < (size_t)(in * out); ++i) w[i] = uniform() * sqrtf(3.0f / (float)in);
+    CHECK(fsdp_param_set_values(units[l], 0, w, (size_t)(in * out)));
+    CHECK(fsdp_param_set_values(units[l], 1, b, (size_t)out));
+    free(w);
+    free(b);
+  }
+  for (l = 0; l <= N_LAYERS; ++l) {
+    act[l] = calloc((size_t)(rows * kDims[l]), sizeof(float));
+    dact[l] = calloc((size_t)(rows * kDims[l]), sizeof(float));
+  }
+
+  for (step = 0; step < job->opt.steps; ++step) {
+    double loss = 0.0;
+    int r, i, o;
+    memcpy(act[0], &g_x[row0][0], sizeof(float) * (size_t)(rows * 32));
+    for (l = 0; l < N_LAYERS; ++l) { /* forward: a = tanh(W a + b), linear last layer */
+      void *w, *b;
+      int in = kDims[l], out = kDims[l + 1];
+      CHECK(fsdp_forward_begin(units[l], NULL));
+      CHECK(fsdp_param_ptr(units[l], 0, &w));
+      CHECK(fsdp_param_ptr(units[l], 1, &b));
+      for (r = 0; r < rows; ++r)
+        for (o = 0; o < out; ++o) {
+          float s = load(b, (size_t)o, dt);
+          for (i = 0; i < in; ++i) s += load(w, (size_t)(o * in + i), dt) * act[l][r * in + i];
+          act[l + 1][r * out + o] = l + 1 < N_LAYERS ? tanhf(s) : s;
+        }
+      CHECK(fsdp_forward_end(units[l], NULL));
+    }
+    for (r = 0; r < rows; ++r) /* loss = mean over rows of sum of squared errors / 2 */
+      for (o = 0; o < 8; ++o) {
+        float d = act[N_LAYERS][r * 8 + o] - g_y[row0 + r][o];
+        loss += 0.5 * d * d / rows;
+        dact[N_LAYERS][r * 8 + o] = d / (float)rows;
+      }
+    for (l = N_LAYERS - 1; l >= 0; --l) { /* backward */
+      void *w, *gw, *gb;
+      int in = kDims[l], out = kDims[l + 1];
+      CHECK(fsdp_backward_begin(units[l], NULL));
+      CHECK(fsdp_param_ptr(units[l], 0, &w));
+      CHECK(fsdp_grad_ptr(units[l], 0, &gw));
+      CHECK(fsdp_grad_ptr(units[l], 1, &gb));
+      memset(dact[l], 0, sizeof(float) * (size_t)(rows * in));
+      for (o = 0; o < out; ++o) {
+        float gbo = 0.0f, *gwo = calloc((size_t)in, sizeof(float));
+        for (r = 0; r < rows; ++r) {
+          float d = dact[l + 1][r * out + o];
+          if (l + 1 < N_LAYERS) d *= 1.0f - act[l + 1][r * out + o] * act[l + 1][r * out + o];
+          gbo += d;
+          for (i = 0; i < in; ++i) {
+            gwo[i] += d * act[l][r * in + i];
+            dact[l][r * in + i] += d * load(w, (size_t)(o * in + i), dt);
+          }
+        }
+        add_to(gb, (size_t)o, gbo, dt);
+        for (i = 0; i < in; ++i) add_to(gw, (size_t)(o * in + i), gwo[i], dt);
+        free(gwo);
+      }
+      CHECK(fsdp_backward_end(units[l], NULL));
+    }
+    CHECK(fsdp_step(ctx, NULL));
+    job->rank_loss[job->rank] = loss;
+    pthread_barrier_wait(job->barrier);
+    if (job->rank == 0) { /* every rank's rows weigh the same */
+      double s = 0.0;
+      for (r = 0; r < job->world; ++r) s += job->rank_loss[r];
+      job->losses[step] = s / job->world;
+    }
+    pthread_barrier_wait(job->barrier);
+  }
+  job->mem[job->rank].struct_size = sizeof(fsdp_memory_stats_t);
+  CHECK(fsdp_memory_stats(ctx, &job->mem[job->rank]));
+  CHECK(fsdp_ctx_finalize(ctx));
+  fsdp_ctx_destroy(ctx);
+  for (l = 0; l <= N_LAYERS; ++l) {
+    free(act[l]);
+    free(dact[l]);
+  }
+  return NULL;
+}
+
+/* Runs the job on `world` thread-ranks; returns 0 on success. */
+static int run(const options_t *opt, int world, double *losses, fsdp_memory_stats_t *mem) {
+  pthread_t threads[MAX_RANKS];
+  job_t jobs[MAX_RANKS];
+  double rank_loss[MAX_RANKS];
+  pthread_barrier_t barrier;
+  fsdp_local_group_t *group = NULL;
+  int r, failed = 0;
+  if (fsdp_local_group_create(world, &group) != FSDP_OK) {
+    fprintf(stderr, "fsdp_local_group_create: %s\n", fsdp_last_error());
+    return 1;
+  }
+  pthread_barrier_init(&barrier, NULL, (unsigned)world);
+  for (r = 0; r < world; ++r) {
+    job_t j;
+    memset(&j, 0, sizeof j);
+    j.opt = *opt;
+    j.world = world;
+    j.rank = r;
+    j.group = group;
+    j.barrier = &barrier;
+    j.losses = losses;
+    j.rank_loss = rank_loss;
+    j.mem = mem;
+    jobs[r] = j;
+    pthread_create(&threads[r], NULL, train, &jobs[r]);
+  }
+  for (r = 0; r < world; ++r) {
+    pthread_join(threads[r], NULL);
+    failed |= jobs[r].failed;
+  }
+  pthread_barrier_destroy(&barrier);
+  fsdp_local_group_destroy(group);
+  return failed;
+}
+
+static double mib(size_t n) { return (double)n / (1024.0 * 1024.0); }
+
+int main(int argc, char **argv) {
+  options_t opt = {4, 60, 10, "bf16", "FULL_SHARD"};
+  double *loss_n, *loss_1;
+  fsdp_memory_stats_t mem_n[MAX_RANKS], mem_1[1];
+  int a, s, r;
+  for (a = 1; a + 1 < argc; a += 2) {
+    if (!strcmp(argv[a], "--ranks")) opt.ranks = atoi(argv[a + 1]);
+    else if (!strcmp(argv[a], "--steps")) opt.steps = atoi(argv[a + 1]);
+    else if (!strcmp(argv[a], "--dtype")) opt.dtype = argv[a + 1];
+    else if (!strcmp(argv[a], "--sharding")) opt.sharding = argv[a + 1];
+    else break;
+  }
+  if (a < argc || opt.ranks < 1 || opt.ranks > MAX_RANKS || GLOBAL_BATCH % opt.ranks || opt.steps < 1) {
+    fprintf(stderr, "usage: %s [--ranks N (divides %d, <= %d)] [--steps S] [--dtype bf16|fp16|fp32] "
+                    "[--sharding FULL_SHARD|SHARD_GRAD_OP|NO_SHARD]\n", argv[0], GLOBAL_BATCH, MAX_RANKS);
+    return 2;
+  }
+  make_data();
+  loss_n = calloc((size_t)opt.steps, sizeof(double));
+  loss_1 = calloc((size_t)opt.steps, sizeof(double));
+  printf("%s\nMLP %d-%d-%d-%d-%d, %d units, global batch %d, %s, param_dtype %s, AdamW\n\n", fsdp_build_info(),
+         kDims[0], kDims[1], kDims[2], kDims[3], kDims[4], N_LAYERS, GLOBAL_BATCH, opt.sharding, opt.dtype);
+  if (run(&opt, opt.ranks, loss_n, mem_n) || run(&opt, 1, loss_1, mem_1)) return 1;
+
+  printf("%6s  %14s  %14s\n", "step", "loss (N ranks)", "loss (1 rank)");
+  for (s = 0; s < opt.steps; ++s)
+    if (s % opt.print_every == 0 || s == opt.steps - 1)
+      printf("%6d  %14.6f  %14.6f\n", s + 1, loss_n[s], loss_1[s]);
+  printf("\nper-rank memory (MiB)        params   grads   optim  gathered-peak  total-peak\n");
+  for (r = 0; r < opt.ranks; ++r)
+    printf("  rank %d of %-2d             %7.3f %7.3f %7.3f  %13.3f  %10.3f\n", r, opt.ranks,
+           mib(mem_n[r].sharded_params_nbytes), mib(mem_n[r].sharded_grads_nbytes),
+           mib(mem_n[r].optimizer_state_nbytes), mib(mem_n[r].gathered_params_peak_nbytes),
+           mib(mem_n[r].total_peak_nbytes));
+  printf("  1-rank run               %7.3f %7.3f %7.3f  %13.3f  %10.3f\n", mib(mem_1[0].sharded_params_nbytes),
+         mib(mem_1[0].sharded_grads_nbytes), mib(mem_1[0].optimizer_state_nbytes),
+         mib(mem_1[0].gathered_params_peak_nbytes), mib(mem_1[0].total_peak_nbytes));
+  free(loss_n);
+  free(loss_1);
+  return 0;
+}

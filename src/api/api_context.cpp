@@ -1,0 +1,191 @@
+// src/api/api_context.cpp - C ABI for errors, version, config, local groups and
+// contexts. Handles are the C++ objects themselves behind opaque pointers.
+#include <memory>
+#include <string>
+
+#include "../comm/local/local_group.h"
+#include "../core/config.h"
+#include "../core/context.h"
+#include "guard.h"
+
+struct fsdp_local_group {
+  std::shared_ptr<fsdp::comm::LocalGroup> group;
+};
+
+using fsdp::fail;
+using fsdp::api::guard;
+using fsdp::api::require;
+using fsdp::core::Config;
+using fsdp::core::Context;
+
+namespace {
+
+thread_local std::string t_last_error;
+
+Config* cfg_of(fsdp_config_t* c) { return reinterpret_cast<Config*>(c); }
+const Config* cfg_of(const fsdp_config_t* c) { return reinterpret_cast<const Config*>(c); }
+Context* ctx_of(fsdp_ctx_t* c) { return reinterpret_cast<Context*>(c); }
+const Context* ctx_of(const fsdp_ctx_t* c) { return reinterpret_cast<const Context*>(c); }
+
+}  // namespace
+
+namespace fsdp::api {
+void set_last_error(const std::string& message) { t_last_error = message; }
+}  // namespace fsdp::api
+
+extern "C" {
+
+const char* fsdp_status_name(fsdp_status_t status) {
+  switch (status) {
+    case FSDP_OK: return "FSDP_OK";
+    case FSDP_ERR_INVALID_ARGUMENT: return "FSDP_ERR_INVALID_ARGUMENT";
+    case FSDP_ERR_INVALID_STATE: return "FSDP_ERR_INVALID_STATE";
+    case FSDP_ERR_UNSUPPORTED: return "FSDP_ERR_UNSUPPORTED";
+    case FSDP_ERR_OUT_OF_MEMORY: return "FSDP_ERR_OUT_OF_MEMORY";
+    case FSDP_ERR_TIMEOUT: return "FSDP_ERR_TIMEOUT";
+    case FSDP_ERR_MISMATCH: return "FSDP_ERR_MISMATCH";
+    case FSDP_ERR_COMM: return "FSDP_ERR_COMM";
+    case FSDP_ERR_CORRUPT: return "FSDP_ERR_CORRUPT";
+    case FSDP_ERR_IO: return "FSDP_ERR_IO";
+    case FSDP_ERR_INTERNAL: return "FSDP_ERR_INTERNAL";
+  }
+  return "FSDP_ERR_UNKNOWN_STATUS";
+}
+
+const char* fsdp_last_error(void) { return t_last_error.c_str(); }
+
+int fsdp_version(void) { return FSDP_VERSION_NUMBER; }
+
+#define FSDP_STR2(x) #x
+#define FSDP_STR(x) FSDP_STR2(x)
+const char* fsdp_build_info(void) {
+  return "libfsdp " FSDP_STR(FSDP_VERSION_MAJOR) "." FSDP_STR(FSDP_VERSION_MINOR) "." FSDP_STR(
+      FSDP_VERSION_PATCH) " devices=cpu comms=local";
+}
+
+fsdp_status_t fsdp_config_create(fsdp_config_t** out) {
+  return guard([&] {
+    require(out, "fsdp_config_create", "out");
+    *out = reinterpret_cast<fsdp_config_t*>(new Config());
+  });
+}
+
+void fsdp_config_destroy(fsdp_config_t* cfg) { delete cfg_of(cfg); }
+
+fsdp_status_t fsdp_config_set(fsdp_config_t* cfg, const char* key, const char* value) {
+  return guard([&] {
+    require(cfg, "fsdp_config_set", "cfg");
+    require(key, "fsdp_config_set", "key");
+    require(value, "fsdp_config_set", "value");
+    cfg_of(cfg)->set(key, value);
+  });
+}
+
+fsdp_status_t fsdp_config_get(const fsdp_config_t* cfg, const char* key, char* value, size_t value_nbytes,
+                              size_t* value_len) {
+  return guard([&] {
+    require(cfg, "fsdp_config_get", "cfg");
+    require(key, "fsdp_config_get", "key");
+    std::string v = cfg_of(cfg)->get(key);
+    if (value_len != nullptr) *value_len = v.size();
+    if (value == nullptr && value_len != nullptr && value_nbytes == 0) return;  // size query
+    require(value, "fsdp_config_get", "value");
+    if (value_nbytes < v.size() + 1) {
+      fail(FSDP_ERR_INVALID_ARGUMENT, "fsdp_config_get: the value of '" + std::string(key) + "' needs " +
+                                          std::to_string(v.size() + 1) + " bytes, the buffer has " +
+                                          std::to_string(value_nbytes));
+    }
+    v.copy(value, v.size());
+    value[v.size()] = '\0';
+  });
+}
+
+fsdp_status_t fsdp_config_from_env(fsdp_config_t* cfg) {
+  return guard([&] {
+    require(cfg, "fsdp_config_from_env", "cfg");
+    cfg_of(cfg)->apply_env();
+  });
+}
+
+fsdp_status_t fsdp_local_group_create(int world_size, fsdp_local_group_t** out) {
+  return guard([&] {
+    require(out, "fsdp_local_group_create", "out");
+    if (world_size < 1 || world_size > 4096) {
+      fail(FSDP_ERR_INVALID_ARGUMENT,
+           "fsdp_local_group_create: world_size must be from 1 to 4096, not " + std::to_string(world_size));
+    }
+    auto g = std::make_unique<fsdp_local_group>();
+    g->group = std::make_shared<fsdp::comm::LocalGroup>(world_size);
+    *out = g.release();
+  });
+}
+
+void fsdp_local_group_destroy(fsdp_local_group_t* group) { delete group; }
+
+fsdp_status_t fsdp_ctx_create(const fsdp_config_t* cfg, fsdp_local_group_t* group, int rank, fsdp_ctx_t** out) {
+  return guard([&] {
+    require(cfg, "fsdp_ctx_create", "cfg");
+    require(out, "fsdp_ctx_create", "out");
+    std::shared_ptr<fsdp::comm::LocalGroup> g =
+        group != nullptr ? group->group : std::make_shared<fsdp::comm::LocalGroup>(1);
+    if (rank < 0 || rank >= g->world_size()) {
+      fail(FSDP_ERR_INVALID_ARGUMENT, "fsdp_ctx_create: rank " + std::to_string(rank) +
+                                          " is outside the group's world of " + std::to_string(g->world_size()) +
+                                          (group == nullptr ? " (group NULL means a world of one)" : ""));
+    }
+    auto ctx = std::make_unique<Context>(cfg_of(cfg)->options(), std::move(g), rank);
+    *out = reinterpret_cast<fsdp_ctx_t*>(ctx.release());
+  });
+}
+
+fsdp_status_t fsdp_ctx_finalize(fsdp_ctx_t* ctx) {
+  return guard([&] {
+    require(ctx, "fsdp_ctx_finalize", "ctx");
+    ctx_of(ctx)->check_live("fsdp_ctx_finalize");
+    ctx_of(ctx)->finalize();
+  });
+}
+
+void fsdp_ctx_destroy(fsdp_ctx_t* ctx) { delete ctx_of(ctx); }
+
+fsdp_status_t fsdp_ctx_rank(const fsdp_ctx_t* ctx, int* rank) {
+  return guard([&] {
+    require(ctx, "fsdp_ctx_rank", "ctx");
+    require(rank, "fsdp_ctx_rank", "rank");
+    ctx_of(ctx)->check_live("fsdp_ctx_rank");
+    *rank = ctx_of(ctx)->rank();
+  });
+}
+
+fsdp_status_t fsdp_ctx_world_size(const fsdp_ctx_t* ctx, int* world_size) {
+  return guard([&] {
+    require(ctx, "fsdp_ctx_world_size", "ctx");
+    require(world_size, "fsdp_ctx_world_size", "world_size");
+    ctx_of(ctx)->check_live("fsdp_ctx_world_size");
+    *world_size = ctx_of(ctx)->world_size();
+  });
+}
+
+fsdp_status_t fsdp_ctx_param_dtype(const fsdp_ctx_t* ctx, fsdp_dtype_t* dtype) {
+  return guard([&] {
+    require(ctx, "fsdp_ctx_param_dtype", "ctx");
+    require(dtype, "fsdp_ctx_param_dtype", "dtype");
+    ctx_of(ctx)->check_live("fsdp_ctx_param_dtype");
+    *dtype = static_cast<fsdp_dtype_t>(ctx_of(ctx)->options().param_dtype);
+  });
+}
+
+fsdp_status_t fsdp_ctx_async_error(const fsdp_ctx_t* ctx) {
+  fsdp_status_t st = FSDP_OK;
+  fsdp_status_t call = guard([&] {
+    require(ctx, "fsdp_ctx_async_error", "ctx");
+    st = ctx_of(ctx)->async_error();
+    if (st != FSDP_OK) {
+      fail(st, "fsdp_ctx_async_error: a collective failed earlier with " + std::string(fsdp_status_name(st)) +
+                   "; the communicator is unusable, restart the job from its last checkpoint");
+    }
+  });
+  return call;
+}
+
+}  // extern "C"

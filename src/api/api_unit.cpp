@@ -1,0 +1,247 @@
+// src/api/api_unit.cpp - C ABI for units, the training step, parameter access
+// and memory statistics.
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "../core/context.h"
+#include "guard.h"
+
+using fsdp::fail;
+using fsdp::api::guard;
+using fsdp::api::require;
+using fsdp::api::require_cpu_stream;
+using fsdp::core::Context;
+using fsdp::core::ParamSpec;
+using fsdp::core::Unit;
+
+namespace {
+
+Context* ctx_of(fsdp_ctx_t* c) { return reinterpret_cast<Context*>(c); }
+const Context* ctx_of(const fsdp_ctx_t* c) { return reinterpret_cast<const Context*>(c); }
+
+// The unit behind a handle, after the checks every unit call shares.
+Unit& live_unit(fsdp_unit_t* u, const char* call) {
+  require(u, call, "unit");
+  Unit& unit = *reinterpret_cast<Unit*>(u);
+  unit.runtime().check_live(call);
+  return unit;
+}
+
+// Builds the param specs from the C arrays; returns why they are invalid ("" if
+// they are fine) instead of throwing, so that registration can still join the
+// other ranks.
+std::string read_params(const char* name, size_t n_params, const char* const* names, const int32_t* ndims,
+                        const int64_t* dims, const fsdp_unit_t* const* out, std::vector<ParamSpec>& params) {
+  if (name == nullptr || name[0] == '\0') return "the unit name is NULL or empty";
+  if (out == nullptr) return "out is NULL";
+  if (n_params == 0) return "n_params is 0; a unit needs at least one param";
+  if (names == nullptr) return "names is NULL";
+  if (ndims == nullptr) return "ndims is NULL";
+  size_t dim_pos = 0;
+  for (size_t i = 0; i < n_params; ++i) {
+    if (names[i] == nullptr || names[i][0] == '\0') return "names[" + std::to_string(i) + "] is NULL or empty";
+    if (ndims[i] < 0 || ndims[i] > 16) {
+      return "param '" + std::string(names[i]) + "' has ndims " + std::to_string(ndims[i]) + "; expected 0 to 16";
+    }
+    if (ndims[i] > 0 && dims == nullptr) return "dims is NULL";
+    ParamSpec p;
+    p.name = names[i];
+    p.numel = 1;
+    for (int32_t d = 0; d < ndims[i]; ++d) {
+      int64_t extent = dims[dim_pos++];
+      if (extent < 0) {
+        return "param '" + p.name + "' has a negative dimension (" + std::to_string(extent) + ")";
+      }
+      if (extent != 0 && p.numel > (std::numeric_limits<size_t>::max() >> 8) / static_cast<size_t>(extent)) {
+        return "param '" + p.name + "' is too large";
+      }
+      p.shape.push_back(extent);
+      p.numel *= static_cast<size_t>(extent);
+    }
+    params.push_back(std::move(p));
+  }
+  return "";
+}
+
+}  // namespace
+
+extern "C" {
+
+fsdp_status_t fsdp_unit_register(fsdp_ctx_t* ctx, const char* name, size_t n_params, const char* const* names,
+                                 const int32_t* ndims, const int64_t* dims, fsdp_unit_t** out) {
+  return guard([&] {
+    require(ctx, "fsdp_unit_register", "ctx");
+    ctx_of(ctx)->check_live("fsdp_unit_register");
+    std::vector<ParamSpec> params;
+    std::string problem = read_params(name, n_params, names, ndims, dims, out, params);
+    Unit& unit = ctx_of(ctx)->register_unit(name != nullptr ? name : "", std::move(params), problem);
+    *out = reinterpret_cast<fsdp_unit_t*>(&unit);
+  });
+}
+
+fsdp_status_t fsdp_param_set_values(fsdp_unit_t* unit, size_t param_index, const float* values, size_t numel) {
+  return guard([&] { live_unit(unit, "fsdp_param_set_values").set_values(param_index, values, numel); });
+}
+
+fsdp_status_t fsdp_param_set_weight_decay(fsdp_unit_t* unit, size_t param_index, double weight_decay) {
+  return guard(
+      [&] { live_unit(unit, "fsdp_param_set_weight_decay").set_weight_decay(param_index, weight_decay); });
+}
+
+fsdp_status_t fsdp_forward_begin(fsdp_unit_t* unit, void* stream) {
+  return guard([&] {
+    Unit& u = live_unit(unit, "fsdp_forward_begin");
+    require_cpu_stream(stream, "fsdp_forward_begin");
+    u.forward_begin();
+  });
+}
+
+fsdp_status_t fsdp_forward_end(fsdp_unit_t* unit, void* stream) {
+  return guard([&] {
+    Unit& u = live_unit(unit, "fsdp_forward_end");
+    require_cpu_stream(stream, "fsdp_forward_end");
+    u.forward_end();
+  });
+}
+
+fsdp_status_t fsdp_backward_begin(fsdp_unit_t* unit, void* stream) {
+  return guard([&] {
+    Unit& u = live_unit(unit, "fsdp_backward_begin");
+    require_cpu_stream(stream, "fsdp_backward_begin");
+    u.backward_begin();
+  });
+}
+
+fsdp_status_t fsdp_backward_end(fsdp_unit_t* unit, void* stream) {
+  return guard([&] {
+    Unit& u = live_unit(unit, "fsdp_backward_end");
+    require_cpu_stream(stream, "fsdp_backward_end");
+    u.backward_end();
+  });
+}
+
+fsdp_status_t fsdp_param_ptr(fsdp_unit_t* unit, size_t param_index, void** ptr) {
+  return guard([&] {
+    Unit& u = live_unit(unit, "fsdp_param_ptr");
+    require(ptr, "fsdp_param_ptr", "ptr");
+    *ptr = u.param_ptr(param_index);
+  });
+}
+
+fsdp_status_t fsdp_grad_ptr(fsdp_unit_t* unit, size_t param_index, void** ptr) {
+  return guard([&] {
+    Unit& u = live_unit(unit, "fsdp_grad_ptr");
+    require(ptr, "fsdp_grad_ptr", "ptr");
+    *ptr = u.grad_ptr(param_index);
+  });
+}
+
+fsdp_status_t fsdp_step(fsdp_ctx_t* ctx, void* stream) {
+  return guard([&] {
+    require(ctx, "fsdp_step", "ctx");
+    ctx_of(ctx)->check_live("fsdp_step");
+    require_cpu_stream(stream, "fsdp_step");
+    ctx_of(ctx)->step();
+  });
+}
+
+fsdp_status_t fsdp_set_grad_sync(fsdp_ctx_t* ctx, int enabled) {
+  return guard([&] {
+    require(ctx, "fsdp_set_grad_sync", "ctx");
+    ctx_of(ctx)->check_live("fsdp_set_grad_sync");
+    ctx_of(ctx)->set_grad_sync(enabled != 0);
+  });
+}
+
+fsdp_status_t fsdp_set_lr(fsdp_ctx_t* ctx, double lr) {
+  return guard([&] {
+    require(ctx, "fsdp_set_lr", "ctx");
+    ctx_of(ctx)->check_live("fsdp_set_lr");
+    ctx_of(ctx)->set_lr(lr);
+  });
+}
+
+fsdp_status_t fsdp_last_grad_norm(const fsdp_ctx_t* ctx, double* norm) {
+  return guard([&] {
+    require(ctx, "fsdp_last_grad_norm", "ctx");
+    require(norm, "fsdp_last_grad_norm", "norm");
+    ctx_of(ctx)->check_live("fsdp_last_grad_norm");
+    *norm = ctx_of(ctx)->last_grad_norm();
+  });
+}
+
+fsdp_status_t fsdp_gather_param(fsdp_unit_t* unit, size_t param_index, float* out, size_t numel) {
+  return guard([&] {
+    Unit& u = live_unit(unit, "fsdp_gather_param");
+    require(out, "fsdp_gather_param", "out");
+    u.gather_param(param_index, out, numel);
+  });
+}
+
+fsdp_status_t fsdp_shard_info(fsdp_unit_t* unit, float** ptr, size_t* offset, size_t* numel) {
+  return guard([&] {
+    Unit& u = live_unit(unit, "fsdp_shard_info");
+    require(ptr, "fsdp_shard_info", "ptr");
+    require(offset, "fsdp_shard_info", "offset");
+    require(numel, "fsdp_shard_info", "numel");
+    *ptr = u.master();
+    *offset = u.shard_offset();
+    *numel = u.shard_numel();
+  });
+}
+
+fsdp_status_t fsdp_param_flat_range(fsdp_unit_t* unit, size_t param_index, size_t* offset, size_t* numel) {
+  return guard([&] {
+    Unit& u = live_unit(unit, "fsdp_param_flat_range");
+    require(offset, "fsdp_param_flat_range", "offset");
+    require(numel, "fsdp_param_flat_range", "numel");
+    if (param_index >= u.layout().n_params()) {
+      fail(FSDP_ERR_INVALID_ARGUMENT, "fsdp_param_flat_range: unit '" + u.name() + "' has " +
+                                          std::to_string(u.layout().n_params()) + " params; index " +
+                                          std::to_string(param_index) + " is out of range");
+    }
+    *offset = u.layout().param_offset(param_index);
+    *numel = u.layout().param(param_index).numel;
+  });
+}
+
+fsdp_status_t fsdp_memory_stats(const fsdp_ctx_t* ctx, fsdp_memory_stats_t* stats) {
+  return guard([&] {
+    require(ctx, "fsdp_memory_stats", "ctx");
+    require(stats, "fsdp_memory_stats", "stats");
+    ctx_of(ctx)->check_live("fsdp_memory_stats");
+    if (stats->struct_size < sizeof(size_t)) {
+      fail(FSDP_ERR_INVALID_ARGUMENT,
+           "fsdp_memory_stats: set stats->struct_size = sizeof(fsdp_memory_stats_t) before the call");
+    }
+    using fsdp::core::MemCategory;
+    auto snap = ctx_of(ctx)->memory().snapshot();
+    auto cur = [&](MemCategory c) { return snap.current[static_cast<size_t>(c)]; };
+    auto peak = [&](MemCategory c) { return snap.peak[static_cast<size_t>(c)]; };
+    fsdp_memory_stats_t full;
+    full.struct_size = std::min(stats->struct_size, sizeof(full));
+    full.sharded_params_nbytes = cur(MemCategory::kShardedParams);
+    full.sharded_grads_nbytes = cur(MemCategory::kShardedGrads);
+    full.optimizer_state_nbytes = cur(MemCategory::kOptimizerState);
+    full.gathered_params_nbytes = cur(MemCategory::kGatheredParams);
+    full.gathered_params_peak_nbytes = peak(MemCategory::kGatheredParams);
+    full.unsharded_grads_nbytes = cur(MemCategory::kUnshardedGrads);
+    full.unsharded_grads_peak_nbytes = peak(MemCategory::kUnshardedGrads);
+    full.total_nbytes = snap.total;
+    full.total_peak_nbytes = snap.total_peak;
+    std::memcpy(stats, &full, full.struct_size);
+  });
+}
+
+fsdp_status_t fsdp_memory_stats_reset_peak(fsdp_ctx_t* ctx) {
+  return guard([&] {
+    require(ctx, "fsdp_memory_stats_reset_peak", "ctx");
+    ctx_of(ctx)->check_live("fsdp_memory_stats_reset_peak");
+    ctx_of(ctx)->memory().reset_peak();
+  });
+}
+
+}  // extern "C"

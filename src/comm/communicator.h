@@ -1,0 +1,45 @@
+// src/comm/communicator.h - Communicator: the collectives the engine needs, with
+// the same argument order everywhere (send, recv, numel, dtype, op, label).
+// Implementations: local (threads of one process); later mpi and nccl. The
+// engine only ever sees this interface.
+#pragma once
+
+#include <cstddef>
+#include <string>
+
+#include "../core/dtype.h"
+#include "fsdp.h"
+
+namespace fsdp::comm {
+
+enum class RedOp { kSum, kAvg, kMax };
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+  virtual int rank() const = 0;
+  virtual int world_size() const = 0;
+
+  // `label` names the collective for error messages ("all_gather of unit 'h1'").
+  // Every rank passes the same `label`; implementations that can check it do.
+
+  // recv (world * nbytes_per_rank) = concatenation of every rank's send.
+  virtual void all_gather(const void* send, void* recv, size_t nbytes_per_rank,
+                          const std::string& label) = 0;
+  // recv (numel_per_rank) = op over ranks of their send[rank * numel_per_rank ...].
+  virtual void reduce_scatter(const void* send, void* recv, size_t numel_per_rank, DType dtype,
+                              RedOp op, const std::string& label) = 0;
+  // recv (numel) = op over ranks of send; recv may equal send.
+  virtual void all_reduce(const void* send, void* recv, size_t numel, DType dtype, RedOp op,
+                          const std::string& label) = 0;
+  // Small double reductions for norms, flags and consensus checks.
+  virtual void all_reduce_f64(double* values, size_t n, RedOp op, const std::string& label) = 0;
+  virtual void broadcast(void* buf, size_t nbytes, int root, const std::string& label) = 0;
+  virtual void barrier(const std::string& label) = 0;
+
+  // FSDP_OK, or the status of the failure that made this communicator unusable
+  // (a timeout, an abort, ranks out of step).
+  virtual fsdp_status_t failure() const = 0;
+};
+
+}  // namespace fsdp::comm

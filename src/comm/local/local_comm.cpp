@@ -1,0 +1,187 @@
+// src/comm/local/local_comm.cpp - shared-memory collectives (see local_comm.h).
+// Reductions accumulate in fp32 in fixed rank order, so every rank computes the
+// same bits and results do not depend on thread timing.
+#include "local_comm.h"
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "../../../kernels/cast.h"
+#include "../../core/error.h"
+
+namespace fsdp::comm {
+namespace {
+
+using kernels::bf16_t;
+using kernels::fp16_t;
+
+constexpr size_t kBlock = 512;
+
+// out[i] = scale * sum_k ins[k][i], summed in fp32 in rank order.
+template <typename T>
+void reduce_blocks(T* out, const std::vector<const T*>& ins, size_t numel, float scale) {
+  float acc[kBlock];
+  for (size_t b = 0; b < numel; b += kBlock) {
+    size_t n = std::min(kBlock, numel - b);
+    const T* in0 = ins[0] + b;
+    for (size_t i = 0; i < n; ++i) acc[i] = kernels::load(in0, i);
+    for (size_t k = 1; k < ins.size(); ++k) {
+      const T* ink = ins[k] + b;
+      for (size_t i = 0; i < n; ++i) acc[i] += kernels::load(ink, i);
+    }
+    T* o = out + b;
+    for (size_t i = 0; i < n; ++i) kernels::store(o, i, acc[i] * scale);
+  }
+}
+
+// Reduces element range [first, first + numel) of every rank's `send` into
+// `out` (pointing at that range of the output).
+void reduce_range(LocalGroup& g, void* out, size_t first, size_t numel, DType dtype, RedOp op) {
+  if (op == RedOp::kMax) fail(FSDP_ERR_INTERNAL, "local comm: max reduction of tensors is not used");
+  int world = g.world_size();
+  float scale = op == RedOp::kAvg ? 1.0f / static_cast<float>(world) : 1.0f;
+  auto run = [&](auto* typed_out) {
+    using T = std::remove_pointer_t<decltype(typed_out)>;
+    std::vector<const T*> ins(static_cast<size_t>(world));
+    for (int r = 0; r < world; ++r) ins[static_cast<size_t>(r)] = static_cast<const T*>(g.slot(r).send) + first;
+    reduce_blocks(typed_out, ins, numel, scale);
+  };
+  switch (dtype) {
+    case DType::kFp32: run(static_cast<float*>(out)); break;
+    case DType::kBf16: run(static_cast<bf16_t*>(out)); break;
+    case DType::kFp16: run(static_cast<fp16_t*>(out)); break;
+  }
+}
+
+std::string describe(const CollectiveDesc& d) {
+  std::string s = std::string(d.kind) + "(" + d.label + ", size " + std::to_string(d.size);
+  if (d.dtype >= 0) s += std::string(", ") + dtype_name(static_cast<DType>(d.dtype));
+  if (d.root >= 0) s += ", root " + std::to_string(d.root);
+  return s + ")";
+}
+
+bool same(const CollectiveDesc& a, const CollectiveDesc& b) {
+  return std::strcmp(a.kind, b.kind) == 0 && a.size == b.size && a.dtype == b.dtype && a.op == b.op &&
+         a.root == b.root && a.label == b.label;
+}
+
+}  // namespace
+
+LocalComm::LocalComm(std::shared_ptr<LocalGroup> group, int rank, double timeout_s)
+    : group_(std::move(group)), rank_(rank), timeout_s_(timeout_s) {
+  group_->claim(rank_);
+}
+
+LocalComm::~LocalComm() { group_->release(rank_); }
+
+void LocalComm::sync(const std::string& what) { group_->arrive_and_wait(rank_, timeout_s_, what); }
+
+void LocalComm::run(CollectiveDesc desc, const void* send, void* recv, const std::function<void()>& body) {
+  try {
+    run_checked(std::move(desc), send, recv, body);
+  } catch (const Error& e) {
+    failure_.store(e.status());  // every way out of a collective by error breaks the group
+    throw;
+  }
+}
+
+void LocalComm::run_checked(CollectiveDesc desc, const void* send, void* recv, const std::function<void()>& body) {
+  ++seq_;
+  std::string what = desc.label + " (" + desc.kind + ", collective #" + std::to_string(seq_) + ")";
+  Slot& mine = group_->slot(rank_);
+  mine.desc = std::move(desc);
+  mine.seq = seq_;
+  mine.send = send;
+  mine.recv = recv;
+  sync(what);
+  for (int r = 0; r < world_size(); ++r) {
+    const Slot& other = group_->slot(r);
+    if (!same(other.desc, mine.desc) || other.seq != mine.seq) {
+      // Every rank sees the same slots, so every rank fails here, together.
+      std::string msg = "ranks called different collectives: rank " + std::to_string(rank_) +
+                        " called " + describe(mine.desc) + " as its collective #" +
+                        std::to_string(mine.seq) + ", rank " + std::to_string(r) + " called " +
+                        describe(other.desc) + " as its collective #" + std::to_string(other.seq) +
+                        "; every rank must make the same collective calls in the same order";
+      group_->abort(FSDP_ERR_MISMATCH, msg);
+      fail(FSDP_ERR_MISMATCH, msg);
+    }
+  }
+  body();
+  sync(what);
+}
+
+void LocalComm::all_gather(const void* send, void* recv, size_t nbytes_per_rank, const std::string& label) {
+  CollectiveDesc d{"all_gather", nbytes_per_rank, -1, -1, -1, label};
+  run(d, send, recv, [&] {
+    int world = world_size();
+    // Start at our own rank so that ranks read different peers at a time.
+    for (int k = 0; k < world; ++k) {
+      int r = (rank_ + k) % world;
+      std::memcpy(static_cast<char*>(recv) + static_cast<size_t>(r) * nbytes_per_rank,
+                  group_->slot(r).send, nbytes_per_rank);
+    }
+  });
+}
+
+void LocalComm::reduce_scatter(const void* send, void* recv, size_t numel_per_rank, DType dtype, RedOp op,
+                               const std::string& label) {
+  CollectiveDesc d{"reduce_scatter", numel_per_rank, static_cast<int>(dtype), static_cast<int>(op), -1, label};
+  run(d, send, recv, [&] {
+    reduce_range(*group_, recv, static_cast<size_t>(rank_) * numel_per_rank, numel_per_rank, dtype, op);
+  });
+}
+
+void LocalComm::all_reduce(const void* send, void* recv, size_t numel, DType dtype, RedOp op,
+                           const std::string& label) {
+  CollectiveDesc d{"all_reduce", numel, static_cast<int>(dtype), static_cast<int>(op), -1, label};
+  size_t world = static_cast<size_t>(world_size());
+  size_t chunk = (numel + world - 1) / world;
+  size_t es = dtype_size(dtype);
+  auto range = [&](size_t r) {
+    size_t b = std::min(numel, r * chunk);
+    return std::make_pair(b, std::min(numel, b + chunk) - b);
+  };
+  run(d, send, recv, [&] {
+    // Phase 1: each rank reduces its own chunk; phase 2: it copies the others'.
+    auto [b, n] = range(static_cast<size_t>(rank_));
+    reduce_range(*group_, static_cast<char*>(recv) + b * es, b, n, dtype, op);
+    sync(label + " (all_reduce, collective #" + std::to_string(seq_) + ", second phase)");
+    for (size_t r = 0; r < world; ++r) {
+      if (r == static_cast<size_t>(rank_)) continue;
+      auto [rb, rn] = range(r);
+      std::memcpy(static_cast<char*>(recv) + rb * es,
+                  static_cast<const char*>(group_->slot(static_cast<int>(r)).recv) + rb * es, rn * es);
+    }
+  });
+}
+
+void LocalComm::all_reduce_f64(double* values, size_t n, RedOp op, const std::string& label) {
+  CollectiveDesc d{"all_reduce_f64", n, -1, static_cast<int>(op), -1, label};
+  std::vector<double> in(values, values + n);
+  run(d, in.data(), values, [&] {
+    for (size_t i = 0; i < n; ++i) {
+      double acc = static_cast<const double*>(group_->slot(0).send)[i];
+      for (int r = 1; r < world_size(); ++r) {
+        double x = static_cast<const double*>(group_->slot(r).send)[i];
+        acc = op == RedOp::kMax ? std::max(acc, x) : acc + x;
+      }
+      values[i] = op == RedOp::kAvg ? acc / world_size() : acc;
+    }
+  });
+}
+
+void LocalComm::broadcast(void* buf, size_t nbytes, int root, const std::string& label) {
+  CollectiveDesc d{"broadcast", nbytes, -1, -1, root, label};
+  run(d, buf, buf, [&] {
+    if (rank_ != root) std::memcpy(buf, group_->slot(root).send, nbytes);
+  });
+}
+
+void LocalComm::barrier(const std::string& label) {
+  CollectiveDesc d{"barrier", 0, -1, -1, -1, label};
+  run(d, nullptr, nullptr, [] {});
+}
+
+}  // namespace fsdp::comm

@@ -1,0 +1,94 @@
+// src/comm/local/local_group.cpp - see local_group.h.
+#include "local_group.h"
+
+#include <chrono>
+#include <sstream>
+
+#include "../../core/error.h"
+
+namespace fsdp::comm {
+
+LocalGroup::LocalGroup(int world_size)
+    : world_size_(world_size),
+      phase_(static_cast<size_t>(world_size), 0),
+      slots_(static_cast<size_t>(world_size)),
+      claimed_(static_cast<size_t>(world_size), false) {}
+
+void LocalGroup::claim(int rank) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (claimed_[static_cast<size_t>(rank)]) {
+    fail(FSDP_ERR_INVALID_ARGUMENT, "rank " + std::to_string(rank) +
+                                        " of this local group already has a live context; each "
+                                        "rank creates exactly one");
+  }
+  if (aborted_) {
+    fail(FSDP_ERR_COMM, "this local group was aborted and cannot take new contexts: " + abort_reason_);
+  }
+  claimed_[static_cast<size_t>(rank)] = true;
+}
+
+void LocalGroup::release(int rank) noexcept {
+  std::lock_guard<std::mutex> lock(mu_);
+  claimed_[static_cast<size_t>(rank)] = false;
+}
+
+void LocalGroup::abort(fsdp_status_t status, const std::string& reason) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (aborted_) return;
+    aborted_ = true;
+    abort_status_ = status;
+    abort_reason_ = reason;
+  }
+  cv_.notify_all();
+}
+
+void LocalGroup::arrive_and_wait(int rank, double timeout_s, const std::string& what) {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (aborted_) {
+    std::string reason = abort_reason_;
+    lock.unlock();
+    fail(FSDP_ERR_COMM, what + " on rank " + std::to_string(rank) +
+                            ": the communicator was aborted earlier: " + reason);
+  }
+  uint64_t target = ++phase_[static_cast<size_t>(rank)];
+  auto all_here = [&] {
+    for (uint64_t p : phase_) {
+      if (p < target) return false;
+    }
+    return true;
+  };
+  auto deadline = std::chrono::steady_clock::now() +
+                  std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                      std::chrono::duration<double>(timeout_s));
+  while (!aborted_ && !all_here()) {
+    if (cv_.wait_until(lock, deadline) == std::cv_status::timeout && !aborted_ && !all_here()) {
+      std::ostringstream missing;
+      int n_missing = 0;
+      for (int r = 0; r < world_size_; ++r) {
+        if (phase_[static_cast<size_t>(r)] < target) missing << (n_missing++ ? ", " : "") << r;
+      }
+      std::ostringstream msg;
+      msg << what << ": timed out after " << timeout_s << " s waiting for rank"
+          << (n_missing > 1 ? "s " : " ") << missing.str() << " (seen from rank " << rank
+          << "; the missing rank may have failed, hung, or called a different collective)";
+      aborted_ = true;
+      abort_status_ = FSDP_ERR_TIMEOUT;
+      abort_reason_ = msg.str();
+      lock.unlock();
+      cv_.notify_all();
+      fail(FSDP_ERR_TIMEOUT, msg.str());
+    }
+  }
+  if (aborted_) {
+    // Ranks that were waiting in the phase that failed share its status.
+    fsdp_status_t st = abort_status_;
+    std::string reason = abort_reason_;
+    lock.unlock();
+    fail(st, reason);
+  }
+  lock.unlock();
+  cv_.notify_all();
+}
+
+}  // namespace fsdp::comm

@@ -1,0 +1,66 @@
+// src/comm/local/local_group.h - LocalGroup: the shared state of N ranks that
+// live as threads of one process: a slot per rank through which buffers are
+// published, and a phase barrier with a timeout that names the missing rank.
+#pragma once
+
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "fsdp.h"
+
+namespace fsdp::comm {
+
+// What a rank is doing in its current collective; every rank must agree.
+struct CollectiveDesc {
+  const char* kind = "";
+  size_t size = 0;  // elements or bytes, as the kind defines
+  int dtype = -1;
+  int op = -1;
+  int root = -1;
+  std::string label;
+};
+
+struct Slot {
+  CollectiveDesc desc;
+  uint64_t seq = 0;  // this rank's collective sequence number
+  const void* send = nullptr;
+  void* recv = nullptr;
+};
+
+class LocalGroup {
+ public:
+  explicit LocalGroup(int world_size);
+  int world_size() const { return world_size_; }
+
+  // A rank is taken by at most one live context at a time.
+  void claim(int rank);
+  void release(int rank) noexcept;
+
+  Slot& slot(int rank) { return slots_[static_cast<size_t>(rank)]; }
+  const Slot& slot(int rank) const { return slots_[static_cast<size_t>(rank)]; }
+
+  // Marks `rank` as having reached its next phase and waits until every rank
+  // has. Throws Error(TIMEOUT) naming the ranks that did not arrive, or the
+  // status the group was aborted with. Publishing a slot before this call makes
+  // it visible to every rank after it.
+  void arrive_and_wait(int rank, double timeout_s, const std::string& what);
+  // Fails every current and future collective of the group.
+  void abort(fsdp_status_t status, const std::string& reason);
+
+ private:
+  int world_size_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<uint64_t> phase_;  // phases each rank has reached
+  std::vector<Slot> slots_;
+  std::vector<bool> claimed_;
+  bool aborted_ = false;
+  fsdp_status_t abort_status_ = FSDP_OK;
+  std::string abort_reason_;
+};
+
+}  // namespace fsdp::comm

@@ -1,0 +1,305 @@
+// src/core/config.cpp - the option table: keys, aliases, parsing, canonical
+// values. Adding an option is one entry here; no struct crosses the ABI.
+#include "config.h"
+
+#include <algorithm>
+#include <cctype>
+#include <cerrno>
+#include <cmath>
+#include <cstdlib>
+#include <functional>
+#include <sstream>
+
+#include "error.h"
+
+namespace fsdp::core {
+namespace {
+
+std::string upper(std::string s) {
+  for (char& c : s) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  return s;
+}
+std::string lower(std::string s) {
+  for (char& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return s;
+}
+std::string trim(const std::string& s) {
+  size_t b = s.find_first_not_of(" \t");
+  size_t e = s.find_last_not_of(" \t");
+  return b == std::string::npos ? std::string() : s.substr(b, e - b + 1);
+}
+
+[[noreturn]] void bad_value(const std::string& key, const std::string& value,
+                            const std::string& valid) {
+  fail(FSDP_ERR_INVALID_ARGUMENT,
+       "config: '" + value + "' is not a valid value for '" + key + "'; valid: " + valid);
+}
+
+double parse_double(const std::string& key, const std::string& value, double lo, double hi,
+                    const std::string& range) {
+  std::string v = trim(value);
+  char* end = nullptr;
+  errno = 0;
+  double d = std::strtod(v.c_str(), &end);
+  if (v.empty() || end != v.c_str() + v.size() || errno != 0 || !std::isfinite(d) || d < lo ||
+      d > hi) {
+    bad_value(key, value, range);
+  }
+  return d;
+}
+
+long parse_int(const std::string& key, const std::string& value, long lo, long hi) {
+  std::string v = trim(value);
+  char* end = nullptr;
+  errno = 0;
+  long n = std::strtol(v.c_str(), &end, 10);
+  if (v.empty() || end != v.c_str() + v.size() || errno != 0 || n < lo || n > hi) {
+    bad_value(key, value, "an integer from " + std::to_string(lo) + " to " + std::to_string(hi));
+  }
+  return n;
+}
+
+bool parse_bool(const std::string& key, const std::string& value) {
+  std::string v = lower(trim(value));
+  if (v == "1" || v == "true" || v == "on" || v == "yes") return true;
+  if (v == "0" || v == "false" || v == "off" || v == "no") return false;
+  bad_value(key, value, "0, 1, true, false, on, off");
+}
+
+DType parse_dtype(const std::string& key, const std::string& value) {
+  std::string v = lower(trim(value));
+  if (v == "fp32" || v == "float32" || v == "f32") return DType::kFp32;
+  if (v == "bf16" || v == "bfloat16") return DType::kBf16;
+  if (v == "fp16" || v == "float16" || v == "half" || v == "f16") return DType::kFp16;
+  bad_value(key, value, "fp32, bf16, fp16 (or float32, bfloat16, float16)");
+}
+
+std::string fmt(double d) {
+  std::ostringstream os;
+  os.precision(17);
+  os << d;
+  return os.str();
+}
+
+struct Entry {
+  const char* key;
+  std::vector<const char*> aliases;
+  std::function<void(Options&, const std::string&)> set;
+  std::function<std::string(const Options&)> get;
+};
+
+const std::vector<Entry>& table() {
+  static const std::vector<Entry> entries = {
+      {"sharding", {"sharding_strategy", "shard_strat"},
+       [](Options& o, const std::string& v) {
+         std::string u = upper(trim(v));
+         if (u == "FULL_SHARD" || u == "ZERO3") {
+           o.sharding = Sharding::kFullShard;
+         } else if (u == "SHARD_GRAD_OP" || u == "SHARD_GRAD" || u == "ZERO2") {
+           o.sharding = Sharding::kShardGradOp;
+         } else if (u == "NO_SHARD" || u == "DDP") {
+           o.sharding = Sharding::kNoShard;
+         } else if (u == "HYBRID_SHARD" || u == "HYBRID_SHARD_ZERO2" || u == "_HYBRID_SHARD_ZERO2") {
+           fail(FSDP_ERR_UNSUPPORTED,
+                "config: sharding '" + v +
+                    "' needs a communicator split into shard and replica groups, which this "
+                    "build does not have; use FULL_SHARD, SHARD_GRAD_OP or NO_SHARD");
+         } else {
+           bad_value("sharding", v,
+                     "FULL_SHARD (ZERO3), SHARD_GRAD_OP (SHARD_GRAD, ZERO2), NO_SHARD (DDP)");
+         }
+       },
+       [](const Options& o) { return std::string(sharding_name(o.sharding)); }},
+      {"param_dtype", {"mp"},
+       [](Options& o, const std::string& v) { o.param_dtype = parse_dtype("param_dtype", v); },
+       [](const Options& o) { return std::string(dtype_name(o.param_dtype)); }},
+      {"reduce_dtype", {},
+       [](Options& o, const std::string& v) {
+         if (lower(trim(v)) == "auto") {
+           o.reduce_dtype_auto = true;
+           return;
+         }
+         o.reduce_dtype_set = parse_dtype("reduce_dtype", v);
+         o.reduce_dtype_auto = false;
+       },
+       [](const Options& o) {
+         return o.reduce_dtype_auto ? std::string("auto") : std::string(dtype_name(o.reduce_dtype_set));
+       }},
+      {"reduce_op", {},
+       [](Options& o, const std::string& v) {
+         std::string l = lower(trim(v));
+         if (l == "avg" || l == "mean") {
+           o.reduce_op = ReduceOp::kAvg;
+         } else if (l == "sum") {
+           o.reduce_op = ReduceOp::kSum;
+         } else {
+           bad_value("reduce_op", v, "avg, sum");
+         }
+       },
+       [](const Options& o) { return std::string(o.reduce_op == ReduceOp::kAvg ? "avg" : "sum"); }},
+      {"optimizer", {},
+       [](Options& o, const std::string& v) {
+         std::string l = lower(trim(v));
+         if (l == "adamw") {
+           o.optimizer = OptimizerKind::kAdamW;
+         } else if (l == "adam") {
+           o.optimizer = OptimizerKind::kAdam;
+         } else if (l == "sgd") {
+           o.optimizer = OptimizerKind::kSgd;
+         } else {
+           bad_value("optimizer", v, "adamw, adam, sgd");
+         }
+       },
+       [](const Options& o) {
+         switch (o.optimizer) {
+           case OptimizerKind::kAdamW: return std::string("adamw");
+           case OptimizerKind::kAdam: return std::string("adam");
+           case OptimizerKind::kSgd: return std::string("sgd");
+         }
+         return std::string();
+       }},
+      {"lr", {"learning_rate"},
+       [](Options& o, const std::string& v) { o.lr = parse_double("lr", v, 0, 1e9, "a number >= 0"); },
+       [](const Options& o) { return fmt(o.lr); }},
+      {"beta1", {},
+       [](Options& o, const std::string& v) { o.beta1 = parse_double("beta1", v, 0, 0.999999999, "a number in [0, 1)"); },
+       [](const Options& o) { return fmt(o.beta1); }},
+      {"beta2", {},
+       [](Options& o, const std::string& v) { o.beta2 = parse_double("beta2", v, 0, 0.999999999, "a number in [0, 1)"); },
+       [](const Options& o) { return fmt(o.beta2); }},
+      {"eps", {},
+       [](Options& o, const std::string& v) { o.eps = parse_double("eps", v, 0, 1, "a number in [0, 1]"); },
+       [](const Options& o) { return fmt(o.eps); }},
+      {"weight_decay", {},
+       [](Options& o, const std::string& v) { o.weight_decay = parse_double("weight_decay", v, 0, 1e9, "a number >= 0"); },
+       [](const Options& o) { return fmt(o.weight_decay); }},
+      {"momentum", {},
+       [](Options& o, const std::string& v) { o.momentum = parse_double("momentum", v, 0, 1, "a number in [0, 1]"); },
+       [](const Options& o) { return fmt(o.momentum); }},
+      {"nesterov", {},
+       [](Options& o, const std::string& v) { o.nesterov = parse_bool("nesterov", v); },
+       [](const Options& o) { return std::string(o.nesterov ? "1" : "0"); }},
+      {"max_grad_norm", {"clip_grad_norm"},
+       [](Options& o, const std::string& v) {
+         o.max_grad_norm = parse_double("max_grad_norm", v, 0, 1e30, "a number >= 0 (0 = no clipping)");
+       },
+       [](const Options& o) { return fmt(o.max_grad_norm); }},
+      {"no_weight_decay", {},
+       [](Options& o, const std::string& v) {
+         std::vector<std::string> pats;
+         std::stringstream ss(v);
+         std::string item;
+         while (std::getline(ss, item, ',')) {
+           item = trim(item);
+           if (!item.empty()) pats.push_back(item);
+         }
+         o.no_weight_decay = pats;
+       },
+       [](const Options& o) {
+         std::string s;
+         for (const auto& p : o.no_weight_decay) s += (s.empty() ? "" : ",") + p;
+         return s;
+       }},
+      {"align_bytes", {},
+       [](Options& o, const std::string& v) {
+         long n = parse_int("align_bytes", v, 4, 4096);
+         if ((n & (n - 1)) != 0) bad_value("align_bytes", v, "a power of two from 4 to 4096");
+         o.align_bytes = static_cast<size_t>(n);
+       },
+       [](const Options& o) { return std::to_string(o.align_bytes); }},
+      {"timeout_s", {"timeout"},
+       [](Options& o, const std::string& v) {
+         o.timeout_s = parse_double("timeout_s", v, 0.001, 1e7, "seconds, from 0.001 to 1e7");
+       },
+       [](const Options& o) { return fmt(o.timeout_s); }},
+      {"threads", {"num_threads"},
+       [](Options& o, const std::string& v) { o.threads = static_cast<int>(parse_int("threads", v, 1, 1024)); },
+       [](const Options& o) { return std::to_string(o.threads); }},
+      {"device", {},
+       [](Options&, const std::string& v) {
+         std::string l = lower(trim(v));
+         if (l == "cpu") return;
+         if (l == "cuda" || l == "gpu") {
+           fail(FSDP_ERR_UNSUPPORTED, "config: device '" + v +
+                                          "' needs the CUDA device, which this build does not "
+                                          "have (see fsdp_build_info()); use cpu");
+         }
+         bad_value("device", v, "cpu");
+       },
+       [](const Options&) { return std::string("cpu"); }},
+      {"comm", {"communicator", "backend"},
+       [](Options&, const std::string& v) {
+         std::string l = lower(trim(v));
+         if (l == "local" || l == "auto") return;
+         if (l == "mpi" || l == "nccl") {
+           fail(FSDP_ERR_UNSUPPORTED, "config: comm '" + v +
+                                          "' is not built into this library (see "
+                                          "fsdp_build_info()); use local");
+         }
+         bad_value("comm", v, "auto, local");
+       },
+       [](const Options&) { return std::string("local"); }},
+      {"sync_module_states", {},
+       [](Options& o, const std::string& v) { o.sync_module_states = parse_bool("sync_module_states", v); },
+       [](const Options& o) { return std::string(o.sync_module_states ? "1" : "0"); }},
+  };
+  return entries;
+}
+
+const Entry* find(const std::string& key) {
+  std::string k = lower(trim(key));
+  for (const Entry& e : table()) {
+    if (k == e.key) return &e;
+    for (const char* a : e.aliases) {
+      if (k == a) return &e;
+    }
+  }
+  return nullptr;
+}
+
+const Entry& find_or_fail(const std::string& key) {
+  const Entry* e = find(key);
+  if (e == nullptr) {
+    std::string keys;
+    for (const Entry& x : table()) keys += (keys.empty() ? "" : ", ") + std::string(x.key);
+    fail(FSDP_ERR_INVALID_ARGUMENT, "config: unknown key '" + key + "'; valid keys: " + keys);
+  }
+  return *e;
+}
+
+}  // namespace
+
+const char* sharding_name(Sharding s) {
+  switch (s) {
+    case Sharding::kFullShard: return "FULL_SHARD";
+    case Sharding::kShardGradOp: return "SHARD_GRAD_OP";
+    case Sharding::kNoShard: return "NO_SHARD";
+  }
+  return "?";
+}
+
+void Config::set(const std::string& key, const std::string& value) {
+  const Entry& e = find_or_fail(key);
+  Options next = options_;  // all-or-nothing: a failed parse leaves options_ alone
+  e.set(next, value);
+  options_ = next;
+}
+
+std::string Config::get(const std::string& key) const { return find_or_fail(key).get(options_); }
+
+void Config::apply_env() {
+  Options next = options_;
+  for (const Entry& e : table()) {
+    std::string var = "FSDP_" + upper(e.key);
+    if (const char* v = std::getenv(var.c_str())) {
+      try {
+        e.set(next, v);
+      } catch (const Error& err) {
+        fail(err.status(), std::string("environment variable ") + var + ": " + err.what());
+      }
+    }
+  }
+  options_ = next;
+}
+
+}  // namespace fsdp::core

@@ -1,0 +1,58 @@
+// src/core/config.h - typed options of a context, parsed from key/value
+// strings (fsdp_config_set) and FSDP_* environment variables. One table in
+// config.cpp lists every key, its aliases, its values and its default.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "dtype.h"
+
+namespace fsdp::core {
+
+enum class Sharding { kFullShard, kShardGradOp, kNoShard };
+enum class OptimizerKind { kAdamW, kAdam, kSgd };
+enum class ReduceOp { kAvg, kSum };
+
+const char* sharding_name(Sharding s);
+
+struct Options {
+  Sharding sharding = Sharding::kFullShard;
+  DType param_dtype = DType::kFp32;
+  bool reduce_dtype_auto = true;  // follow param_dtype, as PyTorch does
+  DType reduce_dtype_set = DType::kFp32;
+  ReduceOp reduce_op = ReduceOp::kAvg;
+  OptimizerKind optimizer = OptimizerKind::kAdamW;
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.0;
+  double momentum = 0.0;
+  bool nesterov = false;
+  double max_grad_norm = 0.0;
+  std::vector<std::string> no_weight_decay;  // fnmatch patterns on param names
+  size_t align_bytes = 64;
+  double timeout_s = 300.0;
+  int threads = 1;
+  bool sync_module_states = false;
+
+  DType reduce_dtype() const { return reduce_dtype_auto ? param_dtype : reduce_dtype_set; }
+};
+
+class Config {
+ public:
+  // Throws Error(INVALID_ARGUMENT) for an unknown key or a bad value and
+  // Error(UNSUPPORTED) for a value this build cannot honour; on error the
+  // options are unchanged.
+  void set(const std::string& key, const std::string& value);
+  std::string get(const std::string& key) const;
+  // Applies FSDP_<KEY> variables; all-or-nothing.
+  void apply_env();
+  const Options& options() const { return options_; }
+
+ private:
+  Options options_;
+};
+
+}  // namespace fsdp::core

@@ -1,0 +1,58 @@
+// src/core/consensus.cpp - see consensus.h.
+#include "consensus.h"
+
+#include <cstdint>
+#include <cstring>
+#include <sstream>
+#include <vector>
+
+#include "error.h"
+
+namespace fsdp::core {
+namespace {
+
+constexpr size_t kMsgBytes = 512;
+
+std::vector<std::string> lines(const std::string& s) {
+  std::vector<std::string> out;
+  std::stringstream ss(s);
+  std::string line;
+  while (std::getline(ss, line)) out.push_back(line);
+  return out;
+}
+
+std::string first_difference(const std::string& root, const std::string& mine, int rank) {
+  auto a = lines(root);
+  auto b = lines(mine);
+  for (size_t i = 0; i < std::max(a.size(), b.size()); ++i) {
+    std::string x = i < a.size() ? a[i] : "(nothing)";
+    std::string y = i < b.size() ? b[i] : "(nothing)";
+    if (x != y) return "rank 0 has \"" + x + "\" where rank " + std::to_string(rank) + " has \"" + y + "\"";
+  }
+  return "";
+}
+
+}  // namespace
+
+void agree(comm::Communicator& comm, const std::string& what, const std::string& text) {
+  if (comm.world_size() == 1) return;
+  uint64_t len = text.size();
+  comm.broadcast(&len, sizeof len, 0, what + " (length)");
+  std::string root = comm.rank() == 0 ? text : std::string(len, '\0');
+  comm.broadcast(root.data(), len, 0, what + " (text)");
+  std::string diff = text == root ? "" : first_difference(root, text, comm.rank());
+
+  std::vector<char> mine(kMsgBytes, '\0');
+  std::memcpy(mine.data(), diff.data(), std::min(diff.size(), kMsgBytes - 1));
+  std::vector<char> all(kMsgBytes * static_cast<size_t>(comm.world_size()));
+  comm.all_gather(mine.data(), all.data(), kMsgBytes, what + " (differences)");
+  for (int r = 0; r < comm.world_size(); ++r) {
+    const char* msg = all.data() + static_cast<size_t>(r) * kMsgBytes;
+    if (msg[0] != '\0') {
+      fail(FSDP_ERR_MISMATCH, what + ": ranks disagree (seen from rank " + std::to_string(comm.rank()) +
+                                  "): " + std::string(msg, strnlen(msg, kMsgBytes)));
+    }
+  }
+}
+
+}  // namespace fsdp::core

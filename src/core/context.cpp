@@ -1,0 +1,122 @@
+// src/core/context.cpp - see context.h.
+#include "context.h"
+
+#include <set>
+#include <sstream>
+
+#include "../comm/local/local_comm.h"
+#include "../device/cpu/cpu_device.h"
+#include "consensus.h"
+#include "error.h"
+
+namespace fsdp::core {
+namespace {
+
+// The options every rank must share, one per line (threads may differ).
+std::string describe(const Options& o) {
+  std::ostringstream os;
+  os.precision(17);
+  os << "sharding=" << sharding_name(o.sharding) << "\nparam_dtype=" << dtype_name(o.param_dtype)
+     << "\nreduce_dtype=" << dtype_name(o.reduce_dtype()) << "\nreduce_op=" << static_cast<int>(o.reduce_op)
+     << "\noptimizer=" << static_cast<int>(o.optimizer) << "\nlr=" << o.lr << "\nbeta1=" << o.beta1
+     << "\nbeta2=" << o.beta2 << "\neps=" << o.eps << "\nweight_decay=" << o.weight_decay
+     << "\nmomentum=" << o.momentum << "\nnesterov=" << o.nesterov << "\nmax_grad_norm=" << o.max_grad_norm
+     << "\nalign_bytes=" << o.align_bytes << "\nsync_module_states=" << o.sync_module_states
+     << "\nno_weight_decay=";
+  for (const auto& p : o.no_weight_decay) os << p << ",";
+  return os.str();
+}
+
+std::string describe(size_t index, const std::string& name, const std::vector<ParamSpec>& params) {
+  std::ostringstream os;
+  os << "unit #" << index << " '" << name << "' with " << params.size() << " params\n";
+  for (size_t i = 0; i < params.size(); ++i) {
+    os << "param " << i << " '" << params[i].name << "' shape [";
+    for (size_t d = 0; d < params[i].shape.size(); ++d) os << (d ? ", " : "") << params[i].shape[d];
+    os << "]\n";
+  }
+  return os.str();
+}
+
+}  // namespace
+
+Context::Context(const Options& opts, std::shared_ptr<comm::LocalGroup> group, int rank)
+    : optimizer_(rt_) {
+  rt_.opts = opts;
+  rt_.rank = rank;
+  rt_.world = group->world_size();
+  dev_ = std::make_unique<device::CpuDevice>(opts.threads);
+  comm_ = std::make_unique<comm::LocalComm>(std::move(group), rank, opts.timeout_s);
+  rt_.dev = dev_.get();
+  rt_.comm = comm_.get();
+  agree(*comm_, "fsdp_ctx_create (config)", describe(rt_.opts));
+}
+
+// Members go in reverse order: optimizer state and units free their buffers
+// through dev_ before it is destroyed; comm_ releases the rank last but one.
+Context::~Context() = default;
+
+Unit& Context::register_unit(const std::string& name, std::vector<ParamSpec> params, std::string problem) {
+  // Register collectively even when this rank's arguments are bad, so that the
+  // other ranks learn of it instead of waiting.
+  size_t index = units_.size();
+  std::string what = "fsdp_unit_register of unit #" + std::to_string(index);
+  std::set<std::string> seen;
+  for (const ParamSpec& p : params) {
+    if (problem.empty() && !seen.insert(p.name).second) problem = "param name '" + p.name + "' appears twice";
+  }
+  std::string text = problem.empty() ? describe(index, name, params) : "invalid registration: " + problem;
+  agree(*comm_, what, text);
+  if (!problem.empty()) fail(FSDP_ERR_INVALID_ARGUMENT, what + " '" + name + "': " + problem);
+  auto unit = std::make_unique<Unit>(rt_, index, name, std::move(params));
+  optimizer_.add_unit(*unit);
+  units_.push_back(std::move(unit));
+  return *units_.back();
+}
+
+void Context::step() {
+  for (const auto& u : units_) {
+    if (u->in_use()) {
+      fail(FSDP_ERR_INVALID_STATE, "fsdp_step (rank " + std::to_string(rt_.rank) + "): unit '" + u->name() +
+                                       "' is " + unit_state_name(u->state()) +
+                                       "; call its *_end before stepping");
+    }
+    if (u->grads_pending() && !rt_.grad_sync) {
+      fail(FSDP_ERR_INVALID_STATE, "fsdp_step (rank " + std::to_string(rt_.rank) + "): unit '" + u->name() +
+                                       "' holds grads accumulated with grad sync off; call "
+                                       "fsdp_set_grad_sync(ctx, 1) and run the last backward pass first");
+    }
+  }
+  for (const auto& u : units_) {
+    u->reduce_pending_grads();
+    u->drop_stale_gathered();
+  }
+  optimizer_.step(units_);
+}
+
+void Context::set_lr(double lr) {
+  if (!(lr >= 0.0 && lr < 1e9)) {
+    fail(FSDP_ERR_INVALID_ARGUMENT, "fsdp_set_lr: the learning rate must be a number >= 0, not " + std::to_string(lr));
+  }
+  optimizer_.set_lr(lr);
+}
+
+double Context::last_grad_norm() const {
+  if (optimizer_.step_count() == 0) {
+    fail(FSDP_ERR_INVALID_STATE, "fsdp_last_grad_norm: no fsdp_step has run yet on this context");
+  }
+  return optimizer_.last_grad_norm();
+}
+
+void Context::finalize() {
+  for (const auto& u : units_) {
+    if (u->in_use()) {
+      fail(FSDP_ERR_INVALID_STATE, "fsdp_ctx_finalize (rank " + std::to_string(rt_.rank) + "): unit '" +
+                                       u->name() + "' is " + unit_state_name(u->state()));
+    }
+  }
+  comm_->barrier("fsdp_ctx_finalize");
+  rt_.finalized = true;
+}
+
+}  // namespace fsdp::core

@@ -1,0 +1,51 @@
+// src/core/context.h - Context: one rank's view of one training job. Ties the
+// options, the device, the communicator, the units and the optimizer together,
+// and enforces the context-wide rules (finalize, step order).
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "../comm/local/local_group.h"
+#include "optimizer.h"
+#include "runtime.h"
+#include "unit.h"
+
+namespace fsdp::core {
+
+class Context {
+ public:
+  // Collective: every rank of `group` checks that all ranks use the same options.
+  Context(const Options& opts, std::shared_ptr<comm::LocalGroup> group, int rank);
+  ~Context();
+  Context(const Context&) = delete;
+  Context& operator=(const Context&) = delete;
+
+  int rank() const { return rt_.rank; }
+  int world_size() const { return rt_.world; }
+  const Options& options() const { return rt_.opts; }
+  fsdp_status_t async_error() const { return comm_->failure(); }
+
+  void check_live(const char* call) const { rt_.check_live(call); }
+
+  // Collective. `problem` is this rank's reason its arguments are invalid ("" if
+  // none): the call still joins the other ranks so that they fail too.
+  Unit& register_unit(const std::string& name, std::vector<ParamSpec> params, std::string problem);
+  void step();
+  void set_grad_sync(bool enabled) { rt_.grad_sync = enabled; }
+  void set_lr(double lr);
+  double last_grad_norm() const;
+  void finalize();
+  MemoryTracker& memory() { return rt_.mem; }
+  const MemoryTracker& memory() const { return rt_.mem; }
+
+ private:
+  Runtime rt_;
+  std::unique_ptr<device::Device> dev_;
+  std::unique_ptr<comm::Communicator> comm_;
+  std::vector<std::unique_ptr<Unit>> units_;
+  Optimizer optimizer_;
+};
+
+}  // namespace fsdp::core

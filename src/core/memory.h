@@ -1,0 +1,79 @@
+// src/core/memory.h - MemoryTracker (bytes per category, current and peak) and
+// Buffer, the RAII owner of every allocation the engine makes on a Device.
+#pragma once
+
+#include <array>
+#include <atomic>
+#include <cstddef>
+#include <mutex>
+
+#include "dtype.h"
+
+namespace fsdp::device {
+class Device;
+}
+
+namespace fsdp::core {
+
+enum class MemCategory {
+  kShardedParams,
+  kShardedGrads,
+  kOptimizerState,
+  kGatheredParams,
+  kUnshardedGrads,
+  kScratch,
+  kCount
+};
+
+class MemoryTracker {
+ public:
+  static constexpr size_t kN = static_cast<size_t>(MemCategory::kCount);
+  struct Snapshot {
+    std::array<size_t, kN> current{};
+    std::array<size_t, kN> peak{};
+    size_t total = 0;
+    size_t total_peak = 0;
+  };
+
+  void add(MemCategory c, size_t nbytes);
+  void sub(MemCategory c, size_t nbytes);
+  Snapshot snapshot() const;
+  void reset_peak();
+
+ private:
+  mutable std::mutex mu_;
+  Snapshot s_;
+};
+
+// Owns `numel` elements of `dtype` on a device, counted under a category.
+class Buffer {
+ public:
+  Buffer() = default;
+  // Zero-filled unless `zeroed` is false (for buffers a collective overwrites).
+  Buffer(device::Device* dev, MemoryTracker* tracker, MemCategory cat, DType dtype, size_t numel,
+         bool zeroed = true);
+  ~Buffer() { reset(); }
+  Buffer(Buffer&& o) noexcept { *this = std::move(o); }
+  Buffer& operator=(Buffer&& o) noexcept;
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+
+  void reset();
+  bool empty() const { return ptr_ == nullptr; }
+  void* data() const { return ptr_; }
+  template <typename T>
+  T* as() const { return static_cast<T*>(ptr_); }
+  size_t numel() const { return numel_; }
+  size_t nbytes() const { return numel_ * dtype_size(dtype_); }
+  DType dtype() const { return dtype_; }
+
+ private:
+  device::Device* dev_ = nullptr;
+  MemoryTracker* tracker_ = nullptr;
+  MemCategory cat_ = MemCategory::kScratch;
+  DType dtype_ = DType::kFp32;
+  size_t numel_ = 0;
+  void* ptr_ = nullptr;
+};
+
+}  // namespace fsdp::core

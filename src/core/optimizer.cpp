@@ -1,0 +1,75 @@
+// src/core/optimizer.cpp - see optimizer.h. The per-element math is in
+// kernels/optim.h; this file decides which ranges get which hyperparameters.
+#include "optimizer.h"
+
+#include <cmath>
+
+namespace fsdp::core {
+
+void Optimizer::add_unit(const Unit& unit) {
+  State s;
+  size_t n = unit.shard_numel();
+  const Options& o = rt_.opts;
+  if (o.optimizer != OptimizerKind::kSgd) {
+    s.exp_avg = Buffer(rt_.dev, &rt_.mem, MemCategory::kOptimizerState, DType::kFp32, n);
+    s.exp_avg_sq = Buffer(rt_.dev, &rt_.mem, MemCategory::kOptimizerState, DType::kFp32, n);
+  } else if (o.momentum != 0.0) {
+    s.exp_avg = Buffer(rt_.dev, &rt_.mem, MemCategory::kOptimizerState, DType::kFp32, n);
+  }
+  states_.push_back(std::move(s));
+}
+
+double Optimizer::grad_norm(const std::vector<std::unique_ptr<Unit>>& units) {
+  // Padding in the sharded grads is always zero, so whole shards can be summed.
+  double sq = 0.0;
+  for (const auto& u : units) sq += rt_.dev->sum_squares(u->sharded_grad(), u->shard_numel());
+  if (rt_.sharded() && rt_.world > 1) rt_.comm->all_reduce_f64(&sq, 1, comm::RedOp::kSum, "grad norm");
+  return std::sqrt(sq);
+}
+
+void Optimizer::step(const std::vector<std::unique_ptr<Unit>>& units) {
+  const Options& o = rt_.opts;
+  last_grad_norm_ = grad_norm(units);
+  float grad_scale = 1.0f;
+  if (o.max_grad_norm > 0.0) {
+    double coef = o.max_grad_norm / (last_grad_norm_ + 1e-6);  // torch.nn.utils.clip_grad_norm_
+    if (coef < 1.0) grad_scale = static_cast<float>(coef);
+  }
+  ++step_;
+  for (size_t k = 0; k < units.size(); ++k) {
+    Unit& u = *units[k];
+    State& st = states_[k];
+    DType out_dtype = o.param_dtype;
+    size_t out_es = dtype_size(out_dtype);
+    for (const ShardSegment& seg : u.segments()) {
+      float* p = u.master() + seg.shard_begin;
+      const float* g = u.sharded_grad() + seg.shard_begin;
+      void* out = u.lowp_shard() == nullptr ? nullptr
+                                            : static_cast<char*>(u.lowp_shard()) + seg.shard_begin * out_es;
+      float wd = static_cast<float>(u.weight_decay(seg.param_index));
+      if (o.optimizer == OptimizerKind::kSgd) {
+        kernels::SgdOp op{static_cast<float>(o.lr), wd, static_cast<float>(o.momentum), grad_scale, o.nesterov,
+                          step_ == 1};
+        float* buf = st.exp_avg.empty() ? nullptr : st.exp_avg.as<float>() + seg.shard_begin;
+        rt_.dev->sgd({op, p, g, buf, out, out_dtype, seg.numel});
+      } else {
+        double bc1 = 1.0 - std::pow(o.beta1, static_cast<double>(step_));
+        double bc2 = 1.0 - std::pow(o.beta2, static_cast<double>(step_));
+        kernels::AdamOp op{static_cast<float>(o.lr),
+                           static_cast<float>(o.beta1),
+                           static_cast<float>(o.beta2),
+                           static_cast<float>(o.eps),
+                           wd,
+                           static_cast<float>(o.lr / bc1),
+                           static_cast<float>(std::sqrt(bc2)),
+                           grad_scale,
+                           o.optimizer == OptimizerKind::kAdamW};
+        rt_.dev->adam({op, p, g, st.exp_avg.as<float>() + seg.shard_begin,
+                       st.exp_avg_sq.as<float>() + seg.shard_begin, out, out_dtype, seg.numel});
+      }
+    }
+    rt_.dev->zero(u.sharded_grad(), u.shard_numel() * sizeof(float));
+  }
+}
+
+}  // namespace fsdp::core

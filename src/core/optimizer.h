@@ -1,0 +1,42 @@
+// src/core/optimizer.h - Optimizer: AdamW / Adam / SGD on the flat fp32 shards
+// of every unit, with per-param weight decay inside a shard (from the layout's
+// segments), global grad-norm clipping across ranks, and the fused write of the
+// next step's param_dtype shard.
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include "memory.h"
+#include "runtime.h"
+#include "unit.h"
+
+namespace fsdp::core {
+
+class Optimizer {
+ public:
+  explicit Optimizer(Runtime& rt) : rt_(rt) {}
+
+  // Allocates the unit's state (moments or momentum) next to its shard.
+  void add_unit(const Unit& unit);
+  // One update of every unit from its sharded grads; zeroes the grads.
+  // Collective when clipping or a norm is needed across shards.
+  void step(const std::vector<std::unique_ptr<Unit>>& units);
+  double last_grad_norm() const { return last_grad_norm_; }
+  long step_count() const { return step_; }
+  void set_lr(double lr) { rt_.opts.lr = lr; }
+
+ private:
+  struct State {
+    Buffer exp_avg;     // Adam first moment, or SGD momentum buffer
+    Buffer exp_avg_sq;  // Adam second moment
+  };
+  double grad_norm(const std::vector<std::unique_ptr<Unit>>& units);
+
+  Runtime& rt_;
+  std::vector<State> states_;
+  long step_ = 0;
+  double last_grad_norm_ = 0.0;
+};
+
+}  // namespace fsdp::core

@@ -1,0 +1,86 @@
+// src/core/unit.h - Unit: one group of params gathered and freed together. Owns
+// the unit's flat shards and full buffers and is the only place its state
+// changes, through transitions that check the call order.
+//
+//   SHARDED --forward_begin--> FORWARD --forward_end--> SHARDED (FULL_SHARD)
+//                                                   \-> GATHERED (SHARD_GRAD_OP, NO_SHARD)
+//   SHARDED|GATHERED --backward_begin--> BACKWARD --backward_end--> SHARDED
+//                                                               (GATHERED for NO_SHARD)
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "layout.h"
+#include "memory.h"
+#include "runtime.h"
+
+namespace fsdp::core {
+
+enum class UnitState { kSharded, kGathered, kForward, kBackward };
+const char* unit_state_name(UnitState s);
+
+class Unit {
+ public:
+  Unit(Runtime& rt, size_t index, std::string name, std::vector<ParamSpec> params);
+
+  const std::string& name() const { return name_; }
+  const Runtime& runtime() const { return rt_; }
+  size_t index() const { return index_; }
+  const FlatLayout& layout() const { return layout_; }
+  UnitState state() const { return state_; }
+  bool in_use() const { return state_ == UnitState::kForward || state_ == UnitState::kBackward; }
+  // Full grads accumulated with grad sync off, not yet reduced.
+  bool grads_pending() const { return grads_pending_; }
+
+  void set_values(size_t param_index, const float* values, size_t numel);
+  void set_weight_decay(size_t param_index, double weight_decay);
+  double weight_decay(size_t param_index) const { return weight_decay_[param_index]; }
+
+  void forward_begin();
+  void forward_end();
+  void backward_begin();
+  void backward_end();
+  void* param_ptr(size_t param_index);
+  void* grad_ptr(size_t param_index);
+  void gather_param(size_t param_index, float* out, size_t numel);
+
+  // For fsdp_step: reduce grads left pending by no_sync, and drop gathered
+  // params that the update is about to make stale.
+  void reduce_pending_grads();
+  void drop_stale_gathered();
+
+  // The rank's shards, for the optimizer and fsdp_shard_info.
+  size_t shard_numel() const { return layout_.shard_numel(); }
+  size_t shard_offset() const { return layout_.shard_offset(rt_.shard_rank()); }
+  float* master() const { return master_.as<float>(); }
+  float* sharded_grad() const { return sgrad_.as<float>(); }
+  // The param_dtype copy of the shard (null when param_dtype is fp32).
+  void* lowp_shard() const { return lowp_.data(); }
+  const std::vector<ShardSegment>& segments() const { return segments_; }
+
+ private:
+  void check_param_index(size_t param_index, const char* call) const;
+  [[noreturn]] void bad_state(const char* call, const char* expected) const;
+  void* full_params() const;
+  void gather();
+  void reduce_grads();
+  std::string label(const char* what) const;
+
+  Runtime& rt_;
+  size_t index_;
+  std::string name_;
+  FlatLayout layout_;
+  std::vector<ShardSegment> segments_;
+  std::vector<double> weight_decay_;
+  UnitState state_ = UnitState::kSharded;
+  bool grads_pending_ = false;
+
+  Buffer master_;    // fp32 [shard]
+  Buffer lowp_;      // param_dtype [shard], only when param_dtype != fp32
+  Buffer sgrad_;     // fp32 [shard]
+  Buffer gathered_;  // param_dtype [padded], while gathered (sharded strategies)
+  Buffer ugrad_;     // param_dtype [padded], during backward / while pending
+};
+
+}  // namespace fsdp::core

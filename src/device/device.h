@@ -1,0 +1,59 @@
+// src/device/device.h - Device: the memory, copies and element-wise kernels the
+// engine needs, behind one interface so that the engine (src/core) never sees
+// CUDA. The CPU device implements it with threads; a CUDA device runs the same
+// functors from kernels/ as CUDA kernels.
+#pragma once
+
+#include <cstddef>
+
+#include "../../kernels/optim.h"
+#include "../core/dtype.h"
+
+namespace fsdp::device {
+
+// One fused optimizer pass over `numel` fp32 elements. `out` (may be null)
+// receives the updated params in `out_dtype`: the next step's gather source.
+struct AdamArgs {
+  kernels::AdamOp op;
+  float* params;
+  const float* grads;
+  float* exp_avg;
+  float* exp_avg_sq;
+  void* out;
+  DType out_dtype;
+  size_t numel;
+};
+
+struct SgdArgs {
+  kernels::SgdOp op;
+  float* params;
+  const float* grads;
+  float* momentum_buf;  // null when momentum == 0
+  void* out;
+  DType out_dtype;
+  size_t numel;
+};
+
+class Device {
+ public:
+  virtual ~Device() = default;
+  virtual const char* name() const = 0;
+
+  // Throws Error(FSDP_ERR_OUT_OF_MEMORY) when the allocation fails.
+  virtual void* alloc(size_t nbytes) = 0;
+  virtual void free(void* ptr) noexcept = 0;
+  virtual void zero(void* ptr, size_t nbytes) = 0;
+  virtual void copy(void* dst, const void* src, size_t nbytes) = 0;
+  virtual void copy_from_host(void* dst, const void* host_src, size_t nbytes) = 0;
+  virtual void copy_to_host(void* host_dst, const void* src, size_t nbytes) = 0;
+
+  virtual void cast(void* dst, DType dst_dtype, const void* src, DType src_dtype, size_t numel) = 0;
+  // acc[i] += scale * src[i]
+  virtual void accumulate(float* acc, const void* src, DType src_dtype, float scale, size_t numel) = 0;
+  virtual void adam(const AdamArgs& args) = 0;
+  virtual void sgd(const SgdArgs& args) = 0;
+  // Sum of x[i]^2 in double.
+  virtual double sum_squares(const float* x, size_t numel) = 0;
+};
+
+}  // namespace fsdp::device
