@@ -13,28 +13,40 @@
 namespace fsdp::kernels {
 
 // Adam and AdamW on fp32 master values. `grad_scale` folds gradient clipping
-// (and later loss-scale unscaling) into the same pass.
+// (and later loss-scale unscaling) into the same pass. Weight decay is given as
+// two coefficients so that the loop has no branch and vectorises:
+// AdamW: param_decay = 1 - lr * wd, grad_decay = 0 (torch.optim.AdamW);
+// Adam:  param_decay = 1,           grad_decay = wd (L2, torch.optim.Adam).
 struct AdamOp {
-  float lr;
   float beta1;
   float beta2;
   float eps;
-  float weight_decay;
-  float step_size;     // lr / (1 - beta1^t)
-  float bc2_sqrt;      // sqrt(1 - beta2^t)
+  float param_decay;
+  float grad_decay;
+  float step_size;  // lr / (1 - beta1^t)
+  float inv_bc2_sqrt;  // 1 / sqrt(1 - beta2^t): a multiply, so one division per element
   float grad_scale;
-  bool decoupled;      // AdamW: decay the weight, not the gradient
+
+  static AdamOp make(float lr, float beta1, float beta2, float eps, float weight_decay, bool decoupled,
+                     long step, float grad_scale) {
+    double bc1 = 1.0 - std::pow(static_cast<double>(beta1), static_cast<double>(step));
+    double bc2 = 1.0 - std::pow(static_cast<double>(beta2), static_cast<double>(step));
+    return AdamOp{beta1,
+                  beta2,
+                  eps,
+                  decoupled ? 1.0f - lr * weight_decay : 1.0f,
+                  decoupled ? 0.0f : weight_decay,
+                  static_cast<float>(lr / bc1),
+                  static_cast<float>(1.0 / std::sqrt(bc2)),
+                  grad_scale};
+  }
 
   FSDP_HD void operator()(float& p, float g, float& m, float& v) const {
-    g *= grad_scale;
-    if (decoupled) {
-      p *= 1.0f - lr * weight_decay;
-    } else {
-      g += weight_decay * p;
-    }
+    g = g * grad_scale + grad_decay * p;
+    p *= param_decay;
     m = beta1 * m + (1.0f - beta1) * g;
     v = beta2 * v + (1.0f - beta2) * g * g;
-    float denom = std::sqrt(v) / bc2_sqrt + eps;
+    float denom = std::sqrt(v) * inv_bc2_sqrt + eps;
     p -= step_size * (m / denom);
   }
 };

@@ -53,17 +53,9 @@ void Optimizer::step(const std::vector<std::unique_ptr<Unit>>& units) {
         float* buf = st.exp_avg.empty() ? nullptr : st.exp_avg.as<float>() + seg.shard_begin;
         rt_.dev->sgd({op, p, g, buf, out, out_dtype, seg.numel});
       } else {
-        double bc1 = 1.0 - std::pow(o.beta1, static_cast<double>(step_));
-        double bc2 = 1.0 - std::pow(o.beta2, static_cast<double>(step_));
-        kernels::AdamOp op{static_cast<float>(o.lr),
-                           static_cast<float>(o.beta1),
-                           static_cast<float>(o.beta2),
-                           static_cast<float>(o.eps),
-                           wd,
-                           static_cast<float>(o.lr / bc1),
-                           static_cast<float>(std::sqrt(bc2)),
-                           grad_scale,
-                           o.optimizer == OptimizerKind::kAdamW};
+        auto op = kernels::AdamOp::make(static_cast<float>(o.lr), static_cast<float>(o.beta1),
+                                        static_cast<float>(o.beta2), static_cast<float>(o.eps), wd,
+                                        o.optimizer == OptimizerKind::kAdamW, step_, grad_scale);
         rt_.dev->adam({op, p, g, st.exp_avg.as<float>() + seg.shard_begin,
                        st.exp_avg_sq.as<float>() + seg.shard_begin, out, out_dtype, seg.numel});
       }

@@ -9,6 +9,7 @@
 
 #include "../../../kernels/cast.h"
 #include "../../core/error.h"
+#include "../../device/cpu/simd.h"
 
 namespace fsdp::comm {
 namespace {
@@ -20,7 +21,7 @@ constexpr size_t kBlock = 512;
 
 // out[i] = scale * sum_k ins[k][i], summed in fp32 in rank order.
 template <typename T>
-void reduce_blocks(T* out, const std::vector<const T*>& ins, size_t numel, float scale) {
+FSDP_SIMD_CLONES void reduce_blocks(T* out, const std::vector<const T*>& ins, size_t numel, float scale) {
   float acc[kBlock];
   for (size_t b = 0; b < numel; b += kBlock) {
     size_t n = std::min(kBlock, numel - b);

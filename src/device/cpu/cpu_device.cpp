@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "../../core/error.h"
+#include "simd.h"
 
 namespace fsdp::device {
 namespace {
@@ -37,7 +38,7 @@ template <typename T>
 inline void store_out(T* out, size_t i, float v) { kernels::store(out, i, v); }
 
 template <typename Out>
-void adam_loop(const AdamArgs& a, Out* out, size_t b, size_t e) {
+FSDP_SIMD_CLONES void adam_loop(const AdamArgs& a, Out* out, size_t b, size_t e) {
   const kernels::AdamOp op = a.op;
   float* __restrict p = a.params;
   const float* __restrict g = a.grads;
@@ -54,23 +55,52 @@ void adam_loop(const AdamArgs& a, Out* out, size_t b, size_t e) {
 }
 
 template <typename Out>
-void sgd_loop(const SgdArgs& a, Out* out, size_t b, size_t e) {
+FSDP_SIMD_CLONES void sgd_loop(const SgdArgs& a, Out* out, size_t b, size_t e) {
   const kernels::SgdOp op = a.op;
   float* __restrict p = a.params;
   const float* __restrict g = a.grads;
   float* __restrict buf = a.momentum_buf;
-  for (size_t i = b; i < e; ++i) {
-    float pi = p[i];
-    if (buf != nullptr) {
-      float bi = buf[i];
+  if (buf != nullptr) {
+    for (size_t i = b; i < e; ++i) {
+      float pi = p[i], bi = buf[i];
       op(pi, g[i], bi);
+      p[i] = pi;
       buf[i] = bi;
-    } else {
-      op(pi, g[i]);
+      store_out(out, i, pi);
     }
-    p[i] = pi;
-    store_out(out, i, pi);
+  } else {
+    for (size_t i = b; i < e; ++i) {
+      float pi = p[i];
+      op(pi, g[i]);
+      p[i] = pi;
+      store_out(out, i, pi);
+    }
   }
+}
+
+template <typename Out, typename In>
+FSDP_SIMD_CLONES void cast_loop(Out* out, const In* in, size_t b, size_t e) {
+  kernels::CastOp op;
+  for (size_t i = b; i < e; ++i) op(out, in, i);
+}
+
+template <typename In>
+FSDP_SIMD_CLONES void accumulate_loop(float* acc, const In* in, float scale, size_t b, size_t e) {
+  kernels::AccumulateOp op{scale};
+  for (size_t i = b; i < e; ++i) op(acc, in, i);
+}
+
+// fp32 partial sums over short blocks keep the loop vectorised; the blocks are
+// added in double.
+FSDP_SIMD_CLONES double sum_squares_loop(const float* x, size_t b, size_t e) {
+  double total = 0.0;
+  for (size_t blk = b; blk < e; blk += kGrain) {
+    size_t end = blk + kGrain < e ? blk + kGrain : e;
+    float s = 0.0f;
+    for (size_t i = blk; i < end; ++i) s += x[i] * x[i];
+    total += s;
+  }
+  return total;
 }
 
 }  // namespace
@@ -108,20 +138,14 @@ void CpuDevice::cast(void* dst, DType dst_dtype, const void* src, DType src_dtyp
   }
   with_dtype(dst_dtype, dst, [&](auto* out) {
     with_dtype(src_dtype, const_cast<void*>(src), [&](auto* in) {
-      pool_.parallel_for(numel, kGrain, [&](size_t b, size_t e) {
-        kernels::CastOp op;
-        for (size_t i = b; i < e; ++i) op(out, in, i);
-      });
+      pool_.parallel_for(numel, kGrain, [&](size_t b, size_t e) { cast_loop(out, in, b, e); });
     });
   });
 }
 
 void CpuDevice::accumulate(float* acc, const void* src, DType src_dtype, float scale, size_t numel) {
   with_dtype(src_dtype, const_cast<void*>(src), [&](auto* in) {
-    pool_.parallel_for(numel, kGrain, [&](size_t b, size_t e) {
-      kernels::AccumulateOp op{scale};
-      for (size_t i = b; i < e; ++i) op(acc, in, i);
-    });
+    pool_.parallel_for(numel, kGrain, [&](size_t b, size_t e) { accumulate_loop(acc, in, scale, b, e); });
   });
 }
 
@@ -150,18 +174,7 @@ double CpuDevice::sum_squares(const float* x, size_t numel) {
   // thread timing, so runs are bitwise reproducible.
   size_t chunk = pool_.chunk_size(numel, kGrain);
   std::vector<double> partial(chunk == 0 ? 0 : (numel + chunk - 1) / chunk, 0.0);
-  pool_.parallel_for(numel, kGrain, [&](size_t b, size_t e) {
-    // fp32 partial sums over short blocks keep the loop vectorised; the blocks
-    // are added in double.
-    double total = 0.0;
-    for (size_t blk = b; blk < e; blk += kGrain) {
-      size_t end = blk + kGrain < e ? blk + kGrain : e;
-      float s = 0.0f;
-      for (size_t i = blk; i < end; ++i) s += x[i] * x[i];
-      total += s;
-    }
-    partial[b / chunk] = total;
-  });
+  pool_.parallel_for(numel, kGrain, [&](size_t b, size_t e) { partial[b / chunk] = sum_squares_loop(x, b, e); });
   double s = 0.0;
   for (double v : partial) s += v;
   return s;
