@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Installs what building and testing libfsdp needs, from Debian's packages,
+# only when something is missing (a fresh machine of this kind has most of it).
+set -euo pipefail
+missing=()
+command -v cmake >/dev/null || missing+=(cmake)
+command -v g++ >/dev/null || missing+=(g++)
+command -v make >/dev/null || missing+=(make)
+command -v nm >/dev/null || missing+=(binutils)
+[ -f /usr/include/gtest/gtest.h ] || missing+=(libgtest-dev)
+[ -d /usr/include/benchmark ] || missing+=(libbenchmark-dev)
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "installing: ${missing[*]}"
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}"
+fi

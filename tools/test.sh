@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Every test: builds libfsdp with its tests (default preset) and runs CTest.
+# With --asan or --tsan, runs the suite under that sanitizer preset instead.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+preset=default
+case "${1:-}" in
+  --asan) preset=asan ;;
+  --tsan) preset=tsan ;;
+  "") ;;
+  *) echo "usage: $0 [--asan|--tsan]" >&2; exit 2 ;;
+esac
+tools/deps.sh
+cmake --preset "$preset" >/dev/null
+cmake --build --preset "$preset" -j"$(nproc)"
+ctest --preset "$preset" -j"$(nproc)"
