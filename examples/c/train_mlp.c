@@ -2,7 +2,11 @@
  * threads of this process, FULL_SHARD with bf16 params, printing the loss and
  * each rank's memory, beside the loss of the same training run on 1 rank.
  *
- *   train_mlp [--ranks N] [--steps S] [--dtype bf16|fp16|fp32] [--sharding S]
+ *   train_mlp [--ranks N] [--steps S] [--dtype bf16|fp16|fp32] [--sharding S] [--check 1]
+ *
+ * With --check 1 it exits with status 1 unless the loss fell at least 4x and the
+ * N-rank loss stays within 20% of the 1-rank loss (bf16 rounds each rank's
+ * grads separately, so the two runs are close, not identical).
  *
  * The model code below is what a host framework provides: forward and backward
  * of Linear+tanh layers by hand. libfsdp owns the parameters, gradients,
@@ -22,7 +26,7 @@ static const int kDims[N_LAYERS + 1] = {32, 256, 256, 256, 8};
 #define GLOBAL_BATCH 64
 
 typedef struct {
-  int ranks, steps, print_every;
+  int ranks, steps, print_every, check;
   const char *dtype, *sharding;
 } options_t;
 
@@ -82,9 +86,8 @@ static void add_to(void *p, size_t i, float v, fsdp_dtype_t t) {
 }
 
 /* ---- deterministic data: inputs and targets from a fixed teacher ---- */
-static uint64_t rng_state;
-static float uniform(void) { /* splitmix64 -> [-1, 1) */
-  uint64_t z = (rng_state += 0x9e3779b97f4a7c15ull);
+static float uniform(uint64_t *state) { /* splitmix64 -> [-1, 1) */
+  uint64_t z = (*state += 0x9e3779b97f4a7c15ull);
   z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
   z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
   z ^= z >> 31;
@@ -93,9 +96,9 @@ static float uniform(void) { /* splitmix64 -> [-1, 1) */
 static float g_x[GLOBAL_BATCH][32], g_y[GLOBAL_BATCH][8];
 static void make_data(void) {
   int b, i, o;
-  rng_state = 42;
+  uint64_t rng = 42;
   for (b = 0; b < GLOBAL_BATCH; ++b) {
-    for (i = 0; i < 32; ++i) g_x[b][i] = uniform();
+    for (i = 0; i < 32; ++i) g_x[b][i] = uniform(&rng);
     for (o = 0; o < 8; ++o) { /* a smooth target the MLP can fit */
       float s = 0.0f;
       for (i = 0; i < 32; ++i) s += g_x[b][i] * sinf((float)(o * 32 + i));
@@ -138,8 +141,8 @@ static void *train(void *arg) {
     dims[0] = out; dims[1] = in; dims[2] = out;
     snprintf(name, sizeof name, "layer%d", l);
     CHECK(fsdp_unit_register(ctx, name, 2, names, ndims, dims, &units[l]));
-    rng_state = 1000 + (uint64_t)l; /* same init on every rank and in the 1-rank run */
-    for (i = 0; i < (size_t)(in * out); ++i) w[i] = uniform() * sqrtf(3.0f / (float)in);
+    uint64_t rng = 1000 + (uint64_t)l; /* same init on every rank and in the 1-rank run */
+    for (i = 0; i < (size_t)(in * out); ++i) w[i] = uniform(&rng) * sqrtf(3.0f / (float)in);
     CHECK(fsdp_param_set_values(units[l], 0, w, (size_t)(in * out)));
     CHECK(fsdp_param_set_values(units[l], 1, b, (size_t)out));
     free(w);
@@ -259,7 +262,7 @@ static int run(const options_t *opt, int world, double *losses, fsdp_memory_stat
 static double mib(size_t n) { return (double)n / (1024.0 * 1024.0); }
 
 int main(int argc, char **argv) {
-  options_t opt = {4, 60, 10, "bf16", "FULL_SHARD"};
+  options_t opt = {4, 60, 10, 0, "bf16", "FULL_SHARD"};
   double *loss_n, *loss_1;
   fsdp_memory_stats_t mem_n[MAX_RANKS], mem_1[1];
   int a, s, r;
@@ -268,11 +271,12 @@ int main(int argc, char **argv) {
     else if (!strcmp(argv[a], "--steps")) opt.steps = atoi(argv[a + 1]);
     else if (!strcmp(argv[a], "--dtype")) opt.dtype = argv[a + 1];
     else if (!strcmp(argv[a], "--sharding")) opt.sharding = argv[a + 1];
+    else if (!strcmp(argv[a], "--check")) opt.check = atoi(argv[a + 1]);
     else break;
   }
   if (a < argc || opt.ranks < 1 || opt.ranks > MAX_RANKS || GLOBAL_BATCH % opt.ranks || opt.steps < 1) {
     fprintf(stderr, "usage: %s [--ranks N (divides %d, <= %d)] [--steps S] [--dtype bf16|fp16|fp32] "
-                    "[--sharding FULL_SHARD|SHARD_GRAD_OP|NO_SHARD]\n", argv[0], GLOBAL_BATCH, MAX_RANKS);
+                    "[--sharding FULL_SHARD|SHARD_GRAD_OP|NO_SHARD] [--check 1]\n", argv[0], GLOBAL_BATCH, MAX_RANKS);
     return 2;
   }
   make_data();
@@ -295,6 +299,12 @@ int main(int argc, char **argv) {
   printf("  1-rank run               %7.3f %7.3f %7.3f  %13.3f  %10.3f\n", mib(mem_1[0].sharded_params_nbytes),
          mib(mem_1[0].sharded_grads_nbytes), mib(mem_1[0].optimizer_state_nbytes),
          mib(mem_1[0].gathered_params_peak_nbytes), mib(mem_1[0].total_peak_nbytes));
+  s = opt.steps - 1;
+  if (opt.check && (!(loss_n[s] * 4.0 < loss_n[0]) || fabs(loss_n[s] - loss_1[s]) > 0.2 * loss_1[s])) {
+    fprintf(stderr, "check failed: loss %g -> %g on %d ranks, %g on 1 rank\n", loss_n[0], loss_n[s], opt.ranks,
+            loss_1[s]);
+    return 1;
+  }
   free(loss_n);
   free(loss_1);
   return 0;
