@@ -7,6 +7,7 @@ command -v cmake >/dev/null || missing+=(cmake)
 command -v g++ >/dev/null || missing+=(g++)
 command -v make >/dev/null || missing+=(make)
 command -v nm >/dev/null || missing+=(binutils)
+command -v pkg-config >/dev/null || missing+=(pkg-config)
 [ -f /usr/include/gtest/gtest.h ] || missing+=(libgtest-dev)
 [ -d /usr/include/benchmark ] || missing+=(libbenchmark-dev)
 if [ ${#missing[@]} -gt 0 ]; then
