@@ -12,8 +12,8 @@
 #include "device/cpu/simd.h"
 
 using fsdp::DType;
-using fsdp::bench::JsonLine;
 using fsdp::bench::best_seconds;
+using fsdp::bench::JsonLine;
 using fsdp::device::AdamArgs;
 using fsdp::device::CpuDevice;
 using fsdp::device::ThreadPool;
@@ -56,14 +56,12 @@ int main(int argc, char** argv) {
     float* v = alloc(0.0f);
     void* out = dev.alloc(n * 2);
 
-    double t_roof = best_seconds(reps, [&] {
-      pool.parallel_for(n, 1024, [&](size_t b, size_t e) { roof_loop(p, g, m, v, b, e); });
-    });
+    double t_roof = best_seconds(
+        reps, [&] { pool.parallel_for(n, 1024, [&](size_t b, size_t e) { roof_loop(p, g, m, v, b, e); }); });
 
     auto op = fsdp::kernels::AdamOp::make(1e-3f, 0.9f, 0.999f, 1e-8f, 0.01f, /*decoupled=*/true, 1, 1.0f);
     double t_adam = best_seconds(reps, [&] { dev.adam(AdamArgs{op, p, g, m, v, nullptr, DType::kFp32, n}); });
-    double t_adam_bf16 =
-        best_seconds(reps, [&] { dev.adam(AdamArgs{op, p, g, m, v, out, DType::kBf16, n}); });
+    double t_adam_bf16 = best_seconds(reps, [&] { dev.adam(AdamArgs{op, p, g, m, v, out, DType::kBf16, n}); });
 
     double roof_gbs = 28.0 * static_cast<double>(n) / t_roof / 1e9;
     std::printf("%s\n", JsonLine()

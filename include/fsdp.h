@@ -38,8 +38,7 @@ extern "C" {
 #define FSDP_VERSION_MINOR 1
 #define FSDP_VERSION_PATCH 0
 /* MAJOR * 10000 + MINOR * 100 + PATCH */
-#define FSDP_VERSION_NUMBER \
-  (FSDP_VERSION_MAJOR * 10000 + FSDP_VERSION_MINOR * 100 + FSDP_VERSION_PATCH)
+#define FSDP_VERSION_NUMBER (FSDP_VERSION_MAJOR * 10000 + FSDP_VERSION_MINOR * 100 + FSDP_VERSION_PATCH)
 
 /* ---- errors ------------------------------------------------------------ */
 
@@ -49,19 +48,19 @@ typedef enum fsdp_status {
   FSDP_ERR_INVALID_STATE = 2,    /* call out of order, or after finalize */
   FSDP_ERR_UNSUPPORTED = 3,      /* option not available in this build */
   FSDP_ERR_OUT_OF_MEMORY = 4,
-  FSDP_ERR_TIMEOUT = 5,          /* a rank did not join a collective in time */
-  FSDP_ERR_MISMATCH = 6,         /* ranks disagree (registration, call order) */
-  FSDP_ERR_COMM = 7,             /* the communicator failed or was aborted */
-  FSDP_ERR_CORRUPT = 8,          /* a checkpoint failed its checks */
-  FSDP_ERR_IO = 9,               /* a file could not be read or written */
-  FSDP_ERR_INTERNAL = 10         /* a bug in libfsdp: please report it */
+  FSDP_ERR_TIMEOUT = 5,  /* a rank did not join a collective in time */
+  FSDP_ERR_MISMATCH = 6, /* ranks disagree (registration, call order) */
+  FSDP_ERR_COMM = 7,     /* the communicator failed or was aborted */
+  FSDP_ERR_CORRUPT = 8,  /* a checkpoint failed its checks */
+  FSDP_ERR_IO = 9,       /* a file could not be read or written */
+  FSDP_ERR_INTERNAL = 10 /* a bug in libfsdp: please report it */
 } fsdp_status_t;
 
 /* Name of a status ("FSDP_ERR_TIMEOUT"); never NULL. */
-FSDP_API const char *fsdp_status_name(fsdp_status_t status);
+FSDP_API const char* fsdp_status_name(fsdp_status_t status);
 /* The message of the last failed call on this thread ("" if none yet). The
  * pointer stays valid until the next failed libfsdp call on this thread. */
-FSDP_API const char *fsdp_last_error(void);
+FSDP_API const char* fsdp_last_error(void);
 
 /* ---- version ----------------------------------------------------------- */
 
@@ -69,7 +68,7 @@ FSDP_API const char *fsdp_last_error(void);
 FSDP_API int fsdp_version(void);
 /* One line naming the version and the compiled-in devices and communicators,
  * e.g. "libfsdp 0.1.0 devices=cpu comms=local". */
-FSDP_API const char *fsdp_build_info(void);
+FSDP_API const char* fsdp_build_info(void);
 
 /* ---- handles ----------------------------------------------------------- */
 
@@ -78,70 +77,59 @@ typedef struct fsdp_ctx fsdp_ctx_t;
 typedef struct fsdp_unit fsdp_unit_t;
 typedef struct fsdp_local_group fsdp_local_group_t;
 
-typedef enum fsdp_dtype {
-  FSDP_DTYPE_FP32 = 0,
-  FSDP_DTYPE_BF16 = 1,
-  FSDP_DTYPE_FP16 = 2
-} fsdp_dtype_t;
+typedef enum fsdp_dtype { FSDP_DTYPE_FP32 = 0, FSDP_DTYPE_BF16 = 1, FSDP_DTYPE_FP16 = 2 } fsdp_dtype_t;
 
 /* ---- configuration ----------------------------------------------------- */
 /* Options are key/value strings. The keys, values and defaults are listed in
  * docs/configuration.md; fsdp_config_set rejects an unknown key or a bad value
  * with a message listing the valid choices. */
 
-FSDP_API fsdp_status_t fsdp_config_create(fsdp_config_t **out);
-FSDP_API void fsdp_config_destroy(fsdp_config_t *cfg); /* accepts NULL */
-FSDP_API fsdp_status_t fsdp_config_set(fsdp_config_t *cfg, const char *key,
-                                        const char *value);
+FSDP_API fsdp_status_t fsdp_config_create(fsdp_config_t** out);
+FSDP_API void fsdp_config_destroy(fsdp_config_t* cfg); /* accepts NULL */
+FSDP_API fsdp_status_t fsdp_config_set(fsdp_config_t* cfg, const char* key, const char* value);
 /* Copies the canonical value of `key` (with its terminating NUL) into
  * `value`, which holds `value_nbytes` bytes. If `value_len` is not NULL it
  * receives the length without the NUL, also when the buffer is too small
  * (then FSDP_ERR_INVALID_ARGUMENT and nothing is written). */
-FSDP_API fsdp_status_t fsdp_config_get(const fsdp_config_t *cfg,
-                                        const char *key, char *value,
-                                        size_t value_nbytes, size_t *value_len);
+FSDP_API fsdp_status_t fsdp_config_get(const fsdp_config_t* cfg, const char* key, char* value, size_t value_nbytes,
+                                       size_t* value_len);
 /* Applies every FSDP_<KEY> environment variable whose KEY (upper case) names
  * an option, e.g. FSDP_SHARDING=SHARD_GRAD_OP. Environment values override
  * values already set. Other FSDP_* variables are not options and are left
  * alone. On a bad value nothing is changed. */
-FSDP_API fsdp_status_t fsdp_config_from_env(fsdp_config_t *cfg);
+FSDP_API fsdp_status_t fsdp_config_from_env(fsdp_config_t* cfg);
 
 /* ---- in-process ranks --------------------------------------------------- */
 
 /* A group of `world_size` ranks living as threads of this process (the
  * `local` communicator). Each thread creates its own context on the group. */
-FSDP_API fsdp_status_t fsdp_local_group_create(int world_size,
-                                                fsdp_local_group_t **out);
+FSDP_API fsdp_status_t fsdp_local_group_create(int world_size, fsdp_local_group_t** out);
 /* Accepts NULL. The group's memory lives until its last context is
  * destroyed, so the order of destroy calls does not matter. */
-FSDP_API void fsdp_local_group_destroy(fsdp_local_group_t *group);
+FSDP_API void fsdp_local_group_destroy(fsdp_local_group_t* group);
 
 /* ---- context ------------------------------------------------------------ */
 
 /* Collective. One rank's view of the job. With comm=local, `group` and `rank`
  * say which in-process rank this is (group NULL means a world of one, rank 0).
  * The config is copied: later changes to `cfg` do not affect the context. */
-FSDP_API fsdp_status_t fsdp_ctx_create(const fsdp_config_t *cfg,
-                                        fsdp_local_group_t *group, int rank,
-                                        fsdp_ctx_t **out);
+FSDP_API fsdp_status_t fsdp_ctx_create(const fsdp_config_t* cfg, fsdp_local_group_t* group, int rank, fsdp_ctx_t** out);
 /* Collective. Waits for outstanding collectives on every rank; afterwards
  * every call on the context except fsdp_ctx_destroy is
  * FSDP_ERR_INVALID_STATE. */
-FSDP_API fsdp_status_t fsdp_ctx_finalize(fsdp_ctx_t *ctx);
+FSDP_API fsdp_status_t fsdp_ctx_finalize(fsdp_ctx_t* ctx);
 /* Local, never waits for other ranks, accepts NULL, safe from a garbage
  * collector's finalizer. Frees the context and all its units. */
-FSDP_API void fsdp_ctx_destroy(fsdp_ctx_t *ctx);
-FSDP_API fsdp_status_t fsdp_ctx_rank(const fsdp_ctx_t *ctx, int *rank);
-FSDP_API fsdp_status_t fsdp_ctx_world_size(const fsdp_ctx_t *ctx,
-                                            int *world_size);
+FSDP_API void fsdp_ctx_destroy(fsdp_ctx_t* ctx);
+FSDP_API fsdp_status_t fsdp_ctx_rank(const fsdp_ctx_t* ctx, int* rank);
+FSDP_API fsdp_status_t fsdp_ctx_world_size(const fsdp_ctx_t* ctx, int* world_size);
 /* The dtype of the buffers behind fsdp_param_ptr / fsdp_grad_ptr. */
-FSDP_API fsdp_status_t fsdp_ctx_param_dtype(const fsdp_ctx_t *ctx,
-                                             fsdp_dtype_t *dtype);
+FSDP_API fsdp_status_t fsdp_ctx_param_dtype(const fsdp_ctx_t* ctx, fsdp_dtype_t* dtype);
 /* A failure found after the call that caused it returned (a collective that
  * failed on the comm side). FSDP_OK if none. Once set it stays set: the
  * communicator is unusable and the job should be restarted from a
  * checkpoint. */
-FSDP_API fsdp_status_t fsdp_ctx_async_error(const fsdp_ctx_t *ctx);
+FSDP_API fsdp_status_t fsdp_ctx_async_error(const fsdp_ctx_t* ctx);
 
 /* ---- units --------------------------------------------------------------- */
 
@@ -151,78 +139,62 @@ FSDP_API fsdp_status_t fsdp_ctx_async_error(const fsdp_ctx_t *ctx);
  * that every rank registered the same unit (name, param names, shapes) at the
  * same position; a difference fails on every rank with FSDP_ERR_MISMATCH and
  * a message naming the first difference. The unit belongs to the context. */
-FSDP_API fsdp_status_t fsdp_unit_register(fsdp_ctx_t *ctx, const char *name,
-                                           size_t n_params,
-                                           const char *const *names,
-                                           const int32_t *ndims,
-                                           const int64_t *dims,
-                                           fsdp_unit_t **out);
+FSDP_API fsdp_status_t fsdp_unit_register(fsdp_ctx_t* ctx, const char* name, size_t n_params, const char* const* names,
+                                          const int32_t* ndims, const int64_t* dims, fsdp_unit_t** out);
 /* Sets param `param_index` from a full fp32 host tensor of `numel` elements;
  * this rank keeps only its slice. Local, unless sync_module_states=1: then
  * collective, rank 0's `values` are used on every rank and the other ranks
  * may pass NULL. Only while the unit is not in use. */
-FSDP_API fsdp_status_t fsdp_param_set_values(fsdp_unit_t *unit,
-                                              size_t param_index,
-                                              const float *values,
-                                              size_t numel);
+FSDP_API fsdp_status_t fsdp_param_set_values(fsdp_unit_t* unit, size_t param_index, const float* values, size_t numel);
 /* Weight decay for one param, overriding the context's weight_decay and the
  * no_weight_decay patterns (use 0 for biases and norms). */
-FSDP_API fsdp_status_t fsdp_param_set_weight_decay(fsdp_unit_t *unit,
-                                                    size_t param_index,
-                                                    double weight_decay);
+FSDP_API fsdp_status_t fsdp_param_set_weight_decay(fsdp_unit_t* unit, size_t param_index, double weight_decay);
 
 /* ---- the training step ------------------------------------------------- */
 
 /* Collective (unless the unit's params are already gathered). Makes the
  * unit's full params usable through fsdp_param_ptr. `stream` is a
  * cudaStream_t on CUDA, NULL on CPU. */
-FSDP_API fsdp_status_t fsdp_forward_begin(fsdp_unit_t *unit, void *stream);
+FSDP_API fsdp_status_t fsdp_forward_begin(fsdp_unit_t* unit, void* stream);
 /* FULL_SHARD frees the full params; SHARD_GRAD_OP and NO_SHARD keep them. */
-FSDP_API fsdp_status_t fsdp_forward_end(fsdp_unit_t *unit, void *stream);
+FSDP_API fsdp_status_t fsdp_forward_end(fsdp_unit_t* unit, void* stream);
 /* Collective (unless gathered). Full params usable, grad buffers zeroed (not
  * zeroed while gradient sync is off and grads are being accumulated). */
-FSDP_API fsdp_status_t fsdp_backward_begin(fsdp_unit_t *unit, void *stream);
+FSDP_API fsdp_status_t fsdp_backward_begin(fsdp_unit_t* unit, void* stream);
 /* Collective. Reduces the unit's grads into this rank's sharded grad (unless
  * gradient sync is off) and frees the full params and grads. */
-FSDP_API fsdp_status_t fsdp_backward_end(fsdp_unit_t *unit, void *stream);
+FSDP_API fsdp_status_t fsdp_backward_end(fsdp_unit_t* unit, void* stream);
 /* Pointer to param `param_index`'s full values (param_dtype, row-major),
  * valid between a *_begin and its *_end. Read only. */
-FSDP_API fsdp_status_t fsdp_param_ptr(fsdp_unit_t *unit, size_t param_index,
-                                       void **ptr);
+FSDP_API fsdp_status_t fsdp_param_ptr(fsdp_unit_t* unit, size_t param_index, void** ptr);
 /* Pointer to param `param_index`'s grad (param_dtype), valid between
  * fsdp_backward_begin and fsdp_backward_end. Add grads into it. */
-FSDP_API fsdp_status_t fsdp_grad_ptr(fsdp_unit_t *unit, size_t param_index,
-                                      void **ptr);
+FSDP_API fsdp_status_t fsdp_grad_ptr(fsdp_unit_t* unit, size_t param_index, void** ptr);
 /* Collective. Reduces any grads still pending, clips (max_grad_norm), runs
  * the optimizer on this rank's shards and zeroes the sharded grads. No unit
  * may be between *_begin and *_end. */
-FSDP_API fsdp_status_t fsdp_step(fsdp_ctx_t *ctx, void *stream);
+FSDP_API fsdp_status_t fsdp_step(fsdp_ctx_t* ctx, void* stream);
 /* enabled=0: following backward passes accumulate full grads locally without
  * any communication (PyTorch's no_sync); they are reduced by the first
  * backward_end after sync is enabled again (or by fsdp_step). */
-FSDP_API fsdp_status_t fsdp_set_grad_sync(fsdp_ctx_t *ctx, int enabled);
-FSDP_API fsdp_status_t fsdp_set_lr(fsdp_ctx_t *ctx, double lr);
+FSDP_API fsdp_status_t fsdp_set_grad_sync(fsdp_ctx_t* ctx, int enabled);
+FSDP_API fsdp_status_t fsdp_set_lr(fsdp_ctx_t* ctx, double lr);
 /* The global grad norm of the last fsdp_step, before clipping. */
-FSDP_API fsdp_status_t fsdp_last_grad_norm(const fsdp_ctx_t *ctx,
-                                            double *norm);
+FSDP_API fsdp_status_t fsdp_last_grad_norm(const fsdp_ctx_t* ctx, double* norm);
 
 /* ---- access -------------------------------------------------------------- */
 
 /* Collective. Copies param `param_index`'s full fp32 master values into
  * `out` (`numel` must equal the param's element count). Only while no unit
  * is in use. */
-FSDP_API fsdp_status_t fsdp_gather_param(fsdp_unit_t *unit, size_t param_index,
-                                          float *out, size_t numel);
+FSDP_API fsdp_status_t fsdp_gather_param(fsdp_unit_t* unit, size_t param_index, float* out, size_t numel);
 /* This rank's flat fp32 master shard of the unit: pointer, offset of its
  * first element in the unit's flat buffer, and element count. Params lie in
  * the flat buffer in registration order, each start aligned to align_bytes;
  * gaps and the tail are padding. */
-FSDP_API fsdp_status_t fsdp_shard_info(fsdp_unit_t *unit, float **ptr,
-                                        size_t *offset, size_t *numel);
+FSDP_API fsdp_status_t fsdp_shard_info(fsdp_unit_t* unit, float** ptr, size_t* offset, size_t* numel);
 /* Where param `param_index` lies in the unit's flat buffer. */
-FSDP_API fsdp_status_t fsdp_param_flat_range(fsdp_unit_t *unit,
-                                              size_t param_index,
-                                              size_t *offset, size_t *numel);
+FSDP_API fsdp_status_t fsdp_param_flat_range(fsdp_unit_t* unit, size_t param_index, size_t* offset, size_t* numel);
 
 /* ---- observe ------------------------------------------------------------- */
 
@@ -241,10 +213,9 @@ typedef struct fsdp_memory_stats_s {
   size_t total_peak_nbytes;
 } fsdp_memory_stats_t;
 
-FSDP_API fsdp_status_t fsdp_memory_stats(const fsdp_ctx_t *ctx,
-                                          fsdp_memory_stats_t *stats);
+FSDP_API fsdp_status_t fsdp_memory_stats(const fsdp_ctx_t* ctx, fsdp_memory_stats_t* stats);
 /* Peaks restart from the current values. */
-FSDP_API fsdp_status_t fsdp_memory_stats_reset_peak(fsdp_ctx_t *ctx);
+FSDP_API fsdp_status_t fsdp_memory_stats_reset_peak(fsdp_ctx_t* ctx);
 
 #ifdef __cplusplus
 }

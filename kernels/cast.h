@@ -36,7 +36,7 @@ FSDP_HD uint16_t f32_to_fp16_bits(float f) {
   uint32_t sign = (u >> 16) & 0x8000u;
   uint32_t a = u & 0x7fffffffu;
   if (a > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u | ((a >> 13) & 0x3ffu));  // NaN
-  if (a >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // rounds to >= 65520: inf
+  if (a >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);                        // rounds to >= 65520: inf
   if (a >= 0x38800000u) {
     // Normal fp16: rebias exponent (127 -> 15) and round the 13 dropped bits.
     uint32_t v = a - 0x38000000u;

@@ -23,12 +23,12 @@ struct AdamOp {
   float eps;
   float param_decay;
   float grad_decay;
-  float step_size;  // lr / (1 - beta1^t)
+  float step_size;     // lr / (1 - beta1^t)
   float inv_bc2_sqrt;  // 1 / sqrt(1 - beta2^t): a multiply, so one division per element
   float grad_scale;
 
-  static AdamOp make(float lr, float beta1, float beta2, float eps, float weight_decay, bool decoupled,
-                     long step, float grad_scale) {
+  static AdamOp make(float lr, float beta1, float beta2, float eps, float weight_decay, bool decoupled, long step,
+                     float grad_scale) {
     double bc1 = 1.0 - std::pow(static_cast<double>(beta1), static_cast<double>(step));
     double bc2 = 1.0 - std::pow(static_cast<double>(beta2), static_cast<double>(step));
     return AdamOp{beta1,

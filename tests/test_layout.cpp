@@ -30,7 +30,8 @@ void expect_exact_cover(const FlatLayout& l, const std::vector<size_t>& numels) 
   }
   size_t n_covered = 0;
   for (size_t p = 0; p < numels.size(); ++p) {
-    for (size_t i = 0; i < numels[p]; ++i) EXPECT_EQ(covered[l.param_offset(p) + i], 1) << "param " << p << " elem " << i;
+    for (size_t i = 0; i < numels[p]; ++i)
+      EXPECT_EQ(covered[l.param_offset(p) + i], 1) << "param " << p << " elem " << i;
     n_covered += numels[p];
   }
   size_t total = 0;

@@ -33,28 +33,35 @@ typedef struct {
 typedef struct {
   options_t opt;
   int world, rank;
-  fsdp_local_group_t *group;
-  pthread_barrier_t *barrier;
-  double *losses;       /* [steps] global loss, written by rank 0 */
-  double *rank_loss;    /* [world] this step's loss per rank */
-  fsdp_memory_stats_t *mem; /* [world] final memory per rank */
+  fsdp_local_group_t* group;
+  pthread_barrier_t* barrier;
+  double* losses;           /* [steps] global loss, written by rank 0 */
+  double* rank_loss;        /* [world] this step's loss per rank */
+  fsdp_memory_stats_t* mem; /* [world] final memory per rank */
   int failed;
 } job_t;
 
-#define CHECK(call)                                                              \
-  do {                                                                           \
-    fsdp_status_t st_ = (call);                                                  \
-    if (st_ != FSDP_OK) {                                                        \
-      fprintf(stderr, "rank %d: %s failed: %s: %s\n", job->rank, #call,          \
-              fsdp_status_name(st_), fsdp_last_error());                         \
-      job->failed = 1;                                                           \
-      return NULL;                                                               \
-    }                                                                            \
+#define CHECK(call)                                                                                                \
+  do {                                                                                                             \
+    fsdp_status_t st_ = (call);                                                                                    \
+    if (st_ != FSDP_OK) {                                                                                          \
+      fprintf(stderr, "rank %d: %s failed: %s: %s\n", job->rank, #call, fsdp_status_name(st_), fsdp_last_error()); \
+      job->failed = 1;                                                                                             \
+      return NULL;                                                                                                 \
+    }                                                                                                              \
   } while (0)
 
 /* ---- bf16/fp16 <-> fp32, round to nearest even (the host's own code) ---- */
-static float bits_to_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
-static uint32_t f32_to_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+static float bits_to_f32(uint32_t u) {
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+static uint32_t f32_to_bits(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  return u;
+}
 static float half_to_f32(uint16_t h, fsdp_dtype_t t) {
   if (t == FSDP_DTYPE_BF16) return bits_to_f32((uint32_t)h << 16);
   { /* fp16 */
@@ -77,16 +84,18 @@ static uint16_t f32_to_half(float f, fsdp_dtype_t t) {
     return (uint16_t)(s | ((a + 0xfffu + ((a >> 13) & 1u)) >> 13));
   }
 }
-static float load(const void *p, size_t i, fsdp_dtype_t t) {
-  return t == FSDP_DTYPE_FP32 ? ((const float *)p)[i] : half_to_f32(((const uint16_t *)p)[i], t);
+static float load(const void* p, size_t i, fsdp_dtype_t t) {
+  return t == FSDP_DTYPE_FP32 ? ((const float*)p)[i] : half_to_f32(((const uint16_t*)p)[i], t);
 }
-static void add_to(void *p, size_t i, float v, fsdp_dtype_t t) {
-  if (t == FSDP_DTYPE_FP32) ((float *)p)[i] += v;
-  else ((uint16_t *)p)[i] = f32_to_half(load(p, i, t) + v, t);
+static void add_to(void* p, size_t i, float v, fsdp_dtype_t t) {
+  if (t == FSDP_DTYPE_FP32)
+    ((float*)p)[i] += v;
+  else
+    ((uint16_t*)p)[i] = f32_to_half(load(p, i, t) + v, t);
 }
 
 /* ---- deterministic data: inputs and targets from a fixed teacher ---- */
-static float uniform(uint64_t *state) { /* splitmix64 -> [-1, 1) */
+static float uniform(uint64_t* state) { /* splitmix64 -> [-1, 1) */
   uint64_t z = (*state += 0x9e3779b97f4a7c15ull);
   z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
   z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
@@ -107,11 +116,11 @@ static void make_data(void) {
   }
 }
 
-static void *train(void *arg) {
-  job_t *job = (job_t *)arg;
-  fsdp_config_t *cfg = NULL;
-  fsdp_ctx_t *ctx = NULL;
-  fsdp_unit_t *units[N_LAYERS];
+static void* train(void* arg) {
+  job_t* job = (job_t*)arg;
+  fsdp_config_t* cfg = NULL;
+  fsdp_ctx_t* ctx = NULL;
+  fsdp_unit_t* units[N_LAYERS];
   fsdp_dtype_t dt;
   int l, step, rows = GLOBAL_BATCH / job->world, row0 = job->rank * rows;
   float *act[N_LAYERS + 1], *dact[N_LAYERS + 1];
@@ -131,14 +140,16 @@ static void *train(void *arg) {
   CHECK(fsdp_ctx_param_dtype(ctx, &dt));
 
   for (l = 0; l < N_LAYERS; ++l) { /* one unit per layer: W [out, in], bias [out] */
-    const char *names[2] = {"weight", "bias"};
+    const char* names[2] = {"weight", "bias"};
     int32_t ndims[2] = {2, 1};
     int64_t dims[3];
     char name[32];
     int in = kDims[l], out = kDims[l + 1];
     size_t i;
     float *w = malloc(sizeof(float) * (size_t)(in * out)), *b = calloc((size_t)out, sizeof(float));
-    dims[0] = out; dims[1] = in; dims[2] = out;
+    dims[0] = out;
+    dims[1] = in;
+    dims[2] = out;
     snprintf(name, sizeof name, "layer%d", l);
     CHECK(fsdp_unit_register(ctx, name, 2, names, ndims, dims, &units[l]));
     uint64_t rng = 1000 + (uint64_t)l; /* same init on every rank and in the 1-rank run */
@@ -224,12 +235,12 @@ static void *train(void *arg) {
 }
 
 /* Runs the job on `world` thread-ranks; returns 0 on success. */
-static int run(const options_t *opt, int world, double *losses, fsdp_memory_stats_t *mem) {
+static int run(const options_t* opt, int world, double* losses, fsdp_memory_stats_t* mem) {
   pthread_t threads[MAX_RANKS];
   job_t jobs[MAX_RANKS];
   double rank_loss[MAX_RANKS];
   pthread_barrier_t barrier;
-  fsdp_local_group_t *group = NULL;
+  fsdp_local_group_t* group = NULL;
   int r, failed = 0;
   if (fsdp_local_group_create(world, &group) != FSDP_OK) {
     fprintf(stderr, "fsdp_local_group_create: %s\n", fsdp_last_error());
@@ -261,22 +272,30 @@ static int run(const options_t *opt, int world, double *losses, fsdp_memory_stat
 
 static double mib(size_t n) { return (double)n / (1024.0 * 1024.0); }
 
-int main(int argc, char **argv) {
+int main(int argc, char** argv) {
   options_t opt = {4, 60, 10, 0, "bf16", "FULL_SHARD"};
   double *loss_n, *loss_1;
   fsdp_memory_stats_t mem_n[MAX_RANKS], mem_1[1];
   int a, s, r;
   for (a = 1; a + 1 < argc; a += 2) {
-    if (!strcmp(argv[a], "--ranks")) opt.ranks = atoi(argv[a + 1]);
-    else if (!strcmp(argv[a], "--steps")) opt.steps = atoi(argv[a + 1]);
-    else if (!strcmp(argv[a], "--dtype")) opt.dtype = argv[a + 1];
-    else if (!strcmp(argv[a], "--sharding")) opt.sharding = argv[a + 1];
-    else if (!strcmp(argv[a], "--check")) opt.check = atoi(argv[a + 1]);
-    else break;
+    if (!strcmp(argv[a], "--ranks"))
+      opt.ranks = atoi(argv[a + 1]);
+    else if (!strcmp(argv[a], "--steps"))
+      opt.steps = atoi(argv[a + 1]);
+    else if (!strcmp(argv[a], "--dtype"))
+      opt.dtype = argv[a + 1];
+    else if (!strcmp(argv[a], "--sharding"))
+      opt.sharding = argv[a + 1];
+    else if (!strcmp(argv[a], "--check"))
+      opt.check = atoi(argv[a + 1]);
+    else
+      break;
   }
   if (a < argc || opt.ranks < 1 || opt.ranks > MAX_RANKS || GLOBAL_BATCH % opt.ranks || opt.steps < 1) {
-    fprintf(stderr, "usage: %s [--ranks N (divides %d, <= %d)] [--steps S] [--dtype bf16|fp16|fp32] "
-                    "[--sharding FULL_SHARD|SHARD_GRAD_OP|NO_SHARD] [--check 1]\n", argv[0], GLOBAL_BATCH, MAX_RANKS);
+    fprintf(stderr,
+            "usage: %s [--ranks N (divides %d, <= %d)] [--steps S] [--dtype bf16|fp16|fp32] "
+            "[--sharding FULL_SHARD|SHARD_GRAD_OP|NO_SHARD] [--check 1]\n",
+            argv[0], GLOBAL_BATCH, MAX_RANKS);
     return 2;
   }
   make_data();
@@ -288,8 +307,7 @@ int main(int argc, char **argv) {
 
   printf("%6s  %14s  %14s\n", "step", "loss (N ranks)", "loss (1 rank)");
   for (s = 0; s < opt.steps; ++s)
-    if (s % opt.print_every == 0 || s == opt.steps - 1)
-      printf("%6d  %14.6f  %14.6f\n", s + 1, loss_n[s], loss_1[s]);
+    if (s % opt.print_every == 0 || s == opt.steps - 1) printf("%6d  %14.6f  %14.6f\n", s + 1, loss_n[s], loss_1[s]);
   printf("\nper-rank memory (MiB)        params   grads   optim  gathered-peak  total-peak\n");
   for (r = 0; r < opt.ranks; ++r)
     printf("  rank %d of %-2d             %7.3f %7.3f %7.3f  %13.3f  %10.3f\n", r, opt.ranks,

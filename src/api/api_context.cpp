@@ -37,17 +37,28 @@ extern "C" {
 
 const char* fsdp_status_name(fsdp_status_t status) {
   switch (status) {
-    case FSDP_OK: return "FSDP_OK";
-    case FSDP_ERR_INVALID_ARGUMENT: return "FSDP_ERR_INVALID_ARGUMENT";
-    case FSDP_ERR_INVALID_STATE: return "FSDP_ERR_INVALID_STATE";
-    case FSDP_ERR_UNSUPPORTED: return "FSDP_ERR_UNSUPPORTED";
-    case FSDP_ERR_OUT_OF_MEMORY: return "FSDP_ERR_OUT_OF_MEMORY";
-    case FSDP_ERR_TIMEOUT: return "FSDP_ERR_TIMEOUT";
-    case FSDP_ERR_MISMATCH: return "FSDP_ERR_MISMATCH";
-    case FSDP_ERR_COMM: return "FSDP_ERR_COMM";
-    case FSDP_ERR_CORRUPT: return "FSDP_ERR_CORRUPT";
-    case FSDP_ERR_IO: return "FSDP_ERR_IO";
-    case FSDP_ERR_INTERNAL: return "FSDP_ERR_INTERNAL";
+    case FSDP_OK:
+      return "FSDP_OK";
+    case FSDP_ERR_INVALID_ARGUMENT:
+      return "FSDP_ERR_INVALID_ARGUMENT";
+    case FSDP_ERR_INVALID_STATE:
+      return "FSDP_ERR_INVALID_STATE";
+    case FSDP_ERR_UNSUPPORTED:
+      return "FSDP_ERR_UNSUPPORTED";
+    case FSDP_ERR_OUT_OF_MEMORY:
+      return "FSDP_ERR_OUT_OF_MEMORY";
+    case FSDP_ERR_TIMEOUT:
+      return "FSDP_ERR_TIMEOUT";
+    case FSDP_ERR_MISMATCH:
+      return "FSDP_ERR_MISMATCH";
+    case FSDP_ERR_COMM:
+      return "FSDP_ERR_COMM";
+    case FSDP_ERR_CORRUPT:
+      return "FSDP_ERR_CORRUPT";
+    case FSDP_ERR_IO:
+      return "FSDP_ERR_IO";
+    case FSDP_ERR_INTERNAL:
+      return "FSDP_ERR_INTERNAL";
   }
   return "FSDP_ERR_UNKNOWN_STATUS";
 }

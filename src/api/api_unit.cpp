@@ -87,8 +87,7 @@ fsdp_status_t fsdp_param_set_values(fsdp_unit_t* unit, size_t param_index, const
 }
 
 fsdp_status_t fsdp_param_set_weight_decay(fsdp_unit_t* unit, size_t param_index, double weight_decay) {
-  return guard(
-      [&] { live_unit(unit, "fsdp_param_set_weight_decay").set_weight_decay(param_index, weight_decay); });
+  return guard([&] { live_unit(unit, "fsdp_param_set_weight_decay").set_weight_decay(param_index, weight_decay); });
 }
 
 fsdp_status_t fsdp_forward_begin(fsdp_unit_t* unit, void* stream) {

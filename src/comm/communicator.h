@@ -24,11 +24,10 @@ class Communicator {
   // Every rank passes the same `label`; implementations that can check it do.
 
   // recv (world * nbytes_per_rank) = concatenation of every rank's send.
-  virtual void all_gather(const void* send, void* recv, size_t nbytes_per_rank,
-                          const std::string& label) = 0;
+  virtual void all_gather(const void* send, void* recv, size_t nbytes_per_rank, const std::string& label) = 0;
   // recv (numel_per_rank) = op over ranks of their send[rank * numel_per_rank ...].
-  virtual void reduce_scatter(const void* send, void* recv, size_t numel_per_rank, DType dtype,
-                              RedOp op, const std::string& label) = 0;
+  virtual void reduce_scatter(const void* send, void* recv, size_t numel_per_rank, DType dtype, RedOp op,
+                              const std::string& label) = 0;
   // recv (numel) = op over ranks of send; recv may equal send.
   virtual void all_reduce(const void* send, void* recv, size_t numel, DType dtype, RedOp op,
                           const std::string& label) = 0;

@@ -29,20 +29,16 @@ std::string trim(const std::string& s) {
   return b == std::string::npos ? std::string() : s.substr(b, e - b + 1);
 }
 
-[[noreturn]] void bad_value(const std::string& key, const std::string& value,
-                            const std::string& valid) {
-  fail(FSDP_ERR_INVALID_ARGUMENT,
-       "config: '" + value + "' is not a valid value for '" + key + "'; valid: " + valid);
+[[noreturn]] void bad_value(const std::string& key, const std::string& value, const std::string& valid) {
+  fail(FSDP_ERR_INVALID_ARGUMENT, "config: '" + value + "' is not a valid value for '" + key + "'; valid: " + valid);
 }
 
-double parse_double(const std::string& key, const std::string& value, double lo, double hi,
-                    const std::string& range) {
+double parse_double(const std::string& key, const std::string& value, double lo, double hi, const std::string& range) {
   std::string v = trim(value);
   char* end = nullptr;
   errno = 0;
   double d = std::strtod(v.c_str(), &end);
-  if (v.empty() || end != v.c_str() + v.size() || errno != 0 || !std::isfinite(d) || d < lo ||
-      d > hi) {
+  if (v.empty() || end != v.c_str() + v.size() || errno != 0 || !std::isfinite(d) || d < lo || d > hi) {
     bad_value(key, value, range);
   }
   return d;
@@ -90,7 +86,8 @@ struct Entry {
 
 const std::vector<Entry>& table() {
   static const std::vector<Entry> entries = {
-      {"sharding", {"sharding_strategy", "shard_strat"},
+      {"sharding",
+       {"sharding_strategy", "shard_strat"},
        [](Options& o, const std::string& v) {
          std::string u = upper(trim(v));
          if (u == "FULL_SHARD" || u == "ZERO3") {
@@ -100,20 +97,20 @@ const std::vector<Entry>& table() {
          } else if (u == "NO_SHARD" || u == "DDP") {
            o.sharding = Sharding::kNoShard;
          } else if (u == "HYBRID_SHARD" || u == "HYBRID_SHARD_ZERO2" || u == "_HYBRID_SHARD_ZERO2") {
-           fail(FSDP_ERR_UNSUPPORTED,
-                "config: sharding '" + v +
-                    "' needs a communicator split into shard and replica groups, which this "
-                    "build does not have; use FULL_SHARD, SHARD_GRAD_OP or NO_SHARD");
+           fail(FSDP_ERR_UNSUPPORTED, "config: sharding '" + v +
+                                          "' needs a communicator split into shard and replica groups, which this "
+                                          "build does not have; use FULL_SHARD, SHARD_GRAD_OP or NO_SHARD");
          } else {
-           bad_value("sharding", v,
-                     "FULL_SHARD (ZERO3), SHARD_GRAD_OP (SHARD_GRAD, ZERO2), NO_SHARD (DDP)");
+           bad_value("sharding", v, "FULL_SHARD (ZERO3), SHARD_GRAD_OP (SHARD_GRAD, ZERO2), NO_SHARD (DDP)");
          }
        },
        [](const Options& o) { return std::string(sharding_name(o.sharding)); }},
-      {"param_dtype", {"mp"},
+      {"param_dtype",
+       {"mp"},
        [](Options& o, const std::string& v) { o.param_dtype = parse_dtype("param_dtype", v); },
        [](const Options& o) { return std::string(dtype_name(o.param_dtype)); }},
-      {"reduce_dtype", {},
+      {"reduce_dtype",
+       {},
        [](Options& o, const std::string& v) {
          if (lower(trim(v)) == "auto") {
            o.reduce_dtype_auto = true;
@@ -125,7 +122,8 @@ const std::vector<Entry>& table() {
        [](const Options& o) {
          return o.reduce_dtype_auto ? std::string("auto") : std::string(dtype_name(o.reduce_dtype_set));
        }},
-      {"reduce_op", {},
+      {"reduce_op",
+       {},
        [](Options& o, const std::string& v) {
          std::string l = lower(trim(v));
          if (l == "avg" || l == "mean") {
@@ -137,7 +135,8 @@ const std::vector<Entry>& table() {
          }
        },
        [](const Options& o) { return std::string(o.reduce_op == ReduceOp::kAvg ? "avg" : "sum"); }},
-      {"optimizer", {},
+      {"optimizer",
+       {},
        [](Options& o, const std::string& v) {
          std::string l = lower(trim(v));
          if (l == "adamw") {
@@ -152,39 +151,57 @@ const std::vector<Entry>& table() {
        },
        [](const Options& o) {
          switch (o.optimizer) {
-           case OptimizerKind::kAdamW: return std::string("adamw");
-           case OptimizerKind::kAdam: return std::string("adam");
-           case OptimizerKind::kSgd: return std::string("sgd");
+           case OptimizerKind::kAdamW:
+             return std::string("adamw");
+           case OptimizerKind::kAdam:
+             return std::string("adam");
+           case OptimizerKind::kSgd:
+             return std::string("sgd");
          }
          return std::string();
        }},
-      {"lr", {"learning_rate"},
+      {"lr",
+       {"learning_rate"},
        [](Options& o, const std::string& v) { o.lr = parse_double("lr", v, 0, 1e9, "a number >= 0"); },
        [](const Options& o) { return fmt(o.lr); }},
-      {"beta1", {},
-       [](Options& o, const std::string& v) { o.beta1 = parse_double("beta1", v, 0, 0.999999999, "a number in [0, 1)"); },
+      {"beta1",
+       {},
+       [](Options& o, const std::string& v) {
+         o.beta1 = parse_double("beta1", v, 0, 0.999999999, "a number in [0, 1)");
+       },
        [](const Options& o) { return fmt(o.beta1); }},
-      {"beta2", {},
-       [](Options& o, const std::string& v) { o.beta2 = parse_double("beta2", v, 0, 0.999999999, "a number in [0, 1)"); },
+      {"beta2",
+       {},
+       [](Options& o, const std::string& v) {
+         o.beta2 = parse_double("beta2", v, 0, 0.999999999, "a number in [0, 1)");
+       },
        [](const Options& o) { return fmt(o.beta2); }},
-      {"eps", {},
+      {"eps",
+       {},
        [](Options& o, const std::string& v) { o.eps = parse_double("eps", v, 0, 1, "a number in [0, 1]"); },
        [](const Options& o) { return fmt(o.eps); }},
-      {"weight_decay", {},
-       [](Options& o, const std::string& v) { o.weight_decay = parse_double("weight_decay", v, 0, 1e9, "a number >= 0"); },
+      {"weight_decay",
+       {},
+       [](Options& o, const std::string& v) {
+         o.weight_decay = parse_double("weight_decay", v, 0, 1e9, "a number >= 0");
+       },
        [](const Options& o) { return fmt(o.weight_decay); }},
-      {"momentum", {},
+      {"momentum",
+       {},
        [](Options& o, const std::string& v) { o.momentum = parse_double("momentum", v, 0, 1, "a number in [0, 1]"); },
        [](const Options& o) { return fmt(o.momentum); }},
-      {"nesterov", {},
+      {"nesterov",
+       {},
        [](Options& o, const std::string& v) { o.nesterov = parse_bool("nesterov", v); },
        [](const Options& o) { return std::string(o.nesterov ? "1" : "0"); }},
-      {"max_grad_norm", {"clip_grad_norm"},
+      {"max_grad_norm",
+       {"clip_grad_norm"},
        [](Options& o, const std::string& v) {
          o.max_grad_norm = parse_double("max_grad_norm", v, 0, 1e30, "a number >= 0 (0 = no clipping)");
        },
        [](const Options& o) { return fmt(o.max_grad_norm); }},
-      {"no_weight_decay", {},
+      {"no_weight_decay",
+       {},
        [](Options& o, const std::string& v) {
          std::vector<std::string> pats;
          std::stringstream ss(v);
@@ -200,22 +217,26 @@ const std::vector<Entry>& table() {
          for (const auto& p : o.no_weight_decay) s += (s.empty() ? "" : ",") + p;
          return s;
        }},
-      {"align_bytes", {},
+      {"align_bytes",
+       {},
        [](Options& o, const std::string& v) {
          long n = parse_int("align_bytes", v, 4, 4096);
          if ((n & (n - 1)) != 0) bad_value("align_bytes", v, "a power of two from 4 to 4096");
          o.align_bytes = static_cast<size_t>(n);
        },
        [](const Options& o) { return std::to_string(o.align_bytes); }},
-      {"timeout_s", {"timeout"},
+      {"timeout_s",
+       {"timeout"},
        [](Options& o, const std::string& v) {
          o.timeout_s = parse_double("timeout_s", v, 0.001, 1e7, "seconds, from 0.001 to 1e7");
        },
        [](const Options& o) { return fmt(o.timeout_s); }},
-      {"threads", {"num_threads"},
+      {"threads",
+       {"num_threads"},
        [](Options& o, const std::string& v) { o.threads = static_cast<int>(parse_int("threads", v, 1, 1024)); },
        [](const Options& o) { return std::to_string(o.threads); }},
-      {"device", {},
+      {"device",
+       {},
        [](Options&, const std::string& v) {
          std::string l = lower(trim(v));
          if (l == "cpu") return;
@@ -227,7 +248,8 @@ const std::vector<Entry>& table() {
          bad_value("device", v, "cpu");
        },
        [](const Options&) { return std::string("cpu"); }},
-      {"comm", {"communicator", "backend"},
+      {"comm",
+       {"communicator", "backend"},
        [](Options&, const std::string& v) {
          std::string l = lower(trim(v));
          if (l == "local" || l == "auto") return;
@@ -239,7 +261,8 @@ const std::vector<Entry>& table() {
          bad_value("comm", v, "auto, local");
        },
        [](const Options&) { return std::string("local"); }},
-      {"sync_module_states", {},
+      {"sync_module_states",
+       {},
        [](Options& o, const std::string& v) { o.sync_module_states = parse_bool("sync_module_states", v); },
        [](const Options& o) { return std::string(o.sync_module_states ? "1" : "0"); }},
   };
@@ -271,9 +294,12 @@ const Entry& find_or_fail(const std::string& key) {
 
 const char* sharding_name(Sharding s) {
   switch (s) {
-    case Sharding::kFullShard: return "FULL_SHARD";
-    case Sharding::kShardGradOp: return "SHARD_GRAD_OP";
-    case Sharding::kNoShard: return "NO_SHARD";
+    case Sharding::kFullShard:
+      return "FULL_SHARD";
+    case Sharding::kShardGradOp:
+      return "SHARD_GRAD_OP";
+    case Sharding::kNoShard:
+      return "NO_SHARD";
   }
   return "?";
 }
@@ -291,7 +317,8 @@ void Config::apply_env() {
   Options next = options_;
   for (const Entry& e : table()) {
     std::string var = "FSDP_" + upper(e.key);
-    if (const char* v = std::getenv(var.c_str())) {
+    // getenv races only with setenv; contexts are configured before ranks start.
+    if (const char* v = std::getenv(var.c_str())) {  // NOLINT(concurrency-mt-unsafe)
       try {
         e.set(next, v);
       } catch (const Error& err) {

@@ -19,10 +19,9 @@ std::string describe(const Options& o) {
   os << "sharding=" << sharding_name(o.sharding) << "\nparam_dtype=" << dtype_name(o.param_dtype)
      << "\nreduce_dtype=" << dtype_name(o.reduce_dtype()) << "\nreduce_op=" << static_cast<int>(o.reduce_op)
      << "\noptimizer=" << static_cast<int>(o.optimizer) << "\nlr=" << o.lr << "\nbeta1=" << o.beta1
-     << "\nbeta2=" << o.beta2 << "\neps=" << o.eps << "\nweight_decay=" << o.weight_decay
-     << "\nmomentum=" << o.momentum << "\nnesterov=" << o.nesterov << "\nmax_grad_norm=" << o.max_grad_norm
-     << "\nalign_bytes=" << o.align_bytes << "\nsync_module_states=" << o.sync_module_states
-     << "\nno_weight_decay=";
+     << "\nbeta2=" << o.beta2 << "\neps=" << o.eps << "\nweight_decay=" << o.weight_decay << "\nmomentum=" << o.momentum
+     << "\nnesterov=" << o.nesterov << "\nmax_grad_norm=" << o.max_grad_norm << "\nalign_bytes=" << o.align_bytes
+     << "\nsync_module_states=" << o.sync_module_states << "\nno_weight_decay=";
   for (const auto& p : o.no_weight_decay) os << p << ",";
   return os.str();
 }
@@ -40,8 +39,7 @@ std::string describe(size_t index, const std::string& name, const std::vector<Pa
 
 }  // namespace
 
-Context::Context(const Options& opts, std::shared_ptr<comm::LocalGroup> group, int rank)
-    : optimizer_(rt_) {
+Context::Context(const Options& opts, std::shared_ptr<comm::LocalGroup> group, int rank) : optimizer_(rt_) {
   rt_.opts = opts;
   rt_.rank = rank;
   rt_.world = group->world_size();
@@ -77,9 +75,8 @@ Unit& Context::register_unit(const std::string& name, std::vector<ParamSpec> par
 void Context::step() {
   for (const auto& u : units_) {
     if (u->in_use()) {
-      fail(FSDP_ERR_INVALID_STATE, "fsdp_step (rank " + std::to_string(rt_.rank) + "): unit '" + u->name() +
-                                       "' is " + unit_state_name(u->state()) +
-                                       "; call its *_end before stepping");
+      fail(FSDP_ERR_INVALID_STATE, "fsdp_step (rank " + std::to_string(rt_.rank) + "): unit '" + u->name() + "' is " +
+                                       unit_state_name(u->state()) + "; call its *_end before stepping");
     }
     if (u->grads_pending() && !rt_.grad_sync) {
       fail(FSDP_ERR_INVALID_STATE, "fsdp_step (rank " + std::to_string(rt_.rank) + "): unit '" + u->name() +
@@ -111,8 +108,8 @@ double Context::last_grad_norm() const {
 void Context::finalize() {
   for (const auto& u : units_) {
     if (u->in_use()) {
-      fail(FSDP_ERR_INVALID_STATE, "fsdp_ctx_finalize (rank " + std::to_string(rt_.rank) + "): unit '" +
-                                       u->name() + "' is " + unit_state_name(u->state()));
+      fail(FSDP_ERR_INVALID_STATE, "fsdp_ctx_finalize (rank " + std::to_string(rt_.rank) + "): unit '" + u->name() +
+                                       "' is " + unit_state_name(u->state()));
     }
   }
   comm_->barrier("fsdp_ctx_finalize");

@@ -12,16 +12,13 @@ namespace fsdp {
 
 class Error : public std::runtime_error {
  public:
-  Error(fsdp_status_t status, const std::string& message)
-      : std::runtime_error(message), status_(status) {}
+  Error(fsdp_status_t status, const std::string& message) : std::runtime_error(message), status_(status) {}
   fsdp_status_t status() const { return status_; }
 
  private:
   fsdp_status_t status_;
 };
 
-[[noreturn]] inline void fail(fsdp_status_t status, const std::string& message) {
-  throw Error(status, message);
-}
+[[noreturn]] inline void fail(fsdp_status_t status, const std::string& message) { throw Error(status, message); }
 
 }  // namespace fsdp

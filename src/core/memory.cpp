@@ -33,8 +33,7 @@ void MemoryTracker::reset_peak() {
   s_.total_peak = s_.total;
 }
 
-Buffer::Buffer(device::Device* dev, MemoryTracker* tracker, MemCategory cat, DType dtype, size_t numel,
-               bool zeroed)
+Buffer::Buffer(device::Device* dev, MemoryTracker* tracker, MemCategory cat, DType dtype, size_t numel, bool zeroed)
     : dev_(dev), tracker_(tracker), cat_(cat), dtype_(dtype), numel_(numel) {
   ptr_ = dev_->alloc(nbytes());  // throws Error(OUT_OF_MEMORY)
   if (zeroed) dev_->zero(ptr_, nbytes());

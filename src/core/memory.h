@@ -50,8 +50,7 @@ class Buffer {
  public:
   Buffer() = default;
   // Zero-filled unless `zeroed` is false (for buffers a collective overwrites).
-  Buffer(device::Device* dev, MemoryTracker* tracker, MemCategory cat, DType dtype, size_t numel,
-         bool zeroed = true);
+  Buffer(device::Device* dev, MemoryTracker* tracker, MemCategory cat, DType dtype, size_t numel, bool zeroed = true);
   ~Buffer() { reset(); }
   Buffer(Buffer&& o) noexcept { *this = std::move(o); }
   Buffer& operator=(Buffer&& o) noexcept;
@@ -62,7 +61,9 @@ class Buffer {
   bool empty() const { return ptr_ == nullptr; }
   void* data() const { return ptr_; }
   template <typename T>
-  T* as() const { return static_cast<T*>(ptr_); }
+  T* as() const {
+    return static_cast<T*>(ptr_);
+  }
   size_t numel() const { return numel_; }
   size_t nbytes() const { return numel_ * dtype_size(dtype_); }
   DType dtype() const { return dtype_; }

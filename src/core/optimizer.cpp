@@ -44,20 +44,19 @@ void Optimizer::step(const std::vector<std::unique_ptr<Unit>>& units) {
     for (const ShardSegment& seg : u.segments()) {
       float* p = u.master() + seg.shard_begin;
       const float* g = u.sharded_grad() + seg.shard_begin;
-      void* out = u.lowp_shard() == nullptr ? nullptr
-                                            : static_cast<char*>(u.lowp_shard()) + seg.shard_begin * out_es;
+      void* out = u.lowp_shard() == nullptr ? nullptr : static_cast<char*>(u.lowp_shard()) + seg.shard_begin * out_es;
       float wd = static_cast<float>(u.weight_decay(seg.param_index));
       if (o.optimizer == OptimizerKind::kSgd) {
-        kernels::SgdOp op{static_cast<float>(o.lr), wd, static_cast<float>(o.momentum), grad_scale, o.nesterov,
-                          step_ == 1};
+        kernels::SgdOp op{
+            static_cast<float>(o.lr), wd, static_cast<float>(o.momentum), grad_scale, o.nesterov, step_ == 1};
         float* buf = st.exp_avg.empty() ? nullptr : st.exp_avg.as<float>() + seg.shard_begin;
         rt_.dev->sgd({op, p, g, buf, out, out_dtype, seg.numel});
       } else {
         auto op = kernels::AdamOp::make(static_cast<float>(o.lr), static_cast<float>(o.beta1),
                                         static_cast<float>(o.beta2), static_cast<float>(o.eps), wd,
                                         o.optimizer == OptimizerKind::kAdamW, step_, grad_scale);
-        rt_.dev->adam({op, p, g, st.exp_avg.as<float>() + seg.shard_begin,
-                       st.exp_avg_sq.as<float>() + seg.shard_begin, out, out_dtype, seg.numel});
+        rt_.dev->adam({op, p, g, st.exp_avg.as<float>() + seg.shard_begin, st.exp_avg_sq.as<float>() + seg.shard_begin,
+                       out, out_dtype, seg.numel});
       }
     }
     rt_.dev->zero(u.sharded_grad(), u.shard_numel() * sizeof(float));

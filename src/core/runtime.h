@@ -31,8 +31,8 @@ struct Runtime {
   // Throws INVALID_STATE naming `call` once the context is finalized.
   void check_live(const char* call) const {
     if (finalized) {
-      fail(FSDP_ERR_INVALID_STATE, std::string(call) + " (" + where() +
-                                       "): the context was finalized; only fsdp_ctx_destroy is allowed");
+      fail(FSDP_ERR_INVALID_STATE,
+           std::string(call) + " (" + where() + "): the context was finalized; only fsdp_ctx_destroy is allowed");
     }
   }
 };

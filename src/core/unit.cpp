@@ -12,10 +12,14 @@ namespace fsdp::core {
 
 const char* unit_state_name(UnitState s) {
   switch (s) {
-    case UnitState::kSharded: return "sharded";
-    case UnitState::kGathered: return "gathered (idle)";
-    case UnitState::kForward: return "in forward";
-    case UnitState::kBackward: return "in backward";
+    case UnitState::kSharded:
+      return "sharded";
+    case UnitState::kGathered:
+      return "gathered (idle)";
+    case UnitState::kForward:
+      return "in forward";
+    case UnitState::kBackward:
+      return "in backward";
   }
   return "?";
 }
@@ -55,9 +59,8 @@ void Unit::check_param_index(size_t param_index, const char* call) const {
 }
 
 void Unit::bad_state(const char* call, const char* expected) const {
-  fail(FSDP_ERR_INVALID_STATE, std::string(call) + " on unit '" + name_ + "' (" + rt_.where() +
-                                   "): expected " + expected + ", but the unit is " +
-                                   unit_state_name(state_));
+  fail(FSDP_ERR_INVALID_STATE, std::string(call) + " on unit '" + name_ + "' (" + rt_.where() + "): expected " +
+                                   expected + ", but the unit is " + unit_state_name(state_));
 }
 
 void* Unit::full_params() const {
@@ -111,8 +114,7 @@ void Unit::set_values(size_t param_index, const float* values, size_t numel) {
     rt_.dev->copy_from_host(master() + dst, values + (lo - off), (hi - lo) * sizeof(float));
     if (!lowp_.empty()) {
       size_t es = dtype_size(lowp_.dtype());
-      rt_.dev->cast(static_cast<char*>(lowp_.data()) + dst * es, lowp_.dtype(), master() + dst, DType::kFp32,
-                    hi - lo);
+      rt_.dev->cast(static_cast<char*>(lowp_.data()) + dst * es, lowp_.dtype(), master() + dst, DType::kFp32, hi - lo);
     }
   }
   drop_stale_gathered();
@@ -121,8 +123,8 @@ void Unit::set_values(size_t param_index, const float* values, size_t numel) {
 void Unit::set_weight_decay(size_t param_index, double weight_decay) {
   check_param_index(param_index, "fsdp_param_set_weight_decay");
   if (!(weight_decay >= 0.0 && weight_decay < 1e9)) {
-    fail(FSDP_ERR_INVALID_ARGUMENT, "fsdp_param_set_weight_decay: weight decay must be a number >= 0, not " +
-                                        std::to_string(weight_decay));
+    fail(FSDP_ERR_INVALID_ARGUMENT,
+         "fsdp_param_set_weight_decay: weight decay must be a number >= 0, not " + std::to_string(weight_decay));
   }
   weight_decay_[param_index] = weight_decay;
 }
@@ -220,8 +222,7 @@ void Unit::drop_stale_gathered() {
 void* Unit::param_ptr(size_t param_index) {
   check_param_index(param_index, "fsdp_param_ptr");
   if (!in_use()) bad_state("fsdp_param_ptr", "the unit in forward or backward (between *_begin and *_end)");
-  return static_cast<char*>(full_params()) +
-         layout_.param_offset(param_index) * dtype_size(rt_.opts.param_dtype);
+  return static_cast<char*>(full_params()) + layout_.param_offset(param_index) * dtype_size(rt_.opts.param_dtype);
 }
 
 void* Unit::grad_ptr(size_t param_index) {

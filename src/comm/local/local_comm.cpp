@@ -49,9 +49,15 @@ void reduce_range(LocalGroup& g, void* out, size_t first, size_t numel, DType dt
     reduce_blocks(typed_out, ins, numel, scale);
   };
   switch (dtype) {
-    case DType::kFp32: run(static_cast<float*>(out)); break;
-    case DType::kBf16: run(static_cast<bf16_t*>(out)); break;
-    case DType::kFp16: run(static_cast<fp16_t*>(out)); break;
+    case DType::kFp32:
+      run(static_cast<float*>(out));
+      break;
+    case DType::kBf16:
+      run(static_cast<bf16_t*>(out));
+      break;
+    case DType::kFp16:
+      run(static_cast<fp16_t*>(out));
+      break;
   }
 }
 
@@ -100,10 +106,10 @@ void LocalComm::run_checked(CollectiveDesc desc, const void* send, void* recv, c
     const Slot& other = group_->slot(r);
     if (!same(other.desc, mine.desc) || other.seq != mine.seq) {
       // Every rank sees the same slots, so every rank fails here, together.
-      std::string msg = "ranks called different collectives: rank " + std::to_string(rank_) +
-                        " called " + describe(mine.desc) + " as its collective #" +
-                        std::to_string(mine.seq) + ", rank " + std::to_string(r) + " called " +
-                        describe(other.desc) + " as its collective #" + std::to_string(other.seq) +
+      std::string msg = "ranks called different collectives: rank " + std::to_string(rank_) + " called " +
+                        describe(mine.desc) + " as its collective #" + std::to_string(mine.seq) + ", rank " +
+                        std::to_string(r) + " called " + describe(other.desc) + " as its collective #" +
+                        std::to_string(other.seq) +
                         "; every rank must make the same collective calls in the same order";
       group_->abort(FSDP_ERR_MISMATCH, msg);
       fail(FSDP_ERR_MISMATCH, msg);
@@ -120,8 +126,8 @@ void LocalComm::all_gather(const void* send, void* recv, size_t nbytes_per_rank,
     // Start at our own rank so that ranks read different peers at a time.
     for (int k = 0; k < world; ++k) {
       int r = (rank_ + k) % world;
-      std::memcpy(static_cast<char*>(recv) + static_cast<size_t>(r) * nbytes_per_rank,
-                  group_->slot(r).send, nbytes_per_rank);
+      std::memcpy(static_cast<char*>(recv) + static_cast<size_t>(r) * nbytes_per_rank, group_->slot(r).send,
+                  nbytes_per_rank);
     }
   });
 }
@@ -129,9 +135,8 @@ void LocalComm::all_gather(const void* send, void* recv, size_t nbytes_per_rank,
 void LocalComm::reduce_scatter(const void* send, void* recv, size_t numel_per_rank, DType dtype, RedOp op,
                                const std::string& label) {
   CollectiveDesc d{"reduce_scatter", numel_per_rank, static_cast<int>(dtype), static_cast<int>(op), -1, label};
-  run(d, send, recv, [&] {
-    reduce_range(*group_, recv, static_cast<size_t>(rank_) * numel_per_rank, numel_per_rank, dtype, op);
-  });
+  run(d, send, recv,
+      [&] { reduce_range(*group_, recv, static_cast<size_t>(rank_) * numel_per_rank, numel_per_rank, dtype, op); });
 }
 
 void LocalComm::all_reduce(const void* send, void* recv, size_t numel, DType dtype, RedOp op,

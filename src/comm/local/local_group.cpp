@@ -48,8 +48,8 @@ void LocalGroup::arrive_and_wait(int rank, double timeout_s, const std::string& 
   if (aborted_) {
     std::string reason = abort_reason_;
     lock.unlock();
-    fail(FSDP_ERR_COMM, what + " on rank " + std::to_string(rank) +
-                            ": the communicator was aborted earlier: " + reason);
+    fail(FSDP_ERR_COMM,
+         what + " on rank " + std::to_string(rank) + ": the communicator was aborted earlier: " + reason);
   }
   uint64_t target = ++phase_[static_cast<size_t>(rank)];
   auto all_here = [&] {
@@ -58,9 +58,8 @@ void LocalGroup::arrive_and_wait(int rank, double timeout_s, const std::string& 
     }
     return true;
   };
-  auto deadline = std::chrono::steady_clock::now() +
-                  std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                      std::chrono::duration<double>(timeout_s));
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                                         std::chrono::duration<double>(timeout_s));
   while (!aborted_ && !all_here()) {
     if (cv_.wait_until(lock, deadline) == std::cv_status::timeout && !aborted_ && !all_here()) {
       std::ostringstream missing;
@@ -69,8 +68,8 @@ void LocalGroup::arrive_and_wait(int rank, double timeout_s, const std::string& 
         if (phase_[static_cast<size_t>(r)] < target) missing << (n_missing++ ? ", " : "") << r;
       }
       std::ostringstream msg;
-      msg << what << ": timed out after " << timeout_s << " s waiting for rank"
-          << (n_missing > 1 ? "s " : " ") << missing.str() << " (seen from rank " << rank
+      msg << what << ": timed out after " << timeout_s << " s waiting for rank" << (n_missing > 1 ? "s " : " ")
+          << missing.str() << " (seen from rank " << rank
           << "; the missing rank may have failed, hung, or called a different collective)";
       aborted_ = true;
       abort_status_ = FSDP_ERR_TIMEOUT;

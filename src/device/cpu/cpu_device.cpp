@@ -24,9 +24,15 @@ using kernels::fp16_t;
 template <typename Fn>
 void with_dtype(DType t, void* p, Fn&& fn) {
   switch (t) {
-    case DType::kFp32: fn(static_cast<float*>(p)); break;
-    case DType::kBf16: fn(static_cast<bf16_t*>(p)); break;
-    case DType::kFp16: fn(static_cast<fp16_t*>(p)); break;
+    case DType::kFp32:
+      fn(static_cast<float*>(p));
+      break;
+    case DType::kBf16:
+      fn(static_cast<bf16_t*>(p));
+      break;
+    case DType::kFp16:
+      fn(static_cast<fp16_t*>(p));
+      break;
   }
 }
 
@@ -35,7 +41,9 @@ void with_dtype(DType t, void* p, Fn&& fn) {
 struct NoOut {};
 inline void store_out(NoOut*, size_t, float) {}
 template <typename T>
-inline void store_out(T* out, size_t i, float v) { kernels::store(out, i, v); }
+inline void store_out(T* out, size_t i, float v) {
+  kernels::store(out, i, v);
+}
 
 template <typename Out>
 FSDP_SIMD_CLONES void adam_loop(const AdamArgs& a, Out* out, size_t b, size_t e) {
@@ -117,9 +125,8 @@ void* CpuDevice::alloc(size_t nbytes) {
 void CpuDevice::free(void* ptr) noexcept { std::free(ptr); }
 
 void CpuDevice::zero(void* ptr, size_t nbytes) {
-  pool_.parallel_for(nbytes, kGrain * 4, [&](size_t b, size_t e) {
-    std::memset(static_cast<char*>(ptr) + b, 0, e - b);
-  });
+  pool_.parallel_for(nbytes, kGrain * 4,
+                     [&](size_t b, size_t e) { std::memset(static_cast<char*>(ptr) + b, 0, e - b); });
 }
 
 void CpuDevice::copy(void* dst, const void* src, size_t nbytes) {
