@@ -64,7 +64,15 @@ Unit& Context::register_unit(const std::string& name, std::vector<ParamSpec> par
     if (problem.empty() && !seen.insert(p.name).second) problem = "param name '" + p.name + "' appears twice";
   }
   std::string text = problem.empty() ? describe(index, name, params) : "invalid registration: " + problem;
-  agree(*comm_, what, text);
+  try {
+    agree(*comm_, what, text);
+  } catch (const Error& e) {
+    // The rank with bad arguments reports them; the others report the mismatch.
+    if (!problem.empty() && e.status() == FSDP_ERR_MISMATCH) {
+      fail(FSDP_ERR_INVALID_ARGUMENT, what + " '" + name + "': " + problem);
+    }
+    throw;
+  }
   if (!problem.empty()) fail(FSDP_ERR_INVALID_ARGUMENT, what + " '" + name + "': " + problem);
   auto unit = std::make_unique<Unit>(rt_, index, name, std::move(params));
   optimizer_.add_unit(*unit);

@@ -19,20 +19,35 @@ using kernels::fp16_t;
 
 constexpr size_t kBlock = 512;
 
-// out[i] = scale * sum_k ins[k][i], summed in fp32 in rank order.
+// The three passes of a block, each a plain loop over restrict pointers so that
+// it vectorises (one loop nest over ranks and elements does not).
+template <typename T>
+inline void acc_init(float* __restrict acc, const T* __restrict a, const T* __restrict b, size_t n) {
+  if (b == nullptr) {
+    for (size_t i = 0; i < n; ++i) acc[i] = kernels::load(a, i);
+  } else {
+    for (size_t i = 0; i < n; ++i) acc[i] = kernels::load(a, i) + kernels::load(b, i);
+  }
+}
+template <typename T>
+inline void acc_add(float* __restrict acc, const T* __restrict a, size_t n) {
+  for (size_t i = 0; i < n; ++i) acc[i] += kernels::load(a, i);
+}
+template <typename T>
+inline void acc_store(T* __restrict out, const float* __restrict acc, float scale, size_t n) {
+  for (size_t i = 0; i < n; ++i) kernels::store(out, i, acc[i] * scale);
+}
+
+// out[i] = scale * sum_k ins[k][i], summed in fp32 in rank order over blocks
+// that stay in L1, rounded once to T.
 template <typename T>
 FSDP_SIMD_CLONES void reduce_blocks(T* out, const std::vector<const T*>& ins, size_t numel, float scale) {
-  float acc[kBlock];
+  alignas(64) float acc[kBlock];
   for (size_t b = 0; b < numel; b += kBlock) {
     size_t n = std::min(kBlock, numel - b);
-    const T* in0 = ins[0] + b;
-    for (size_t i = 0; i < n; ++i) acc[i] = kernels::load(in0, i);
-    for (size_t k = 1; k < ins.size(); ++k) {
-      const T* ink = ins[k] + b;
-      for (size_t i = 0; i < n; ++i) acc[i] += kernels::load(ink, i);
-    }
-    T* o = out + b;
-    for (size_t i = 0; i < n; ++i) kernels::store(o, i, acc[i] * scale);
+    acc_init(acc, ins[0] + b, ins.size() > 1 ? ins[1] + b : nullptr, n);
+    for (size_t k = 2; k < ins.size(); ++k) acc_add(acc, ins[k] + b, n);
+    acc_store(out + b, acc, scale, n);
   }
 }
 
