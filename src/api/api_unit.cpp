@@ -30,6 +30,15 @@ Unit& live_unit(fsdp_unit_t* u, const char* call) {
   return unit;
 }
 
+// The four *_begin/*_end calls: same checks, one Unit transition each.
+fsdp_status_t phase_call(fsdp_unit_t* unit, void* stream, const char* call, void (Unit::*transition)()) {
+  return guard([&] {
+    Unit& u = live_unit(unit, call);
+    require_cpu_stream(stream, call);
+    (u.*transition)();
+  });
+}
+
 // Builds the param specs from the C arrays; returns why they are invalid ("" if
 // they are fine) instead of throwing, so that registration can still join the
 // other ranks.
@@ -91,35 +100,19 @@ fsdp_status_t fsdp_param_set_weight_decay(fsdp_unit_t* unit, size_t param_index,
 }
 
 fsdp_status_t fsdp_forward_begin(fsdp_unit_t* unit, void* stream) {
-  return guard([&] {
-    Unit& u = live_unit(unit, "fsdp_forward_begin");
-    require_cpu_stream(stream, "fsdp_forward_begin");
-    u.forward_begin();
-  });
+  return phase_call(unit, stream, "fsdp_forward_begin", &Unit::forward_begin);
 }
 
 fsdp_status_t fsdp_forward_end(fsdp_unit_t* unit, void* stream) {
-  return guard([&] {
-    Unit& u = live_unit(unit, "fsdp_forward_end");
-    require_cpu_stream(stream, "fsdp_forward_end");
-    u.forward_end();
-  });
+  return phase_call(unit, stream, "fsdp_forward_end", &Unit::forward_end);
 }
 
 fsdp_status_t fsdp_backward_begin(fsdp_unit_t* unit, void* stream) {
-  return guard([&] {
-    Unit& u = live_unit(unit, "fsdp_backward_begin");
-    require_cpu_stream(stream, "fsdp_backward_begin");
-    u.backward_begin();
-  });
+  return phase_call(unit, stream, "fsdp_backward_begin", &Unit::backward_begin);
 }
 
 fsdp_status_t fsdp_backward_end(fsdp_unit_t* unit, void* stream) {
-  return guard([&] {
-    Unit& u = live_unit(unit, "fsdp_backward_end");
-    require_cpu_stream(stream, "fsdp_backward_end");
-    u.backward_end();
-  });
+  return phase_call(unit, stream, "fsdp_backward_end", &Unit::backward_end);
 }
 
 fsdp_status_t fsdp_param_ptr(fsdp_unit_t* unit, size_t param_index, void** ptr) {

@@ -10,12 +10,11 @@
 #include "../../../kernels/cast.h"
 #include "../../core/error.h"
 #include "../../device/cpu/simd.h"
+#include "../../device/dtype_dispatch.h"
 
 namespace fsdp::comm {
 namespace {
 
-using kernels::bf16_t;
-using kernels::fp16_t;
 
 constexpr size_t kBlock = 512;
 
@@ -63,17 +62,7 @@ void reduce_range(LocalGroup& g, void* out, size_t first, size_t numel, DType dt
     for (int r = 0; r < world; ++r) ins[static_cast<size_t>(r)] = static_cast<const T*>(g.slot(r).send) + first;
     reduce_blocks(typed_out, ins, numel, scale);
   };
-  switch (dtype) {
-    case DType::kFp32:
-      run(static_cast<float*>(out));
-      break;
-    case DType::kBf16:
-      run(static_cast<bf16_t*>(out));
-      break;
-    case DType::kFp16:
-      run(static_cast<fp16_t*>(out));
-      break;
-  }
+  device::with_dtype(dtype, out, run);
 }
 
 std::string describe(const CollectiveDesc& d) {

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "../../core/error.h"
+#include "../dtype_dispatch.h"
 #include "simd.h"
 
 namespace fsdp::device {
@@ -16,25 +17,6 @@ namespace {
 
 constexpr size_t kAlign = 64;
 constexpr size_t kGrain = 1024;  // elements; a multiple of every vector width
-
-using kernels::bf16_t;
-using kernels::fp16_t;
-
-// Calls fn(typed pointer) with `p` cast to the storage type of `t`.
-template <typename Fn>
-void with_dtype(DType t, void* p, Fn&& fn) {
-  switch (t) {
-    case DType::kFp32:
-      fn(static_cast<float*>(p));
-      break;
-    case DType::kBf16:
-      fn(static_cast<bf16_t*>(p));
-      break;
-    case DType::kFp16:
-      fn(static_cast<fp16_t*>(p));
-      break;
-  }
-}
 
 // A stand-in output that stores nothing, so that "no param_dtype copy" is a
 // template instance instead of a branch in the inner loop.
