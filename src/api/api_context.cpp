@@ -99,12 +99,11 @@ fsdp_status_t fsdp_config_get(const fsdp_config_t* cfg, const char* key, char* v
     require(key, "fsdp_config_get", "key");
     std::string v = cfg_of(cfg)->get(key);
     if (value_len != nullptr) *value_len = v.size();
-    if (value == nullptr && value_len != nullptr && value_nbytes == 0) return;  // size query
-    require(value, "fsdp_config_get", "value");
-    if (value_nbytes < v.size() + 1) {
+    if (value == nullptr || value_nbytes < v.size() + 1) {
       fail(FSDP_ERR_INVALID_ARGUMENT, "fsdp_config_get: the value of '" + std::string(key) + "' needs " +
-                                          std::to_string(v.size() + 1) + " bytes, the buffer has " +
-                                          std::to_string(value_nbytes));
+                                          std::to_string(v.size() + 1) + " bytes, the buffer " +
+                                          (value == nullptr ? std::string("is NULL")
+                                                            : "has " + std::to_string(value_nbytes)));
     }
     v.copy(value, v.size());
     value[v.size()] = '\0';
@@ -190,6 +189,7 @@ fsdp_status_t fsdp_ctx_async_error(const fsdp_ctx_t* ctx) {
   fsdp_status_t st = FSDP_OK;
   fsdp_status_t call = guard([&] {
     require(ctx, "fsdp_ctx_async_error", "ctx");
+    ctx_of(ctx)->check_live("fsdp_ctx_async_error");
     st = ctx_of(ctx)->async_error();
     if (st != FSDP_OK) {
       fail(st, "fsdp_ctx_async_error: a collective failed earlier with " + std::string(fsdp_status_name(st)) +

@@ -250,9 +250,12 @@ const std::vector<Entry>& table() {
        [](const Options&) { return std::string("cpu"); }},
       {"comm",
        {"communicator", "backend"},
-       [](Options&, const std::string& v) {
+       [](Options& o, const std::string& v) {
          std::string l = lower(trim(v));
-         if (l == "local" || l == "auto") return;
+         if (l == "local" || l == "auto") {
+           o.comm = l;
+           return;
+         }
          if (l == "mpi" || l == "nccl") {
            fail(FSDP_ERR_UNSUPPORTED, "config: comm '" + v +
                                           "' is not built into this library (see "
@@ -260,7 +263,7 @@ const std::vector<Entry>& table() {
          }
          bad_value("comm", v, "auto, local");
        },
-       [](const Options&) { return std::string("local"); }},
+       [](const Options& o) { return o.comm; }},
       {"sync_module_states",
        {},
        [](Options& o, const std::string& v) { o.sync_module_states = parse_bool("sync_module_states", v); },

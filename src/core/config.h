@@ -36,6 +36,7 @@ struct Options {
   double timeout_s = 300.0;
   int threads = 1;
   bool sync_module_states = false;
+  std::string comm = "auto";  // auto: MPI/NCCL when launched by them (later builds), else local
 
   DType reduce_dtype() const { return reduce_dtype_auto ? param_dtype : reduce_dtype_set; }
 };

@@ -1,0 +1,324 @@
+// Shared test helpers: N in-process ranks as threads, independent fp32<->bf16/fp16 rounding, a deterministic RNG,
+// config/status helpers.
+#ifndef FSDP_TESTS_RANK_RUNNER_H
+#define FSDP_TESTS_RANK_RUNNER_H
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "fsdp.h"
+
+namespace fsdp_test {
+
+// ---- status helpers ------------------------------------------------------
+
+inline std::string last_error_str() {
+  const char* e = fsdp_last_error();
+  return e ? std::string(e) : std::string("(fsdp_last_error returned NULL)");
+}
+
+inline std::string status_str(fsdp_status_t s) {
+  const char* n = fsdp_status_name(s);
+  return std::string(n ? n : "(NULL)") + " (" + std::to_string(int(s)) + ")";
+}
+
+// The message is read first, before any other libfsdp call can replace it.
+inline ::testing::AssertionResult status_is(fsdp_status_t got, fsdp_status_t expected, const char* call) {
+  const std::string msg = last_error_str();
+  if (got != expected)
+    return ::testing::AssertionFailure() << call << " returned " << status_str(got) << ", expected "
+                                         << status_str(expected) << "; message: " << msg;
+  if (got != FSDP_OK && msg.empty()) return ::testing::AssertionFailure() << call << " failed without a message";
+  return ::testing::AssertionSuccess();
+}
+
+}  // namespace fsdp_test
+
+// The message is read before anything else so that no other libfsdp call can
+// replace it first.
+#define EXPECT_OK(call)                                                                                    \
+  do {                                                                                                     \
+    const fsdp_status_t fsdp_ok_s_ = (call);                                                               \
+    if (fsdp_ok_s_ != FSDP_OK) {                                                                           \
+      const std::string fsdp_ok_m_ = ::fsdp_test::last_error_str();                                        \
+      ADD_FAILURE() << #call << " returned " << ::fsdp_test::status_str(fsdp_ok_s_) << ": " << fsdp_ok_m_; \
+    }                                                                                                      \
+  } while (0)
+
+// Like EXPECT_OK but returns from the enclosing void function (or lambda).
+#define ASSERT_OK(call)                                                                             \
+  do {                                                                                              \
+    const fsdp_status_t fsdp_ok_s_ = (call);                                                        \
+    if (fsdp_ok_s_ != FSDP_OK) {                                                                    \
+      const std::string fsdp_ok_m_ = ::fsdp_test::last_error_str();                                 \
+      FAIL() << #call << " returned " << ::fsdp_test::status_str(fsdp_ok_s_) << ": " << fsdp_ok_m_; \
+    }                                                                                               \
+  } while (0)
+
+// Expects `call` to return `expected`; a failure must come with a message.
+// Streams like EXPECT_TRUE: EXPECT_STATUS(FSDP_ERR_..., f(x)) << "context";
+#define EXPECT_STATUS(expected, call) EXPECT_TRUE(::fsdp_test::status_is((call), (expected), #call))
+
+namespace fsdp_test {
+
+// ---- handles ---------------------------------------------------------------
+
+struct ConfigDeleter {
+  void operator()(fsdp_config_t* c) const { fsdp_config_destroy(c); }
+};
+using ConfigPtr = std::unique_ptr<fsdp_config_t, ConfigDeleter>;
+
+struct CtxDeleter {
+  void operator()(fsdp_ctx_t* c) const { fsdp_ctx_destroy(c); }
+};
+using CtxPtr = std::unique_ptr<fsdp_ctx_t, CtxDeleter>;
+
+// A config with exactly the given options set (everything else default).
+// Records a test failure (and returns NULL) if an option is refused.
+inline ConfigPtr make_config(const std::map<std::string, std::string>& options) {
+  fsdp_config_t* cfg = nullptr;
+  const fsdp_status_t s = fsdp_config_create(&cfg);
+  if (s != FSDP_OK || cfg == nullptr) {
+    ADD_FAILURE() << "fsdp_config_create: " << status_str(s) << ": " << last_error_str();
+    return ConfigPtr();
+  }
+  ConfigPtr out(cfg);
+  for (const auto& kv : options) {
+    const fsdp_status_t st = fsdp_config_set(cfg, kv.first.c_str(), kv.second.c_str());
+    if (st != FSDP_OK) {
+      ADD_FAILURE() << "fsdp_config_set(" << kv.first << ", " << kv.second << "): " << status_str(st) << ": "
+                    << last_error_str();
+      return ConfigPtr();
+    }
+  }
+  return out;
+}
+
+// ---- ranks -----------------------------------------------------------------
+
+// Runs fn(rank, group) on `world` threads sharing one local group. gtest
+// EXPECT_*/ADD_FAILURE work inside fn (gtest is thread safe on pthreads);
+// ASSERT_* returns from fn only. Each failure is tagged with its rank. If the
+// ranks have not all returned after `watchdog_s` seconds the process aborts
+// with a message, so a hang in the library is a failure, never a stuck suite.
+inline void run_ranks(int world, const std::function<void(int rank, fsdp_local_group_t* group)>& fn,
+                      double watchdog_s = 120.0) {
+  fsdp_local_group_t* group = nullptr;
+  const fsdp_status_t s = fsdp_local_group_create(world, &group);
+  if (s != FSDP_OK || group == nullptr) {
+    ADD_FAILURE() << "fsdp_local_group_create(" << world << "): " << status_str(s) << ": " << last_error_str();
+    return;
+  }
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+  std::thread watchdog([&] {
+    std::unique_lock<std::mutex> lock(mu);
+    const auto limit = std::chrono::duration<double>(watchdog_s);
+    if (!cv.wait_for(lock, limit, [&] { return done; })) {
+      std::fprintf(stderr, "run_ranks: ranks did not finish within %.0f s (hang); aborting\n", watchdog_s);
+      std::fflush(stderr);
+      std::abort();
+    }
+  });
+  std::vector<std::thread> threads;
+  threads.reserve(size_t(world));
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&fn, group, r] {
+      SCOPED_TRACE("rank " + std::to_string(r));
+      try {
+        fn(r, group);
+      } catch (const std::exception& e) {
+        ADD_FAILURE() << "rank " << r << " threw: " << e.what();
+      } catch (...) {
+        ADD_FAILURE() << "rank " << r << " threw a non-std exception";
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    done = true;
+  }
+  cv.notify_all();
+  watchdog.join();
+  fsdp_local_group_destroy(group);
+}
+
+// ---- units -----------------------------------------------------------------
+
+struct ParamSpec {
+  std::string name;
+  std::vector<int64_t> shape;
+};
+
+inline size_t numel_of(const std::vector<int64_t>& shape) {
+  size_t n = 1;
+  for (int64_t d : shape) n *= size_t(d);
+  return n;
+}
+
+// fsdp_unit_register with the pointer+count arrays built from `params`.
+inline fsdp_status_t register_unit(fsdp_ctx_t* ctx, const std::string& name, const std::vector<ParamSpec>& params,
+                                   fsdp_unit_t** out) {
+  std::vector<const char*> names;
+  std::vector<int32_t> ndims;
+  std::vector<int64_t> dims;
+  for (const auto& p : params) {
+    names.push_back(p.name.c_str());
+    ndims.push_back(int32_t(p.shape.size()));
+    dims.insert(dims.end(), p.shape.begin(), p.shape.end());
+  }
+  return fsdp_unit_register(ctx, name.c_str(), params.size(), names.data(), ndims.data(), dims.data(), out);
+}
+
+// ---- deterministic RNG -----------------------------------------------------
+
+class Rng {
+ public:
+  explicit Rng(uint64_t seed) : state_(seed) {}
+  uint64_t next() {  // splitmix64
+    uint64_t z = (state_ += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+  }
+  float uniform(float lo, float hi) {  // 24 random bits -> [lo, hi)
+    const float u = float(next() >> 40) * (1.0f / 16777216.0f);
+    return lo + (hi - lo) * u;
+  }
+  std::vector<float> uniform_vec(size_t n, float lo, float hi) {
+    std::vector<float> v(n);
+    for (auto& x : v) x = uniform(lo, hi);
+    return v;
+  }
+
+ private:
+  uint64_t state_;
+};
+
+// ---- fp32 <-> bf16 / fp16, round to nearest even -----------------------------
+
+inline uint32_t f32_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+inline float f32_from_bits(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t f32_to_bf16(float f) {
+  uint32_t x = f32_bits(f);
+  if ((x & 0x7FFFFFFFu) > 0x7F800000u) return uint16_t((x >> 16) | 0x0040u);  // quiet NaN
+  x += 0x7FFFu + ((x >> 16) & 1u);  // ties go to the even upper half; overflow carries to Inf
+  return uint16_t(x >> 16);
+}
+inline float bf16_to_f32(uint16_t h) { return f32_from_bits(uint32_t(h) << 16); }
+
+inline uint16_t f32_to_fp16(float f) {
+  const uint32_t x = f32_bits(f);
+  const uint16_t sign = uint16_t((x >> 16) & 0x8000u);
+  const uint32_t a = x & 0x7FFFFFFFu;
+  if (a > 0x7F800000u) return uint16_t(sign | 0x7E00u);   // NaN (quiet)
+  if (a >= 0x477FF000u) return uint16_t(sign | 0x7C00u);  // >= 65520 rounds to Inf
+  if (a < 0x38800000u) {
+    // Below 2^-14: fp16 subnormal (or zero), a multiple of 2^-24. The scaling
+    // is exact and nearbyint rounds half to even in the default mode.
+    const float units = std::nearbyint(std::fabs(f) * 16777216.0f);
+    return uint16_t(sign | uint16_t(units));  // 1024 units is the smallest normal
+  }
+  const uint32_t exp = (a >> 23) - 127u + 15u;
+  const uint32_t mant = a & 0x7FFFFFu;
+  uint32_t h = (exp << 10) | (mant >> 13);
+  const uint32_t rem = mant & 0x1FFFu;
+  if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) ++h;  // may carry into the exponent
+  return uint16_t(sign | h);
+}
+inline float fp16_to_f32(uint16_t h) {
+  const float sign = (h & 0x8000u) ? -1.0f : 1.0f;
+  const int exp = (h >> 10) & 0x1F;
+  const int mant = h & 0x3FF;
+  if (exp == 0) return sign * std::ldexp(float(mant), -24);
+  if (exp == 31) return mant ? std::copysign(NAN, sign) : sign * INFINITY;
+  return sign * std::ldexp(float(1024 + mant), exp - 25);
+}
+
+inline size_t dtype_nbytes(fsdp_dtype_t dt) { return dt == FSDP_DTYPE_FP32 ? 4 : 2; }
+
+inline const char* dtype_config_name(fsdp_dtype_t dt) {
+  return dt == FSDP_DTYPE_FP32 ? "fp32" : dt == FSDP_DTYPE_BF16 ? "bf16" : "fp16";
+}
+
+// The value `f` takes once stored in `dt`.
+inline float round_to(fsdp_dtype_t dt, float f) {
+  switch (dt) {
+    case FSDP_DTYPE_BF16:
+      return bf16_to_f32(f32_to_bf16(f));
+    case FSDP_DTYPE_FP16:
+      return fp16_to_f32(f32_to_fp16(f));
+    default:
+      return f;
+  }
+}
+
+// Element i of a buffer in `dt`, as fp32.
+inline float load_elem(const void* buf, size_t i, fsdp_dtype_t dt) {
+  switch (dt) {
+    case FSDP_DTYPE_BF16:
+      return bf16_to_f32(static_cast<const uint16_t*>(buf)[i]);
+    case FSDP_DTYPE_FP16:
+      return fp16_to_f32(static_cast<const uint16_t*>(buf)[i]);
+    default:
+      return static_cast<const float*>(buf)[i];
+  }
+}
+
+// buf[i] += g, computed in fp32 and rounded to `dt`.
+inline void add_elem(void* buf, size_t i, fsdp_dtype_t dt, float g) {
+  const float v = load_elem(buf, i, dt) + g;
+  switch (dt) {
+    case FSDP_DTYPE_BF16:
+      static_cast<uint16_t*>(buf)[i] = f32_to_bf16(v);
+      break;
+    case FSDP_DTYPE_FP16:
+      static_cast<uint16_t*>(buf)[i] = f32_to_fp16(v);
+      break;
+    default:
+      static_cast<float*>(buf)[i] = v;
+      break;
+  }
+}
+
+// max_i |a_i - b_i| / max_i |ref_i| (ref = b); 0/0 counts as 0.
+inline double rel_max_diff(const std::vector<float>& a, const std::vector<float>& b) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < a.size() && i < b.size(); ++i) {
+    num = std::max(num, std::fabs(double(a[i]) - double(b[i])));
+    den = std::max(den, std::fabs(double(b[i])));
+  }
+  if (a.size() != b.size()) return INFINITY;
+  return den > 0 ? num / den : num;
+}
+
+}  // namespace fsdp_test
+
+#endif  // FSDP_TESTS_RANK_RUNNER_H

@@ -1,0 +1,592 @@
+// Proves that N-rank sharded training (every sharding; fp32/bf16/fp16; grad accumulation; no_sync; clipping; padding)
+// matches a single-process unsharded reference.
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "rank_runner.h"
+
+using namespace fsdp_test;
+
+namespace {
+
+constexpr int kBatch = 24;  // divisible by 1, 2, 3, 4 (and by 2 micro-batches per rank)
+constexpr int kSteps = 20;
+constexpr double kLr = 1e-2;
+constexpr double kBeta1 = 0.9, kBeta2 = 0.999, kEps = 1e-8;
+
+using Tensor = std::vector<float>;
+using UnitParams = std::vector<Tensor>;  // [param][elem]
+using Params = std::vector<UnitParams>;  // [unit][param][elem]
+
+// An MLP: one unit per Linear layer (W [out,in], bias [out]), tanh between
+// layers, optionally a last unit holding one 1-element param that scales the
+// output (a unit whose shard is pure padding on most ranks).
+struct Model {
+  std::vector<int> dims;
+  bool gain_unit = false;
+
+  size_t n_linear() const { return dims.size() - 1; }
+  size_t n_units() const { return n_linear() + (gain_unit ? 1 : 0); }
+  bool is_linear(size_t u) const { return u < n_linear(); }
+  int in_dim() const { return dims.front(); }
+  int out_dim() const { return dims.back(); }
+  std::string unit_name(size_t u) const { return is_linear(u) ? "layer" + std::to_string(u) : "gain"; }
+  std::vector<ParamSpec> unit_params(size_t u) const {
+    if (!is_linear(u)) return {{"gain.scale", {1}}};
+    const std::string n = unit_name(u);
+    return {{n + ".weight", {dims[u + 1], dims[u]}}, {n + ".bias", {dims[u + 1]}}};
+  }
+};
+
+const Model kMlp{{16, 32, 32, 32, 8}, false};
+// A 7-wide and a 13-wide layer and a 1-element unit: sizes divisible by no world.
+const Model kUnevenMlp{{16, 7, 13, 8}, true};
+
+struct Data {
+  Tensor x;  // [kBatch, in]
+  Tensor t;  // [kBatch, out]
+};
+
+Data make_data(const Model& m, uint64_t seed) {
+  Rng rng(seed);
+  Data d;
+  d.x = rng.uniform_vec(size_t(kBatch) * size_t(m.in_dim()), -1.f, 1.f);
+  d.t = rng.uniform_vec(size_t(kBatch) * size_t(m.out_dim()), -0.8f, 0.8f);
+  return d;
+}
+
+Params make_init(const Model& m, uint64_t seed) {
+  Rng rng(seed);
+  Params p(m.n_units());
+  for (size_t u = 0; u < m.n_units(); ++u) {
+    for (const auto& spec : m.unit_params(u)) {
+      const float bound = m.is_linear(u) ? 1.f / std::sqrt(float(m.dims[u])) : 0.f;
+      p[u].push_back(m.is_linear(u) ? rng.uniform_vec(numel_of(spec.shape), -bound, bound)
+                                    : Tensor{rng.uniform(0.8f, 1.2f)});
+    }
+  }
+  return p;
+}
+
+// ---- the model's math, shared by the reference and the libfsdp-driven run ----
+
+// h = act(W x + b) for `rows` rows of x [rows, in].
+void unit_forward(const Model& m, size_t u, const UnitParams& p, const Tensor& x, int rows, Tensor& h) {
+  if (!m.is_linear(u)) {
+    h.resize(x.size());
+    for (size_t i = 0; i < x.size(); ++i) h[i] = p[0][0] * x[i];
+    return;
+  }
+  const int in = m.dims[u], out = m.dims[u + 1];
+  const bool act = u + 1 < m.n_linear();
+  h.assign(size_t(rows) * size_t(out), 0.f);
+  for (int r = 0; r < rows; ++r)
+    for (int o = 0; o < out; ++o) {
+      float z = p[1][size_t(o)];
+      for (int i = 0; i < in; ++i) z += p[0][size_t(o * in + i)] * x[size_t(r * in + i)];
+      h[size_t(r * out + o)] = act ? std::tanh(z) : z;
+    }
+}
+
+// Given dL/dh, the unit's param grads g (overwritten) and dL/dx.
+void unit_backward(const Model& m, size_t u, const UnitParams& p, const Tensor& x, const Tensor& h, const Tensor& dh,
+                   int rows, UnitParams& g, Tensor& dx) {
+  if (!m.is_linear(u)) {
+    float ds = 0.f;
+    dx.resize(x.size());
+    for (size_t i = 0; i < x.size(); ++i) {
+      ds += dh[i] * x[i];
+      dx[i] = p[0][0] * dh[i];
+    }
+    g = {Tensor{ds}};
+    return;
+  }
+  const int in = m.dims[u], out = m.dims[u + 1];
+  const bool act = u + 1 < m.n_linear();
+  Tensor dz(dh.size());
+  for (size_t i = 0; i < dh.size(); ++i) dz[i] = act ? dh[i] * (1.f - h[i] * h[i]) : dh[i];
+  g = {Tensor(size_t(out) * size_t(in), 0.f), Tensor(size_t(out), 0.f)};
+  dx.assign(size_t(rows) * size_t(in), 0.f);
+  for (int r = 0; r < rows; ++r)
+    for (int o = 0; o < out; ++o) {
+      const float d = dz[size_t(r * out + o)];
+      g[1][size_t(o)] += d;
+      for (int i = 0; i < in; ++i) {
+        g[0][size_t(o * in + i)] += d * x[size_t(r * in + i)];
+        dx[size_t(r * in + i)] += d * p[0][size_t(o * in + i)];
+      }
+    }
+}
+
+// dL/dy of L = scale * mean over rows and outputs of (y - t)^2.
+Tensor loss_grad(const Tensor& y, const Data& d, int row0, float scale) {
+  Tensor dy(y.size());
+  const size_t off = size_t(row0) * size_t(d.t.size() / kBatch);
+  for (size_t i = 0; i < y.size(); ++i) dy[i] = scale * 2.f * (y[i] - d.t[off + i]) / float(y.size());
+  return dy;
+}
+
+Tensor rows_of(const Tensor& x, int width, int row0, int rows) {
+  return Tensor(x.begin() + row0 * width, x.begin() + (row0 + rows) * width);
+}
+
+// Grads of scale * (mean loss over rows [row0, row0+rows)) at params p.
+Params grads_on_rows(const Model& m, const Params& p, const Data& d, int row0, int rows, float scale) {
+  std::vector<Tensor> acts(m.n_units() + 1);
+  acts[0] = rows_of(d.x, m.in_dim(), row0, rows);
+  for (size_t u = 0; u < m.n_units(); ++u) unit_forward(m, u, p[u], acts[u], rows, acts[u + 1]);
+  Tensor dh = loss_grad(acts.back(), d, row0, scale), dx;
+  Params g(m.n_units());
+  for (size_t u = m.n_units(); u-- > 0;) {
+    unit_backward(m, u, p[u], acts[u], acts[u + 1], dh, rows, g[u], dx);
+    dh.swap(dx);
+  }
+  return g;
+}
+
+Params rounded(const Params& p, fsdp_dtype_t dt) {
+  Params r = p;
+  for (auto& unit : r)
+    for (auto& t : unit)
+      for (auto& v : t) v = round_to(dt, v);
+  return r;
+}
+
+// ---- the reference: one process, whole batch, own AdamW -------------------
+
+struct RefOptions {
+  fsdp_dtype_t dtype = FSDP_DTYPE_FP32;
+  fsdp_dtype_t reduce_dtype = FSDP_DTYPE_FP32;  // with a low-precision dtype: the reduction's
+  int world = 1;                                // only used to emulate per-rank rounding of low-precision grads
+  double weight_decay = 0.01;                   // "*bias" params get 0
+  double max_grad_norm = 0;
+};
+
+struct RefResult {
+  Params params;
+  std::vector<double> norms;  // per step, before clipping
+  int clipped_steps = 0;
+};
+
+bool is_bias(const Model& m, size_t u, size_t i) {
+  const std::string n = m.unit_params(u)[i].name;
+  return n.size() >= 4 && n.compare(n.size() - 4, 4, "bias") == 0;
+}
+
+// PyTorch's AdamW in fp32 at step t (1-based).
+void adamw_update(Tensor& p, Tensor& mom, Tensor& var, const Tensor& g, int t, double wd) {
+  const float bc1 = float(1.0 - std::pow(kBeta1, t));
+  const float bc2_sqrt = float(std::sqrt(1.0 - std::pow(kBeta2, t)));
+  const float step_size = float(kLr) / bc1;
+  for (size_t i = 0; i < p.size(); ++i) {
+    p[i] *= float(1.0 - kLr * wd);
+    mom[i] = float(kBeta1) * mom[i] + float(1.0 - kBeta1) * g[i];
+    var[i] = float(kBeta2) * var[i] + float(1.0 - kBeta2) * g[i] * g[i];
+    p[i] -= step_size * mom[i] / (std::sqrt(var[i]) / bc2_sqrt + float(kEps));
+  }
+}
+
+// The grad a step sees. fp32: the whole batch's mean-loss grad. Low precision:
+// each rank's grad rounded to the dtype (as the host writes it), averaged,
+// rounded to the reduce dtype.
+Params step_grads(const Model& m, const Params& p_round, const Data& d, const RefOptions& o) {
+  if (o.dtype == FSDP_DTYPE_FP32) return grads_on_rows(m, p_round, d, 0, kBatch, 1.f);
+  const int rows = kBatch / o.world;
+  Params sum;
+  for (int r = 0; r < o.world; ++r) {
+    Params g = grads_on_rows(m, p_round, d, r * rows, rows, 1.f);
+    g = rounded(g, o.dtype);
+    if (r == 0) {
+      sum = g;
+      continue;
+    }
+    for (size_t u = 0; u < g.size(); ++u)
+      for (size_t i = 0; i < g[u].size(); ++i)
+        for (size_t k = 0; k < g[u][i].size(); ++k) sum[u][i][k] += g[u][i][k];
+  }
+  for (auto& unit : sum)
+    for (auto& t : unit)
+      for (auto& v : t) v = round_to(o.reduce_dtype, v / float(o.world));
+  return sum;
+}
+
+// torch.nn.utils.clip_grad_norm_: returns the norm before clipping.
+double clip_grads(Params& g, double max_norm, bool* clipped) {
+  double sq = 0;
+  for (const auto& unit : g)
+    for (const auto& t : unit)
+      for (float v : t) sq += double(v) * double(v);
+  const double norm = std::sqrt(sq);
+  *clipped = false;
+  if (max_norm > 0) {
+    const double coef = std::min(1.0, max_norm / (norm + 1e-6));
+    *clipped = coef < 1.0;
+    for (auto& unit : g)
+      for (auto& t : unit)
+        for (auto& v : t) v = float(double(v) * coef);
+  }
+  return norm;
+}
+
+RefResult reference_train(const Model& m, const Params& init, const Data& d, const RefOptions& o) {
+  RefResult res;
+  res.params = init;
+  Params mom = init, var = init;
+  for (auto* s : {&mom, &var})
+    for (auto& unit : *s)
+      for (auto& t : unit) std::fill(t.begin(), t.end(), 0.f);
+  for (int step = 1; step <= kSteps; ++step) {
+    Params g = step_grads(m, rounded(res.params, o.dtype), d, o);
+    bool clipped = false;
+    res.norms.push_back(clip_grads(g, o.max_grad_norm, &clipped));
+    res.clipped_steps += clipped ? 1 : 0;
+    for (size_t u = 0; u < m.n_units(); ++u)
+      for (size_t i = 0; i < g[u].size(); ++i)
+        adamw_update(res.params[u][i], mom[u][i], var[u][i], g[u][i], step, is_bias(m, u, i) ? 0.0 : o.weight_decay);
+  }
+  return res;
+}
+
+// ---- the same training driven through libfsdp on N ranks -------------------
+
+struct Case {
+  std::string name;
+  int world = 1;
+  std::string sharding = "FULL_SHARD";
+  fsdp_dtype_t dtype = FSDP_DTYPE_FP32;
+  std::string reduce_dtype = "auto";
+  int micro = 1;         // micro-batches per step (each half of the rank's rows)
+  bool no_sync = false;  // fsdp_set_grad_sync(0) for all micro-batches but the last
+  double max_grad_norm = 0;
+  bool uneven = false;
+  double weight_decay = 0.01;
+  double tol = 1e-5;          // per tensor: max|lib - ref| / max|ref|, the largest over tensors
+  bool model_metric = false;  // tol is ||lib - ref|| / ||ref|| over the whole model instead
+};
+
+void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
+
+struct LibResult {
+  std::vector<Params> params_by_rank;
+  std::vector<std::vector<double>> norms_by_rank;
+};
+
+UnitParams fetch_params(const Model& m, size_t u, fsdp_unit_t* unit, fsdp_dtype_t dt) {
+  UnitParams p;
+  const auto specs = m.unit_params(u);
+  for (size_t i = 0; i < specs.size(); ++i) {
+    void* ptr = nullptr;
+    EXPECT_OK(fsdp_param_ptr(unit, i, &ptr));
+    Tensor t(numel_of(specs[i].shape), NAN);
+    if (ptr != nullptr)
+      for (size_t k = 0; k < t.size(); ++k) t[k] = load_elem(ptr, k, dt);
+    p.push_back(std::move(t));
+  }
+  return p;
+}
+
+// One forward + backward pass over rows [row0, row0+rows) through libfsdp.
+// `expect` (if not NULL) are the param values every gather must produce.
+void lib_pass(const Model& m, const std::vector<fsdp_unit_t*>& units, fsdp_dtype_t dt, const Data& d, int row0,
+              int rows, float scale, const Params* expect) {
+  std::vector<Tensor> acts(m.n_units() + 1);
+  acts[0] = rows_of(d.x, m.in_dim(), row0, rows);
+  for (size_t u = 0; u < m.n_units(); ++u) {
+    ASSERT_OK(fsdp_forward_begin(units[u], nullptr));
+    const UnitParams p = fetch_params(m, u, units[u], dt);
+    if (expect) {
+      EXPECT_EQ(p, (*expect)[u]) << "forward gather of unit " << u;
+    }
+    unit_forward(m, u, p, acts[u], rows, acts[u + 1]);
+    ASSERT_OK(fsdp_forward_end(units[u], nullptr));
+  }
+  Tensor dh = loss_grad(acts.back(), d, row0, scale), dx;
+  for (size_t u = m.n_units(); u-- > 0;) {
+    ASSERT_OK(fsdp_backward_begin(units[u], nullptr));
+    const UnitParams p = fetch_params(m, u, units[u], dt);
+    if (expect) {
+      EXPECT_EQ(p, (*expect)[u]) << "backward gather of unit " << u;
+    }
+    UnitParams g;
+    unit_backward(m, u, p, acts[u], acts[u + 1], dh, rows, g, dx);
+    for (size_t i = 0; i < g.size(); ++i) {
+      void* gp = nullptr;
+      ASSERT_OK(fsdp_grad_ptr(units[u], i, &gp));
+      ASSERT_NE(gp, nullptr);
+      for (size_t k = 0; k < g[i].size(); ++k) add_elem(gp, k, dt, g[i][k]);
+    }
+    ASSERT_OK(fsdp_backward_end(units[u], nullptr));
+    dh.swap(dx);
+  }
+}
+
+LibResult lib_train(const Case& c, const Model& m, const Params& init, const Data& d) {
+  LibResult out;
+  out.params_by_rank.resize(size_t(c.world));
+  out.norms_by_rank.resize(size_t(c.world));
+  run_ranks(c.world, [&](int rank, fsdp_local_group_t* group) {
+    std::map<std::string, std::string> opts = {{"sharding", c.sharding},
+                                               {"param_dtype", dtype_config_name(c.dtype)},
+                                               {"reduce_dtype", c.reduce_dtype},
+                                               {"optimizer", "adamw"},
+                                               {"lr", "0.01"},
+                                               {"weight_decay", std::to_string(c.weight_decay)},
+                                               {"no_weight_decay", "*bias"},
+                                               {"timeout_s", "20"}};
+    if (c.max_grad_norm > 0) opts["max_grad_norm"] = std::to_string(c.max_grad_norm);
+    ConfigPtr cfg = make_config(opts);
+    ASSERT_TRUE(cfg);
+    fsdp_ctx_t* raw = nullptr;
+    ASSERT_OK(fsdp_ctx_create(cfg.get(), group, rank, &raw));
+    CtxPtr ctx(raw);
+    fsdp_dtype_t dt = FSDP_DTYPE_FP32;
+    ASSERT_OK(fsdp_ctx_param_dtype(ctx.get(), &dt));
+    ASSERT_EQ(dt, c.dtype);
+
+    std::vector<fsdp_unit_t*> units(m.n_units(), nullptr);
+    for (size_t u = 0; u < m.n_units(); ++u) {
+      ASSERT_OK(register_unit(ctx.get(), m.unit_name(u), m.unit_params(u), &units[u]));
+      for (size_t i = 0; i < init[u].size(); ++i)
+        ASSERT_OK(fsdp_param_set_values(units[u], i, init[u][i].data(), init[u][i].size()));
+    }
+    const Params init_rounded = rounded(init, dt);
+    const int rows = kBatch / c.world, micro_rows = rows / c.micro;
+    for (int step = 0; step < kSteps; ++step) {
+      for (int k = 0; k < c.micro; ++k) {
+        if (c.no_sync) ASSERT_OK(fsdp_set_grad_sync(ctx.get(), k + 1 == c.micro ? 1 : 0));
+        lib_pass(m, units, dt, d, rank * rows + k * micro_rows, micro_rows, 1.f / float(c.micro),
+                 step == 0 ? &init_rounded : nullptr);
+        if (::testing::Test::HasFatalFailure()) return;
+      }
+      ASSERT_OK(fsdp_step(ctx.get(), nullptr));
+      double norm = -1;
+      ASSERT_OK(fsdp_last_grad_norm(ctx.get(), &norm));
+      out.norms_by_rank[size_t(rank)].push_back(norm);
+    }
+    Params& got = out.params_by_rank[size_t(rank)];
+    got = init;
+    for (size_t u = 0; u < m.n_units(); ++u)
+      for (size_t i = 0; i < got[u].size(); ++i) {
+        std::fill(got[u][i].begin(), got[u][i].end(), NAN);
+        EXPECT_OK(fsdp_gather_param(units[u], i, got[u][i].data(), got[u][i].size()));
+      }
+    EXPECT_OK(fsdp_ctx_finalize(ctx.get()));
+  });
+  return out;
+}
+
+// Largest per-tensor max|a-b| / max|ref| over the model.
+double max_rel_error(const Params& a, const Params& ref, std::string* where) {
+  double worst = 0;
+  for (size_t u = 0; u < ref.size(); ++u)
+    for (size_t i = 0; i < ref[u].size(); ++i) {
+      const double e = (u < a.size() && i < a[u].size()) ? rel_max_diff(a[u][i], ref[u][i]) : INFINITY;
+      if (!(e <= worst)) {
+        worst = e;
+        *where = "unit " + std::to_string(u) + " param " + std::to_string(i);
+      }
+    }
+  return worst;
+}
+
+// ||a - ref|| / ||ref|| over all params of the model (Frobenius).
+double model_rel_error(const Params& a, const Params& ref) {
+  double num = 0, den = 0;
+  for (size_t u = 0; u < ref.size(); ++u)
+    for (size_t i = 0; i < ref[u].size(); ++i)
+      for (size_t k = 0; k < ref[u][i].size(); ++k) {
+        const double x = (u < a.size() && i < a[u].size() && k < a[u][i].size()) ? a[u][i][k] : NAN;
+        num += (x - ref[u][i][k]) * (x - ref[u][i][k]);
+        den += double(ref[u][i][k]) * ref[u][i][k];
+      }
+  return std::isnan(num) ? INFINITY : std::sqrt(num / den);
+}
+
+// The distance the case's tolerance applies to.
+double case_error(const Case& c, const Params& a, const Params& ref, std::string* where) {
+  if (c.model_metric) {
+    *where = "whole model";
+    return model_rel_error(a, ref);
+  }
+  return max_rel_error(a, ref, where);
+}
+
+void check_case(const Case& c) {
+  const Model& m = c.uneven ? kUnevenMlp : kMlp;
+  const Data d = make_data(m, 1234);
+  const Params init = make_init(m, 42);
+  RefOptions o;
+  o.dtype = c.dtype;
+  o.reduce_dtype = c.reduce_dtype == "fp32" ? FSDP_DTYPE_FP32 : c.dtype;
+  o.world = c.world;
+  o.weight_decay = c.weight_decay;
+  o.max_grad_norm = c.max_grad_norm;
+  const RefResult ref = reference_train(m, init, d, o);
+
+  // The test's power: a missing weight decay, missing clipping, or no
+  // training at all must be farther from the reference than the tolerance.
+  std::string where;
+  RefOptions no_wd = o;
+  no_wd.weight_decay = 0;
+  EXPECT_GT(case_error(c, reference_train(m, init, d, no_wd).params, ref.params, &where), 3 * c.tol)
+      << "the tolerance is too loose to see a missing weight decay";
+  EXPECT_GT(case_error(c, init, ref.params, &where), 10 * c.tol) << "the reference barely trains";
+  if (c.max_grad_norm > 0) {
+    EXPECT_EQ(ref.clipped_steps, kSteps) << "max_grad_norm must clip every step";
+    RefOptions no_clip = o;
+    no_clip.max_grad_norm = 0;
+    EXPECT_GT(case_error(c, reference_train(m, init, d, no_clip).params, ref.params, &where), 3 * c.tol)
+        << "the tolerance is too loose to see missing clipping";
+  }
+
+  const LibResult lib = lib_train(c, m, init, d);
+  if (::testing::Test::HasFailure()) return;
+  for (int r = 0; r < c.world; ++r) {
+    EXPECT_EQ(lib.params_by_rank[size_t(r)], lib.params_by_rank[0])
+        << "rank " << r << " gathered different values than rank 0";
+    EXPECT_EQ(lib.norms_by_rank[size_t(r)], lib.norms_by_rank[0]) << "rank " << r << " grad norms";
+  }
+  const double err = case_error(c, lib.params_by_rank[0], ref.params, &where);
+  EXPECT_LE(err, c.tol) << "worst: " << where;
+  if (c.dtype == FSDP_DTYPE_FP32) {
+    // The norm of the averaged grads, before clipping, every step.
+    for (int s = 0; s < kSteps; ++s)
+      EXPECT_NEAR(lib.norms_by_rank[0][size_t(s)], ref.norms[size_t(s)], 1e-4 * ref.norms[size_t(s)])
+          << "fsdp_last_grad_norm at step " << s + 1;
+  }
+}
+
+// ---- world x sharding, fp32 ------------------------------------------------
+
+class ShardedTraining : public ::testing::TestWithParam<std::tuple<int, const char*>> {};
+
+TEST_P(ShardedTraining, MatchesSingleProcessAdamWReference) {
+  Case c;
+  c.world = std::get<0>(GetParam());
+  c.sharding = std::get<1>(GetParam());
+  check_case(c);
+}
+
+INSTANTIATE_TEST_SUITE_P(WorldBySharding, ShardedTraining,
+                         ::testing::Combine(::testing::Values(1, 2, 3, 4),
+                                            ::testing::Values("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")),
+                         [](const ::testing::TestParamInfo<ShardedTraining::ParamType>& pi) {
+                           return std::string(std::get<1>(pi.param)) + "_world" + std::to_string(std::get<0>(pi.param));
+                         });
+
+// ---- variants ----------------------------------------------------------------
+
+// Low precision. Both runs round params to the dtype before every forward and
+// each rank's grads to the dtype; a correct libfsdp may still differ from the
+// reference in the order and rounding of the cross-rank reduction (with
+// reduce_dtype=auto it runs in the param dtype: up to one rounding, relative
+// u = 2^-8 for bf16, 2^-11 for fp16, per grad element) and in fp32 op order.
+// Adam's step is ~lr * m/sqrt(v) whatever the grad's size, so a relative grad
+// error u moves an element by about lr*u per step (20 steps * 1e-2 * 2^-8 =
+// 8e-4 for bf16), but an element whose grad hovers around zero can take a
+// different step of up to ~lr, and a 1-ulp change in a rounded param feeds
+// back into later grads. The largest per-element error is therefore ~lr, while
+// the error over the whole model (Frobenius) stays near lr*u*steps*sqrt of
+// the few flipped elements: simulating plausible reduction orders (sum in
+// dtype, pre-divide, post-divide, fp32 sum in either order) over several
+// seeds gave at most 0.8% (auto) / 0.09% (fp32 reduce, bf16) / 0.02%
+// (fp32 reduce, fp16). The tolerances below sit 3-6x above that, and at least
+// 5x below the ~15% that a missing weight decay causes with weight_decay 1.0
+// ((1 - lr*wd)^20 = 0.82; check_case verifies this margin). A wrong shard or
+// grads from the wrong rank are O(1). Summed-instead-of-averaged grads do not
+// change Adam's update; the Clip cases and fsdp_last_grad_norm catch those.
+constexpr double kAutoReduceTol = 3e-2, kBf16Fp32ReduceTol = 5e-3, kFp16Fp32ReduceTol = 1e-3;
+
+std::vector<Case> variant_cases() {
+  std::vector<Case> cs;
+  auto add = [&](Case c, int world, const char* sharding) {
+    c.world = world;
+    c.sharding = sharding;
+    c.name += std::string("_") + sharding + "_world" + std::to_string(world);
+    cs.push_back(c);
+  };
+  Case bf16;
+  bf16.name = "Bf16";
+  bf16.dtype = FSDP_DTYPE_BF16;
+  bf16.weight_decay = 1.0;
+  bf16.model_metric = true;
+  bf16.tol = kAutoReduceTol;
+  for (int w : {1, 2, 3}) add(bf16, w, "FULL_SHARD");
+  add(bf16, 4, "SHARD_GRAD_OP");
+  add(bf16, 2, "NO_SHARD");
+  Case bf16_fp32 = bf16;
+  bf16_fp32.name = "Bf16ReduceFp32";
+  bf16_fp32.reduce_dtype = "fp32";
+  bf16_fp32.tol = kBf16Fp32ReduceTol;
+  for (int w : {1, 3}) add(bf16_fp32, w, "FULL_SHARD");
+  add(bf16_fp32, 4, "SHARD_GRAD_OP");
+  Case fp16 = bf16;
+  fp16.name = "Fp16";
+  fp16.dtype = FSDP_DTYPE_FP16;
+  for (int w : {1, 3}) add(fp16, w, "FULL_SHARD");
+  add(fp16, 4, "NO_SHARD");
+  Case fp16_fp32 = fp16;
+  fp16_fp32.name = "Fp16ReduceFp32";
+  fp16_fp32.reduce_dtype = "fp32";
+  fp16_fp32.tol = kFp16Fp32ReduceTol;
+  add(fp16_fp32, 2, "FULL_SHARD");
+  Case accum;
+  accum.name = "GradAccumulationSyncOn";
+  accum.micro = 2;
+  Case no_sync = accum;
+  no_sync.name = "GradAccumulationNoSync";
+  no_sync.no_sync = true;
+  Case clip;
+  clip.name = "Clip";
+  clip.max_grad_norm = 0.02;  // the grad norm is 0.04..0.25 here
+  Case uneven;
+  uneven.name = "UnevenPadding";
+  uneven.uneven = true;
+  for (const Case& c : {accum, no_sync, clip, uneven}) {
+    for (int w : {1, 2, 3, 4}) add(c, w, "FULL_SHARD");
+    add(c, 3, "SHARD_GRAD_OP");
+    add(c, 2, "NO_SHARD");
+    add(c, 4, "NO_SHARD");
+  }
+  Case uneven_bf16 = bf16;
+  uneven_bf16.name = "UnevenPaddingBf16";
+  uneven_bf16.uneven = true;
+  add(uneven_bf16, 3, "FULL_SHARD");
+  return cs;
+}
+
+class TrainingVariant : public ::testing::TestWithParam<Case> {};
+
+TEST_P(TrainingVariant, MatchesSingleProcessReference) { check_case(GetParam()); }
+
+INSTANTIATE_TEST_SUITE_P(Variants, TrainingVariant, ::testing::ValuesIn(variant_cases()),
+                         [](const ::testing::TestParamInfo<Case>& pi) { return pi.param.name; });
+
+// ---- identical starting point -------------------------------------------------
+
+// With sync_module_states=1 rank 0's values win, so ranks start identical even
+// when the others pass NULL or different values.
+TEST(SyncModuleStates, RankZerosValuesWinAndOtherRanksMayPassNull) {
+  const std::vector<ParamSpec> params = {{"w", {4, 3}}, {"b", {4}}};
+  const std::vector<float> w = Rng(9).uniform_vec(12, -1, 1);
+  std::vector<std::vector<float>> got(3);
+  run_ranks(3, [&](int rank, fsdp_local_group_t* group) {
+    ConfigPtr cfg = make_config({{"sync_module_states", "1"}, {"timeout_s", "10"}});
+    ASSERT_TRUE(cfg);
+    fsdp_ctx_t* raw = nullptr;
+    ASSERT_OK(fsdp_ctx_create(cfg.get(), group, rank, &raw));
+    CtxPtr ctx(raw);
+    fsdp_unit_t* u = nullptr;
+    ASSERT_OK(register_unit(raw, "u", params, &u));
+    const std::vector<float> junk(12, float(rank));
+    ASSERT_OK(fsdp_param_set_values(u, 0, rank == 0 ? w.data() : rank == 1 ? nullptr : junk.data(), 12));
+    got[size_t(rank)].assign(12, NAN);
+    EXPECT_OK(fsdp_gather_param(u, 0, got[size_t(rank)].data(), 12));
+    EXPECT_OK(fsdp_ctx_finalize(raw));
+  });
+  for (size_t r = 0; r < 3; ++r) EXPECT_EQ(got[r], w) << "rank " << r;
+}
+
+}  // namespace

@@ -1,0 +1,358 @@
+// Proves that sharding divides per-rank memory by the world size (exactly, per the flat layout rule) and that
+// FULL_SHARD holds one gathered unit at a time.
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstddef>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "rank_runner.h"
+
+using namespace fsdp_test;
+
+namespace {
+
+// Four units of different sizes; the second is the largest.
+const std::vector<std::vector<ParamSpec>> kUnits = {
+    {{"l0.weight", {33, 17}}, {"l0.bias", {33}}},
+    {{"l1.weight", {64, 33}}, {"l1.bias", {64}}},
+    {{"l2.weight", {7, 64}}, {"l2.bias", {7}}},
+    {{"l3.weight", {5, 7}}, {"l3.bias", {5}}, {"l3.scale", {1}}},
+};
+
+size_t round_up(size_t x, size_t m) { return (x + m - 1) / m * m; }
+
+// The documented layout: params in order, each start aligned to
+// align_bytes/4 elements, total a multiple of world * align_bytes/4.
+struct Layout {
+  std::vector<size_t> offsets, numels;
+  size_t padded = 0;
+};
+
+Layout layout_of(const std::vector<ParamSpec>& params, size_t align_bytes, int world) {
+  const size_t a = align_bytes / 4;
+  Layout l;
+  size_t off = 0;
+  for (const auto& p : params) {
+    off = round_up(off, a);
+    l.offsets.push_back(off);
+    l.numels.push_back(numel_of(p.shape));
+    off += l.numels.back();
+  }
+  l.padded = round_up(off, size_t(world) * a);
+  return l;
+}
+
+// Elements of the flat buffer this rank holds as its shard.
+size_t shard_numel(const std::vector<ParamSpec>& params, const std::string& sharding, int world, size_t align = 64) {
+  if (sharding == "NO_SHARD") return layout_of(params, align, 1).padded;
+  return layout_of(params, align, world).padded / size_t(world);
+}
+
+size_t full_numel(const std::vector<ParamSpec>& params, const std::string& sharding, int world, size_t align = 64) {
+  return layout_of(params, align, sharding == "NO_SHARD" ? 1 : world).padded;
+}
+
+fsdp_memory_stats_t stats_of(fsdp_ctx_t* ctx) {
+  fsdp_memory_stats_t s;
+  std::memset(&s, 0xAB, sizeof s);
+  s.struct_size = sizeof s;
+  EXPECT_OK(fsdp_memory_stats(ctx, &s));
+  return s;
+}
+
+struct RankSetup {
+  CtxPtr ctx;
+  std::vector<fsdp_unit_t*> units;
+};
+
+// Creates the ctx and registers kUnits with random values.
+void setup(RankSetup& s, const std::map<std::string, std::string>& opts, fsdp_local_group_t* group, int rank,
+           const std::vector<std::vector<ParamSpec>>& units = kUnits) {
+  ConfigPtr cfg = make_config(opts);
+  ASSERT_TRUE(cfg);
+  fsdp_ctx_t* raw = nullptr;
+  ASSERT_OK(fsdp_ctx_create(cfg.get(), group, rank, &raw));
+  s.ctx.reset(raw);
+  Rng rng(5);
+  for (size_t u = 0; u < units.size(); ++u) {
+    fsdp_unit_t* unit = nullptr;
+    ASSERT_OK(register_unit(raw, "unit" + std::to_string(u), units[u], &unit));
+    s.units.push_back(unit);
+    for (size_t i = 0; i < units[u].size(); ++i) {
+      const auto v = rng.uniform_vec(numel_of(units[u][i].shape), -1.f, 1.f);
+      ASSERT_OK(fsdp_param_set_values(unit, i, v.data(), v.size()));
+    }
+  }
+}
+
+// One forward + backward pass (grads: ones) and a step.
+void train_step(RankSetup& s) {
+  for (auto* u : s.units) {
+    ASSERT_OK(fsdp_forward_begin(u, nullptr));
+    ASSERT_OK(fsdp_forward_end(u, nullptr));
+  }
+  for (size_t k = s.units.size(); k-- > 0;) {
+    ASSERT_OK(fsdp_backward_begin(s.units[k], nullptr));
+    void* g = nullptr;
+    ASSERT_OK(fsdp_grad_ptr(s.units[k], 0, &g));
+    fsdp_dtype_t dt = FSDP_DTYPE_FP32;
+    ASSERT_OK(fsdp_ctx_param_dtype(s.ctx.get(), &dt));
+    add_elem(g, 0, dt, 1.f);
+    ASSERT_OK(fsdp_backward_end(s.units[k], nullptr));
+  }
+  ASSERT_OK(fsdp_step(s.ctx.get(), nullptr));
+}
+
+// ---- sharded bytes: FULL_SHARD x 4 == NO_SHARD up to padding -----------------
+
+class ShardedBytes : public ::testing::TestWithParam<fsdp_dtype_t> {};
+
+TEST_P(ShardedBytes, FullShardHoldsAQuarterOfNoShardUpToPadding) {
+  const fsdp_dtype_t dt = GetParam();
+  const int world = 4;
+  const size_t master_plus_copy = 4 + (dt == FSDP_DTYPE_FP32 ? 0 : 2);
+  std::map<std::string, size_t> per_rank_total;  // sharding -> params + grads + optimizer bytes
+  for (const std::string sharding : {"FULL_SHARD", "NO_SHARD"}) {
+    size_t shard = 0;
+    for (const auto& u : kUnits) shard += shard_numel(u, sharding, world);
+    std::vector<size_t> totals(world);
+    run_ranks(world, [&](int rank, fsdp_local_group_t* group) {
+      RankSetup s;
+      setup(s, {{"sharding", sharding}, {"param_dtype", dtype_config_name(dt)}, {"optimizer", "adamw"}}, group, rank);
+      if (::testing::Test::HasFatalFailure()) return;
+      train_step(s);  // optimizer state may be allocated at the first step
+      if (::testing::Test::HasFatalFailure()) return;
+      const fsdp_memory_stats_t m = stats_of(s.ctx.get());
+      EXPECT_EQ(m.sharded_params_nbytes, shard * master_plus_copy) << sharding;
+      EXPECT_EQ(m.sharded_grads_nbytes, shard * 4) << sharding;
+      EXPECT_EQ(m.optimizer_state_nbytes, shard * 8) << sharding;
+      EXPECT_GE(m.total_nbytes, m.sharded_params_nbytes + m.sharded_grads_nbytes + m.optimizer_state_nbytes);
+      EXPECT_GE(m.total_peak_nbytes, m.total_nbytes);
+      totals[size_t(rank)] = m.sharded_params_nbytes + m.sharded_grads_nbytes + m.optimizer_state_nbytes;
+      EXPECT_OK(fsdp_ctx_finalize(s.ctx.get()));
+    });
+    for (int r = 1; r < world; ++r) EXPECT_EQ(totals[size_t(r)], totals[0]) << sharding << " rank " << r;
+    per_rank_total[sharding] = totals[0];
+  }
+  // The same comparison as a ratio: the only difference is padding.
+  size_t unpadded = 0, pad4 = 0;
+  for (const auto& u : kUnits) {
+    for (const auto& p : u) unpadded += numel_of(p.shape);
+    pad4 += full_numel(u, "FULL_SHARD", world);
+  }
+  const double full_x4 = 4.0 * double(per_rank_total["FULL_SHARD"]);
+  const double no_shard = double(per_rank_total["NO_SHARD"]);
+  EXPECT_LE(std::fabs(full_x4 / no_shard - 1.0), double(pad4 - unpadded) / double(unpadded))
+      << "FULL_SHARD x 4 = " << full_x4 << " bytes, NO_SHARD = " << no_shard << " bytes";
+  EXPECT_LT(full_x4 / no_shard, 1.1);
+}
+
+INSTANTIATE_TEST_SUITE_P(ParamDtypes, ShardedBytes, ::testing::Values(FSDP_DTYPE_FP32, FSDP_DTYPE_BF16),
+                         [](const ::testing::TestParamInfo<fsdp_dtype_t>& pi) {
+                           return std::string(dtype_config_name(pi.param));
+                         });
+
+// ---- gathered params and unsharded grads during a pass ----------------------
+
+class GatheredBytes : public ::testing::TestWithParam<std::tuple<std::string, fsdp_dtype_t>> {};
+
+TEST_P(GatheredBytes, FullShardGathersOneUnitAtATimeShardGradOpKeepsAllUntilBackward) {
+  const std::string sharding = std::get<0>(GetParam());
+  const fsdp_dtype_t dt = std::get<1>(GetParam());
+  const int world = 4;
+  const bool full = sharding == "FULL_SHARD";
+  std::vector<size_t> unit_bytes;  // full padded numel * sizeof(param_dtype)
+  size_t largest = 0, sum = 0;
+  for (const auto& u : kUnits) {
+    unit_bytes.push_back(full_numel(u, sharding, world) * dtype_nbytes(dt));
+    largest = std::max(largest, unit_bytes.back());
+    sum += unit_bytes.back();
+  }
+  run_ranks(world, [&](int rank, fsdp_local_group_t* group) {
+    RankSetup s;
+    setup(s, {{"sharding", sharding}, {"param_dtype", dtype_config_name(dt)}}, group, rank);
+    if (::testing::Test::HasFatalFailure()) return;
+    fsdp_ctx_t* ctx = s.ctx.get();
+    EXPECT_EQ(stats_of(ctx).gathered_params_nbytes, 0u) << "nothing is gathered before the first forward";
+    ASSERT_OK(fsdp_memory_stats_reset_peak(ctx));
+    size_t gathered_so_far = 0;
+    for (size_t u = 0; u < s.units.size(); ++u) {
+      ASSERT_OK(fsdp_forward_begin(s.units[u], nullptr));
+      gathered_so_far += unit_bytes[u];
+      EXPECT_EQ(stats_of(ctx).gathered_params_nbytes, full ? unit_bytes[u] : gathered_so_far)
+          << "in forward of unit " << u;
+      ASSERT_OK(fsdp_forward_end(s.units[u], nullptr));
+      if (full) {
+        EXPECT_EQ(stats_of(ctx).gathered_params_nbytes, 0u) << "after forward_end of unit " << u;
+      }
+    }
+    EXPECT_EQ(stats_of(ctx).gathered_params_nbytes, full ? 0 : sum) << "between forward and backward";
+    for (size_t u = s.units.size(); u-- > 0;) {
+      ASSERT_OK(fsdp_backward_begin(s.units[u], nullptr));
+      const fsdp_memory_stats_t m = stats_of(ctx);
+      EXPECT_EQ(m.unsharded_grads_nbytes, unit_bytes[u]) << "in backward of unit " << u;
+      void* g = nullptr;
+      ASSERT_OK(fsdp_grad_ptr(s.units[u], 0, &g));
+      add_elem(g, 0, dt, 1.f);
+      ASSERT_OK(fsdp_backward_end(s.units[u], nullptr));
+    }
+    ASSERT_OK(fsdp_step(ctx, nullptr));
+    const fsdp_memory_stats_t m = stats_of(ctx);
+    EXPECT_EQ(m.gathered_params_peak_nbytes, full ? largest : sum);
+    EXPECT_EQ(m.unsharded_grads_peak_nbytes, largest);
+    EXPECT_EQ(m.gathered_params_nbytes, 0u) << "after the step";
+    EXPECT_EQ(m.unsharded_grads_nbytes, 0u) << "after the step";
+    EXPECT_GE(m.total_peak_nbytes, m.sharded_params_nbytes + m.sharded_grads_nbytes + m.gathered_params_peak_nbytes);
+    // Peaks restart from the current values.
+    ASSERT_OK(fsdp_memory_stats_reset_peak(ctx));
+    const fsdp_memory_stats_t r = stats_of(ctx);
+    EXPECT_EQ(r.gathered_params_peak_nbytes, 0u);
+    EXPECT_EQ(r.unsharded_grads_peak_nbytes, 0u);
+    EXPECT_EQ(r.total_peak_nbytes, r.total_nbytes);
+    EXPECT_OK(fsdp_ctx_finalize(ctx));
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(ShardingByDtype, GatheredBytes,
+                         ::testing::Combine(::testing::Values("FULL_SHARD", "SHARD_GRAD_OP"),
+                                            ::testing::Values(FSDP_DTYPE_FP32, FSDP_DTYPE_BF16)),
+                         [](const ::testing::TestParamInfo<GatheredBytes::ParamType>& pi) {
+                           return std::get<0>(pi.param) + "_" + dtype_config_name(std::get<1>(pi.param));
+                         });
+
+// ---- optimizer state ---------------------------------------------------------
+
+TEST(OptimizerState, BytesPerShardElementFollowTheOptimizer) {
+  struct Opt {
+    const char* label;
+    std::map<std::string, std::string> opts;
+    size_t bytes_per_elem;
+  };
+  const std::vector<Opt> opts = {{"sgd", {{"optimizer", "sgd"}}, 0},
+                                 {"sgd+momentum", {{"optimizer", "sgd"}, {"momentum", "0.9"}}, 4},
+                                 {"adam", {{"optimizer", "adam"}}, 8},
+                                 {"adamw", {{"optimizer", "adamw"}}, 8}};
+  const int world = 3;
+  size_t shard = 0;
+  for (const auto& u : kUnits) shard += shard_numel(u, "FULL_SHARD", world);
+  for (const auto& o : opts) {
+    run_ranks(world, [&](int rank, fsdp_local_group_t* group) {
+      RankSetup s;
+      setup(s, o.opts, group, rank);
+      if (::testing::Test::HasFatalFailure()) return;
+      train_step(s);
+      if (::testing::Test::HasFatalFailure()) return;
+      EXPECT_EQ(stats_of(s.ctx.get()).optimizer_state_nbytes, shard * o.bytes_per_elem) << o.label;
+      EXPECT_OK(fsdp_ctx_finalize(s.ctx.get()));
+    });
+  }
+}
+
+// ---- layout ---------------------------------------------------------------------
+
+class LayoutRule : public ::testing::TestWithParam<std::tuple<int, int, std::string>> {};
+
+TEST_P(LayoutRule, ShardInfoAndFlatRangesFollowAlignmentAndPadding) {
+  const int align = std::get<0>(GetParam());
+  const int world = std::get<1>(GetParam());
+  const std::string sharding = std::get<2>(GetParam());
+  const bool no_shard = sharding == "NO_SHARD";
+  run_ranks(world, [&](int rank, fsdp_local_group_t* group) {
+    RankSetup s;
+    setup(s, {{"sharding", sharding}, {"align_bytes", std::to_string(align)}}, group, rank);
+    if (::testing::Test::HasFatalFailure()) return;
+    Rng rng(5);  // the values setup() wrote
+    for (size_t u = 0; u < kUnits.size(); ++u) {
+      const Layout l = layout_of(kUnits[u], size_t(align), no_shard ? 1 : world);
+      std::vector<float> flat(l.padded, 0.f);  // padding is zero
+      for (size_t i = 0; i < kUnits[u].size(); ++i) {
+        size_t off = 1234567, n = 1234567;
+        EXPECT_OK(fsdp_param_flat_range(s.units[u], i, &off, &n));
+        EXPECT_EQ(off, l.offsets[i]) << "unit " << u << " param " << i;
+        EXPECT_EQ(n, l.numels[i]) << "unit " << u << " param " << i;
+        const auto v = rng.uniform_vec(l.numels[i], -1.f, 1.f);
+        std::copy(v.begin(), v.end(), flat.begin() + std::ptrdiff_t(l.offsets[i]));
+      }
+      float* ptr = nullptr;
+      size_t off = 1234567, n = 1234567;
+      ASSERT_OK(fsdp_shard_info(s.units[u], &ptr, &off, &n));
+      const size_t shard = no_shard ? l.padded : l.padded / size_t(world);
+      EXPECT_EQ(n, shard) << "unit " << u;
+      EXPECT_EQ(off, no_shard ? 0 : size_t(rank) * shard) << "unit " << u;
+      ASSERT_NE(ptr, nullptr);
+      if (n != shard || off + n > l.padded) continue;
+      for (size_t k = 0; k < n; ++k) EXPECT_EQ(ptr[k], flat[off + k]) << "unit " << u << " flat element " << off + k;
+    }
+    EXPECT_OK(fsdp_ctx_finalize(s.ctx.get()));
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(AlignByWorldBySharding, LayoutRule,
+                         ::testing::Combine(::testing::Values(4, 64, 256), ::testing::Values(1, 3, 4),
+                                            ::testing::Values(std::string("FULL_SHARD"), std::string("NO_SHARD"))),
+                         [](const ::testing::TestParamInfo<LayoutRule::ParamType>& pi) {
+                           return "align" + std::to_string(std::get<0>(pi.param)) + "_world" +
+                                  std::to_string(std::get<1>(pi.param)) + "_" + std::get<2>(pi.param);
+                         });
+
+// ---- the stats struct is versioned by struct_size ----------------------------
+
+TEST(MemoryStats, FieldsPastAnOlderCallersStructSizeAreNotWritten) {
+  run_ranks(1, [&](int rank, fsdp_local_group_t* group) {
+    RankSetup s;
+    setup(s, {}, group, rank);
+    if (::testing::Test::HasFatalFailure()) return;
+    train_step(s);
+    if (::testing::Test::HasFatalFailure()) return;
+    const fsdp_memory_stats_t full = stats_of(s.ctx.get());
+    ASSERT_GT(full.sharded_params_nbytes, 0u);
+    fsdp_memory_stats_t old;
+    std::memset(&old, 0xAB, sizeof old);
+    size_t sentinel;
+    std::memset(&sentinel, 0xAB, sizeof sentinel);
+    old.struct_size = offsetof(fsdp_memory_stats_t, optimizer_state_nbytes);
+    ASSERT_OK(fsdp_memory_stats(s.ctx.get(), &old));
+    EXPECT_EQ(old.sharded_params_nbytes, full.sharded_params_nbytes);
+    EXPECT_EQ(old.sharded_grads_nbytes, full.sharded_grads_nbytes);
+    EXPECT_EQ(old.optimizer_state_nbytes, sentinel);
+    EXPECT_EQ(old.gathered_params_nbytes, sentinel);
+    EXPECT_EQ(old.total_peak_nbytes, sentinel);
+    EXPECT_OK(fsdp_ctx_finalize(s.ctx.get()));
+  });
+}
+
+// ---- handle lifetime ---------------------------------------------------------------
+
+TEST(LocalGroup, MayBeDestroyedBeforeItsContexts) {
+  fsdp_local_group_t* group = nullptr;
+  ASSERT_OK(fsdp_local_group_create(2, &group));
+  std::atomic<int> created{0};
+  std::atomic<bool> destroyed{false};
+  std::vector<std::thread> threads;
+  for (int rank = 0; rank < 2; ++rank) {
+    threads.emplace_back([&, rank] {
+      SCOPED_TRACE("rank " + std::to_string(rank));
+      ConfigPtr cfg = make_config({{"timeout_s", "10"}, {"optimizer", "sgd"}});
+      fsdp_ctx_t* raw = nullptr;
+      EXPECT_OK(fsdp_ctx_create(cfg.get(), group, rank, &raw));
+      CtxPtr ctx(raw);
+      created++;
+      while (!destroyed.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      // The group's memory must still be there for these collectives.
+      fsdp_unit_t* u = nullptr;
+      EXPECT_OK(register_unit(raw, "u", kUnits[0], &u));
+      EXPECT_OK(fsdp_step(raw, nullptr));
+      EXPECT_OK(fsdp_ctx_finalize(raw));
+    });
+  }
+  while (created.load() < 2) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  fsdp_local_group_destroy(group);
+  destroyed = true;
+  for (auto& t : threads) t.join();
+}
+
+}  // namespace

@@ -1,0 +1,682 @@
+// Proves that every misuse of the C ABI (NULLs, bad options, wrong order, bad indices, mismatched or missing ranks)
+// fails with the documented status and a message, changes nothing, and never hangs.
+#include <atomic>
+#include <chrono>
+#include <cstdlib>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "rank_runner.h"
+
+using namespace fsdp_test;
+
+namespace {
+
+using Call = std::pair<const char*, std::function<fsdp_status_t()>>;
+
+const std::vector<ParamSpec> kParams = {{"w", {4, 3}}, {"b", {4}}};
+
+// A world-of-one context (group NULL) with one registered unit.
+struct Single {
+  CtxPtr ctx;
+  fsdp_unit_t* unit = nullptr;
+};
+
+void make_single(Single& s, const std::map<std::string, std::string>& opts = {}) {
+  ConfigPtr cfg = make_config(opts);
+  ASSERT_TRUE(cfg);
+  fsdp_ctx_t* raw = nullptr;
+  ASSERT_OK(fsdp_ctx_create(cfg.get(), nullptr, 0, &raw));
+  s.ctx.reset(raw);
+  ASSERT_OK(register_unit(raw, "u", kParams, &s.unit));
+}
+
+std::string get_option(const fsdp_config_t* cfg, const char* key) {
+  char buf[256] = {0};
+  size_t len = 0;
+  EXPECT_OK(fsdp_config_get(cfg, key, buf, sizeof buf, &len));
+  EXPECT_EQ(len, std::strlen(buf)) << key;
+  return buf;
+}
+
+bool contains(const std::string& hay, const std::string& needle) { return hay.find(needle) != std::string::npos; }
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// ---- errors and version -------------------------------------------------------
+
+TEST(Status, EveryStatusHasItsEnumName) {
+#define FSDP_NAME_CASE(s) \
+  { s, #s }
+  const std::vector<std::pair<fsdp_status_t, std::string>> all = {FSDP_NAME_CASE(FSDP_OK),
+                                                                  FSDP_NAME_CASE(FSDP_ERR_INVALID_ARGUMENT),
+                                                                  FSDP_NAME_CASE(FSDP_ERR_INVALID_STATE),
+                                                                  FSDP_NAME_CASE(FSDP_ERR_UNSUPPORTED),
+                                                                  FSDP_NAME_CASE(FSDP_ERR_OUT_OF_MEMORY),
+                                                                  FSDP_NAME_CASE(FSDP_ERR_TIMEOUT),
+                                                                  FSDP_NAME_CASE(FSDP_ERR_MISMATCH),
+                                                                  FSDP_NAME_CASE(FSDP_ERR_COMM),
+                                                                  FSDP_NAME_CASE(FSDP_ERR_CORRUPT),
+                                                                  FSDP_NAME_CASE(FSDP_ERR_IO),
+                                                                  FSDP_NAME_CASE(FSDP_ERR_INTERNAL)};
+#undef FSDP_NAME_CASE
+  for (const auto& s : all) {
+    const char* n = fsdp_status_name(s.first);
+    ASSERT_NE(n, nullptr);
+    EXPECT_EQ(std::string(n), s.second);
+  }
+  EXPECT_NE(fsdp_status_name(static_cast<fsdp_status_t>(15)), nullptr);
+}
+
+TEST(Version, MatchesHeaderAndBuildInfoNamesIt) {
+  EXPECT_EQ(fsdp_version(), FSDP_VERSION_NUMBER);
+  const char* info = fsdp_build_info();
+  ASSERT_NE(info, nullptr);
+  const std::string s = info;
+  const std::string version = std::to_string(FSDP_VERSION_MAJOR) + "." + std::to_string(FSDP_VERSION_MINOR) + "." +
+                              std::to_string(FSDP_VERSION_PATCH);
+  EXPECT_TRUE(contains(s, version)) << s;
+  EXPECT_TRUE(contains(s, "cpu")) << s;
+  EXPECT_FALSE(contains(s, "\n")) << "one line";
+}
+
+TEST(LastError, IsPerThreadAndEmptyOnAFreshThread) {
+  EXPECT_STATUS(FSDP_ERR_INVALID_ARGUMENT, fsdp_config_create(nullptr));
+  std::string other;
+  std::thread([&] { other = fsdp_last_error(); }).join();
+  EXPECT_EQ(other, "");
+  EXPECT_FALSE(last_error_str().empty());
+}
+
+// ---- NULL handles and outputs -------------------------------------------------
+
+TEST(NullArguments, EveryFunctionRejectsNullHandlesAndOutputs) {
+  fsdp_config_destroy(nullptr);
+  fsdp_ctx_destroy(nullptr);
+  fsdp_local_group_destroy(nullptr);
+  Single s;
+  make_single(s);
+  if (HasFatalFailure()) return;
+  fsdp_ctx_t* ctx = s.ctx.get();
+  fsdp_unit_t* unit = s.unit;
+  ConfigPtr cfg = make_config({});
+  ASSERT_TRUE(cfg);
+  char buf[64];
+  size_t n = 0, off = 0;
+  int i = 0;
+  double d = 0;
+  float f[12] = {0};
+  float* fp = nullptr;
+  void* p = nullptr;
+  fsdp_dtype_t dt;
+  fsdp_ctx_t* c_out = nullptr;
+  fsdp_unit_t* u_out = nullptr;
+  fsdp_local_group_t* g_out = nullptr;
+  fsdp_memory_stats_t ms;
+  ms.struct_size = sizeof ms;
+  const char* names[] = {"x"};
+  const char* null_name[] = {nullptr};
+  const int32_t nd[] = {1};
+  const int64_t dims[] = {3};
+  const std::vector<Call> calls = {
+      {"config_create", [&] { return fsdp_config_create(nullptr); }},
+      {"config_set cfg", [&] { return fsdp_config_set(nullptr, "lr", "0.1"); }},
+      {"config_set key", [&] { return fsdp_config_set(cfg.get(), nullptr, "0.1"); }},
+      {"config_set value", [&] { return fsdp_config_set(cfg.get(), "lr", nullptr); }},
+      {"config_get cfg", [&] { return fsdp_config_get(nullptr, "lr", buf, sizeof buf, &n); }},
+      {"config_get key", [&] { return fsdp_config_get(cfg.get(), nullptr, buf, sizeof buf, &n); }},
+      {"config_get value", [&] { return fsdp_config_get(cfg.get(), "lr", nullptr, sizeof buf, &n); }},
+      {"config_from_env", [&] { return fsdp_config_from_env(nullptr); }},
+      {"local_group_create out", [&] { return fsdp_local_group_create(2, nullptr); }},
+      {"local_group_create 0", [&] { return fsdp_local_group_create(0, &g_out); }},
+      {"local_group_create -1", [&] { return fsdp_local_group_create(-1, &g_out); }},
+      {"ctx_create cfg", [&] { return fsdp_ctx_create(nullptr, nullptr, 0, &c_out); }},
+      {"ctx_create out", [&] { return fsdp_ctx_create(cfg.get(), nullptr, 0, nullptr); }},
+      {"ctx_create rank 1 of world 1", [&] { return fsdp_ctx_create(cfg.get(), nullptr, 1, &c_out); }},
+      {"ctx_create rank -1", [&] { return fsdp_ctx_create(cfg.get(), nullptr, -1, &c_out); }},
+      {"ctx_finalize", [&] { return fsdp_ctx_finalize(nullptr); }},
+      {"ctx_rank ctx", [&] { return fsdp_ctx_rank(nullptr, &i); }},
+      {"ctx_rank out", [&] { return fsdp_ctx_rank(ctx, nullptr); }},
+      {"ctx_world_size ctx", [&] { return fsdp_ctx_world_size(nullptr, &i); }},
+      {"ctx_world_size out", [&] { return fsdp_ctx_world_size(ctx, nullptr); }},
+      {"ctx_param_dtype ctx", [&] { return fsdp_ctx_param_dtype(nullptr, &dt); }},
+      {"ctx_param_dtype out", [&] { return fsdp_ctx_param_dtype(ctx, nullptr); }},
+      {"ctx_async_error", [&] { return fsdp_ctx_async_error(nullptr); }},
+      {"unit_register ctx", [&] { return fsdp_unit_register(nullptr, "v", 1, names, nd, dims, &u_out); }},
+      {"unit_register name", [&] { return fsdp_unit_register(ctx, nullptr, 1, names, nd, dims, &u_out); }},
+      {"unit_register names", [&] { return fsdp_unit_register(ctx, "v", 1, nullptr, nd, dims, &u_out); }},
+      {"unit_register names[0]", [&] { return fsdp_unit_register(ctx, "v", 1, null_name, nd, dims, &u_out); }},
+      {"unit_register ndims", [&] { return fsdp_unit_register(ctx, "v", 1, names, nullptr, dims, &u_out); }},
+      {"unit_register dims", [&] { return fsdp_unit_register(ctx, "v", 1, names, nd, nullptr, &u_out); }},
+      {"unit_register out", [&] { return fsdp_unit_register(ctx, "v", 1, names, nd, dims, nullptr); }},
+      {"param_set_values unit", [&] { return fsdp_param_set_values(nullptr, 0, f, 12); }},
+      {"param_set_values values", [&] { return fsdp_param_set_values(unit, 0, nullptr, 12); }},
+      {"param_set_weight_decay", [&] { return fsdp_param_set_weight_decay(nullptr, 0, 0.0); }},
+      {"forward_begin", [&] { return fsdp_forward_begin(nullptr, nullptr); }},
+      {"forward_end", [&] { return fsdp_forward_end(nullptr, nullptr); }},
+      {"backward_begin", [&] { return fsdp_backward_begin(nullptr, nullptr); }},
+      {"backward_end", [&] { return fsdp_backward_end(nullptr, nullptr); }},
+      {"param_ptr unit", [&] { return fsdp_param_ptr(nullptr, 0, &p); }},
+      {"grad_ptr unit", [&] { return fsdp_grad_ptr(nullptr, 0, &p); }},
+      {"step", [&] { return fsdp_step(nullptr, nullptr); }},
+      {"set_grad_sync", [&] { return fsdp_set_grad_sync(nullptr, 1); }},
+      {"set_lr", [&] { return fsdp_set_lr(nullptr, 0.1); }},
+      {"last_grad_norm ctx", [&] { return fsdp_last_grad_norm(nullptr, &d); }},
+      {"last_grad_norm out", [&] { return fsdp_last_grad_norm(ctx, nullptr); }},
+      {"gather_param unit", [&] { return fsdp_gather_param(nullptr, 0, f, 12); }},
+      {"gather_param out", [&] { return fsdp_gather_param(unit, 0, nullptr, 12); }},
+      {"shard_info unit", [&] { return fsdp_shard_info(nullptr, &fp, &off, &n); }},
+      {"shard_info ptr", [&] { return fsdp_shard_info(unit, nullptr, &off, &n); }},
+      {"shard_info offset", [&] { return fsdp_shard_info(unit, &fp, nullptr, &n); }},
+      {"shard_info numel", [&] { return fsdp_shard_info(unit, &fp, &off, nullptr); }},
+      {"param_flat_range unit", [&] { return fsdp_param_flat_range(nullptr, 0, &off, &n); }},
+      {"param_flat_range offset", [&] { return fsdp_param_flat_range(unit, 0, nullptr, &n); }},
+      {"param_flat_range numel", [&] { return fsdp_param_flat_range(unit, 0, &off, nullptr); }},
+      {"memory_stats ctx", [&] { return fsdp_memory_stats(nullptr, &ms); }},
+      {"memory_stats out", [&] { return fsdp_memory_stats(ctx, nullptr); }},
+      {"memory_stats_reset_peak", [&] { return fsdp_memory_stats_reset_peak(nullptr); }},
+  };
+  for (const auto& c : calls) {
+    SCOPED_TRACE(c.first);
+    EXPECT_STATUS(FSDP_ERR_INVALID_ARGUMENT, c.second());
+  }
+  // Outputs are only valid inside a pass: NULL there is an argument error too.
+  ASSERT_OK(fsdp_forward_begin(unit, nullptr));
+  EXPECT_STATUS(FSDP_ERR_INVALID_ARGUMENT, fsdp_param_ptr(unit, 0, nullptr));
+  ASSERT_OK(fsdp_forward_end(unit, nullptr));
+  ASSERT_OK(fsdp_backward_begin(unit, nullptr));
+  EXPECT_STATUS(FSDP_ERR_INVALID_ARGUMENT, fsdp_grad_ptr(unit, 0, nullptr));
+  ASSERT_OK(fsdp_backward_end(unit, nullptr));
+  // Nothing above broke the context.
+  EXPECT_OK(fsdp_step(ctx, nullptr));
+  EXPECT_OK(fsdp_ctx_finalize(ctx));
+}
+
+// ---- configuration -----------------------------------------------------------
+
+TEST(Config, UnknownKeyFailsAndListsValidKeys) {
+  ConfigPtr cfg = make_config({});
+  ASSERT_TRUE(cfg);
+  EXPECT_STATUS(FSDP_ERR_INVALID_ARGUMENT, fsdp_config_set(cfg.get(), "shardin", "FULL_SHARD"));
+  EXPECT_TRUE(contains(last_error_str(), "sharding")) << last_error_str();
+  char buf[32];
+  EXPECT_STATUS(FSDP_ERR_INVALID_ARGUMENT, fsdp_config_get(cfg.get(), "no_such_key", buf, sizeof buf, nullptr));
+}
+
+TEST(Config, BadValuesFailListingValidChoicesAndChangeNothing) {
+  ConfigPtr cfg = make_config({{"sharding", "NO_SHARD"}, {"param_dtype", "bf16"}, {"optimizer", "sgd"}});
+  ASSERT_TRUE(cfg);
+  struct Bad {
+    const char *key, *value, *listed;  // `listed`: a valid choice the message must name
+  };
+  // clang-format off
+  const std::vector<Bad> bad = {
+      {"sharding", "HALF_SHARD", "FULL_SHARD"}, {"param_dtype", "fp64", "bf16"}, {"mp", "int8", "fp16"},
+      {"reduce_dtype", "fp8", "fp32"}, {"reduce_op", "max", "avg"}, {"optimizer", "lion", "adamw"},
+      {"comm", "smoke_signals", "local"}, {"device", "abacus", "cpu"}, {"sync_module_states", "maybe", nullptr},
+      {"nesterov", "perhaps", nullptr}, {"lr", "fast", nullptr}, {"weight_decay", "", nullptr},
+      {"align_bytes", "48", nullptr}, {"align_bytes", "2", nullptr}, {"align_bytes", "8192", nullptr},
+      {"timeout_s", "soon", nullptr}, {"max_grad_norm", "1.0x", nullptr}};
+  // clang-format on
+  for (const auto& b : bad) {
+    SCOPED_TRACE(std::string(b.key) + "=" + b.value);
+    EXPECT_STATUS(FSDP_ERR_INVALID_ARGUMENT, fsdp_config_set(cfg.get(), b.key, b.value));
+    if (b.listed) {
+      EXPECT_TRUE(contains(last_error_str(), b.listed)) << last_error_str();
+    }
+  }
+  EXPECT_EQ(get_option(cfg.get(), "sharding"), "NO_SHARD");
+  EXPECT_EQ(get_option(cfg.get(), "param_dtype"), "bf16");
+  EXPECT_EQ(get_option(cfg.get(), "optimizer"), "sgd");
+}
+
+TEST(Config, OptionsOfOtherBuildsAreUnsupported) {
+  ConfigPtr cfg = make_config({{"sharding", "NO_SHARD"}});
+  ASSERT_TRUE(cfg);
+  const std::vector<std::pair<const char*, const char*>> other = {
+      {"sharding", "HYBRID_SHARD"}, {"device", "cuda"}, {"comm", "mpi"}, {"comm", "nccl"}};
+  for (const auto& kv : other) {
+    SCOPED_TRACE(std::string(kv.first) + "=" + kv.second);
+    EXPECT_STATUS(FSDP_ERR_UNSUPPORTED, fsdp_config_set(cfg.get(), kv.first, kv.second));
+  }
+  EXPECT_EQ(get_option(cfg.get(), "sharding"), "NO_SHARD");
+}
+
+TEST(Config, AliasesReadBackAsCanonicalNames) {
+  ConfigPtr cfg = make_config({});
+  ASSERT_TRUE(cfg);
+  struct Alias {
+    const char *key, *value, *canonical;
+  };
+  // clang-format off
+  const std::vector<Alias> cases = {
+      {"sharding", "FULL_SHARD", "FULL_SHARD"}, {"sharding", "ZERO3", "FULL_SHARD"},
+      {"sharding", "SHARD_GRAD_OP", "SHARD_GRAD_OP"}, {"sharding", "SHARD_GRAD", "SHARD_GRAD_OP"},
+      {"sharding", "ZERO2", "SHARD_GRAD_OP"}, {"sharding", "NO_SHARD", "NO_SHARD"}, {"sharding", "DDP", "NO_SHARD"},
+      {"param_dtype", "float32", "fp32"}, {"param_dtype", "bfloat16", "bf16"}, {"param_dtype", "float16", "fp16"},
+      {"mp", "bf16", "bf16"}, {"mp", "fp16", "fp16"}, {"param_dtype", "fp32", "fp32"},
+      {"reduce_dtype", "bf16", "bf16"}, {"reduce_dtype", "auto", "auto"}, {"reduce_op", "sum", "sum"},
+      {"optimizer", "adam", "adam"}, {"optimizer", "sgd", "sgd"}, {"device", "cpu", "cpu"},
+      {"comm", "local", "local"}, {"comm", "auto", "auto"}};
+  // clang-format on
+  for (const auto& c : cases) {
+    SCOPED_TRACE(std::string(c.key) + "=" + c.value);
+    EXPECT_OK(fsdp_config_set(cfg.get(), c.key, c.value));
+    EXPECT_EQ(get_option(cfg.get(), std::string(c.key) == "mp" ? "param_dtype" : c.key), c.canonical);
+  }
+  struct Number {
+    const char *key, *text;
+    double value;
+  };
+  const std::vector<Number> numbers = {
+      {"lr", "0.25", 0.25},        {"beta1", "0.5", 0.5},     {"eps", "1e-6", 1e-6}, {"timeout_s", "0.5", 0.5},
+      {"align_bytes", "256", 256}, {"max_grad_norm", "2", 2}, {"threads", "2", 2}};
+  for (const auto& nv : numbers) {
+    EXPECT_OK(fsdp_config_set(cfg.get(), nv.key, nv.text));
+    EXPECT_DOUBLE_EQ(std::strtod(get_option(cfg.get(), nv.key).c_str(), nullptr), nv.value) << nv.key;
+  }
+  for (const char* on : {"1", "true", "on"}) {
+    EXPECT_OK(fsdp_config_set(cfg.get(), "nesterov", on));
+    const std::string v = get_option(cfg.get(), "nesterov");
+    EXPECT_TRUE(v == "1" || v == "true" || v == "on") << on << " read back as " << v;
+  }
+}
+
+TEST(Config, DefaultsAreTheDocumentedOnes) {
+  ConfigPtr cfg = make_config({});
+  ASSERT_TRUE(cfg);
+  EXPECT_EQ(get_option(cfg.get(), "optimizer"), "adamw");
+  EXPECT_EQ(get_option(cfg.get(), "reduce_op"), "avg");
+  EXPECT_EQ(get_option(cfg.get(), "reduce_dtype"), "auto");
+  EXPECT_EQ(get_option(cfg.get(), "param_dtype"), "fp32");
+  const std::vector<std::pair<const char*, double>> numbers = {
+      {"lr", 1e-3},    {"beta1", 0.9},       {"beta2", 0.999},    {"eps", 1e-8},      {"weight_decay", 0},
+      {"momentum", 0}, {"max_grad_norm", 0}, {"align_bytes", 64}, {"timeout_s", 300}, {"threads", 1}};
+  for (const auto& kv : numbers)
+    EXPECT_DOUBLE_EQ(std::strtod(get_option(cfg.get(), kv.first).c_str(), nullptr), kv.second) << kv.first;
+}
+
+TEST(Config, GetReportsLengthAndWritesNothingWhenTheBufferIsTooSmall) {
+  ConfigPtr cfg = make_config({{"sharding", "SHARD_GRAD_OP"}});
+  ASSERT_TRUE(cfg);
+  const std::string want = "SHARD_GRAD_OP";
+  char buf[32];
+  std::memset(buf, 'x', sizeof buf);
+  size_t len = 0;
+  EXPECT_STATUS(FSDP_ERR_INVALID_ARGUMENT, fsdp_config_get(cfg.get(), "sharding", buf, want.size(), &len));
+  EXPECT_EQ(len, want.size());
+  for (char ch : buf) EXPECT_EQ(ch, 'x') << "a failed get wrote into the buffer";
+  len = 0;
+  EXPECT_STATUS(FSDP_ERR_INVALID_ARGUMENT, fsdp_config_get(cfg.get(), "sharding", nullptr, 0, &len));
+  EXPECT_EQ(len, want.size()) << "a NULL, 0-byte buffer still reports the length";
+  EXPECT_OK(fsdp_config_get(cfg.get(), "sharding", buf, want.size() + 1, nullptr));
+  EXPECT_EQ(std::string(buf), want);
+}
+
+// Sets FSDP_* variables for one test and removes them afterwards.
+class EnvVars {
+ public:
+  explicit EnvVars(std::vector<std::pair<std::string, std::string>> vars) : vars_(std::move(vars)) {
+    for (const auto& kv : vars_) setenv(kv.first.c_str(), kv.second.c_str(), 1);
+  }
+  ~EnvVars() {
+    for (const auto& kv : vars_) unsetenv(kv.first.c_str());
+  }
+
+ private:
+  std::vector<std::pair<std::string, std::string>> vars_;
+};
+
+TEST(Config, FromEnvAppliesOptionsAndIgnoresOtherFsdpVariables) {
+  ConfigPtr cfg = make_config({{"sharding", "NO_SHARD"}, {"lr", "0.5"}});
+  ASSERT_TRUE(cfg);
+  EnvVars env({{"FSDP_SHARDING", "ZERO2"}, {"FSDP_OPTIMIZER", "sgd"}, {"FSDP_NOT_AN_OPTION_XYZ", "1"}});
+  EXPECT_OK(fsdp_config_from_env(cfg.get()));
+  EXPECT_EQ(get_option(cfg.get(), "sharding"), "SHARD_GRAD_OP");
+  EXPECT_EQ(get_option(cfg.get(), "optimizer"), "sgd");
+  EXPECT_DOUBLE_EQ(std::strtod(get_option(cfg.get(), "lr").c_str(), nullptr), 0.5) << "unset in env: kept";
+}
+
+TEST(Config, FromEnvWithABadValueChangesNothing) {
+  ConfigPtr cfg = make_config({{"sharding", "NO_SHARD"}, {"optimizer", "adam"}});
+  ASSERT_TRUE(cfg);
+  EnvVars env({{"FSDP_SHARDING", "ZERO2"}, {"FSDP_OPTIMIZER", "lion"}});
+  EXPECT_STATUS(FSDP_ERR_INVALID_ARGUMENT, fsdp_config_from_env(cfg.get()));
+  EXPECT_TRUE(contains(last_error_str(), "FSDP_OPTIMIZER") || contains(last_error_str(), "optimizer"))
+      << last_error_str();
+  EXPECT_EQ(get_option(cfg.get(), "sharding"), "NO_SHARD");
+  EXPECT_EQ(get_option(cfg.get(), "optimizer"), "adam");
+}
+
+TEST(Config, ContextKeepsACopyOfItsConfig) {
+  ConfigPtr cfg = make_config({{"param_dtype", "bf16"}});
+  ASSERT_TRUE(cfg);
+  fsdp_ctx_t* raw = nullptr;
+  ASSERT_OK(fsdp_ctx_create(cfg.get(), nullptr, 0, &raw));
+  CtxPtr ctx(raw);
+  ASSERT_OK(fsdp_config_set(cfg.get(), "param_dtype", "fp16"));
+  cfg.reset();  // destroying it must not matter either
+  fsdp_dtype_t dt = FSDP_DTYPE_FP32;
+  EXPECT_OK(fsdp_ctx_param_dtype(ctx.get(), &dt));
+  EXPECT_EQ(dt, FSDP_DTYPE_BF16);
+  EXPECT_OK(fsdp_ctx_finalize(ctx.get()));
+}
+
+// ---- registration ------------------------------------------------------------
+
+TEST(Registration, InvalidUnitsAreRejectedAndDoNotDesynchronizeRanks) {
+  run_ranks(2, [](int rank, fsdp_local_group_t* group) {
+    ConfigPtr cfg = make_config({{"timeout_s", "10"}});
+    ASSERT_TRUE(cfg);
+    fsdp_ctx_t* raw = nullptr;
+    ASSERT_OK(fsdp_ctx_create(cfg.get(), group, rank, &raw));
+    CtxPtr ctx(raw);
+    int r = -1, w = -1;
+    EXPECT_OK(fsdp_ctx_rank(ctx.get(), &r));
+    EXPECT_OK(fsdp_ctx_world_size(ctx.get(), &w));
+    EXPECT_EQ(r, rank);
+    EXPECT_EQ(w, 2);
+    fsdp_unit_t* u = nullptr;
+    const char* names[] = {"a", "a"};
+    const int32_t nd[] = {1, 1}, neg_nd[] = {-1, 1};
+    const int64_t dims[] = {3, 2}, neg_dims[] = {3, -2};
+    EXPECT_STATUS(FSDP_ERR_INVALID_ARGUMENT, fsdp_unit_register(ctx.get(), "u", 0, names, nd, dims, &u));
+    EXPECT_STATUS(FSDP_ERR_INVALID_ARGUMENT, fsdp_unit_register(ctx.get(), "u", 2, names, nd, dims, &u));  // duplicate
+    EXPECT_STATUS(FSDP_ERR_INVALID_ARGUMENT, register_unit(ctx.get(), "u", {{"a", {3}}, {"b", {-2}}}, &u));
+    const char* distinct[] = {"a", "b"};
+    EXPECT_STATUS(FSDP_ERR_INVALID_ARGUMENT, fsdp_unit_register(ctx.get(), "u", 2, distinct, neg_nd, dims, &u));
+    EXPECT_STATUS(FSDP_ERR_INVALID_ARGUMENT, fsdp_unit_register(ctx.get(), "u", 2, distinct, nd, neg_dims, &u));
+    EXPECT_EQ(u, nullptr) << "a failed registration wrote its output";
+    // The failures were local: the ranks still agree on the next unit.
+    ASSERT_OK(fsdp_unit_register(ctx.get(), "u", 2, distinct, nd, dims, &u));
+    ASSERT_NE(u, nullptr);
+    EXPECT_OK(fsdp_ctx_finalize(ctx.get()));
+  });
+}
+
+const std::vector<ParamSpec> kBlock = {{"attn.qkv", {4, 3}}, {"attn.bias", {4}}};
+
+struct Mismatch {
+  const char* name;
+  std::vector<ParamSpec> odd_params;  // what the last rank registers
+  const char* odd_unit;
+  std::vector<std::string> message_names;  // the message must contain one of these
+};
+
+class RegistrationMismatch : public ::testing::TestWithParam<std::tuple<Mismatch, int>> {};
+
+TEST_P(RegistrationMismatch, FailsWithMismatchOnEveryRankWithoutHanging) {
+  const Mismatch& m = std::get<0>(GetParam());
+  const int world = std::get<1>(GetParam());
+  std::vector<fsdp_status_t> got(size_t(world), FSDP_OK);
+  std::vector<std::string> msgs(static_cast<size_t>(world));
+  std::vector<double> took(size_t(world), 0);
+  run_ranks(
+      world,
+      [&](int rank, fsdp_local_group_t* group) {
+        ConfigPtr cfg = make_config({{"timeout_s", "20"}});
+        ASSERT_TRUE(cfg);
+        fsdp_ctx_t* raw = nullptr;
+        ASSERT_OK(fsdp_ctx_create(cfg.get(), group, rank, &raw));
+        CtxPtr ctx(raw);
+        const bool odd = rank == world - 1;
+        fsdp_unit_t* u = nullptr;
+        const auto t0 = std::chrono::steady_clock::now();
+        got[size_t(rank)] = register_unit(ctx.get(), odd ? m.odd_unit : "block7", odd ? m.odd_params : kBlock, &u);
+        msgs[size_t(rank)] = last_error_str();
+        took[size_t(rank)] = seconds_since(t0);
+      },
+      60);
+  for (int r = 0; r < world; ++r) {
+    EXPECT_EQ(got[size_t(r)], FSDP_ERR_MISMATCH) << "rank " << r << ": " << msgs[size_t(r)];
+    EXPECT_LT(took[size_t(r)], 10.0) << "rank " << r << " waited for a timeout instead";
+    bool named = m.message_names.empty();
+    for (const auto& n : m.message_names) named = named || contains(msgs[size_t(r)], n);
+    EXPECT_TRUE(named) << "rank " << r << " message does not name the difference: " << msgs[size_t(r)];
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Differences, RegistrationMismatch,
+    ::testing::Combine(
+        ::testing::Values(
+            Mismatch{"UnitName", kBlock, "blork9", {"block7", "blork9"}},
+            Mismatch{"ParamName", {{"attn.qkv", {4, 3}}, {"mlp.bias", {4}}}, "block7", {"attn.bias", "mlp.bias"}},
+            Mismatch{"Shape", {{"attn.qkv", {4, 5}}, {"attn.bias", {4}}}, "block7", {"attn.qkv"}},
+            Mismatch{"ShapeRank", {{"attn.qkv", {12}}, {"attn.bias", {4}}}, "block7", {"attn.qkv"}},
+            Mismatch{"ParamCount", {{"attn.qkv", {4, 3}}}, "block7", {}}),
+        ::testing::Values(2, 3)),
+    [](const ::testing::TestParamInfo<RegistrationMismatch::ParamType>& pi) {
+      return std::string(std::get<0>(pi.param).name) + "_world" + std::to_string(std::get<1>(pi.param));
+    });
+
+// ---- call order ----------------------------------------------------------------
+
+TEST(CallOrder, OutOfOrderCallsAreInvalidStateAndChangeNothing) {
+  Single s;
+  make_single(s, {{"sharding", "FULL_SHARD"}, {"optimizer", "sgd"}, {"lr", "0.1"}});
+  if (HasFatalFailure()) return;
+  fsdp_unit_t* u = s.unit;
+  fsdp_ctx_t* ctx = s.ctx.get();
+  const std::vector<float> w = Rng(1).uniform_vec(12, -1, 1), b = Rng(2).uniform_vec(4, -1, 1);
+  ASSERT_OK(fsdp_param_set_values(u, 0, w.data(), w.size()));
+  ASSERT_OK(fsdp_param_set_values(u, 1, b.data(), b.size()));
+  void* p = nullptr;
+  EXPECT_STATUS(FSDP_ERR_INVALID_STATE, fsdp_forward_end(u, nullptr));
+  EXPECT_STATUS(FSDP_ERR_INVALID_STATE, fsdp_backward_end(u, nullptr));
+  EXPECT_STATUS(FSDP_ERR_INVALID_STATE, fsdp_param_ptr(u, 0, &p)) << "not gathered";
+  EXPECT_STATUS(FSDP_ERR_INVALID_STATE, fsdp_grad_ptr(u, 0, &p)) << "outside backward";
+  ASSERT_OK(fsdp_forward_begin(u, nullptr));
+  EXPECT_STATUS(FSDP_ERR_INVALID_STATE, fsdp_grad_ptr(u, 0, &p)) << "in forward";
+  EXPECT_STATUS(FSDP_ERR_INVALID_STATE, fsdp_step(ctx, nullptr)) << "unit in forward";
+  EXPECT_STATUS(FSDP_ERR_INVALID_STATE, fsdp_param_set_values(u, 0, w.data(), 12)) << "unit in use";
+  EXPECT_STATUS(FSDP_ERR_INVALID_ARGUMENT, fsdp_param_ptr(u, 2, &p)) << "index out of range";
+  ASSERT_OK(fsdp_param_ptr(u, 0, &p));
+  ASSERT_NE(p, nullptr);
+  for (size_t k = 0; k < w.size(); ++k) EXPECT_EQ(static_cast<const float*>(p)[k], w[k]);
+  ASSERT_OK(fsdp_forward_end(u, nullptr));
+  EXPECT_STATUS(FSDP_ERR_INVALID_STATE, fsdp_param_ptr(u, 0, &p)) << "FULL_SHARD frees at forward_end";
+  ASSERT_OK(fsdp_backward_begin(u, nullptr));
+  EXPECT_STATUS(FSDP_ERR_INVALID_STATE, fsdp_step(ctx, nullptr)) << "unit in backward";
+  EXPECT_STATUS(FSDP_ERR_INVALID_ARGUMENT, fsdp_grad_ptr(u, 2, &p)) << "index out of range";
+  ASSERT_OK(fsdp_grad_ptr(u, 1, &p));
+  for (size_t k = 0; k < 4; ++k) static_cast<float*>(p)[k] += 1.f;
+  ASSERT_OK(fsdp_backward_end(u, nullptr));
+  EXPECT_STATUS(FSDP_ERR_INVALID_STATE, fsdp_grad_ptr(u, 0, &p)) << "after backward_end";
+  EXPECT_STATUS(FSDP_ERR_INVALID_STATE, fsdp_backward_end(u, nullptr)) << "twice";
+  // The refused steps did nothing: one real step moves b by -lr * 1 and w not at all.
+  ASSERT_OK(fsdp_step(ctx, nullptr));
+  std::vector<float> got_w(12), got_b(4);
+  ASSERT_OK(fsdp_gather_param(u, 0, got_w.data(), got_w.size()));
+  ASSERT_OK(fsdp_gather_param(u, 1, got_b.data(), got_b.size()));
+  EXPECT_EQ(got_w, w);
+  for (size_t k = 0; k < 4; ++k) EXPECT_FLOAT_EQ(got_b[k], b[k] - 0.1f) << k;
+  EXPECT_OK(fsdp_ctx_finalize(ctx));
+}
+
+TEST(CallOrder, ShardGradOpKeepsParamsFromForwardUntilBackwardEnd) {
+  Single s;
+  make_single(s, {{"sharding", "SHARD_GRAD_OP"}});
+  if (HasFatalFailure()) return;
+  void* p = nullptr;
+  fsdp_memory_stats_t ms;
+  ms.struct_size = sizeof ms;
+  ASSERT_OK(fsdp_forward_begin(s.unit, nullptr));
+  EXPECT_OK(fsdp_param_ptr(s.unit, 0, &p));
+  ASSERT_OK(fsdp_forward_end(s.unit, nullptr));
+  // The params stay gathered (memory held) but, as for every strategy, the
+  // pointer is only valid between a *_begin and its *_end.
+  ASSERT_OK(fsdp_memory_stats(s.ctx.get(), &ms));
+  EXPECT_GT(ms.gathered_params_nbytes, 0u) << "SHARD_GRAD_OP keeps the gathered params after forward_end";
+  EXPECT_STATUS(FSDP_ERR_INVALID_STATE, fsdp_param_ptr(s.unit, 0, &p));
+  ASSERT_OK(fsdp_backward_begin(s.unit, nullptr));
+  EXPECT_OK(fsdp_param_ptr(s.unit, 0, &p));
+  ASSERT_OK(fsdp_backward_end(s.unit, nullptr));
+  ASSERT_OK(fsdp_memory_stats(s.ctx.get(), &ms));
+  EXPECT_EQ(ms.gathered_params_nbytes, 0u) << "backward_end frees them";
+  EXPECT_STATUS(FSDP_ERR_INVALID_STATE, fsdp_param_ptr(s.unit, 0, &p));
+  EXPECT_OK(fsdp_ctx_finalize(s.ctx.get()));
+}
+
+TEST(BadIndices, OutOfRangeParamIndexAndWrongNumelAreInvalidArgumentAndChangeNothing) {
+  Single s;
+  make_single(s);
+  if (HasFatalFailure()) return;
+  const std::vector<float> w = Rng(3).uniform_vec(12, -1, 1), other = Rng(4).uniform_vec(13, -1, 1);
+  ASSERT_OK(fsdp_param_set_values(s.unit, 0, w.data(), 12));
+  size_t off = 0, n = 0;
+  std::vector<float> out(13, 0.f);
+  EXPECT_STATUS(FSDP_ERR_INVALID_ARGUMENT, fsdp_param_set_values(s.unit, 2, w.data(), 12));
+  EXPECT_STATUS(FSDP_ERR_INVALID_ARGUMENT, fsdp_param_set_values(s.unit, size_t(-1), w.data(), 12));
+  EXPECT_STATUS(FSDP_ERR_INVALID_ARGUMENT, fsdp_param_set_weight_decay(s.unit, 2, 0.0));
+  EXPECT_STATUS(FSDP_ERR_INVALID_ARGUMENT, fsdp_param_flat_range(s.unit, 2, &off, &n));
+  EXPECT_STATUS(FSDP_ERR_INVALID_ARGUMENT, fsdp_gather_param(s.unit, 2, out.data(), 4));
+  EXPECT_STATUS(FSDP_ERR_INVALID_ARGUMENT, fsdp_param_set_values(s.unit, 0, other.data(), 13));
+  EXPECT_STATUS(FSDP_ERR_INVALID_ARGUMENT, fsdp_param_set_values(s.unit, 0, other.data(), 11));
+  EXPECT_STATUS(FSDP_ERR_INVALID_ARGUMENT, fsdp_gather_param(s.unit, 0, out.data(), 13));
+  EXPECT_STATUS(FSDP_ERR_INVALID_ARGUMENT, fsdp_gather_param(s.unit, 0, out.data(), 11));
+  out.assign(12, NAN);
+  ASSERT_OK(fsdp_gather_param(s.unit, 0, out.data(), 12));
+  EXPECT_EQ(out, w) << "a refused set_values changed the param";
+  EXPECT_OK(fsdp_ctx_finalize(s.ctx.get()));
+}
+
+// ---- finalize ------------------------------------------------------------------
+
+TEST(Finalize, EveryCallAfterFinalizeIsInvalidStateExceptDestroy) {
+  run_ranks(
+      2,
+      [](int rank, fsdp_local_group_t* group) {
+        ConfigPtr cfg = make_config({{"timeout_s", "10"}});
+        ASSERT_TRUE(cfg);
+        fsdp_ctx_t* raw = nullptr;
+        ASSERT_OK(fsdp_ctx_create(cfg.get(), group, rank, &raw));
+        CtxPtr ctx(raw);
+        fsdp_unit_t* u = nullptr;
+        ASSERT_OK(register_unit(raw, "u", kParams, &u));
+        ASSERT_OK(fsdp_ctx_finalize(raw));
+        float f[12] = {0};
+        float* fp = nullptr;
+        void* p = nullptr;
+        size_t off = 0, n = 0;
+        int i = 0;
+        double d = 0;
+        fsdp_dtype_t dt;
+        fsdp_unit_t* u2 = nullptr;
+        fsdp_memory_stats_t ms;
+        ms.struct_size = sizeof ms;
+        const std::vector<Call> calls = {
+            {"ctx_finalize", [&] { return fsdp_ctx_finalize(raw); }},
+            {"ctx_rank", [&] { return fsdp_ctx_rank(raw, &i); }},
+            {"ctx_world_size", [&] { return fsdp_ctx_world_size(raw, &i); }},
+            {"ctx_param_dtype", [&] { return fsdp_ctx_param_dtype(raw, &dt); }},
+            {"ctx_async_error", [&] { return fsdp_ctx_async_error(raw); }},
+            {"unit_register", [&] { return register_unit(raw, "v", kParams, &u2); }},
+            {"param_set_values", [&] { return fsdp_param_set_values(u, 0, f, 12); }},
+            {"param_set_weight_decay", [&] { return fsdp_param_set_weight_decay(u, 0, 0.0); }},
+            {"forward_begin", [&] { return fsdp_forward_begin(u, nullptr); }},
+            {"forward_end", [&] { return fsdp_forward_end(u, nullptr); }},
+            {"backward_begin", [&] { return fsdp_backward_begin(u, nullptr); }},
+            {"backward_end", [&] { return fsdp_backward_end(u, nullptr); }},
+            {"param_ptr", [&] { return fsdp_param_ptr(u, 0, &p); }},
+            {"grad_ptr", [&] { return fsdp_grad_ptr(u, 0, &p); }},
+            {"step", [&] { return fsdp_step(raw, nullptr); }},
+            {"set_grad_sync", [&] { return fsdp_set_grad_sync(raw, 0); }},
+            {"set_lr", [&] { return fsdp_set_lr(raw, 0.1); }},
+            {"last_grad_norm", [&] { return fsdp_last_grad_norm(raw, &d); }},
+            {"gather_param", [&] { return fsdp_gather_param(u, 0, f, 12); }},
+            {"shard_info", [&] { return fsdp_shard_info(u, &fp, &off, &n); }},
+            {"param_flat_range", [&] { return fsdp_param_flat_range(u, 0, &off, &n); }},
+            {"memory_stats", [&] { return fsdp_memory_stats(raw, &ms); }},
+            {"memory_stats_reset_peak", [&] { return fsdp_memory_stats_reset_peak(raw); }},
+        };
+        for (const auto& c : calls) {
+          SCOPED_TRACE(c.first);
+          EXPECT_STATUS(FSDP_ERR_INVALID_STATE, c.second());
+        }
+      },
+      60);  // ctx_destroy at scope exit
+}
+
+// ---- missing ranks ---------------------------------------------------------------
+
+TEST(Timeout, ARankThatNeverRegistersIsNamedAndTheContextStaysFailed) {
+  const int world = 3;
+  std::atomic<int> finished{0};
+  std::vector<fsdp_status_t> got(2, FSDP_OK), after(2, FSDP_OK), async(2, FSDP_OK);
+  std::vector<std::string> msgs(2);
+  std::vector<double> took(2, 0), took_after(2, 0);
+  run_ranks(
+      world,
+      [&](int rank, fsdp_local_group_t* group) {
+        struct Done {  // ranks 0 and 1 count themselves finished however they return
+          std::atomic<int>* n;
+          ~Done() {
+            if (n) ++*n;
+          }
+        } done{rank == 2 ? nullptr : &finished};
+        ConfigPtr cfg = make_config({{"timeout_s", "0.5"}});
+        ASSERT_TRUE(cfg);
+        fsdp_ctx_t* raw = nullptr;
+        const fsdp_status_t created = fsdp_ctx_create(cfg.get(), group, rank, &raw);
+        CtxPtr ctx(raw);
+        if (rank == 2) {  // joins ctx_create, then never registers; stays alive until the others are done
+          EXPECT_EQ(created, FSDP_OK) << last_error_str();
+          while (finished.load() < 2) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+          return;
+        }
+        ASSERT_EQ(created, FSDP_OK) << last_error_str();
+        const size_t r = size_t(rank);
+        fsdp_unit_t* u = nullptr;
+        auto t0 = std::chrono::steady_clock::now();
+        got[r] = register_unit(ctx.get(), "u", kParams, &u);
+        msgs[r] = last_error_str();
+        took[r] = seconds_since(t0);
+        async[r] = fsdp_ctx_async_error(ctx.get());
+        t0 = std::chrono::steady_clock::now();
+        after[r] = register_unit(ctx.get(), "u2", kParams, &u);
+        took_after[r] = seconds_since(t0);
+      },
+      60);
+  for (size_t r = 0; r < 2; ++r) {
+    EXPECT_EQ(got[r], FSDP_ERR_TIMEOUT) << "rank " << r << ": " << msgs[r];
+    EXPECT_TRUE(contains(msgs[r], "rank 2")) << "rank " << r << ": " << msgs[r];
+    EXPECT_GE(took[r], 0.25) << "rank " << r << " gave up long before timeout_s";
+    EXPECT_LT(took[r], 10.0) << "rank " << r;
+    EXPECT_NE(async[r], FSDP_OK) << "rank " << r << ": the failure must stay visible";
+    EXPECT_TRUE(after[r] == FSDP_ERR_COMM || after[r] == FSDP_ERR_TIMEOUT)
+        << "rank " << r << " next collective: " << status_str(after[r]);
+    EXPECT_LT(took_after[r], 10.0) << "rank " << r;
+  }
+}
+
+TEST(Timeout, ARankThatNeverCreatesItsContextIsNamed) {
+  std::vector<fsdp_status_t> got(2, FSDP_OK);
+  std::vector<std::string> msgs(2);
+  std::vector<double> took(2, 0);
+  run_ranks(
+      3,
+      [&](int rank, fsdp_local_group_t* group) {
+        if (rank == 2) return;
+        ConfigPtr cfg = make_config({{"timeout_s", "0.5"}});
+        ASSERT_TRUE(cfg);
+        fsdp_ctx_t* raw = nullptr;
+        const auto t0 = std::chrono::steady_clock::now();
+        got[size_t(rank)] = fsdp_ctx_create(cfg.get(), group, rank, &raw);
+        msgs[size_t(rank)] = last_error_str();
+        took[size_t(rank)] = seconds_since(t0);
+        fsdp_ctx_destroy(raw);
+      },
+      60);
+  for (size_t r = 0; r < 2; ++r) {
+    EXPECT_EQ(got[r], FSDP_ERR_TIMEOUT) << "rank " << r << ": " << msgs[r];
+    EXPECT_TRUE(contains(msgs[r], "rank 2")) << "rank " << r << ": " << msgs[r];
+    EXPECT_LT(took[r], 10.0) << "rank " << r;
+  }
+}
+
+}  // namespace
