@@ -5,6 +5,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tools/deps.sh
-cmake --preset default -DFSDP_BUILD_TESTS=OFF -DFSDP_BUILD_BENCHMARKS=OFF >/dev/null
+cmake --preset default >/dev/null
 cmake --build --preset default -j"$(nproc)" --target train_mlp
 exec build/default/examples/c/train_mlp "$@"

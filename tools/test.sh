@@ -11,6 +11,7 @@ case "${1:-}" in
   *) echo "usage: $0 [--asan|--tsan]" >&2; exit 2 ;;
 esac
 tools/deps.sh
-cmake --preset "$preset" >/dev/null
+# Explicit ON: a build tree configured by hand with tests off must not pass silently.
+cmake --preset "$preset" -DFSDP_BUILD_TESTS=ON >/dev/null
 cmake --build --preset "$preset" -j"$(nproc)"
 ctest --preset "$preset" -j"$(nproc)"
