@@ -1,7 +1,7 @@
 // benchmarks/bench_collectives.cpp - all_gather and reduce_scatter of the local
-// (shared-memory) communicator across 4 in-process ranks, as memory bandwidth
-// and as a fraction of the memcpy bandwidth of 4 concurrent threads measured in
-// the same run. Prints one JSON object per line.
+// (shared-memory) communicator across in-process ranks (4 by default), as
+// memory bandwidth and as a fraction of the memcpy bandwidth of as many
+// concurrent threads measured in the same run. Prints one JSON object per line.
 //
 // Traffic per rank: all_gather of S total bytes reads S and writes S (a memcpy
 // of S); reduce_scatter of S input bytes reads S and writes S / world.
@@ -51,16 +51,18 @@ double time_ranks(int world, int reps, Body body) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  const int world = 4;
+  // Usage: bench_collectives [MiB (64)] [reps (5)] [world (4)]
   size_t total = size_t{64} << 20;  // bytes: all_gather output, reduce_scatter input
   int reps = 5;
+  int world = 4;
   if (argc > 1) total = static_cast<size_t>(std::atof(argv[1]) * 1048576.0);
   if (argc > 2) reps = std::atoi(argv[2]);
+  if (argc > 3) world = std::atoi(argv[3]);
   total = total / (world * sizeof(float)) * world * sizeof(float);
   size_t per_rank = total / world;
 
-  std::vector<std::vector<char>> src(world, std::vector<char>(total, 1));
-  std::vector<std::vector<char>> dst(world, std::vector<char>(total, 0));
+  std::vector<std::vector<char>> src(static_cast<size_t>(world), std::vector<char>(total, 1));
+  std::vector<std::vector<char>> dst(static_cast<size_t>(world), std::vector<char>(total, 0));
   double t_memcpy = time_ranks(world, reps, [&](int r, LocalComm&) {
     std::memcpy(dst[static_cast<size_t>(r)].data(), src[static_cast<size_t>(r)].data(), total);
   });
@@ -71,8 +73,8 @@ int main(int argc, char** argv) {
   });
   double ag_gbs = 2.0 * static_cast<double>(total) * world / t_ag / 1e9;
 
-  std::vector<std::vector<float>> fsrc(world, std::vector<float>(total / sizeof(float), 0.25f));
-  std::vector<std::vector<float>> fdst(world, std::vector<float>(per_rank / sizeof(float), 0.0f));
+  std::vector<std::vector<float>> fsrc(static_cast<size_t>(world), std::vector<float>(total / sizeof(float), 0.25f));
+  std::vector<std::vector<float>> fdst(static_cast<size_t>(world), std::vector<float>(per_rank / sizeof(float), 0.0f));
   double t_rs = time_ranks(world, reps, [&](int r, LocalComm& comm) {
     comm.reduce_scatter(fsrc[static_cast<size_t>(r)].data(), fdst[static_cast<size_t>(r)].data(),
                         per_rank / sizeof(float), DType::kFp32, RedOp::kAvg, "bench");
@@ -80,7 +82,8 @@ int main(int argc, char** argv) {
   double rs_gbs = (static_cast<double>(total) + static_cast<double>(per_rank)) * world / t_rs / 1e9;
 
   std::printf("%s\n", JsonLine()
-                          .add("benchmark", "memcpy_4_threads")
+                          .add("benchmark", "memcpy_world_threads")
+                          .add("world", world)
                           .add("bytes", static_cast<double>(total))
                           .add("seconds", t_memcpy)
                           .add("gb_per_s", memcpy_gbs)
