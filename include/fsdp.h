@@ -62,6 +62,25 @@ FSDP_API const char* fsdp_status_name(fsdp_status_t status);
  * pointer stays valid until the next failed libfsdp call on this thread. */
 FSDP_API const char* fsdp_last_error(void);
 
+/* ---- logging ----------------------------------------------------------- */
+
+typedef enum fsdp_log_level {
+  FSDP_LOG_ERROR = 0,
+  FSDP_LOG_WARN = 1,
+  FSDP_LOG_INFO = 2,
+  FSDP_LOG_DEBUG = 3
+} fsdp_log_level_t;
+
+/* Receives every enabled message; `rank` is -1 for messages of no rank. May be
+ * called from any thread, one call at a time. */
+typedef void (*fsdp_log_fn)(fsdp_log_level_t level, int rank, const char* message, void* user);
+
+/* Process-wide. By default messages up to FSDP_LOG_LEVEL (error|warn|info|debug,
+ * default warn) go to stderr as "[fsdp rank R level] message". */
+FSDP_API fsdp_status_t fsdp_log_set_level(fsdp_log_level_t level);
+/* fn NULL restores stderr. */
+FSDP_API fsdp_status_t fsdp_log_set_callback(fsdp_log_fn fn, void* user);
+
 /* ---- version ----------------------------------------------------------- */
 
 /* FSDP_VERSION_NUMBER of the loaded library. */
@@ -216,6 +235,13 @@ typedef struct fsdp_memory_stats_s {
 FSDP_API fsdp_status_t fsdp_memory_stats(const fsdp_ctx_t* ctx, fsdp_memory_stats_t* stats);
 /* Peaks restart from the current values. */
 FSDP_API fsdp_status_t fsdp_memory_stats_reset_peak(fsdp_ctx_t* ctx);
+
+/* Starts (or restarts, clearing) recording this rank's timeline: its calls,
+ * its comm stream's collectives with unit names and bytes, memory counters. */
+FSDP_API fsdp_status_t fsdp_trace_begin(fsdp_ctx_t* ctx);
+/* Writes what was recorded as Chrome trace JSON (Perfetto, chrome://tracing),
+ * pid = rank; recording goes on. Local. */
+FSDP_API fsdp_status_t fsdp_trace_write(fsdp_ctx_t* ctx, const char* path);
 
 #ifdef __cplusplus
 }

@@ -174,7 +174,9 @@ TEST_P(GatheredBytes, FullShardGathersOneUnitAtATimeShardGradOpKeepsAllUntilBack
   }
   run_ranks(world, [&](int rank, fsdp_local_group_t* group) {
     RankSetup s;
-    setup(s, {{"sharding", sharding}, {"param_dtype", dtype_config_name(dt)}}, group, rank);
+    // No prefetch: the exact one-unit (FULL_SHARD) peak; test_overlap covers prefetch.
+    setup(s, {{"sharding", sharding}, {"param_dtype", dtype_config_name(dt)}, {"backward_prefetch", "none"}}, group,
+          rank);
     if (::testing::Test::HasFatalFailure()) return;
     fsdp_ctx_t* ctx = s.ctx.get();
     EXPECT_EQ(stats_of(ctx).gathered_params_nbytes, 0u) << "nothing is gathered before the first forward";
@@ -194,7 +196,11 @@ TEST_P(GatheredBytes, FullShardGathersOneUnitAtATimeShardGradOpKeepsAllUntilBack
     for (size_t u = s.units.size(); u-- > 0;) {
       ASSERT_OK(fsdp_backward_begin(s.units[u], nullptr));
       const fsdp_memory_stats_t m = stats_of(ctx);
-      EXPECT_EQ(m.unsharded_grads_nbytes, unit_bytes[u]) << "in backward of unit " << u;
+      // The previous unit's reduction may still run on the comm stream (at
+      // most one runs behind the unit being computed, by design).
+      const size_t behind = u + 1 < s.units.size() ? unit_bytes[u + 1] : 0;
+      EXPECT_GE(m.unsharded_grads_nbytes, unit_bytes[u]) << "in backward of unit " << u;
+      EXPECT_LE(m.unsharded_grads_nbytes, unit_bytes[u] + behind) << "in backward of unit " << u;
       void* g = nullptr;
       ASSERT_OK(fsdp_grad_ptr(s.units[u], 0, &g));
       add_elem(g, 0, dt, 1.f);
@@ -203,7 +209,12 @@ TEST_P(GatheredBytes, FullShardGathersOneUnitAtATimeShardGradOpKeepsAllUntilBack
     ASSERT_OK(fsdp_step(ctx, nullptr));
     const fsdp_memory_stats_t m = stats_of(ctx);
     EXPECT_EQ(m.gathered_params_peak_nbytes, full ? largest : sum);
-    EXPECT_EQ(m.unsharded_grads_peak_nbytes, largest);
+    size_t largest_pair = 0;
+    for (size_t u = 0; u < unit_bytes.size(); ++u) {
+      largest_pair = std::max(largest_pair, unit_bytes[u] + (u + 1 < unit_bytes.size() ? unit_bytes[u + 1] : 0));
+    }
+    EXPECT_GE(m.unsharded_grads_peak_nbytes, largest);
+    EXPECT_LE(m.unsharded_grads_peak_nbytes, largest_pair);
     EXPECT_EQ(m.gathered_params_nbytes, 0u) << "after the step";
     EXPECT_EQ(m.unsharded_grads_nbytes, 0u) << "after the step";
     EXPECT_GE(m.total_peak_nbytes, m.sharded_params_nbytes + m.sharded_grads_nbytes + m.gathered_params_peak_nbytes);

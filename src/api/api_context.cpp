@@ -6,6 +6,7 @@
 #include "../comm/local/local_group.h"
 #include "../core/config.h"
 #include "../core/context.h"
+#include "../core/log.h"
 #include "guard.h"
 
 struct fsdp_local_group {
@@ -65,6 +66,19 @@ const char* fsdp_status_name(fsdp_status_t status) {
 
 const char* fsdp_last_error(void) { return t_last_error.c_str(); }
 
+fsdp_status_t fsdp_log_set_level(fsdp_log_level_t level) {
+  return guard([&] {
+    if (level < FSDP_LOG_ERROR || level > FSDP_LOG_DEBUG) {
+      fail(FSDP_ERR_INVALID_ARGUMENT, "fsdp_log_set_level: level must be FSDP_LOG_ERROR, _WARN, _INFO or _DEBUG");
+    }
+    fsdp::core::set_log_level(level);
+  });
+}
+
+fsdp_status_t fsdp_log_set_callback(fsdp_log_fn fn, void* user) {
+  return guard([&] { fsdp::core::set_log_callback(fn, user); });
+}
+
 int fsdp_version(void) { return FSDP_VERSION_NUMBER; }
 
 #define FSDP_STR2(x) #x
@@ -100,10 +114,10 @@ fsdp_status_t fsdp_config_get(const fsdp_config_t* cfg, const char* key, char* v
     std::string v = cfg_of(cfg)->get(key);
     if (value_len != nullptr) *value_len = v.size();
     if (value == nullptr || value_nbytes < v.size() + 1) {
-      fail(FSDP_ERR_INVALID_ARGUMENT, "fsdp_config_get: the value of '" + std::string(key) + "' needs " +
-                                          std::to_string(v.size() + 1) + " bytes, the buffer " +
-                                          (value == nullptr ? std::string("is NULL")
-                                                            : "has " + std::to_string(value_nbytes)));
+      fail(FSDP_ERR_INVALID_ARGUMENT,
+           "fsdp_config_get: the value of '" + std::string(key) + "' needs " + std::to_string(v.size() + 1) +
+               " bytes, the buffer " +
+               (value == nullptr ? std::string("is NULL") : "has " + std::to_string(value_nbytes)));
     }
     v.copy(value, v.size());
     value[v.size()] = '\0';

@@ -236,4 +236,24 @@ fsdp_status_t fsdp_memory_stats_reset_peak(fsdp_ctx_t* ctx) {
   });
 }
 
+fsdp_status_t fsdp_trace_begin(fsdp_ctx_t* ctx) {
+  return guard([&] {
+    require(ctx, "fsdp_trace_begin", "ctx");
+    ctx_of(ctx)->check_live("fsdp_trace_begin");
+    ctx_of(ctx)->trace().begin();
+  });
+}
+
+fsdp_status_t fsdp_trace_write(fsdp_ctx_t* ctx, const char* path) {
+  return guard([&] {
+    require(ctx, "fsdp_trace_write", "ctx");
+    require(path, "fsdp_trace_write", "path");
+    ctx_of(ctx)->check_live("fsdp_trace_write");
+    if (!ctx_of(ctx)->trace().enabled()) {
+      fail(FSDP_ERR_INVALID_STATE, "fsdp_trace_write: no trace is being recorded; call fsdp_trace_begin first");
+    }
+    ctx_of(ctx)->trace().write(path, ctx_of(ctx)->rank());
+  });
+}
+
 }  // extern "C"

@@ -39,6 +39,9 @@ class Communicator {
   // FSDP_OK, or the status of the failure that made this communicator unusable
   // (a timeout, an abort, ranks out of step).
   virtual fsdp_status_t failure() const = 0;
+  // Fails every current and future collective of this communicator, on every
+  // rank, with FSDP_ERR_COMM and `reason`. Local: does not wait for anyone.
+  virtual void abort(const std::string& reason) = 0;
 };
 
 }  // namespace fsdp::comm

@@ -264,6 +264,41 @@ const std::vector<Entry>& table() {
          bad_value("comm", v, "auto, local");
        },
        [](const Options& o) { return o.comm; }},
+      {"forward_prefetch",
+       {},
+       [](Options& o, const std::string& v) { o.forward_prefetch = parse_bool("forward_prefetch", v); },
+       [](const Options& o) { return std::string(o.forward_prefetch ? "1" : "0"); }},
+      {"backward_prefetch",
+       {},
+       [](Options& o, const std::string& v) {
+         std::string l = lower(trim(v));
+         if (l == "pre" || l == "backward_pre") {
+           o.backward_prefetch = BackwardPrefetch::kPre;
+         } else if (l == "post" || l == "backward_post") {
+           o.backward_prefetch = BackwardPrefetch::kPost;
+         } else if (l == "none" || l == "0" || l == "off") {
+           o.backward_prefetch = BackwardPrefetch::kNone;
+         } else {
+           bad_value("backward_prefetch", v, "pre, post, none");
+         }
+       },
+       [](const Options& o) {
+         switch (o.backward_prefetch) {
+           case BackwardPrefetch::kPre:
+             return std::string("pre");
+           case BackwardPrefetch::kPost:
+             return std::string("post");
+           case BackwardPrefetch::kNone:
+             return std::string("none");
+         }
+         return std::string();
+       }},
+      {"limit_all_gathers",
+       {},
+       [](Options& o, const std::string& v) {
+         o.limit_all_gathers = static_cast<int>(parse_int("limit_all_gathers", v, 1, 1024));
+       },
+       [](const Options& o) { return std::to_string(o.limit_all_gathers); }},
       {"sync_module_states",
        {},
        [](Options& o, const std::string& v) { o.sync_module_states = parse_bool("sync_module_states", v); },

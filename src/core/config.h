@@ -13,6 +13,7 @@ namespace fsdp::core {
 enum class Sharding { kFullShard, kShardGradOp, kNoShard };
 enum class OptimizerKind { kAdamW, kAdam, kSgd };
 enum class ReduceOp { kAvg, kSum };
+enum class BackwardPrefetch { kNone, kPre, kPost };
 
 const char* sharding_name(Sharding s);
 
@@ -36,6 +37,9 @@ struct Options {
   double timeout_s = 300.0;
   int threads = 1;
   bool sync_module_states = false;
+  bool forward_prefetch = false;
+  BackwardPrefetch backward_prefetch = BackwardPrefetch::kPre;  // PyTorch's default
+  int limit_all_gathers = 2;  // units gathered or gathering at once, prefetch included
   std::string comm = "auto";  // auto: MPI/NCCL when launched by them (later builds), else local
 
   DType reduce_dtype() const { return reduce_dtype_auto ? param_dtype : reduce_dtype_set; }

@@ -21,7 +21,9 @@ std::string describe(const Options& o) {
      << "\noptimizer=" << static_cast<int>(o.optimizer) << "\nlr=" << o.lr << "\nbeta1=" << o.beta1
      << "\nbeta2=" << o.beta2 << "\neps=" << o.eps << "\nweight_decay=" << o.weight_decay << "\nmomentum=" << o.momentum
      << "\nnesterov=" << o.nesterov << "\nmax_grad_norm=" << o.max_grad_norm << "\nalign_bytes=" << o.align_bytes
-     << "\nsync_module_states=" << o.sync_module_states << "\nno_weight_decay=";
+     << "\nforward_prefetch=" << o.forward_prefetch << "\nbackward_prefetch=" << static_cast<int>(o.backward_prefetch)
+     << "\nlimit_all_gathers=" << o.limit_all_gathers << "\nsync_module_states=" << o.sync_module_states
+     << "\nno_weight_decay=";
   for (const auto& p : o.no_weight_decay) os << p << ",";
   return os.str();
 }
@@ -39,19 +41,27 @@ std::string describe(size_t index, const std::string& name, const std::vector<Pa
 
 }  // namespace
 
-Context::Context(const Options& opts, std::shared_ptr<comm::LocalGroup> group, int rank) : optimizer_(rt_) {
+Context::Context(const Options& opts, std::shared_ptr<comm::LocalGroup> group, int rank)
+    : optimizer_(rt_), scheduler_(rt_, units_) {
   rt_.opts = opts;
   rt_.rank = rank;
   rt_.world = group->world_size();
   dev_ = std::make_unique<device::CpuDevice>(opts.threads);
   comm_ = std::make_unique<comm::LocalComm>(std::move(group), rank, opts.timeout_s);
+  Trace* trace = &rt_.trace;
+  stream_ = std::make_unique<CommStream>(
+      *comm_, [trace](const std::string& name, bool begin) { trace->add(name, begin ? 'B' : 'E', Track::kComm); });
+  sync_comm_ = std::make_unique<SyncComm>(*stream_, *comm_);
   rt_.dev = dev_.get();
-  rt_.comm = comm_.get();
-  agree(*comm_, "fsdp_ctx_create (config)", describe(rt_.opts));
+  rt_.comm = sync_comm_.get();
+  rt_.stream = stream_.get();
+  rt_.sched = &scheduler_;
+  agree(*rt_.comm, "fsdp_ctx_create (config)", describe(rt_.opts));
 }
 
-// Members go in reverse order: optimizer state and units free their buffers
-// through dev_ before it is destroyed; comm_ releases the rank last but one.
+// Members go in reverse order: the comm stream stops first (its tasks use unit
+// buffers), then optimizer state and units free their buffers through dev_;
+// comm_ releases the rank last but one.
 Context::~Context() = default;
 
 Unit& Context::register_unit(const std::string& name, std::vector<ParamSpec> params, std::string problem) {
@@ -65,7 +75,7 @@ Unit& Context::register_unit(const std::string& name, std::vector<ParamSpec> par
   }
   std::string text = problem.empty() ? describe(index, name, params) : "invalid registration: " + problem;
   try {
-    agree(*comm_, what, text);
+    agree(*rt_.comm, what, text);
   } catch (const Error& e) {
     // The rank with bad arguments reports them; the others report the mismatch.
     if (!problem.empty() && e.status() == FSDP_ERR_MISMATCH) {
@@ -92,11 +102,14 @@ void Context::step() {
                                        "fsdp_set_grad_sync(ctx, 1) and run the last backward pass first");
     }
   }
+  TraceScope scope(rt_.trace, "step");
   for (const auto& u : units_) {
     u->reduce_pending_grads();
     u->drop_stale_gathered();
   }
+  for (const auto& u : units_) u->wait_reductions();
   optimizer_.step(units_);
+  scheduler_.on_step();
 }
 
 void Context::set_lr(double lr) {
@@ -120,7 +133,11 @@ void Context::finalize() {
                                        "' is " + unit_state_name(u->state()));
     }
   }
-  comm_->barrier("fsdp_ctx_finalize");
+  for (const auto& u : units_) {
+    u->wait_reductions();
+    u->drop_stale_gathered();
+  }
+  rt_.comm->barrier("fsdp_ctx_finalize");
   rt_.finalized = true;
 }
 

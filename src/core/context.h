@@ -8,8 +8,10 @@
 #include <vector>
 
 #include "../comm/local/local_group.h"
+#include "comm_stream.h"
 #include "optimizer.h"
 #include "runtime.h"
+#include "scheduler.h"
 #include "unit.h"
 
 namespace fsdp::core {
@@ -38,6 +40,7 @@ class Context {
   double last_grad_norm() const;
   void finalize();
   MemoryTracker& memory() { return rt_.mem; }
+  Trace& trace() { return rt_.trace; }
   const MemoryTracker& memory() const { return rt_.mem; }
 
  private:
@@ -46,6 +49,10 @@ class Context {
   std::unique_ptr<comm::Communicator> comm_;
   std::vector<std::unique_ptr<Unit>> units_;
   Optimizer optimizer_;
+  Scheduler scheduler_;
+  // Declared last so it stops first: queued tasks use the units' buffers.
+  std::unique_ptr<CommStream> stream_;
+  std::unique_ptr<SyncComm> sync_comm_;
 };
 
 }  // namespace fsdp::core

@@ -3,6 +3,8 @@
 // sharding. Owned by the Context; units hold a reference.
 #pragma once
 
+#include <deque>
+#include <memory>
 #include <string>
 
 #include "../comm/communicator.h"
@@ -10,14 +12,25 @@
 #include "config.h"
 #include "error.h"
 #include "memory.h"
+#include "trace.h"
 
 namespace fsdp::core {
+
+class CommStream;
+class Scheduler;
 
 struct Runtime {
   Options opts;
   device::Device* dev = nullptr;
   comm::Communicator* comm = nullptr;
   MemoryTracker mem;
+  Trace trace;
+  CommStream* stream = nullptr;  // every collective goes through it
+  Scheduler* sched = nullptr;
+  // Grad reductions queued on the comm stream, oldest first. A backward pass
+  // lets at most one run behind the unit being computed, which bounds the
+  // unsharded grads to two units while keeping the overlap.
+  std::deque<std::shared_ptr<class Event>> reductions_in_flight;
   int rank = 0;
   int world = 1;
   bool grad_sync = true;

@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "error.h"
+#include "scheduler.h"
 
 namespace fsdp::core {
 
@@ -14,6 +15,8 @@ const char* unit_state_name(UnitState s) {
   switch (s) {
     case UnitState::kSharded:
       return "sharded";
+    case UnitState::kGathering:
+      return "gathering";
     case UnitState::kGathered:
       return "gathered (idle)";
     case UnitState::kForward:
@@ -129,94 +132,160 @@ void Unit::set_weight_decay(size_t param_index, double weight_decay) {
   weight_decay_[param_index] = weight_decay;
 }
 
-void Unit::gather() {
+void Unit::issue_gather(bool prefetch) {
+  if (!can_gather())
+    fail(FSDP_ERR_INTERNAL, "issue_gather on unit '" + name_ + "' in state " + unit_state_name(state_));
   size_t es = dtype_size(rt_.opts.param_dtype);
-  Buffer full(rt_.dev, &rt_.mem, MemCategory::kGatheredParams, rt_.opts.param_dtype, layout_.padded_numel(),
-              /*zeroed=*/false);
+  gathered_ = Buffer(rt_.dev, &rt_.mem, MemCategory::kGatheredParams, rt_.opts.param_dtype, layout_.padded_numel(),
+                     /*zeroed=*/false);
   const void* src = lowp_.empty() ? master_.data() : lowp_.data();
-  rt_.comm->all_gather(src, full.data(), shard_numel() * es, label("all_gather"));
-  gathered_ = std::move(full);
+  void* dst = gathered_.data();
+  size_t nbytes = shard_numel() * es;
+  std::string what = label("all_gather");
+  rt_.trace.add(std::string(prefetch ? "prefetch " : "issue ") + what, 'i', Track::kCaller);
+  gather_event_ =
+      rt_.stream->submit(what + " " + std::to_string(nbytes * static_cast<size_t>(rt_.world)) + " B",
+                         [src, dst, nbytes, what](comm::Communicator& c) { c.all_gather(src, dst, nbytes, what); });
+  state_ = UnitState::kGathering;
+  trace_memory();
+}
+
+void Unit::finish_gather() {
+  if (state_ != UnitState::kGathering) return;
+  EventPtr ev = std::move(gather_event_);
+  try {
+    ev->wait();
+  } catch (...) {
+    gathered_.reset();
+    state_ = UnitState::kSharded;
+    throw;
+  }
+  state_ = UnitState::kGathered;
+}
+
+void Unit::free_gathered() {
+  gathered_.reset();
+  state_ = UnitState::kSharded;
+  trace_memory();
+  rt_.sched->on_freed();
+}
+
+void Unit::trace_memory() {
+  if (!rt_.trace.enabled()) return;
+  auto snap = rt_.mem.snapshot();
+  rt_.trace.add("memory", 'C', Track::kCaller,
+                "\"gathered_params\": " + std::to_string(snap.current[size_t(MemCategory::kGatheredParams)]) +
+                    ", \"unsharded_grads\": " + std::to_string(snap.current[size_t(MemCategory::kUnshardedGrads)]) +
+                    ", \"total\": " + std::to_string(snap.total));
 }
 
 void Unit::forward_begin() {
-  if (state_ != UnitState::kSharded && state_ != UnitState::kGathered) {
-    bad_state("fsdp_forward_begin", "the unit outside forward and backward");
-  }
-  if (state_ == UnitState::kSharded) gather();
+  TraceScope scope(rt_.trace, "forward_begin " + name_);
+  if (in_use()) bad_state("fsdp_forward_begin", "the unit outside forward and backward");
+  if (state_ == UnitState::kSharded) issue_gather(/*prefetch=*/false);
+  rt_.sched->before_forward(*this);
+  finish_gather();
   state_ = UnitState::kForward;
 }
 
 void Unit::forward_end() {
+  TraceScope scope(rt_.trace, "forward_end " + name_);
   if (state_ != UnitState::kForward) bad_state("fsdp_forward_end", "the unit in forward (after fsdp_forward_begin)");
+  // On the CPU the host's compute is done when it calls *_end, so the buffer
+  // can go now; a CUDA device records an event here and frees after it.
   if (rt_.opts.sharding == Sharding::kFullShard) {
-    gathered_.reset();
-    state_ = UnitState::kSharded;
+    free_gathered();
   } else {
     state_ = UnitState::kGathered;  // kept for backward
   }
 }
 
 void Unit::backward_begin() {
-  if (state_ != UnitState::kSharded && state_ != UnitState::kGathered) {
-    bad_state("fsdp_backward_begin", "the unit outside forward and backward");
+  TraceScope scope(rt_.trace, "backward_begin " + name_);
+  if (in_use()) bad_state("fsdp_backward_begin", "the unit outside forward and backward");
+  if (state_ == UnitState::kSharded) issue_gather(/*prefetch=*/false);
+  rt_.sched->before_backward(*this);
+  finish_gather();
+  auto& queued = rt_.reductions_in_flight;
+  while (!queued.empty() && (queued.size() > 1 || queued.front()->done())) {
+    queued.front()->wait();
+    queued.pop_front();
   }
-  if (state_ == UnitState::kSharded) gather();
   if (!grads_pending_) {
     ugrad_ = Buffer(rt_.dev, &rt_.mem, MemCategory::kUnshardedGrads, rt_.opts.param_dtype, layout_.padded_numel());
   }
   state_ = UnitState::kBackward;
+  trace_memory();
 }
 
 void Unit::backward_end() {
+  TraceScope scope(rt_.trace, "backward_end " + name_);
   if (state_ != UnitState::kBackward) {
     bad_state("fsdp_backward_end", "the unit in backward (after fsdp_backward_begin)");
   }
   if (rt_.grad_sync) {
-    reduce_grads();
+    reduce_event_ = submit_reduction();
+    rt_.reductions_in_flight.push_back(reduce_event_);
   } else {
     grads_pending_ = true;
   }
   if (rt_.sharded()) {
-    gathered_.reset();
-    state_ = UnitState::kSharded;
+    free_gathered();
   } else {
     state_ = UnitState::kGathered;
   }
+  rt_.sched->after_backward(*this);
 }
 
-void Unit::reduce_grads() {
+EventPtr Unit::submit_reduction() {
+  // The task owns the full grads from here on and frees them when the
+  // reduction is done; the sharded grad is touched only by such tasks (in
+  // FIFO order) and by fsdp_step after it waited for them.
+  auto grads = std::make_shared<Buffer>(std::move(ugrad_));
+  grads_pending_ = false;
+  Runtime* rt = &rt_;
   DType pd = rt_.opts.param_dtype;
   DType rd = rt_.opts.reduce_dtype();
   size_t padded = layout_.padded_numel();
-  Buffer converted;
-  void* src = ugrad_.data();
-  if (rd != pd) {
-    converted = Buffer(rt_.dev, &rt_.mem, MemCategory::kScratch, rd, padded, /*zeroed=*/false);
-    rt_.dev->cast(converted.data(), rd, ugrad_.data(), pd, padded);
-    src = converted.data();
-  }
+  size_t shard = shard_numel();
+  float* sgrad = sharded_grad();
+  std::string what = label(rt_.sharded() ? "reduce_scatter" : "all_reduce");
   auto op = rt_.opts.reduce_op == ReduceOp::kAvg ? comm::RedOp::kAvg : comm::RedOp::kSum;
-  if (rt_.sharded()) {
-    Buffer reduced(rt_.dev, &rt_.mem, MemCategory::kScratch, rd, shard_numel(), /*zeroed=*/false);
-    rt_.comm->reduce_scatter(src, reduced.data(), shard_numel(), rd, op, label("reduce_scatter"));
-    rt_.dev->accumulate(sharded_grad(), reduced.data(), rd, 1.0f, shard_numel());
-  } else {
-    rt_.comm->all_reduce(src, src, padded, rd, op, label("all_reduce"));
-    rt_.dev->accumulate(sharded_grad(), src, rd, 1.0f, padded);
-  }
-  ugrad_.reset();
-  grads_pending_ = false;
+  return rt_.stream->submit(what + " " + std::to_string(padded * dtype_size(rd)) + " B", [=](comm::Communicator& c) {
+    Buffer converted;
+    void* src = grads->data();
+    if (rd != pd) {
+      converted = Buffer(rt->dev, &rt->mem, MemCategory::kScratch, rd, padded, /*zeroed=*/false);
+      rt->dev->cast(converted.data(), rd, grads->data(), pd, padded);
+      src = converted.data();
+    }
+    if (rt->sharded()) {
+      Buffer reduced(rt->dev, &rt->mem, MemCategory::kScratch, rd, shard, /*zeroed=*/false);
+      c.reduce_scatter(src, reduced.data(), shard, rd, op, what);
+      rt->dev->accumulate(sgrad, reduced.data(), rd, 1.0f, shard);
+    } else {
+      c.all_reduce(src, src, padded, rd, op, what);
+      rt->dev->accumulate(sgrad, src, rd, 1.0f, padded);
+    }
+    grads->reset();
+  });
 }
 
 void Unit::reduce_pending_grads() {
-  if (grads_pending_) reduce_grads();
+  if (grads_pending_) reduce_event_ = submit_reduction();
+}
+
+void Unit::wait_reductions() {
+  rt_.reductions_in_flight.clear();  // the caller waits for every unit's
+  if (!reduce_event_) return;
+  EventPtr ev = std::move(reduce_event_);
+  ev->wait();
 }
 
 void Unit::drop_stale_gathered() {
-  if (state_ == UnitState::kGathered && rt_.sharded()) {
-    gathered_.reset();
-    state_ = UnitState::kSharded;
-  }
+  if (!rt_.sharded()) return;
+  if (state_ == UnitState::kGathering) finish_gather();
+  if (state_ == UnitState::kGathered) free_gathered();
 }
 
 void* Unit::param_ptr(size_t param_index) {

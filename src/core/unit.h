@@ -2,22 +2,26 @@
 // the unit's flat shards and full buffers and is the only place its state
 // changes, through transitions that check the call order.
 //
-//   SHARDED --forward_begin--> FORWARD --forward_end--> SHARDED (FULL_SHARD)
-//                                                   \-> GATHERED (SHARD_GRAD_OP, NO_SHARD)
-//   SHARDED|GATHERED --backward_begin--> BACKWARD --backward_end--> SHARDED
+//   SHARDED --issue_gather (prefetch or *_begin)--> GATHERING --wait--> GATHERED
+//   SHARDED|GATHERING|GATHERED --forward_begin--> FORWARD --forward_end--> SHARDED (FULL_SHARD)
+//                                                                   \-> GATHERED (SHARD_GRAD_OP, NO_SHARD)
+//   SHARDED|GATHERING|GATHERED --backward_begin--> BACKWARD --backward_end--> SHARDED
 //                                                               (GATHERED for NO_SHARD)
+// Gathers and grad reductions run on the comm stream; the unit keeps the
+// events and waits only where it needs the result.
 #pragma once
 
 #include <string>
 #include <vector>
 
+#include "comm_stream.h"
 #include "layout.h"
 #include "memory.h"
 #include "runtime.h"
 
 namespace fsdp::core {
 
-enum class UnitState { kSharded, kGathered, kForward, kBackward };
+enum class UnitState { kSharded, kGathering, kGathered, kForward, kBackward };
 const char* unit_state_name(UnitState s);
 
 class Unit {
@@ -32,6 +36,11 @@ class Unit {
   bool in_use() const { return state_ == UnitState::kForward || state_ == UnitState::kBackward; }
   // Full grads accumulated with grad sync off, not yet reduced.
   bool grads_pending() const { return grads_pending_; }
+  // Holds, or is gathering, full params that a later step frees (sharded strategies).
+  bool holds_gathered() const { return rt_.sharded() && state_ != UnitState::kSharded; }
+  bool can_gather() const { return rt_.sharded() && state_ == UnitState::kSharded; }
+  // Starts the all-gather on the comm stream (SHARDED -> GATHERING).
+  void issue_gather(bool prefetch);
 
   void set_values(size_t param_index, const float* values, size_t numel);
   void set_weight_decay(size_t param_index, double weight_decay);
@@ -45,9 +54,10 @@ class Unit {
   void* grad_ptr(size_t param_index);
   void gather_param(size_t param_index, float* out, size_t numel);
 
-  // For fsdp_step: reduce grads left pending by no_sync, and drop gathered
-  // params that the update is about to make stale.
+  // For fsdp_step: reduce grads left pending by no_sync, wait for queued
+  // reductions, and drop gathered params that the update will make stale.
   void reduce_pending_grads();
+  void wait_reductions();
   void drop_stale_gathered();
 
   // The rank's shards, for the optimizer and fsdp_shard_info.
@@ -63,8 +73,10 @@ class Unit {
   void check_param_index(size_t param_index, const char* call) const;
   [[noreturn]] void bad_state(const char* call, const char* expected) const;
   void* full_params() const;
-  void gather();
-  void reduce_grads();
+  void finish_gather();
+  void free_gathered();
+  EventPtr submit_reduction();
+  void trace_memory();
   std::string label(const char* what) const;
 
   Runtime& rt_;
@@ -75,6 +87,8 @@ class Unit {
   std::vector<double> weight_decay_;
   UnitState state_ = UnitState::kSharded;
   bool grads_pending_ = false;
+  EventPtr gather_event_;  // while GATHERING
+  EventPtr reduce_event_;  // the last reduction queued for this unit
 
   Buffer master_;    // fp32 [shard]
   Buffer lowp_;      // param_dtype [shard], only when param_dtype != fp32

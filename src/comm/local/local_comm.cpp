@@ -189,6 +189,11 @@ void LocalComm::broadcast(void* buf, size_t nbytes, int root, const std::string&
   });
 }
 
+void LocalComm::abort(const std::string& reason) {
+  failure_.store(FSDP_ERR_COMM);
+  group_->abort(FSDP_ERR_COMM, "rank " + std::to_string(rank_) + " aborted the communicator: " + reason);
+}
+
 void LocalComm::barrier(const std::string& label) {
   CollectiveDesc d{"barrier", 0, -1, -1, -1, label};
   run(d, nullptr, nullptr, [] {});

@@ -29,6 +29,7 @@ class LocalComm final : public Communicator {
   void broadcast(void* buf, size_t nbytes, int root, const std::string& label) override;
   void barrier(const std::string& label) override;
   fsdp_status_t failure() const override { return failure_.load(); }
+  void abort(const std::string& reason) override;
 
  private:
   // Publishes (desc, send, recv), waits for every rank, checks that all ranks

@@ -26,6 +26,7 @@ size_t ThreadPool::chunk_size(size_t n, size_t grain) const {
 
 void ThreadPool::parallel_for(size_t n, size_t grain, const std::function<void(size_t, size_t)>& fn) {
   if (n == 0) return;
+  std::lock_guard<std::mutex> job(job_mu_);
   size_t chunk = chunk_size(n, grain);
   if (workers_.empty() || chunk >= n) {
     fn(0, n);

@@ -30,6 +30,7 @@ class ThreadPool {
   void worker_loop(int index);
 
   std::vector<std::thread> workers_;
+  std::mutex job_mu_;  // one parallel_for at a time: the caller and the comm stream share the pool
   std::mutex mu_;
   std::condition_variable work_cv_;
   std::condition_variable done_cv_;

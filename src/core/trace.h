@@ -1,0 +1,56 @@
+// src/core/trace.h - Trace: a timeline of one rank, written as Chrome trace
+// JSON (Perfetto, chrome://tracing). Track 0 is the caller's calls, track 1
+// the comm stream; memory counters ride along. Off until fsdp_trace_begin.
+#pragma once
+
+#include <chrono>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace fsdp::core {
+
+enum class Track { kCaller = 0, kComm = 1 };
+
+class Trace {
+ public:
+  struct Record {
+    std::string name;
+    char phase;  // 'B' begin, 'E' end, 'i' instant, 'C' counter
+    Track track;
+    double ts_us;
+    std::string args;  // a JSON object body, may be empty
+    unsigned long seq;
+  };
+
+  void begin();  // clears and starts recording
+  bool enabled() const;
+  void add(const std::string& name, char phase, Track track, std::string args = "");
+  // Writes {"traceEvents": [...]} with pid = rank; throws Error(IO).
+  void write(const std::string& path, int rank) const;
+  std::vector<Record> records() const;
+
+ private:
+  mutable std::mutex mu_;
+  bool enabled_ = false;
+  std::chrono::steady_clock::time_point t0_;
+  std::vector<Record> records_;
+  unsigned long seq_ = 0;
+};
+
+// Records a begin/end pair on the caller's track around a scope.
+class TraceScope {
+ public:
+  TraceScope(Trace& trace, std::string name) : trace_(trace), name_(std::move(name)) {
+    trace_.add(name_, 'B', Track::kCaller);
+  }
+  ~TraceScope() { trace_.add(name_, 'E', Track::kCaller); }
+  TraceScope(const TraceScope&) = delete;
+  TraceScope& operator=(const TraceScope&) = delete;
+
+ private:
+  Trace& trace_;
+  std::string name_;
+};
+
+}  // namespace fsdp::core
