@@ -14,7 +14,8 @@ size_t Scheduler::gathered_units() const {
 
 void Scheduler::note(std::vector<size_t>& order, std::vector<size_t>& seen, size_t index, const char* phase) {
   seen.push_back(index);
-  if (!recorded_ || diverged_) return;
+  bool prefetching = rt_.opts.forward_prefetch || rt_.opts.backward_prefetch != BackwardPrefetch::kNone;
+  if (!recorded_ || diverged_ || !prefetching) return;
   size_t pos = seen.size() - 1;
   if (pos < order.size() && order[pos] == index) return;
   diverged_ = true;
