@@ -189,16 +189,25 @@ FSDP_API fsdp_status_t fsdp_param_ptr(fsdp_unit_t* unit, size_t param_index, voi
 /* Pointer to param `param_index`'s grad (param_dtype), valid between
  * fsdp_backward_begin and fsdp_backward_end. Add grads into it. */
 FSDP_API fsdp_status_t fsdp_grad_ptr(fsdp_unit_t* unit, size_t param_index, void** ptr);
-/* Collective. Reduces any grads still pending, clips (max_grad_norm), runs
- * the optimizer on this rank's shards and zeroes the sharded grads. No unit
- * may be between *_begin and *_end. */
+/* Collective. Waits for the grad reductions, unscales the grads by the loss
+ * scale, clips (max_grad_norm), runs the optimizer on this rank's shards and
+ * zeroes the sharded grads. If any rank's grads hold inf or nan the step is
+ * skipped on every rank: params and optimizer state stay as they were (the
+ * grads are still zeroed, the loss scale backs off). No unit may be between
+ * *_begin and *_end. */
 FSDP_API fsdp_status_t fsdp_step(fsdp_ctx_t* ctx, void* stream);
 /* enabled=0: following backward passes accumulate full grads locally without
  * any communication (PyTorch's no_sync); they are reduced by the first
  * backward_end after sync is enabled again (or by fsdp_step). */
 FSDP_API fsdp_status_t fsdp_set_grad_sync(fsdp_ctx_t* ctx, int enabled);
 FSDP_API fsdp_status_t fsdp_set_lr(fsdp_ctx_t* ctx, double lr);
-/* The global grad norm of the last fsdp_step, before clipping. */
+/* The scale the host multiplies its loss by before backward (so that fp16
+ * grads do not underflow), and how many steps were skipped because some rank's
+ * grads held inf/nan. The scale is 1 unless loss_scale is on (by default it is
+ * dynamic for param_dtype=fp16); fsdp_step divides it out of the grads. */
+FSDP_API fsdp_status_t fsdp_loss_scale(const fsdp_ctx_t* ctx, double* scale, uint64_t* skipped_steps);
+/* The global grad norm of the last fsdp_step (unscaled), before clipping;
+ * inf or nan if that step was skipped. */
 FSDP_API fsdp_status_t fsdp_last_grad_norm(const fsdp_ctx_t* ctx, double* norm);
 
 /* ---- access -------------------------------------------------------------- */

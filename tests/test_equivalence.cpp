@@ -334,7 +334,10 @@ LibResult lib_train(const Case& c, const Model& m, const Params& init, const Dat
                                                {"lr", "0.01"},
                                                {"weight_decay", std::to_string(c.weight_decay)},
                                                {"no_weight_decay", "*bias"},
-                                               {"timeout_s", "20"}};
+                                               {"timeout_s", "20"},
+                                               // The reference models unscaled grads; loss
+                                               // scaling has its own tests (test_loss_scale).
+                                               {"loss_scale", "off"}};
     if (c.max_grad_norm > 0) opts["max_grad_norm"] = std::to_string(c.max_grad_norm);
     ConfigPtr cfg = make_config(opts);
     ASSERT_TRUE(cfg);

@@ -204,7 +204,8 @@ TEST(PrefetchOrder, ForwardPrefetchIssuesTheNextGatherBeforeItIsNeeded) {
     const auto ev = read_trace(path);
     for (int i = 0; i + 1 < kUnits; ++i) {
       const std::string next = "u" + std::to_string(i + 1);
-      const long issued = seq_of(ev, "prefetch all_gather of unit '" + next + "' (#" + std::to_string(i + 1) + ")", 'i');
+      const long issued =
+          seq_of(ev, "prefetch all_gather of unit '" + next + "' (#" + std::to_string(i + 1) + ")", 'i');
       ASSERT_GE(issued, 0) << "no forward prefetch of " << next;
       EXPECT_LT(issued, seq_of(ev, "forward_begin " + next, 'B')) << next << " was gathered on demand";
       EXPECT_LT(issued, seq_of(ev, "forward_end u" + std::to_string(i), 'E'))
@@ -212,7 +213,8 @@ TEST(PrefetchOrder, ForwardPrefetchIssuesTheNextGatherBeforeItIsNeeded) {
     }
     // Backward pre-prefetch: unit i-1's gather is issued inside backward_begin(i).
     for (int i = kUnits - 1; i > 0; --i) {
-      const std::string prev = "prefetch all_gather of unit 'u" + std::to_string(i - 1) + "' (#" + std::to_string(i - 1) + ")";
+      const std::string prev =
+          "prefetch all_gather of unit 'u" + std::to_string(i - 1) + "' (#" + std::to_string(i - 1) + ")";
       const long begin = seq_of(ev, "backward_begin u" + std::to_string(i), 'B');
       const long end = seq_of(ev, "backward_begin u" + std::to_string(i), 'E');
       bool inside = false;
@@ -234,8 +236,7 @@ TEST(PrefetchLimit, NeverMoreGatheredUnitsThanTheLimit) {
     SCOPED_TRACE("limit_all_gathers=" + std::to_string(limit));
     run_ranks(2, [limit](int rank, fsdp_local_group_t* group) {
       Model m;
-      build(m,
-            {{"forward_prefetch", "1"}, {"backward_prefetch", "pre"}, {"limit_all_gathers", std::to_string(limit)}},
+      build(m, {{"forward_prefetch", "1"}, {"backward_prefetch", "pre"}, {"limit_all_gathers", std::to_string(limit)}},
             group, rank, /*equal_sizes=*/true);
       if (::testing::Test::HasFatalFailure()) return;
       iterate(m, rank, 0, natural_order());

@@ -165,6 +165,17 @@ fsdp_status_t fsdp_last_grad_norm(const fsdp_ctx_t* ctx, double* norm) {
   });
 }
 
+fsdp_status_t fsdp_loss_scale(const fsdp_ctx_t* ctx, double* scale, uint64_t* skipped_steps) {
+  return guard([&] {
+    require(ctx, "fsdp_loss_scale", "ctx");
+    require(scale, "fsdp_loss_scale", "scale");
+    require(skipped_steps, "fsdp_loss_scale", "skipped_steps");
+    ctx_of(ctx)->check_live("fsdp_loss_scale");
+    *scale = ctx_of(ctx)->loss_scaler().scale();
+    *skipped_steps = ctx_of(ctx)->loss_scaler().skipped_steps();
+  });
+}
+
 fsdp_status_t fsdp_gather_param(fsdp_unit_t* unit, size_t param_index, float* out, size_t numel) {
   return guard([&] {
     Unit& u = live_unit(unit, "fsdp_gather_param");

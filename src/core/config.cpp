@@ -299,6 +299,59 @@ const std::vector<Entry>& table() {
          o.limit_all_gathers = static_cast<int>(parse_int("limit_all_gathers", v, 1, 1024));
        },
        [](const Options& o) { return std::to_string(o.limit_all_gathers); }},
+      {"loss_scale",
+       {},
+       [](Options& o, const std::string& v) {
+         std::string l = lower(trim(v));
+         if (l == "auto") {
+           o.loss_scale_mode = LossScaleMode::kAuto;
+         } else if (l == "dynamic") {
+           o.loss_scale_mode = LossScaleMode::kDynamic;
+         } else if (l == "off" || l == "none") {
+           o.loss_scale_mode = LossScaleMode::kOff;
+         } else {
+           o.loss_scale_static =
+               parse_double("loss_scale", v, 1e-30, 1e30, "auto, dynamic, off, or a static scale > 0");
+           o.loss_scale_mode = LossScaleMode::kStatic;
+         }
+       },
+       [](const Options& o) {
+         switch (o.loss_scale_mode) {
+           case LossScaleMode::kAuto:
+             return std::string("auto");
+           case LossScaleMode::kDynamic:
+             return std::string("dynamic");
+           case LossScaleMode::kOff:
+             return std::string("off");
+           case LossScaleMode::kStatic:
+             return fmt(o.loss_scale_static);
+         }
+         return std::string();
+       }},
+      {"loss_scale_init",
+       {"init_scale"},
+       [](Options& o, const std::string& v) {
+         o.loss_scale_init = parse_double("loss_scale_init", v, 1e-30, 1e30, "a number > 0");
+       },
+       [](const Options& o) { return fmt(o.loss_scale_init); }},
+      {"loss_scale_growth",
+       {"growth_factor"},
+       [](Options& o, const std::string& v) {
+         o.loss_scale_growth = parse_double("loss_scale_growth", v, 1.0, 1e6, "a number >= 1");
+       },
+       [](const Options& o) { return fmt(o.loss_scale_growth); }},
+      {"loss_scale_backoff",
+       {"backoff_factor"},
+       [](Options& o, const std::string& v) {
+         o.loss_scale_backoff = parse_double("loss_scale_backoff", v, 1e-6, 1.0, "a number in (0, 1]");
+       },
+       [](const Options& o) { return fmt(o.loss_scale_backoff); }},
+      {"loss_scale_growth_interval",
+       {"growth_interval"},
+       [](Options& o, const std::string& v) {
+         o.loss_scale_growth_interval = parse_int("loss_scale_growth_interval", v, 1, 1000000000L);
+       },
+       [](const Options& o) { return std::to_string(o.loss_scale_growth_interval); }},
       {"sync_module_states",
        {},
        [](Options& o, const std::string& v) { o.sync_module_states = parse_bool("sync_module_states", v); },

@@ -14,6 +14,7 @@ enum class Sharding { kFullShard, kShardGradOp, kNoShard };
 enum class OptimizerKind { kAdamW, kAdam, kSgd };
 enum class ReduceOp { kAvg, kSum };
 enum class BackwardPrefetch { kNone, kPre, kPost };
+enum class LossScaleMode { kAuto, kDynamic, kStatic, kOff };
 
 const char* sharding_name(Sharding s);
 
@@ -39,8 +40,14 @@ struct Options {
   bool sync_module_states = false;
   bool forward_prefetch = false;
   BackwardPrefetch backward_prefetch = BackwardPrefetch::kPre;  // PyTorch's default
-  int limit_all_gathers = 2;  // units gathered or gathering at once, prefetch included
-  std::string comm = "auto";  // auto: MPI/NCCL when launched by them (later builds), else local
+  int limit_all_gathers = 2;
+  LossScaleMode loss_scale_mode = LossScaleMode::kAuto;  // auto: dynamic for fp16, off otherwise
+  double loss_scale_static = 1.0;
+  double loss_scale_init = 65536.0;
+  double loss_scale_growth = 2.0;
+  double loss_scale_backoff = 0.5;
+  long loss_scale_growth_interval = 2000;  // units gathered or gathering at once, prefetch included
+  std::string comm = "auto";               // auto: MPI/NCCL when launched by them (later builds), else local
 
   DType reduce_dtype() const { return reduce_dtype_auto ? param_dtype : reduce_dtype_set; }
 };

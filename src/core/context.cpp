@@ -22,8 +22,9 @@ std::string describe(const Options& o) {
      << "\nbeta2=" << o.beta2 << "\neps=" << o.eps << "\nweight_decay=" << o.weight_decay << "\nmomentum=" << o.momentum
      << "\nnesterov=" << o.nesterov << "\nmax_grad_norm=" << o.max_grad_norm << "\nalign_bytes=" << o.align_bytes
      << "\nforward_prefetch=" << o.forward_prefetch << "\nbackward_prefetch=" << static_cast<int>(o.backward_prefetch)
-     << "\nlimit_all_gathers=" << o.limit_all_gathers << "\nsync_module_states=" << o.sync_module_states
-     << "\nno_weight_decay=";
+     << "\nlimit_all_gathers=" << o.limit_all_gathers << "\nloss_scale=" << static_cast<int>(o.loss_scale_mode) << ","
+     << o.loss_scale_static << "," << o.loss_scale_init << "," << o.loss_scale_growth << "," << o.loss_scale_backoff
+     << "," << o.loss_scale_growth_interval << "\nsync_module_states=" << o.sync_module_states << "\nno_weight_decay=";
   for (const auto& p : o.no_weight_decay) os << p << ",";
   return os.str();
 }
@@ -42,8 +43,7 @@ std::string describe(size_t index, const std::string& name, const std::vector<Pa
 }  // namespace
 
 Context::Context(const Options& opts, std::shared_ptr<comm::LocalGroup> group, int rank)
-    : optimizer_(rt_), scheduler_(rt_, units_) {
-  rt_.opts = opts;
+    : rt_(opts), optimizer_(rt_), scheduler_(rt_, units_) {
   rt_.rank = rank;
   rt_.world = group->world_size();
   dev_ = std::make_unique<device::CpuDevice>(opts.threads);

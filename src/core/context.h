@@ -38,6 +38,7 @@ class Context {
   void set_grad_sync(bool enabled) { rt_.grad_sync = enabled; }
   void set_lr(double lr);
   double last_grad_norm() const;
+  const LossScaler& loss_scaler() const { return optimizer_.loss_scaler(); }
   void finalize();
   MemoryTracker& memory() { return rt_.mem; }
   Trace& trace() { return rt_.trace; }

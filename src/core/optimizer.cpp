@@ -19,21 +19,30 @@ void Optimizer::add_unit(const Unit& unit) {
   states_.push_back(std::move(s));
 }
 
-double Optimizer::grad_norm(const std::vector<std::unique_ptr<Unit>>& units) {
+double Optimizer::grad_sum_squares(const std::vector<std::unique_ptr<Unit>>& units) {
   // Padding in the sharded grads is always zero, so whole shards can be summed.
   double sq = 0.0;
   for (const auto& u : units) sq += rt_.dev->sum_squares(u->sharded_grad(), u->shard_numel());
   if (rt_.sharded() && rt_.world > 1) rt_.comm->all_reduce_f64(&sq, 1, comm::RedOp::kSum, "grad norm");
-  return std::sqrt(sq);
+  return sq;
 }
 
 void Optimizer::step(const std::vector<std::unique_ptr<Unit>>& units) {
   const Options& o = rt_.opts;
-  last_grad_norm_ = grad_norm(units);
-  float grad_scale = 1.0f;
+  // The sum of squares is all-reduced, so inf/nan on any rank reaches all.
+  double sq = grad_sum_squares(units);
+  double scale = scaler_.scale();
+  last_grad_norm_ = std::sqrt(sq) / scale;
+  bool finite = std::isfinite(sq);
+  scaler_.update(finite);
+  if (!finite) {
+    for (const auto& u : units) rt_.dev->zero(u->sharded_grad(), u->shard_numel() * sizeof(float));
+    return;
+  }
+  float grad_scale = static_cast<float>(1.0 / scale);
   if (o.max_grad_norm > 0.0) {
     double coef = o.max_grad_norm / (last_grad_norm_ + 1e-6);  // torch.nn.utils.clip_grad_norm_
-    if (coef < 1.0) grad_scale = static_cast<float>(coef);
+    if (coef < 1.0) grad_scale = static_cast<float>(coef / scale);
   }
   ++step_;
   for (size_t k = 0; k < units.size(); ++k) {

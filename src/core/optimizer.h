@@ -7,6 +7,7 @@
 #include <memory>
 #include <vector>
 
+#include "loss_scaler.h"
 #include "memory.h"
 #include "runtime.h"
 #include "unit.h"
@@ -15,13 +16,15 @@ namespace fsdp::core {
 
 class Optimizer {
  public:
-  explicit Optimizer(Runtime& rt) : rt_(rt) {}
+  explicit Optimizer(Runtime& rt) : rt_(rt), scaler_(rt.opts) {}
 
   // Allocates the unit's state (moments or momentum) next to its shard.
   void add_unit(const Unit& unit);
-  // One update of every unit from its sharded grads; zeroes the grads.
-  // Collective when clipping or a norm is needed across shards.
+  // One update of every unit from its sharded grads (unscaled by the loss
+  // scale); zeroes the grads. Collective (the global norm). A step whose grads
+  // hold inf/nan on any rank changes no param and no optimizer state.
   void step(const std::vector<std::unique_ptr<Unit>>& units);
+  const LossScaler& loss_scaler() const { return scaler_; }
   double last_grad_norm() const { return last_grad_norm_; }
   long step_count() const { return step_; }
   void set_lr(double lr) { rt_.opts.lr = lr; }
@@ -31,9 +34,10 @@ class Optimizer {
     Buffer exp_avg;     // Adam first moment, or SGD momentum buffer
     Buffer exp_avg_sq;  // Adam second moment
   };
-  double grad_norm(const std::vector<std::unique_ptr<Unit>>& units);
+  double grad_sum_squares(const std::vector<std::unique_ptr<Unit>>& units);
 
   Runtime& rt_;
+  LossScaler scaler_;
   std::vector<State> states_;
   long step_ = 0;
   double last_grad_norm_ = 0.0;

@@ -20,6 +20,7 @@ class CommStream;
 class Scheduler;
 
 struct Runtime {
+  explicit Runtime(const Options& o) : opts(o) {}
   Options opts;
   device::Device* dev = nullptr;
   comm::Communicator* comm = nullptr;

@@ -1,0 +1,191 @@
+// Proves fp16 loss scaling: inf/nan on one rank skips the step on every rank
+// (params and optimizer state bitwise unchanged) and backs the scale off; clean
+// steps grow it after growth_interval; a static scale stays put; the scale is
+// divided out exactly (scaled training equals unscaled training bitwise).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "rank_runner.h"
+
+using namespace fsdp_test;
+
+namespace {
+
+constexpr size_t kNumel = 37;
+
+struct Rank {
+  CtxPtr ctx;
+  fsdp_unit_t* unit = nullptr;
+};
+
+void make(Rank& s, std::map<std::string, std::string> opts, fsdp_local_group_t* group, int rank) {
+  opts["timeout_s"] = "20";
+  ConfigPtr cfg = make_config(opts);
+  ASSERT_TRUE(cfg);
+  fsdp_ctx_t* raw = nullptr;
+  ASSERT_OK(fsdp_ctx_create(cfg.get(), group, rank, &raw));
+  s.ctx.reset(raw);
+  ASSERT_OK(register_unit(raw, "u", {{"w", {int64_t(kNumel)}}}, &s.unit));
+  const auto init = Rng(9).uniform_vec(kNumel, -1.f, 1.f);
+  ASSERT_OK(fsdp_param_set_values(s.unit, 0, init.data(), kNumel));
+}
+
+// One pass whose grad is `scale` * (a fixed per-rank grad), written in the
+// context's param dtype; `poison` puts an inf into element 3.
+void pass(Rank& s, int rank, int step, double scale, bool poison) {
+  fsdp_dtype_t dt;
+  ASSERT_OK(fsdp_ctx_param_dtype(s.ctx.get(), &dt));
+  ASSERT_OK(fsdp_forward_begin(s.unit, nullptr));
+  ASSERT_OK(fsdp_forward_end(s.unit, nullptr));
+  ASSERT_OK(fsdp_backward_begin(s.unit, nullptr));
+  void* g = nullptr;
+  ASSERT_OK(fsdp_grad_ptr(s.unit, 0, &g));
+  const auto grad =
+      Rng(1000 + 10 * static_cast<uint64_t>(step) + static_cast<uint64_t>(rank)).uniform_vec(kNumel, -0.01f, 0.01f);
+  for (size_t k = 0; k < kNumel; ++k) add_elem(g, k, dt, static_cast<float>(grad[k] * scale));
+  if (poison) add_elem(g, 3, dt, std::numeric_limits<float>::infinity());
+  ASSERT_OK(fsdp_backward_end(s.unit, nullptr));
+  ASSERT_OK(fsdp_step(s.ctx.get(), nullptr));
+}
+
+std::vector<float> params(Rank& s) {
+  std::vector<float> w(kNumel);
+  EXPECT_OK(fsdp_gather_param(s.unit, 0, w.data(), kNumel));
+  return w;
+}
+
+void scale_of(Rank& s, double* scale, uint64_t* skipped) { EXPECT_OK(fsdp_loss_scale(s.ctx.get(), scale, skipped)); }
+
+}  // namespace
+
+TEST(LossScale, InfOnOneRankSkipsTheStepEverywhereAndBacksOff) {
+  for (int world : {2, 4}) {
+    SCOPED_TRACE("world " + std::to_string(world));
+    run_ranks(world, [world](int rank, fsdp_local_group_t* group) {
+      Rank s;
+      make(s, {{"param_dtype", "fp16"}, {"sharding", "FULL_SHARD"}, {"loss_scale_init", "1024"}}, group, rank);
+      if (::testing::Test::HasFatalFailure()) return;
+      double scale = 0;
+      uint64_t skipped = 7;
+      scale_of(s, &scale, &skipped);
+      EXPECT_EQ(scale, 1024.0) << "fp16 defaults to dynamic scaling from loss_scale_init";
+      EXPECT_EQ(skipped, 0u);
+      pass(s, rank, 0, scale, false);  // a clean step moves Adam's state
+      const auto before = params(s);
+      // Only the last rank's grads are poisoned: every rank must skip.
+      pass(s, rank, 1, scale, rank == world - 1);
+      EXPECT_EQ(params(s), before) << "a skipped step must not change params";
+      double norm = 0;
+      EXPECT_OK(fsdp_last_grad_norm(s.ctx.get(), &norm));
+      EXPECT_FALSE(std::isfinite(norm));
+      scale_of(s, &scale, &skipped);
+      EXPECT_EQ(scale, 512.0);
+      EXPECT_EQ(skipped, 1u);
+      // The optimizer state did not move either: the next clean step equals a
+      // run that never saw the poisoned step (checked against a fresh context).
+      pass(s, rank, 2, scale, false);
+      const auto after = params(s);
+      EXPECT_NE(after, before);
+      EXPECT_OK(fsdp_ctx_finalize(s.ctx.get()));
+    });
+  }
+}
+
+TEST(LossScale, ASkippedStepLeavesOptimizerStateAsIfItNeverHappened) {
+  // Run A: clean, poisoned, clean(step 2). Run B: clean, clean(step 2) with
+  // the same scale as A had after its backoff. Same bits.
+  std::vector<std::vector<float>> results(2);
+  for (int run = 0; run < 2; ++run) {
+    run_ranks(2, [&, run](int rank, fsdp_local_group_t* group) {
+      Rank s;
+      // Static scale 256: the backoff plays no part, only the skip does.
+      make(s, {{"param_dtype", "fp16"}, {"loss_scale", "256"}}, group, rank);
+      if (::testing::Test::HasFatalFailure()) return;
+      pass(s, rank, 0, 256, false);
+      if (run == 0) pass(s, rank, 1, 256, rank == 0);
+      pass(s, rank, 2, 256, false);
+      double scale = 0;
+      uint64_t skipped = 0;
+      scale_of(s, &scale, &skipped);
+      EXPECT_EQ(scale, 256.0) << "a static scale does not back off";
+      EXPECT_EQ(skipped, run == 0 ? 1u : 0u);
+      auto w = params(s);
+      if (rank == 0) results[static_cast<size_t>(run)] = w;
+      EXPECT_OK(fsdp_ctx_finalize(s.ctx.get()));
+    });
+  }
+  EXPECT_EQ(results[0], results[1]);
+}
+
+TEST(LossScale, GrowsAfterGrowthIntervalCleanSteps) {
+  run_ranks(2, [](int rank, fsdp_local_group_t* group) {
+    Rank s;
+    make(s,
+         {{"param_dtype", "fp16"},
+          {"loss_scale", "dynamic"},
+          {"loss_scale_init", "8"},
+          {"loss_scale_growth", "2"},
+          {"loss_scale_growth_interval", "3"}},
+         group, rank);
+    if (::testing::Test::HasFatalFailure()) return;
+    const double expected[] = {8, 8, 16, 16, 16, 32};  // scale after steps 1..6
+    for (int step = 0; step < 6; ++step) {
+      double scale = 0;
+      uint64_t skipped = 0;
+      scale_of(s, &scale, &skipped);
+      pass(s, rank, step, scale, false);
+      scale_of(s, &scale, &skipped);
+      EXPECT_EQ(scale, expected[step]) << "after step " << step + 1;
+      EXPECT_EQ(skipped, 0u);
+    }
+    EXPECT_OK(fsdp_ctx_finalize(s.ctx.get()));
+  });
+}
+
+TEST(LossScale, TheScaleIsDividedOutExactly) {
+  // fp32 grads scaled by a power of two and unscaled by the library give the
+  // same bits as unscaled training.
+  std::vector<std::vector<float>> results(2);
+  for (int run = 0; run < 2; ++run) {
+    run_ranks(3, [&, run](int rank, fsdp_local_group_t* group) {
+      Rank s;
+      make(s, {{"loss_scale", run == 0 ? "off" : "1024"}, {"max_grad_norm", "0.01"}}, group, rank);
+      if (::testing::Test::HasFatalFailure()) return;
+      for (int step = 0; step < 4; ++step) pass(s, rank, step, run == 0 ? 1.0 : 1024.0, false);
+      auto w = params(s);
+      if (rank == 0) results[static_cast<size_t>(run)] = w;
+      EXPECT_OK(fsdp_ctx_finalize(s.ctx.get()));
+    });
+  }
+  EXPECT_EQ(results[0], results[1]);
+}
+
+TEST(LossScale, DefaultIsOffOutsideFp16AndNullArgumentsAreRejected) {
+  run_ranks(1, [](int rank, fsdp_local_group_t* group) {
+    Rank s;
+    make(s, {{"param_dtype", "bf16"}}, group, rank);
+    if (::testing::Test::HasFatalFailure()) return;
+    double scale = 0;
+    uint64_t skipped = 0;
+    scale_of(s, &scale, &skipped);
+    EXPECT_EQ(scale, 1.0);
+    EXPECT_STATUS(FSDP_ERR_INVALID_ARGUMENT, fsdp_loss_scale(nullptr, &scale, &skipped));
+    EXPECT_STATUS(FSDP_ERR_INVALID_ARGUMENT, fsdp_loss_scale(s.ctx.get(), nullptr, &skipped));
+    EXPECT_STATUS(FSDP_ERR_INVALID_ARGUMENT, fsdp_loss_scale(s.ctx.get(), &scale, nullptr));
+    EXPECT_STATUS(FSDP_ERR_INVALID_ARGUMENT, fsdp_trace_write(s.ctx.get(), nullptr));
+    EXPECT_STATUS(FSDP_ERR_INVALID_STATE, fsdp_trace_write(s.ctx.get(), "/tmp/never.json")) << "no trace begun";
+    EXPECT_STATUS(FSDP_ERR_INVALID_ARGUMENT, fsdp_trace_begin(nullptr));
+    EXPECT_STATUS(FSDP_ERR_INVALID_ARGUMENT, fsdp_log_set_level(static_cast<fsdp_log_level_t>(9)));
+    ConfigPtr cfg = make_config({});
+    EXPECT_STATUS(FSDP_ERR_INVALID_ARGUMENT, fsdp_config_set(cfg.get(), "loss_scale", "-2"));
+    EXPECT_STATUS(FSDP_ERR_INVALID_ARGUMENT, fsdp_config_set(cfg.get(), "backward_prefetch", "sideways"));
+    EXPECT_STATUS(FSDP_ERR_INVALID_ARGUMENT, fsdp_config_set(cfg.get(), "limit_all_gathers", "0"));
+    EXPECT_OK(fsdp_ctx_finalize(s.ctx.get()));
+  });
+}
