@@ -3,6 +3,7 @@
  * each rank's memory, beside the loss of the same training run on 1 rank.
  *
  *   train_mlp [--ranks N] [--steps S] [--dtype bf16|fp16|fp32] [--sharding S] [--check 1]
+ *             [--trace PREFIX]   (writes PREFIX.rankR.json, Chrome trace, of the last 2 steps)
  *
  * With --check 1 it exits with status 1 unless the loss fell at least 4x and the
  * N-rank loss stays within 20% of the 1-rank loss (bf16 rounds each rank's
@@ -27,7 +28,7 @@ static const int kDims[N_LAYERS + 1] = {32, 256, 256, 256, 8};
 
 typedef struct {
   int ranks, steps, print_every, check;
-  const char *dtype, *sharding;
+  const char *dtype, *sharding, *trace;
 } options_t;
 
 typedef struct {
@@ -165,8 +166,12 @@ static void* train(void* arg) {
   }
 
   for (step = 0; step < job->opt.steps; ++step) {
-    double loss = 0.0;
+    double loss = 0.0, loss_scale = 1.0;
+    uint64_t skipped = 0;
     int r, i, o;
+    if (job->opt.trace && step == job->opt.steps - 2) CHECK(fsdp_trace_begin(ctx));
+    /* fp16 grads are computed for loss * scale (1 unless loss scaling is on). */
+    CHECK(fsdp_loss_scale(ctx, &loss_scale, &skipped));
     memcpy(act[0], &g_x[row0][0], sizeof(float) * (size_t)(rows * 32));
     for (l = 0; l < N_LAYERS; ++l) { /* forward: a = tanh(W a + b), linear last layer */
       void *w, *b;
@@ -186,7 +191,7 @@ static void* train(void* arg) {
       for (o = 0; o < 8; ++o) {
         float d = act[N_LAYERS][r * 8 + o] - g_y[row0 + r][o];
         loss += 0.5 * d * d / rows;
-        dact[N_LAYERS][r * 8 + o] = d / (float)rows;
+        dact[N_LAYERS][r * 8 + o] = (float)(d * loss_scale / rows);
       }
     for (l = N_LAYERS - 1; l >= 0; --l) { /* backward */
       void *w, *gw, *gb;
@@ -222,6 +227,11 @@ static void* train(void* arg) {
       job->losses[step] = s / job->world;
     }
     pthread_barrier_wait(job->barrier);
+  }
+  if (job->opt.trace) {
+    char path[512];
+    snprintf(path, sizeof path, "%s.rank%d.json", job->opt.trace, job->rank);
+    CHECK(fsdp_trace_write(ctx, path));
   }
   job->mem[job->rank].struct_size = sizeof(fsdp_memory_stats_t);
   CHECK(fsdp_memory_stats(ctx, &job->mem[job->rank]));
@@ -273,7 +283,7 @@ static int run(const options_t* opt, int world, double* losses, fsdp_memory_stat
 static double mib(size_t n) { return (double)n / (1024.0 * 1024.0); }
 
 int main(int argc, char** argv) {
-  options_t opt = {4, 60, 10, 0, "bf16", "FULL_SHARD"};
+  options_t opt = {4, 60, 10, 0, "bf16", "FULL_SHARD", NULL};
   double *loss_n, *loss_1;
   fsdp_memory_stats_t mem_n[MAX_RANKS], mem_1[1];
   int a, s, r;
@@ -288,13 +298,15 @@ int main(int argc, char** argv) {
       opt.sharding = argv[a + 1];
     else if (!strcmp(argv[a], "--check"))
       opt.check = atoi(argv[a + 1]);
+    else if (!strcmp(argv[a], "--trace"))
+      opt.trace = argv[a + 1];
     else
       break;
   }
   if (a < argc || opt.ranks < 1 || opt.ranks > MAX_RANKS || GLOBAL_BATCH % opt.ranks || opt.steps < 1) {
     fprintf(stderr,
             "usage: %s [--ranks N (divides %d, <= %d)] [--steps S] [--dtype bf16|fp16|fp32] "
-            "[--sharding FULL_SHARD|SHARD_GRAD_OP|NO_SHARD] [--check 1]\n",
+            "[--sharding FULL_SHARD|SHARD_GRAD_OP|NO_SHARD] [--check 1] [--trace PREFIX]\n",
             argv[0], GLOBAL_BATCH, MAX_RANKS);
     return 2;
   }

@@ -154,6 +154,8 @@ void Unit::finish_gather() {
   if (state_ != UnitState::kGathering) return;
   EventPtr ev = std::move(gather_event_);
   try {
+    // The caller-side wait is what the comm stream failed to hide.
+    TraceScope wait(rt_.trace, "wait " + label("all_gather"));
     ev->wait();
   } catch (...) {
     gathered_.reset();
@@ -208,6 +210,7 @@ void Unit::backward_begin() {
   finish_gather();
   auto& queued = rt_.reductions_in_flight;
   while (!queued.empty() && (queued.size() > 1 || queued.front()->done())) {
+    TraceScope wait(rt_.trace, "wait earlier reduction");
     queued.front()->wait();
     queued.pop_front();
   }
@@ -279,6 +282,7 @@ void Unit::wait_reductions() {
   rt_.reductions_in_flight.clear();  // the caller waits for every unit's
   if (!reduce_event_) return;
   EventPtr ev = std::move(reduce_event_);
+  TraceScope wait(rt_.trace, "wait " + label("reduction"));
   ev->wait();
 }
 
