@@ -280,3 +280,17 @@ TEST(PrefetchOrder, AChangedOrderInIterationThreeWarnsOnceAndStaysCorrect) {
   // And the same training without the change does differ, so the test can tell.
   EXPECT_FALSE(bitwise_equal(train(2, kNoPrefetch), reference));
 }
+
+TEST(Logging, TheLevelFiltersWhatTheCallbackReceives) {
+  // A changed order produces a warning; at level error the callback sees none,
+  // at level warn it sees one per rank.
+  for (fsdp_log_level_t level : {FSDP_LOG_ERROR, FSDP_LOG_WARN}) {
+    g_warnings.clear();
+    ASSERT_OK(fsdp_log_set_level(level));
+    ASSERT_OK(fsdp_log_set_callback(count_warnings, nullptr));
+    train(2, {{"forward_prefetch", "1"}}, /*changed_at=*/2);
+    ASSERT_OK(fsdp_log_set_callback(nullptr, nullptr));
+    EXPECT_EQ(g_warnings[0] + g_warnings[1], level == FSDP_LOG_ERROR ? 0 : 2) << "level " << level;
+  }
+  ASSERT_OK(fsdp_log_set_level(FSDP_LOG_WARN));
+}
