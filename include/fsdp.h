@@ -77,7 +77,7 @@ typedef void (*fsdp_log_fn)(fsdp_log_level_t level, int rank, const char* messag
 
 /* Process-wide. By default messages up to FSDP_LOG_LEVEL (error|warn|info|debug,
  * default warn) go to stderr as "[fsdp rank R level] message". */
-FSDP_API fsdp_status_t fsdp_log_set_level(fsdp_log_level_t level);
+FSDP_API fsdp_status_t fsdp_log_set_level(int level); /* an fsdp_log_level_t */
 /* fn NULL restores stderr. */
 FSDP_API fsdp_status_t fsdp_log_set_callback(fsdp_log_fn fn, void* user);
 

@@ -181,7 +181,7 @@ TEST(LossScale, DefaultIsOffOutsideFp16AndNullArgumentsAreRejected) {
     EXPECT_STATUS(FSDP_ERR_INVALID_ARGUMENT, fsdp_trace_write(s.ctx.get(), nullptr));
     EXPECT_STATUS(FSDP_ERR_INVALID_STATE, fsdp_trace_write(s.ctx.get(), "/tmp/never.json")) << "no trace begun";
     EXPECT_STATUS(FSDP_ERR_INVALID_ARGUMENT, fsdp_trace_begin(nullptr));
-    EXPECT_STATUS(FSDP_ERR_INVALID_ARGUMENT, fsdp_log_set_level(static_cast<fsdp_log_level_t>(9)));
+    EXPECT_STATUS(FSDP_ERR_INVALID_ARGUMENT, fsdp_log_set_level(9));
     ConfigPtr cfg = make_config({});
     EXPECT_STATUS(FSDP_ERR_INVALID_ARGUMENT, fsdp_config_set(cfg.get(), "loss_scale", "-2"));
     EXPECT_STATUS(FSDP_ERR_INVALID_ARGUMENT, fsdp_config_set(cfg.get(), "backward_prefetch", "sideways"));

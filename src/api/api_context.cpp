@@ -66,12 +66,14 @@ const char* fsdp_status_name(fsdp_status_t status) {
 
 const char* fsdp_last_error(void) { return t_last_error.c_str(); }
 
-fsdp_status_t fsdp_log_set_level(fsdp_log_level_t level) {
+// Takes an int: a C caller may pass any value, and loading an out-of-range
+// value as the enum type is already undefined in C++.
+fsdp_status_t fsdp_log_set_level(int level) {
   return guard([&] {
     if (level < FSDP_LOG_ERROR || level > FSDP_LOG_DEBUG) {
       fail(FSDP_ERR_INVALID_ARGUMENT, "fsdp_log_set_level: level must be FSDP_LOG_ERROR, _WARN, _INFO or _DEBUG");
     }
-    fsdp::core::set_log_level(level);
+    fsdp::core::set_log_level(static_cast<fsdp_log_level_t>(level));
   });
 }
 
