@@ -109,6 +109,9 @@ void Unit::set_values(size_t param_index, const float* values, size_t numel) {
     rt_.comm->broadcast(from_root.data(), numel * sizeof(float), 0, label("fsdp_param_set_values broadcast"));
     values = from_root.data();
   }
+  // A prefetched gather may be reading the shard: wait for it, and drop the
+  // gathered copy that the new values make stale.
+  drop_stale_gathered();
   size_t off = layout_.param_offset(param_index);
   size_t lo = std::max(off, shard_offset());
   size_t hi = std::min(off + numel, shard_offset() + shard_numel());
@@ -120,7 +123,6 @@ void Unit::set_values(size_t param_index, const float* values, size_t numel) {
       rt_.dev->cast(static_cast<char*>(lowp_.data()) + dst * es, lowp_.dtype(), master() + dst, DType::kFp32, hi - lo);
     }
   }
-  drop_stale_gathered();
 }
 
 void Unit::set_weight_decay(size_t param_index, double weight_decay) {
