@@ -77,6 +77,41 @@ std::string fmt(double d) {
   return os.str();
 }
 
+// A keyword option: canonical names (first in each list), aliases, values.
+template <typename E>
+struct Choice {
+  std::vector<const char*> names;  // canonical first, then aliases (lower case)
+  E value;
+};
+
+template <typename E>
+E parse_choice(const char* key, const std::string& v, const std::vector<Choice<E>>& choices) {
+  std::string l = lower(trim(v));
+  for (const auto& c : choices) {
+    for (const char* n : c.names) {
+      if (l == n) return c.value;
+    }
+  }
+  std::string valid;
+  for (const auto& c : choices) valid += (valid.empty() ? "" : ", ") + std::string(c.names[0]);
+  bad_value(key, v, valid);
+}
+
+template <typename E>
+std::string choice_name(E value, const std::vector<Choice<E>>& choices) {
+  for (const auto& c : choices) {
+    if (c.value == value) return c.names[0];
+  }
+  return "?";
+}
+
+const std::vector<Choice<ReduceOp>> kReduceOps = {{{"avg", "mean"}, ReduceOp::kAvg}, {{"sum"}, ReduceOp::kSum}};
+const std::vector<Choice<OptimizerKind>> kOptimizers = {
+    {{"adamw"}, OptimizerKind::kAdamW}, {{"adam"}, OptimizerKind::kAdam}, {{"sgd"}, OptimizerKind::kSgd}};
+const std::vector<Choice<BackwardPrefetch>> kBackwardPrefetch = {{{"pre", "backward_pre"}, BackwardPrefetch::kPre},
+                                                                 {{"post", "backward_post"}, BackwardPrefetch::kPost},
+                                                                 {{"none", "0", "off"}, BackwardPrefetch::kNone}};
+
 struct Entry {
   const char* key;
   std::vector<const char*> aliases;
@@ -124,42 +159,12 @@ const std::vector<Entry>& table() {
        }},
       {"reduce_op",
        {},
-       [](Options& o, const std::string& v) {
-         std::string l = lower(trim(v));
-         if (l == "avg" || l == "mean") {
-           o.reduce_op = ReduceOp::kAvg;
-         } else if (l == "sum") {
-           o.reduce_op = ReduceOp::kSum;
-         } else {
-           bad_value("reduce_op", v, "avg, sum");
-         }
-       },
-       [](const Options& o) { return std::string(o.reduce_op == ReduceOp::kAvg ? "avg" : "sum"); }},
+       [](Options& o, const std::string& v) { o.reduce_op = parse_choice("reduce_op", v, kReduceOps); },
+       [](const Options& o) { return choice_name(o.reduce_op, kReduceOps); }},
       {"optimizer",
        {},
-       [](Options& o, const std::string& v) {
-         std::string l = lower(trim(v));
-         if (l == "adamw") {
-           o.optimizer = OptimizerKind::kAdamW;
-         } else if (l == "adam") {
-           o.optimizer = OptimizerKind::kAdam;
-         } else if (l == "sgd") {
-           o.optimizer = OptimizerKind::kSgd;
-         } else {
-           bad_value("optimizer", v, "adamw, adam, sgd");
-         }
-       },
-       [](const Options& o) {
-         switch (o.optimizer) {
-           case OptimizerKind::kAdamW:
-             return std::string("adamw");
-           case OptimizerKind::kAdam:
-             return std::string("adam");
-           case OptimizerKind::kSgd:
-             return std::string("sgd");
-         }
-         return std::string();
-       }},
+       [](Options& o, const std::string& v) { o.optimizer = parse_choice("optimizer", v, kOptimizers); },
+       [](const Options& o) { return choice_name(o.optimizer, kOptimizers); }},
       {"lr",
        {"learning_rate"},
        [](Options& o, const std::string& v) { o.lr = parse_double("lr", v, 0, 1e9, "a number >= 0"); },
@@ -271,28 +276,9 @@ const std::vector<Entry>& table() {
       {"backward_prefetch",
        {},
        [](Options& o, const std::string& v) {
-         std::string l = lower(trim(v));
-         if (l == "pre" || l == "backward_pre") {
-           o.backward_prefetch = BackwardPrefetch::kPre;
-         } else if (l == "post" || l == "backward_post") {
-           o.backward_prefetch = BackwardPrefetch::kPost;
-         } else if (l == "none" || l == "0" || l == "off") {
-           o.backward_prefetch = BackwardPrefetch::kNone;
-         } else {
-           bad_value("backward_prefetch", v, "pre, post, none");
-         }
+         o.backward_prefetch = parse_choice("backward_prefetch", v, kBackwardPrefetch);
        },
-       [](const Options& o) {
-         switch (o.backward_prefetch) {
-           case BackwardPrefetch::kPre:
-             return std::string("pre");
-           case BackwardPrefetch::kPost:
-             return std::string("post");
-           case BackwardPrefetch::kNone:
-             return std::string("none");
-         }
-         return std::string();
-       }},
+       [](const Options& o) { return choice_name(o.backward_prefetch, kBackwardPrefetch); }},
       {"limit_all_gathers",
        {},
        [](Options& o, const std::string& v) {
