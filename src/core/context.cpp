@@ -90,12 +90,24 @@ Unit& Context::register_unit(const std::string& name, std::vector<ParamSpec> par
   return *units_.back();
 }
 
-void Context::step() {
+void Context::check_no_unit_in_use(const char* call) const {
   for (const auto& u : units_) {
     if (u->in_use()) {
-      fail(FSDP_ERR_INVALID_STATE, "fsdp_step (rank " + std::to_string(rt_.rank) + "): unit '" + u->name() + "' is " +
-                                       unit_state_name(u->state()) + "; call its *_end before stepping");
+      fail(FSDP_ERR_INVALID_STATE, std::string(call) + " (rank " + std::to_string(rt_.rank) + "): unit '" + u->name() +
+                                       "' is " + unit_state_name(u->state()) + "; call its *_end first");
     }
+  }
+}
+
+void Context::settle_units() {
+  for (const auto& u : units_) u->drop_stale_gathered();
+  for (const auto& u : units_) u->wait_reductions();
+  rt_.reductions_in_flight.clear();
+}
+
+void Context::step() {
+  check_no_unit_in_use("fsdp_step");
+  for (const auto& u : units_) {
     if (u->grads_pending() && !rt_.grad_sync) {
       fail(FSDP_ERR_INVALID_STATE, "fsdp_step (rank " + std::to_string(rt_.rank) + "): unit '" + u->name() +
                                        "' holds grads accumulated with grad sync off; call "
@@ -103,11 +115,8 @@ void Context::step() {
     }
   }
   TraceScope scope(rt_.trace, "step");
-  for (const auto& u : units_) {
-    u->reduce_pending_grads();
-    u->drop_stale_gathered();
-  }
-  for (const auto& u : units_) u->wait_reductions();
+  for (const auto& u : units_) u->reduce_pending_grads();
+  settle_units();
   optimizer_.step(units_);
   scheduler_.on_step();
 }
@@ -127,16 +136,8 @@ double Context::last_grad_norm() const {
 }
 
 void Context::finalize() {
-  for (const auto& u : units_) {
-    if (u->in_use()) {
-      fail(FSDP_ERR_INVALID_STATE, "fsdp_ctx_finalize (rank " + std::to_string(rt_.rank) + "): unit '" + u->name() +
-                                       "' is " + unit_state_name(u->state()));
-    }
-  }
-  for (const auto& u : units_) {
-    u->wait_reductions();
-    u->drop_stale_gathered();
-  }
+  check_no_unit_in_use("fsdp_ctx_finalize");
+  settle_units();
   rt_.comm->barrier("fsdp_ctx_finalize");
   rt_.finalized = true;
 }

@@ -45,6 +45,11 @@ class Context {
   const MemoryTracker& memory() const { return rt_.mem; }
 
  private:
+  void check_no_unit_in_use(const char* call) const;
+  // Waits for queued gathers and reductions and drops gathered params that an
+  // update would make stale: the units' state before a step or finalize.
+  void settle_units();
+
   Runtime rt_;
   std::unique_ptr<device::Device> dev_;
   std::unique_ptr<comm::Communicator> comm_;

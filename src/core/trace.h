@@ -38,19 +38,25 @@ class Trace {
   unsigned long seq_ = 0;
 };
 
-// Records a begin/end pair on the caller's track around a scope.
+// Records a begin/end pair on the caller's track around a scope, named
+// prefix + suffix. The name is built only while a trace is being recorded, so
+// the per-call cost without a trace is one check.
 class TraceScope {
  public:
-  TraceScope(Trace& trace, std::string name) : trace_(trace), name_(std::move(name)) {
+  TraceScope(Trace& trace, const char* prefix, const std::string& suffix = std::string()) : trace_(trace) {
+    if (!trace_.enabled()) return;
+    name_ = prefix + suffix;
     trace_.add(name_, 'B', Track::kCaller);
   }
-  ~TraceScope() { trace_.add(name_, 'E', Track::kCaller); }
+  ~TraceScope() {
+    if (!name_.empty()) trace_.add(name_, 'E', Track::kCaller);
+  }
   TraceScope(const TraceScope&) = delete;
   TraceScope& operator=(const TraceScope&) = delete;
 
  private:
   Trace& trace_;
-  std::string name_;
+  std::string name_;  // empty: not recording
 };
 
 }  // namespace fsdp::core

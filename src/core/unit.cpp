@@ -49,9 +49,9 @@ Unit::Unit(Runtime& rt, size_t index, std::string name, std::vector<ParamSpec> p
   if (!rt_.sharded()) state_ = UnitState::kGathered;  // NO_SHARD params are always full
 }
 
-std::string Unit::label(const char* what) const {
-  return std::string(what) + " of unit '" + name_ + "' (#" + std::to_string(index_) + ")";
-}
+std::string Unit::unit_tag() const { return "'" + name_ + "' (#" + std::to_string(index_) + ")"; }
+
+std::string Unit::label(const char* what) const { return std::string(what) + " of unit " + unit_tag(); }
 
 void Unit::check_param_index(size_t param_index, const char* call) const {
   if (param_index >= layout_.n_params()) {
@@ -144,7 +144,7 @@ void Unit::issue_gather(bool prefetch) {
   void* dst = gathered_.data();
   size_t nbytes = shard_numel() * es;
   std::string what = label("all_gather");
-  rt_.trace.add(std::string(prefetch ? "prefetch " : "issue ") + what, 'i', Track::kCaller);
+  if (rt_.trace.enabled()) rt_.trace.add(std::string(prefetch ? "prefetch " : "issue ") + what, 'i', Track::kCaller);
   gather_event_ =
       rt_.stream->submit(what + " " + std::to_string(nbytes * static_cast<size_t>(rt_.world)) + " B",
                          [src, dst, nbytes, what](comm::Communicator& c) { c.all_gather(src, dst, nbytes, what); });
@@ -157,7 +157,7 @@ void Unit::finish_gather() {
   EventPtr ev = std::move(gather_event_);
   try {
     // The caller-side wait is what the comm stream failed to hide.
-    TraceScope wait(rt_.trace, "wait " + label("all_gather"));
+    TraceScope wait(rt_.trace, "wait all_gather of unit ", unit_tag());
     ev->wait();
   } catch (...) {
     gathered_.reset();
@@ -184,7 +184,7 @@ void Unit::trace_memory() {
 }
 
 void Unit::forward_begin() {
-  TraceScope scope(rt_.trace, "forward_begin " + name_);
+  TraceScope scope(rt_.trace, "forward_begin ", name_);
   if (in_use()) bad_state("fsdp_forward_begin", "the unit outside forward and backward");
   if (state_ == UnitState::kSharded) issue_gather(/*prefetch=*/false);
   rt_.sched->before_forward(*this);
@@ -193,7 +193,7 @@ void Unit::forward_begin() {
 }
 
 void Unit::forward_end() {
-  TraceScope scope(rt_.trace, "forward_end " + name_);
+  TraceScope scope(rt_.trace, "forward_end ", name_);
   if (state_ != UnitState::kForward) bad_state("fsdp_forward_end", "the unit in forward (after fsdp_forward_begin)");
   // On the CPU the host's compute is done when it calls *_end, so the buffer
   // can go now; a CUDA device records an event here and frees after it.
@@ -205,7 +205,7 @@ void Unit::forward_end() {
 }
 
 void Unit::backward_begin() {
-  TraceScope scope(rt_.trace, "backward_begin " + name_);
+  TraceScope scope(rt_.trace, "backward_begin ", name_);
   if (in_use()) bad_state("fsdp_backward_begin", "the unit outside forward and backward");
   if (state_ == UnitState::kSharded) issue_gather(/*prefetch=*/false);
   rt_.sched->before_backward(*this);
@@ -224,7 +224,7 @@ void Unit::backward_begin() {
 }
 
 void Unit::backward_end() {
-  TraceScope scope(rt_.trace, "backward_end " + name_);
+  TraceScope scope(rt_.trace, "backward_end ", name_);
   if (state_ != UnitState::kBackward) {
     bad_state("fsdp_backward_end", "the unit in backward (after fsdp_backward_begin)");
   }
@@ -281,10 +281,9 @@ void Unit::reduce_pending_grads() {
 }
 
 void Unit::wait_reductions() {
-  rt_.reductions_in_flight.clear();  // the caller waits for every unit's
   if (!reduce_event_) return;
   EventPtr ev = std::move(reduce_event_);
-  TraceScope wait(rt_.trace, "wait " + label("reduction"));
+  TraceScope wait(rt_.trace, "wait reduction of unit ", unit_tag());
   ev->wait();
 }
 

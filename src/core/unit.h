@@ -78,6 +78,7 @@ class Unit {
   EventPtr submit_reduction();
   void trace_memory();
   std::string label(const char* what) const;
+  std::string unit_tag() const;  // 'name' (#index)
 
   Runtime& rt_;
   size_t index_;
