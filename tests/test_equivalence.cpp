@@ -255,6 +255,7 @@ struct Case {
   std::string name;
   int world = 1;
   std::string sharding = "FULL_SHARD";
+  int shard_group_size = 0;  // HYBRID_SHARD*: ranks per shard group (0: the library's default)
   fsdp_dtype_t dtype = FSDP_DTYPE_FP32;
   std::string reduce_dtype = "auto";
   int micro = 1;         // micro-batches per step (each half of the rank's rows)
@@ -339,6 +340,7 @@ LibResult lib_train(const Case& c, const Model& m, const Params& init, const Dat
                                                // scaling has its own tests (test_loss_scale).
                                                {"loss_scale", "off"}};
     if (c.max_grad_norm > 0) opts["max_grad_norm"] = std::to_string(c.max_grad_norm);
+    if (c.shard_group_size > 0) opts["shard_group_size"] = std::to_string(c.shard_group_size);
     ConfigPtr cfg = make_config(opts);
     ASSERT_TRUE(cfg);
     fsdp_ctx_t* raw = nullptr;
@@ -552,6 +554,25 @@ std::vector<Case> variant_cases() {
     add(c, 3, "SHARD_GRAD_OP");
     add(c, 2, "NO_SHARD");
     add(c, 4, "NO_SHARD");
+  }
+  // HYBRID_SHARD: world 4 as 2 shard groups x 2 replicas (reduce-scatter in
+  // the group, all-reduce across replicas), and 1 x 4 (one group: FULL_SHARD).
+  for (const char* h : {"HYBRID_SHARD", "HYBRID_SHARD_ZERO2"}) {
+    Case hy;
+    hy.name = "Hybrid2x2";
+    hy.shard_group_size = 2;
+    add(hy, 4, h);
+    Case hy_bf16 = bf16;
+    hy_bf16.name = "Hybrid2x2Bf16";
+    hy_bf16.shard_group_size = 2;
+    add(hy_bf16, 4, h);
+    Case hy_clip = clip;
+    hy_clip.name = "Hybrid2x2Clip";
+    hy_clip.shard_group_size = 2;
+    add(hy_clip, 4, h);
+    Case one_group;
+    one_group.name = "HybridOneGroup";
+    add(one_group, 4, h);  // default group size: the local world (all 4 threads)
   }
   Case uneven_bf16 = bf16;
   uneven_bf16.name = "UnevenPaddingBf16";

@@ -46,14 +46,32 @@ Layout layout_of(const std::vector<ParamSpec>& params, size_t align_bytes, int w
   return l;
 }
 
+// The hybrid strategies run here with shard groups of this many ranks.
+constexpr int kHybridGroup = 2;
+
+bool is_hybrid(const std::string& sharding) { return sharding.rfind("HYBRID_SHARD", 0) == 0; }
+
+// The ranks a unit is sharded over.
+int shard_world_of(const std::string& sharding, int world) {
+  if (sharding == "NO_SHARD") return 1;
+  return is_hybrid(sharding) ? kHybridGroup : world;
+}
+
+// Options of a strategy, with the shard group size the hybrid ones need.
+std::map<std::string, std::string> sharding_options(const std::string& sharding) {
+  std::map<std::string, std::string> o = {{"sharding", sharding}};
+  if (is_hybrid(sharding)) o["shard_group_size"] = std::to_string(kHybridGroup);
+  return o;
+}
+
 // Elements of the flat buffer this rank holds as its shard.
 size_t shard_numel(const std::vector<ParamSpec>& params, const std::string& sharding, int world, size_t align = 64) {
-  if (sharding == "NO_SHARD") return layout_of(params, align, 1).padded;
-  return layout_of(params, align, world).padded / size_t(world);
+  const int sw = shard_world_of(sharding, world);
+  return layout_of(params, align, sw).padded / size_t(sw);
 }
 
 size_t full_numel(const std::vector<ParamSpec>& params, const std::string& sharding, int world, size_t align = 64) {
-  return layout_of(params, align, sharding == "NO_SHARD" ? 1 : world).padded;
+  return layout_of(params, align, shard_world_of(sharding, world)).padded;
 }
 
 fsdp_memory_stats_t stats_of(fsdp_ctx_t* ctx) {
@@ -107,22 +125,25 @@ void train_step(RankSetup& s) {
   ASSERT_OK(fsdp_step(s.ctx.get(), nullptr));
 }
 
-// ---- sharded bytes: FULL_SHARD x 4 == NO_SHARD up to padding -----------------
+// ---- sharded bytes: FULL_SHARD x 4 == HYBRID_SHARD (2 x 2) x 2 == NO_SHARD up to padding
 
 class ShardedBytes : public ::testing::TestWithParam<fsdp_dtype_t> {};
 
-TEST_P(ShardedBytes, FullShardHoldsAQuarterOfNoShardUpToPadding) {
+TEST_P(ShardedBytes, FullShardHoldsAQuarterAndHybridHalfOfNoShardUpToPadding) {
   const fsdp_dtype_t dt = GetParam();
   const int world = 4;
   const size_t master_plus_copy = 4 + (dt == FSDP_DTYPE_FP32 ? 0 : 2);
   std::map<std::string, size_t> per_rank_total;  // sharding -> params + grads + optimizer bytes
-  for (const std::string sharding : {"FULL_SHARD", "NO_SHARD"}) {
+  for (const std::string sharding : {"FULL_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2", "NO_SHARD"}) {
     size_t shard = 0;
     for (const auto& u : kUnits) shard += shard_numel(u, sharding, world);
     std::vector<size_t> totals(world);
     run_ranks(world, [&](int rank, fsdp_local_group_t* group) {
       RankSetup s;
-      setup(s, {{"sharding", sharding}, {"param_dtype", dtype_config_name(dt)}, {"optimizer", "adamw"}}, group, rank);
+      auto opts = sharding_options(sharding);
+      opts["param_dtype"] = dtype_config_name(dt);
+      opts["optimizer"] = "adamw";
+      setup(s, opts, group, rank);
       if (::testing::Test::HasFatalFailure()) return;
       train_step(s);  // optimizer state may be allocated at the first step
       if (::testing::Test::HasFatalFailure()) return;
@@ -149,6 +170,15 @@ TEST_P(ShardedBytes, FullShardHoldsAQuarterOfNoShardUpToPadding) {
   EXPECT_LE(std::fabs(full_x4 / no_shard - 1.0), double(pad4 - unpadded) / double(unpadded))
       << "FULL_SHARD x 4 = " << full_x4 << " bytes, NO_SHARD = " << no_shard << " bytes";
   EXPECT_LT(full_x4 / no_shard, 1.1);
+  // Hybrid: sharded over groups of 2, so half of NO_SHARD's, up to its padding.
+  size_t pad2 = 0;
+  for (const auto& u : kUnits) pad2 += full_numel(u, "HYBRID_SHARD", world);
+  for (const char* hybrid : {"HYBRID_SHARD", "HYBRID_SHARD_ZERO2"}) {
+    const double hybrid_x2 = 2.0 * double(per_rank_total[hybrid]);
+    EXPECT_LE(std::fabs(hybrid_x2 / no_shard - 1.0), double(pad2 - unpadded) / double(unpadded))
+        << hybrid << " x 2 = " << hybrid_x2 << " bytes, NO_SHARD = " << no_shard << " bytes";
+    EXPECT_LT(hybrid_x2 / no_shard, 1.1) << hybrid;
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(ParamDtypes, ShardedBytes, ::testing::Values(FSDP_DTYPE_FP32, FSDP_DTYPE_BF16),
@@ -164,7 +194,7 @@ TEST_P(GatheredBytes, FullShardGathersOneUnitAtATimeShardGradOpKeepsAllUntilBack
   const std::string sharding = std::get<0>(GetParam());
   const fsdp_dtype_t dt = std::get<1>(GetParam());
   const int world = 4;
-  const bool full = sharding == "FULL_SHARD";
+  const bool full = sharding == "FULL_SHARD" || sharding == "HYBRID_SHARD";  // free after forward
   std::vector<size_t> unit_bytes;  // full padded numel * sizeof(param_dtype)
   size_t largest = 0, sum = 0;
   for (const auto& u : kUnits) {
@@ -175,8 +205,10 @@ TEST_P(GatheredBytes, FullShardGathersOneUnitAtATimeShardGradOpKeepsAllUntilBack
   run_ranks(world, [&](int rank, fsdp_local_group_t* group) {
     RankSetup s;
     // No prefetch: the exact one-unit (FULL_SHARD) peak; test_overlap covers prefetch.
-    setup(s, {{"sharding", sharding}, {"param_dtype", dtype_config_name(dt)}, {"backward_prefetch", "none"}}, group,
-          rank);
+    auto opts = sharding_options(sharding);
+    opts["param_dtype"] = dtype_config_name(dt);
+    opts["backward_prefetch"] = "none";
+    setup(s, opts, group, rank);
     if (::testing::Test::HasFatalFailure()) return;
     fsdp_ctx_t* ctx = s.ctx.get();
     EXPECT_EQ(stats_of(ctx).gathered_params_nbytes, 0u) << "nothing is gathered before the first forward";
@@ -229,7 +261,8 @@ TEST_P(GatheredBytes, FullShardGathersOneUnitAtATimeShardGradOpKeepsAllUntilBack
 }
 
 INSTANTIATE_TEST_SUITE_P(ShardingByDtype, GatheredBytes,
-                         ::testing::Combine(::testing::Values("FULL_SHARD", "SHARD_GRAD_OP"),
+                         ::testing::Combine(::testing::Values("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD",
+                                                              "HYBRID_SHARD_ZERO2"),
                                             ::testing::Values(FSDP_DTYPE_FP32, FSDP_DTYPE_BF16)),
                          [](const ::testing::TestParamInfo<GatheredBytes::ParamType>& pi) {
                            return std::get<0>(pi.param) + "_" + dtype_config_name(std::get<1>(pi.param));

@@ -220,7 +220,9 @@ TEST(Config, BadValuesFailListingValidChoicesAndChangeNothing) {
       {"comm", "smoke_signals", "local"}, {"device", "abacus", "cpu"}, {"sync_module_states", "maybe", nullptr},
       {"nesterov", "perhaps", nullptr}, {"lr", "fast", nullptr}, {"weight_decay", "", nullptr},
       {"align_bytes", "48", nullptr}, {"align_bytes", "2", nullptr}, {"align_bytes", "8192", nullptr},
-      {"timeout_s", "soon", nullptr}, {"max_grad_norm", "1.0x", nullptr}};
+      {"timeout_s", "soon", nullptr}, {"max_grad_norm", "1.0x", nullptr},
+      {"sharding", "HYBRID", "HYBRID_SHARD_ZERO2"}, {"offload", "nvme", "cpu"}, {"shard_group_size", "-1", nullptr},
+      {"mpi_algorithm", "tree", "ring"}};
   // clang-format on
   for (const auto& b : bad) {
     SCOPED_TRACE(std::string(b.key) + "=" + b.value);
@@ -237,8 +239,9 @@ TEST(Config, BadValuesFailListingValidChoicesAndChangeNothing) {
 TEST(Config, OptionsOfOtherBuildsAreUnsupported) {
   ConfigPtr cfg = make_config({{"sharding", "NO_SHARD"}});
   ASSERT_TRUE(cfg);
-  const std::vector<std::pair<const char*, const char*>> other = {
-      {"sharding", "HYBRID_SHARD"}, {"device", "cuda"}, {"comm", "mpi"}, {"comm", "nccl"}};
+  std::vector<std::pair<const char*, const char*>> other = {{"device", "cuda"}, {"comm", "nccl"}};
+  const bool have_mpi = std::string(fsdp_build_info()).find("mpi") != std::string::npos;
+  if (!have_mpi) other.push_back({"comm", "mpi"});
   for (const auto& kv : other) {
     SCOPED_TRACE(std::string(kv.first) + "=" + kv.second);
     EXPECT_STATUS(FSDP_ERR_UNSUPPORTED, fsdp_config_set(cfg.get(), kv.first, kv.second));
@@ -261,7 +264,11 @@ TEST(Config, AliasesReadBackAsCanonicalNames) {
       {"mp", "bf16", "bf16"}, {"mp", "fp16", "fp16"}, {"param_dtype", "fp32", "fp32"},
       {"reduce_dtype", "bf16", "bf16"}, {"reduce_dtype", "auto", "auto"}, {"reduce_op", "sum", "sum"},
       {"optimizer", "adam", "adam"}, {"optimizer", "sgd", "sgd"}, {"device", "cpu", "cpu"},
-      {"comm", "local", "local"}, {"comm", "auto", "auto"}};
+      {"comm", "local", "local"}, {"comm", "auto", "auto"},
+      {"sharding", "HYBRID_SHARD", "HYBRID_SHARD"}, {"sharding", "hsdp", "HYBRID_SHARD"},
+      {"sharding", "_HYBRID_SHARD_ZERO2", "HYBRID_SHARD_ZERO2"}, {"shard_group_size", "2", "2"},
+      {"offload", "cpu", "cpu"}, {"cpu_offload", "1", "cpu"}, {"offload", "none", "none"},
+      {"mpi_algorithm", "ring", "ring"}, {"mpi_algorithm", "native", "native"}};
   // clang-format on
   for (const auto& c : cases) {
     SCOPED_TRACE(std::string(c.key) + "=" + c.value);
@@ -680,3 +687,46 @@ TEST(Timeout, ARankThatNeverCreatesItsContextIsNamed) {
 }
 
 }  // namespace
+
+// ---- HYBRID_SHARD groups ----------------------------------------------------
+
+TEST(HybridShard, AGroupSizeThatDoesNotDivideTheWorldFailsOnEveryRank) {
+  const int world = 4;
+  std::vector<fsdp_status_t> got(size_t(world), FSDP_OK);
+  std::vector<std::string> msgs(static_cast<size_t>(world));
+  run_ranks(world, [&](int rank, fsdp_local_group_t* group) {
+    ConfigPtr cfg = make_config({{"sharding", "HYBRID_SHARD"}, {"shard_group_size", "3"}, {"timeout_s", "20"}});
+    ASSERT_TRUE(cfg);
+    fsdp_ctx_t* raw = nullptr;
+    got[size_t(rank)] = fsdp_ctx_create(cfg.get(), group, rank, &raw);
+    msgs[size_t(rank)] = last_error_str();
+    fsdp_ctx_destroy(got[size_t(rank)] == FSDP_OK ? raw : nullptr);
+  });
+  for (int r = 0; r < world; ++r) {
+    EXPECT_EQ(got[size_t(r)], FSDP_ERR_INVALID_ARGUMENT) << "rank " << r << ": " << msgs[size_t(r)];
+    EXPECT_TRUE(contains(msgs[size_t(r)], "shard_group_size")) << msgs[size_t(r)];
+  }
+}
+
+TEST(HybridShard, ShardInfoCoversTheShardGroupNotTheWorld) {
+  // world 4 in groups of 2: ranks 0 and 2 hold the first half, 1 and 3 the second.
+  const std::vector<ParamSpec> params = {{"w", {10, 10}}};
+  std::vector<size_t> offsets(4), numels(4);
+  run_ranks(4, [&](int rank, fsdp_local_group_t* group) {
+    ConfigPtr cfg = make_config({{"sharding", "HYBRID_SHARD"}, {"shard_group_size", "2"}, {"align_bytes", "16"}});
+    ASSERT_TRUE(cfg);
+    fsdp_ctx_t* raw = nullptr;
+    ASSERT_OK(fsdp_ctx_create(cfg.get(), group, rank, &raw));
+    CtxPtr ctx(raw);
+    fsdp_unit_t* u = nullptr;
+    ASSERT_OK(register_unit(raw, "u", params, &u));
+    float* p = nullptr;
+    ASSERT_OK(fsdp_shard_info(u, &p, &offsets[size_t(rank)], &numels[size_t(rank)]));
+    EXPECT_OK(fsdp_ctx_finalize(raw));
+  });
+  // 100 elements padded to a multiple of 2 * 4 = 104, so shards of 52.
+  for (int r = 0; r < 4; ++r) {
+    EXPECT_EQ(numels[size_t(r)], 52u) << "rank " << r;
+    EXPECT_EQ(offsets[size_t(r)], size_t(r % 2) * 52u) << "rank " << r;
+  }
+}

@@ -3,6 +3,7 @@
 #include <memory>
 #include <string>
 
+#include "../comm/launch.h"
 #include "../comm/local/local_group.h"
 #include "../core/config.h"
 #include "../core/context.h"
@@ -85,9 +86,15 @@ int fsdp_version(void) { return FSDP_VERSION_NUMBER; }
 
 #define FSDP_STR2(x) #x
 #define FSDP_STR(x) FSDP_STR2(x)
+#ifdef FSDP_HAVE_MPI
+#define FSDP_COMMS "local,mpi"
+#else
+#define FSDP_COMMS "local"
+#endif
+
 const char* fsdp_build_info(void) {
   return "libfsdp " FSDP_STR(FSDP_VERSION_MAJOR) "." FSDP_STR(FSDP_VERSION_MINOR) "." FSDP_STR(
-      FSDP_VERSION_PATCH) " devices=cpu comms=local";
+      FSDP_VERSION_PATCH) " devices=cpu comms=" FSDP_COMMS;
 }
 
 fsdp_status_t fsdp_config_create(fsdp_config_t** out) {
@@ -154,12 +161,8 @@ fsdp_status_t fsdp_ctx_create(const fsdp_config_t* cfg, fsdp_local_group_t* grou
     require(out, "fsdp_ctx_create", "out");
     std::shared_ptr<fsdp::comm::LocalGroup> g =
         group != nullptr ? group->group : std::make_shared<fsdp::comm::LocalGroup>(1);
-    if (rank < 0 || rank >= g->world_size()) {
-      fail(FSDP_ERR_INVALID_ARGUMENT, "fsdp_ctx_create: rank " + std::to_string(rank) +
-                                          " is outside the group's world of " + std::to_string(g->world_size()) +
-                                          (group == nullptr ? " (group NULL means a world of one)" : ""));
-    }
-    auto ctx = std::make_unique<Context>(cfg_of(cfg)->options(), std::move(g), rank);
+    const auto& opts = cfg_of(cfg)->options();
+    auto ctx = std::make_unique<Context>(opts, fsdp::comm::make_world_comm(opts, std::move(g), group != nullptr, rank));
     *out = reinterpret_cast<fsdp_ctx_t*>(ctx.release());
   });
 }

@@ -1,10 +1,11 @@
 // src/comm/communicator.h - Communicator: the collectives the engine needs, with
 // the same argument order everywhere (send, recv, numel, dtype, op, label).
-// Implementations: local (threads of one process); later mpi and nccl. The
-// engine only ever sees this interface.
+// Implementations: local (threads of one process) and mpi (processes); later
+// nccl. The engine only ever sees this interface.
 #pragma once
 
 #include <cstddef>
+#include <memory>
 #include <string>
 
 #include "../core/dtype.h"
@@ -35,6 +36,12 @@ class Communicator {
   virtual void all_reduce_f64(double* values, size_t n, RedOp op, const std::string& label) = 0;
   virtual void broadcast(void* buf, size_t nbytes, int root, const std::string& label) = 0;
   virtual void barrier(const std::string& label) = 0;
+  // Collective: the ranks passing the same `color` form a new communicator,
+  // ordered by `key` (ties by rank). Every rank gets its own group's.
+  virtual std::unique_ptr<Communicator> split(int color, int key, const std::string& label) = 0;
+  // How many ranks of this communicator share this rank's host (the default
+  // shard group size of HYBRID_SHARD).
+  virtual int local_world_size() const = 0;
 
   // FSDP_OK, or the status of the failure that made this communicator unusable
   // (a timeout, an abort, ranks out of step).

@@ -26,8 +26,8 @@ void Event::complete(fsdp_status_t status, std::string message) {
   cv_.notify_all();
 }
 
-CommStream::CommStream(comm::Communicator& comm, Observer observer)
-    : comm_(comm), observer_(std::move(observer)), worker_([this] { loop(); }) {}
+CommStream::CommStream(Observer observer, Abort abort)
+    : observer_(std::move(observer)), abort_(std::move(abort)), worker_([this] { loop(); }) {}
 
 CommStream::~CommStream() {
   bool pending;
@@ -36,7 +36,7 @@ CommStream::~CommStream() {
     stop_ = true;
     pending = busy_ || !queue_.empty();
   }
-  if (pending) comm_.abort("a rank destroyed its context while collectives were queued or running");
+  if (pending && abort_) abort_("a rank destroyed its context while collectives were queued or running");
   cv_.notify_all();
   worker_.join();
 }
@@ -72,7 +72,7 @@ void CommStream::loop() {
     } else {
       try {
         if (observer_) observer_(item.name, true);
-        item.task(comm_);
+        item.task();
       } catch (const Error& e) {
         status = e.status();
         message = e.what();
@@ -94,24 +94,29 @@ void CommStream::loop() {
 }
 
 void SyncComm::all_gather(const void* send, void* recv, size_t nbytes_per_rank, const std::string& label) {
-  stream_.run(label, [&](comm::Communicator& c) { c.all_gather(send, recv, nbytes_per_rank, label); });
+  stream_.run(label, [&] { inner_.all_gather(send, recv, nbytes_per_rank, label); });
 }
 void SyncComm::reduce_scatter(const void* send, void* recv, size_t numel_per_rank, DType dtype, comm::RedOp op,
                               const std::string& label) {
-  stream_.run(label, [&](comm::Communicator& c) { c.reduce_scatter(send, recv, numel_per_rank, dtype, op, label); });
+  stream_.run(label, [&] { inner_.reduce_scatter(send, recv, numel_per_rank, dtype, op, label); });
 }
 void SyncComm::all_reduce(const void* send, void* recv, size_t numel, DType dtype, comm::RedOp op,
                           const std::string& label) {
-  stream_.run(label, [&](comm::Communicator& c) { c.all_reduce(send, recv, numel, dtype, op, label); });
+  stream_.run(label, [&] { inner_.all_reduce(send, recv, numel, dtype, op, label); });
 }
 void SyncComm::all_reduce_f64(double* values, size_t n, comm::RedOp op, const std::string& label) {
-  stream_.run(label, [&](comm::Communicator& c) { c.all_reduce_f64(values, n, op, label); });
+  stream_.run(label, [&] { inner_.all_reduce_f64(values, n, op, label); });
 }
 void SyncComm::broadcast(void* buf, size_t nbytes, int root, const std::string& label) {
-  stream_.run(label, [&](comm::Communicator& c) { c.broadcast(buf, nbytes, root, label); });
+  stream_.run(label, [&] { inner_.broadcast(buf, nbytes, root, label); });
 }
 void SyncComm::barrier(const std::string& label) {
-  stream_.run(label, [&](comm::Communicator& c) { c.barrier(label); });
+  stream_.run(label, [&] { inner_.barrier(label); });
+}
+std::unique_ptr<comm::Communicator> SyncComm::split(int color, int key, const std::string& label) {
+  std::unique_ptr<comm::Communicator> out;
+  stream_.run(label, [&] { out = inner_.split(color, key, label); });
+  return out;
 }
 
 }  // namespace fsdp::core

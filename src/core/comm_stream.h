@@ -37,13 +37,16 @@ using EventPtr = std::shared_ptr<Event>;
 
 class CommStream {
  public:
-  using Task = std::function<void(comm::Communicator&)>;
+  // A task calls the communicators it needs (captured) on the worker thread.
+  using Task = std::function<void()>;
   // Called on the worker when a task starts and ends (for the trace).
   using Observer = std::function<void(const std::string& name, bool begin)>;
+  // Makes a running task fail at once (aborts the communicators it may wait on).
+  using Abort = std::function<void(const std::string& reason)>;
 
-  CommStream(comm::Communicator& comm, Observer observer);
-  // Never waits for other ranks: if work is queued or running, the
-  // communicator is aborted so the running collective fails at once.
+  CommStream(Observer observer, Abort abort);
+  // Never waits for other ranks: if work is queued or running, `abort` is
+  // called so that the running collective fails at once.
   ~CommStream();
   CommStream(const CommStream&) = delete;
   CommStream& operator=(const CommStream&) = delete;
@@ -59,8 +62,8 @@ class CommStream {
   };
   void loop();
 
-  comm::Communicator& comm_;
   Observer observer_;
+  Abort abort_;
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<Item> queue_;
@@ -69,7 +72,8 @@ class CommStream {
   std::thread worker_;
 };
 
-// A Communicator whose every call runs synchronously on the comm stream.
+// A Communicator whose every call runs synchronously on the comm stream, so
+// that it leaves in program order with the asynchronous ones.
 class SyncComm final : public comm::Communicator {
  public:
   SyncComm(CommStream& stream, comm::Communicator& inner) : stream_(stream), inner_(inner) {}
@@ -83,6 +87,9 @@ class SyncComm final : public comm::Communicator {
   void all_reduce_f64(double* values, size_t n, comm::RedOp op, const std::string& label) override;
   void broadcast(void* buf, size_t nbytes, int root, const std::string& label) override;
   void barrier(const std::string& label) override;
+  // The new communicator is the inner kind: use it on the stream or wrap it.
+  std::unique_ptr<comm::Communicator> split(int color, int key, const std::string& label) override;
+  int local_world_size() const override { return inner_.local_world_size(); }
   fsdp_status_t failure() const override { return inner_.failure(); }
   void abort(const std::string& reason) override { inner_.abort(reason); }
 

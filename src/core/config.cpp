@@ -89,7 +89,7 @@ E parse_choice(const char* key, const std::string& v, const std::vector<Choice<E
   std::string l = lower(trim(v));
   for (const auto& c : choices) {
     for (const char* n : c.names) {
-      if (l == n) return c.value;
+      if (l == lower(n)) return c.value;
     }
   }
   std::string valid;
@@ -105,6 +105,22 @@ std::string choice_name(E value, const std::vector<Choice<E>>& choices) {
   return "?";
 }
 
+const std::vector<Choice<Sharding>> kShardings = {
+    {{"FULL_SHARD", "ZERO3"}, Sharding::kFullShard},
+    {{"SHARD_GRAD_OP", "SHARD_GRAD", "ZERO2"}, Sharding::kShardGradOp},
+    {{"NO_SHARD", "DDP"}, Sharding::kNoShard},
+    {{"HYBRID_SHARD", "HSDP"}, Sharding::kHybridShard},
+    {{"HYBRID_SHARD_ZERO2", "_HYBRID_SHARD_ZERO2"}, Sharding::kHybridShardZero2}};
+const std::vector<Choice<MpiAlgorithm>> kMpiAlgorithms = {
+    {{"auto"}, MpiAlgorithm::kAuto}, {{"ring"}, MpiAlgorithm::kRing}, {{"native"}, MpiAlgorithm::kNative}};
+#ifdef FSDP_HAVE_MPI
+constexpr bool kHaveMpi = true;
+const std::vector<Choice<CommKind>> kComms = {
+    {{"auto"}, CommKind::kAuto}, {{"local"}, CommKind::kLocal}, {{"mpi"}, CommKind::kMpi}};
+#else
+constexpr bool kHaveMpi = false;
+const std::vector<Choice<CommKind>> kComms = {{{"auto"}, CommKind::kAuto}, {{"local"}, CommKind::kLocal}};
+#endif
 const std::vector<Choice<ReduceOp>> kReduceOps = {{{"avg", "mean"}, ReduceOp::kAvg}, {{"sum"}, ReduceOp::kSum}};
 const std::vector<Choice<OptimizerKind>> kOptimizers = {
     {{"adamw"}, OptimizerKind::kAdamW}, {{"adam"}, OptimizerKind::kAdam}, {{"sgd"}, OptimizerKind::kSgd}};
@@ -124,20 +140,7 @@ const std::vector<Entry>& table() {
       {"sharding",
        {"sharding_strategy", "shard_strat"},
        [](Options& o, const std::string& v) {
-         std::string u = upper(trim(v));
-         if (u == "FULL_SHARD" || u == "ZERO3") {
-           o.sharding = Sharding::kFullShard;
-         } else if (u == "SHARD_GRAD_OP" || u == "SHARD_GRAD" || u == "ZERO2") {
-           o.sharding = Sharding::kShardGradOp;
-         } else if (u == "NO_SHARD" || u == "DDP") {
-           o.sharding = Sharding::kNoShard;
-         } else if (u == "HYBRID_SHARD" || u == "HYBRID_SHARD_ZERO2" || u == "_HYBRID_SHARD_ZERO2") {
-           fail(FSDP_ERR_UNSUPPORTED, "config: sharding '" + v +
-                                          "' needs a communicator split into shard and replica groups, which this "
-                                          "build does not have; use FULL_SHARD, SHARD_GRAD_OP or NO_SHARD");
-         } else {
-           bad_value("sharding", v, "FULL_SHARD (ZERO3), SHARD_GRAD_OP (SHARD_GRAD, ZERO2), NO_SHARD (DDP)");
-         }
+         o.sharding = parse_choice("sharding", v, kShardings);
        },
        [](const Options& o) { return std::string(sharding_name(o.sharding)); }},
       {"param_dtype",
@@ -257,18 +260,41 @@ const std::vector<Entry>& table() {
        {"communicator", "backend"},
        [](Options& o, const std::string& v) {
          std::string l = lower(trim(v));
-         if (l == "local" || l == "auto") {
-           o.comm = l;
-           return;
+         if (l == "mpi" && !kHaveMpi) {
+           fail(FSDP_ERR_UNSUPPORTED, "config: comm 'mpi' is not built into this library (it was configured "
+                                      "without MPI; rebuild with MPI installed, see fsdp_build_info()); use local");
          }
-         if (l == "mpi" || l == "nccl") {
-           fail(FSDP_ERR_UNSUPPORTED, "config: comm '" + v +
-                                          "' is not built into this library (see "
-                                          "fsdp_build_info()); use local");
+         if (l == "nccl") {
+           fail(FSDP_ERR_UNSUPPORTED, "config: comm 'nccl' needs the CUDA device, which this build does not have "
+                                      "(see fsdp_build_info()); use " +
+                                          std::string(kHaveMpi ? "mpi or local" : "local"));
          }
-         bad_value("comm", v, "auto, local");
+         o.comm = parse_choice("comm", v, kComms);
        },
-       [](const Options& o) { return o.comm; }},
+       [](const Options& o) { return choice_name(o.comm, kComms); }},
+      {"mpi_algorithm",
+       {},
+       [](Options& o, const std::string& v) { o.mpi_algorithm = parse_choice("mpi_algorithm", v, kMpiAlgorithms); },
+       [](const Options& o) { return choice_name(o.mpi_algorithm, kMpiAlgorithms); }},
+      {"shard_group_size",
+       {"hybrid_shard_group_size"},
+       [](Options& o, const std::string& v) {
+         o.shard_group_size = static_cast<int>(parse_int("shard_group_size", v, 0, 1 << 20));
+       },
+       [](const Options& o) { return std::to_string(o.shard_group_size); }},
+      {"offload",
+       {"cpu_offload"},
+       [](Options& o, const std::string& v) {
+         std::string l = lower(trim(v));
+         if (l == "cpu" || l == "1" || l == "true" || l == "on") {
+           o.offload_cpu = true;
+         } else if (l == "none" || l == "0" || l == "false" || l == "off") {
+           o.offload_cpu = false;
+         } else {
+           bad_value("offload", v, "none, cpu");
+         }
+       },
+       [](const Options& o) { return std::string(o.offload_cpu ? "cpu" : "none"); }},
       {"forward_prefetch",
        {},
        [](Options& o, const std::string& v) { o.forward_prefetch = parse_bool("forward_prefetch", v); },
@@ -377,6 +403,10 @@ const char* sharding_name(Sharding s) {
       return "SHARD_GRAD_OP";
     case Sharding::kNoShard:
       return "NO_SHARD";
+    case Sharding::kHybridShard:
+      return "HYBRID_SHARD";
+    case Sharding::kHybridShardZero2:
+      return "HYBRID_SHARD_ZERO2";
   }
   return "?";
 }

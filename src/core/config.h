@@ -10,11 +10,13 @@
 
 namespace fsdp::core {
 
-enum class Sharding { kFullShard, kShardGradOp, kNoShard };
+enum class Sharding { kFullShard, kShardGradOp, kNoShard, kHybridShard, kHybridShardZero2 };
 enum class OptimizerKind { kAdamW, kAdam, kSgd };
 enum class ReduceOp { kAvg, kSum };
 enum class BackwardPrefetch { kNone, kPre, kPost };
 enum class LossScaleMode { kAuto, kDynamic, kStatic, kOff };
+enum class CommKind { kAuto, kLocal, kMpi };
+enum class MpiAlgorithm { kAuto, kRing, kNative };
 
 const char* sharding_name(Sharding s);
 
@@ -46,10 +48,18 @@ struct Options {
   double loss_scale_init = 65536.0;
   double loss_scale_growth = 2.0;
   double loss_scale_backoff = 0.5;
-  long loss_scale_growth_interval = 2000;  // units gathered or gathering at once, prefetch included
-  std::string comm = "auto";               // auto: MPI/NCCL when launched by them (later builds), else local
+  long loss_scale_growth_interval = 2000;
+  CommKind comm = CommKind::kAuto;  // auto: mpi when launched by mpirun (and built in), else local
+  MpiAlgorithm mpi_algorithm = MpiAlgorithm::kAuto;
+  int shard_group_size = 0;  // HYBRID_SHARD: ranks per shard group; 0 = the local world size
+  bool offload_cpu = false;  // master shard, sharded grads, optimizer state in host memory
 
   DType reduce_dtype() const { return reduce_dtype_auto ? param_dtype : reduce_dtype_set; }
+  bool hybrid() const { return sharding == Sharding::kHybridShard || sharding == Sharding::kHybridShardZero2; }
+  // FULL_SHARD and HYBRID_SHARD free full params after forward and gather them again for backward.
+  bool reshard_after_forward() const {
+    return sharding == Sharding::kFullShard || sharding == Sharding::kHybridShard;
+  }
 };
 
 class Config {

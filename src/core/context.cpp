@@ -4,7 +4,6 @@
 #include <set>
 #include <sstream>
 
-#include "../comm/local/local_comm.h"
 #include "../device/cpu/cpu_device.h"
 #include "consensus.h"
 #include "error.h"
@@ -24,7 +23,9 @@ std::string describe(const Options& o) {
      << "\nforward_prefetch=" << o.forward_prefetch << "\nbackward_prefetch=" << static_cast<int>(o.backward_prefetch)
      << "\nlimit_all_gathers=" << o.limit_all_gathers << "\nloss_scale=" << static_cast<int>(o.loss_scale_mode) << ","
      << o.loss_scale_static << "," << o.loss_scale_init << "," << o.loss_scale_growth << "," << o.loss_scale_backoff
-     << "," << o.loss_scale_growth_interval << "\nsync_module_states=" << o.sync_module_states << "\nno_weight_decay=";
+     << "," << o.loss_scale_growth_interval << "\nsync_module_states=" << o.sync_module_states
+     << "\ncomm=" << static_cast<int>(o.comm) << "\nmpi_algorithm=" << static_cast<int>(o.mpi_algorithm)
+     << "\nshard_group_size=" << o.shard_group_size << "\noffload=" << o.offload_cpu << "\nno_weight_decay=";
   for (const auto& p : o.no_weight_decay) os << p << ",";
   return os.str();
 }
@@ -42,26 +43,74 @@ std::string describe(size_t index, const std::string& name, const std::vector<Pa
 
 }  // namespace
 
-Context::Context(const Options& opts, std::shared_ptr<comm::LocalGroup> group, int rank)
+Context::Context(const Options& opts, std::unique_ptr<comm::Communicator> world)
     : rt_(opts), optimizer_(rt_), scheduler_(rt_, units_) {
-  rt_.rank = rank;
-  rt_.world = group->world_size();
+  world_ = std::move(world);
+  rt_.rank = world_->rank();
+  rt_.world = world_->world_size();
   dev_ = std::make_unique<device::CpuDevice>(opts.threads);
-  comm_ = std::make_unique<comm::LocalComm>(std::move(group), rank, opts.timeout_s);
   Trace* trace = &rt_.trace;
   stream_ = std::make_unique<CommStream>(
-      *comm_, [trace](const std::string& name, bool begin) { trace->add(name, begin ? 'B' : 'E', Track::kComm); });
-  sync_comm_ = std::make_unique<SyncComm>(*stream_, *comm_);
+      [trace](const std::string& name, bool begin) { trace->add(name, begin ? 'B' : 'E', Track::kComm); },
+      [this](const std::string& reason) { abort_comms(reason); });
+  sync_world_ = std::make_unique<SyncComm>(*stream_, *world_);
   rt_.dev = dev_.get();
-  rt_.comm = sync_comm_.get();
+  rt_.comm = sync_world_.get();
+  rt_.world_comm = world_.get();
   rt_.stream = stream_.get();
   rt_.sched = &scheduler_;
   agree(*rt_.comm, "fsdp_ctx_create (config)", describe(rt_.opts));
+  setup_groups();
+}
+
+void Context::setup_groups() {
+  const Options& o = rt_.opts;
+  if (!o.hybrid()) {
+    rt_.shard_size = rt_.sharded() ? rt_.world : 1;
+    rt_.shard_index = rt_.sharded() ? rt_.rank : 0;
+    rt_.shard_comm = world_.get();
+    rt_.shard_sync = rt_.comm;
+    return;
+  }
+  // The default (one host) may differ between hosts: agree before splitting.
+  int g = o.shard_group_size > 0 ? o.shard_group_size : world_->local_world_size();
+  agree(*rt_.comm, "fsdp_ctx_create (HYBRID_SHARD shard group size)",
+        "shard_group_size=" + std::to_string(g) +
+            (o.shard_group_size > 0 ? "" : " (the default: ranks on this host)"));
+  if (g > rt_.world || rt_.world % g != 0) {
+    fail(FSDP_ERR_INVALID_ARGUMENT, "fsdp_ctx_create: " + std::string(sharding_name(o.sharding)) +
+                                        " needs a shard group size that divides the world size " +
+                                        std::to_string(rt_.world) + ", not " + std::to_string(g) +
+                                        "; set shard_group_size");
+  }
+  // Shard groups are runs of consecutive ranks (a host, as launchers place
+  // them); a replica group holds the same shard index of every shard group.
+  shard_ = sync_world_->split(rt_.rank / g, rt_.rank, "split into shard groups");
+  replica_ = sync_world_->split(rt_.rank % g, rt_.rank, "split into replica groups");
+  sync_shard_ = std::make_unique<SyncComm>(*stream_, *shard_);
+  rt_.shard_size = g;
+  rt_.shard_index = rt_.rank % g;
+  rt_.shard_comm = shard_.get();
+  rt_.shard_sync = sync_shard_.get();
+  rt_.replica_comm = replica_->world_size() > 1 ? replica_.get() : nullptr;
+}
+
+void Context::abort_comms(const std::string& reason) {
+  for (comm::Communicator* c : {world_.get(), shard_.get(), replica_.get()}) {
+    if (c != nullptr) c->abort(reason);
+  }
+}
+
+fsdp_status_t Context::async_error() const {
+  for (const comm::Communicator* c : {world_.get(), shard_.get(), replica_.get()}) {
+    if (c != nullptr && c->failure() != FSDP_OK) return c->failure();
+  }
+  return FSDP_OK;
 }
 
 // Members go in reverse order: the comm stream stops first (its tasks use unit
-// buffers), then optimizer state and units free their buffers through dev_;
-// comm_ releases the rank last but one.
+// buffers and the communicators), then optimizer state and units free their
+// buffers through dev_; the communicators go last but one.
 Context::~Context() = default;
 
 Unit& Context::register_unit(const std::string& name, std::vector<ParamSpec> params, std::string problem) {

@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "../comm/local/local_group.h"
+#include "../comm/communicator.h"
 #include "comm_stream.h"
 #include "optimizer.h"
 #include "runtime.h"
@@ -18,8 +18,9 @@ namespace fsdp::core {
 
 class Context {
  public:
-  // Collective: every rank of `group` checks that all ranks use the same options.
-  Context(const Options& opts, std::shared_ptr<comm::LocalGroup> group, int rank);
+  // Collective over `world`: checks that all ranks use the same options and,
+  // for HYBRID_SHARD, splits the world into shard and replica groups.
+  Context(const Options& opts, std::unique_ptr<comm::Communicator> world);
   ~Context();
   Context(const Context&) = delete;
   Context& operator=(const Context&) = delete;
@@ -27,7 +28,7 @@ class Context {
   int rank() const { return rt_.rank; }
   int world_size() const { return rt_.world; }
   const Options& options() const { return rt_.opts; }
-  fsdp_status_t async_error() const { return comm_->failure(); }
+  fsdp_status_t async_error() const;
 
   void check_live(const char* call) const { rt_.check_live(call); }
 
@@ -49,16 +50,23 @@ class Context {
   // Waits for queued gathers and reductions and drops gathered params that an
   // update would make stale: the units' state before a step or finalize.
   void settle_units();
+  // Shard and replica groups (HYBRID_SHARD) and the rank's place in them.
+  void setup_groups();
+  // Fails every collective of this context's communicators (never waits).
+  void abort_comms(const std::string& reason);
 
   Runtime rt_;
   std::unique_ptr<device::Device> dev_;
-  std::unique_ptr<comm::Communicator> comm_;
+  std::unique_ptr<comm::Communicator> world_;
+  std::unique_ptr<comm::Communicator> shard_;    // HYBRID_SHARD only
+  std::unique_ptr<comm::Communicator> replica_;  // HYBRID_SHARD only
   std::vector<std::unique_ptr<Unit>> units_;
   Optimizer optimizer_;
   Scheduler scheduler_;
-  // Declared last so it stops first: queued tasks use the units' buffers.
+  // Declared after what its tasks use so that it stops first.
   std::unique_ptr<CommStream> stream_;
-  std::unique_ptr<SyncComm> sync_comm_;
+  std::unique_ptr<SyncComm> sync_world_;
+  std::unique_ptr<SyncComm> sync_shard_;
 };
 
 }  // namespace fsdp::core

@@ -23,7 +23,8 @@ double Optimizer::grad_sum_squares(const std::vector<std::unique_ptr<Unit>>& uni
   // Padding in the sharded grads is always zero, so whole shards can be summed.
   double sq = 0.0;
   for (const auto& u : units) sq += rt_.dev->sum_squares(u->sharded_grad(), u->shard_numel());
-  if (rt_.sharded() && rt_.world > 1) rt_.comm->all_reduce_f64(&sq, 1, comm::RedOp::kSum, "grad norm");
+  // Shards of a shard group cover the model once; replicas hold the same grads.
+  if (rt_.shard_world() > 1) rt_.shard_sync->all_reduce_f64(&sq, 1, comm::RedOp::kSum, "grad norm");
   return sq;
 }
 

@@ -23,7 +23,14 @@ struct Runtime {
   explicit Runtime(const Options& o) : opts(o) {}
   Options opts;
   device::Device* dev = nullptr;
+  // Synchronous collectives (they run on the comm stream and wait): over the
+  // world, and over this rank's shard group (the world unless HYBRID_SHARD).
   comm::Communicator* comm = nullptr;
+  comm::Communicator* shard_sync = nullptr;
+  // The communicators themselves, for tasks that run on the comm stream.
+  comm::Communicator* world_comm = nullptr;
+  comm::Communicator* shard_comm = nullptr;
+  comm::Communicator* replica_comm = nullptr;  // HYBRID_SHARD with more than one replica; else null
   MemoryTracker mem;
   Trace trace;
   CommStream* stream = nullptr;  // every collective goes through it
@@ -34,13 +41,17 @@ struct Runtime {
   std::deque<std::shared_ptr<class Event>> reductions_in_flight;
   int rank = 0;
   int world = 1;
+  // The ranks a unit is sharded over: the world (FULL_SHARD, SHARD_GRAD_OP),
+  // the shard group (HYBRID_SHARD*), or a world of one (NO_SHARD: one flat
+  // layout code path serves all), and this rank's place among them.
+  int shard_size = 1;
+  int shard_index = 0;
   bool grad_sync = true;
   bool finalized = false;
 
   bool sharded() const { return opts.sharding != Sharding::kNoShard; }
-  // NO_SHARD is a flat layout over a world of one, so one code path serves all.
-  int shard_world() const { return sharded() ? world : 1; }
-  int shard_rank() const { return sharded() ? rank : 0; }
+  int shard_world() const { return shard_size; }
+  int shard_rank() const { return shard_index; }
   std::string where() const { return "rank " + std::to_string(rank); }
   // Throws INVALID_STATE naming `call` once the context is finalized.
   void check_live(const char* call) const {

@@ -145,9 +145,10 @@ void Unit::issue_gather(bool prefetch) {
   size_t nbytes = shard_numel() * es;
   std::string what = label("all_gather");
   if (rt_.trace.enabled()) rt_.trace.add(std::string(prefetch ? "prefetch " : "issue ") + what, 'i', Track::kCaller);
+  comm::Communicator* shard = rt_.shard_comm;
   gather_event_ =
-      rt_.stream->submit(what + " " + std::to_string(nbytes * static_cast<size_t>(rt_.world)) + " B",
-                         [src, dst, nbytes, what](comm::Communicator& c) { c.all_gather(src, dst, nbytes, what); });
+      rt_.stream->submit(what + " " + std::to_string(nbytes * static_cast<size_t>(rt_.shard_world())) + " B",
+                         [shard, src, dst, nbytes, what] { shard->all_gather(src, dst, nbytes, what); });
   state_ = UnitState::kGathering;
   trace_memory();
 }
@@ -197,7 +198,7 @@ void Unit::forward_end() {
   if (state_ != UnitState::kForward) bad_state("fsdp_forward_end", "the unit in forward (after fsdp_forward_begin)");
   // On the CPU the host's compute is done when it calls *_end, so the buffer
   // can go now; a CUDA device records an event here and frees after it.
-  if (rt_.opts.sharding == Sharding::kFullShard) {
+  if (rt_.opts.reshard_after_forward()) {
     free_gathered();
   } else {
     state_ = UnitState::kGathered;  // kept for backward
@@ -256,7 +257,7 @@ EventPtr Unit::submit_reduction() {
   float* sgrad = sharded_grad();
   std::string what = label(rt_.sharded() ? "reduce_scatter" : "all_reduce");
   auto op = rt_.opts.reduce_op == ReduceOp::kAvg ? comm::RedOp::kAvg : comm::RedOp::kSum;
-  return rt_.stream->submit(what + " " + std::to_string(padded * dtype_size(rd)) + " B", [=](comm::Communicator& c) {
+  return rt_.stream->submit(what + " " + std::to_string(padded * dtype_size(rd)) + " B", [=] {
     Buffer converted;
     void* src = grads->data();
     if (rd != pd) {
@@ -266,10 +267,14 @@ EventPtr Unit::submit_reduction() {
     }
     if (rt->sharded()) {
       Buffer reduced(rt->dev, &rt->mem, MemCategory::kScratch, rd, shard, /*zeroed=*/false);
-      c.reduce_scatter(src, reduced.data(), shard, rd, op, what);
+      rt->shard_comm->reduce_scatter(src, reduced.data(), shard, rd, op, what);
+      // HYBRID_SHARD: the same shard of every replica, averaged (or summed) too.
+      if (rt->replica_comm != nullptr) {
+        rt->replica_comm->all_reduce(reduced.data(), reduced.data(), shard, rd, op, what + " (across replicas)");
+      }
       rt->dev->accumulate(sgrad, reduced.data(), rd, 1.0f, shard);
     } else {
-      c.all_reduce(src, src, padded, rd, op, what);
+      rt->world_comm->all_reduce(src, src, padded, rd, op, what);
       rt->dev->accumulate(sgrad, src, rd, 1.0f, padded);
     }
     grads->reset();
@@ -321,7 +326,7 @@ void Unit::gather_param(size_t param_index, float* out, size_t numel) {
     return;
   }
   Buffer full(rt_.dev, &rt_.mem, MemCategory::kScratch, DType::kFp32, layout_.padded_numel(), /*zeroed=*/false);
-  rt_.comm->all_gather(master(), full.data(), shard_numel() * sizeof(float), label("fsdp_gather_param"));
+  rt_.shard_sync->all_gather(master(), full.data(), shard_numel() * sizeof(float), label("fsdp_gather_param"));
   rt_.dev->copy_to_host(out, full.as<float>() + off, numel * sizeof(float));
 }
 

@@ -110,9 +110,9 @@ void LocalComm::run_checked(CollectiveDesc desc, const void* send, void* recv, c
     const Slot& other = group_->slot(r);
     if (!same(other.desc, mine.desc) || other.seq != mine.seq) {
       // Every rank sees the same slots, so every rank fails here, together.
-      std::string msg = "ranks called different collectives: rank " + std::to_string(rank_) + " called " +
-                        describe(mine.desc) + " as its collective #" + std::to_string(mine.seq) + ", rank " +
-                        std::to_string(r) + " called " + describe(other.desc) + " as its collective #" +
+      std::string msg = "ranks called different collectives: rank " + std::to_string(group_->world_rank(rank_)) +
+                        " called " + describe(mine.desc) + " as its collective #" + std::to_string(mine.seq) +
+                        ", rank " + std::to_string(group_->world_rank(r)) + " called " + describe(other.desc) + " as its collective #" +
                         std::to_string(other.seq) +
                         "; every rank must make the same collective calls in the same order";
       group_->abort(FSDP_ERR_MISMATCH, msg);
@@ -191,12 +191,35 @@ void LocalComm::broadcast(void* buf, size_t nbytes, int root, const std::string&
 
 void LocalComm::abort(const std::string& reason) {
   failure_.store(FSDP_ERR_COMM);
-  group_->abort(FSDP_ERR_COMM, "rank " + std::to_string(rank_) + " aborted the communicator: " + reason);
+  group_->abort(FSDP_ERR_COMM,
+                "rank " + std::to_string(group_->world_rank(rank_)) + " aborted the communicator: " + reason);
 }
 
 void LocalComm::barrier(const std::string& label) {
   CollectiveDesc d{"barrier", 0, -1, -1, -1, label};
   run(d, nullptr, nullptr, [] {});
+}
+
+std::unique_ptr<Communicator> LocalComm::split(int color, int key, const std::string& label) {
+  size_t world = static_cast<size_t>(world_size());
+  int64_t mine[2] = {color, key};
+  std::vector<int64_t> all(2 * world);
+  all_gather(mine, all.data(), sizeof mine, label);
+  std::vector<int> members;  // group ranks of my color, ordered by (key, rank)
+  for (size_t r = 0; r < world; ++r) {
+    if (all[2 * r] == color) members.push_back(static_cast<int>(r));
+  }
+  std::stable_sort(members.begin(), members.end(), [&](int a, int b) {
+    return all[2 * static_cast<size_t>(a) + 1] < all[2 * static_cast<size_t>(b) + 1];
+  });
+  std::vector<int> names;
+  int new_rank = 0;
+  for (size_t i = 0; i < members.size(); ++i) {
+    if (members[i] == rank_) new_rank = static_cast<int>(i);
+    names.push_back(group_->world_rank(members[i]));
+  }
+  // seq_ is the same on every rank here, so it tells this split from others.
+  return std::make_unique<LocalComm>(group_->child(seq_, color, names), new_rank, timeout_s_);
 }
 
 }  // namespace fsdp::comm

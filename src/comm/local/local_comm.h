@@ -28,6 +28,8 @@ class LocalComm final : public Communicator {
   void all_reduce_f64(double* values, size_t n, RedOp op, const std::string& label) override;
   void broadcast(void* buf, size_t nbytes, int root, const std::string& label) override;
   void barrier(const std::string& label) override;
+  std::unique_ptr<Communicator> split(int color, int key, const std::string& label) override;
+  int local_world_size() const override { return world_size(); }  // every rank is a thread of this process
   fsdp_status_t failure() const override { return failure_.load(); }
   void abort(const std::string& reason) override;
 

@@ -8,16 +8,28 @@
 
 namespace fsdp::comm {
 
-LocalGroup::LocalGroup(int world_size)
-    : world_size_(world_size),
-      phase_(static_cast<size_t>(world_size), 0),
-      slots_(static_cast<size_t>(world_size)),
-      claimed_(static_cast<size_t>(world_size), false) {}
+LocalGroup::LocalGroup(int world_size) : LocalGroup(std::vector<int>(static_cast<size_t>(world_size))) {
+  for (int r = 0; r < world_size; ++r) world_ranks_[static_cast<size_t>(r)] = r;
+}
+
+LocalGroup::LocalGroup(std::vector<int> world_ranks)
+    : world_size_(static_cast<int>(world_ranks.size())),
+      world_ranks_(std::move(world_ranks)),
+      phase_(world_ranks_.size(), 0),
+      slots_(world_ranks_.size()),
+      claimed_(world_ranks_.size(), false) {}
+
+std::shared_ptr<LocalGroup> LocalGroup::child(uint64_t split_id, int color, const std::vector<int>& members) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto& g = children_[{split_id, color}];
+  if (!g) g = std::make_shared<LocalGroup>(members);
+  return g;
+}
 
 void LocalGroup::claim(int rank) {
   std::lock_guard<std::mutex> lock(mu_);
   if (claimed_[static_cast<size_t>(rank)]) {
-    fail(FSDP_ERR_INVALID_ARGUMENT, "rank " + std::to_string(rank) +
+    fail(FSDP_ERR_INVALID_ARGUMENT, "rank " + std::to_string(world_rank(rank)) +
                                         " of this local group already has a live context; each "
                                         "rank creates exactly one");
   }
@@ -49,7 +61,7 @@ void LocalGroup::arrive_and_wait(int rank, double timeout_s, const std::string& 
     std::string reason = abort_reason_;
     lock.unlock();
     fail(FSDP_ERR_COMM,
-         what + " on rank " + std::to_string(rank) + ": the communicator was aborted earlier: " + reason);
+         what + " on rank " + std::to_string(world_rank(rank)) + ": the communicator was aborted earlier: " + reason);
   }
   uint64_t target = ++phase_[static_cast<size_t>(rank)];
   auto all_here = [&] {
@@ -65,11 +77,11 @@ void LocalGroup::arrive_and_wait(int rank, double timeout_s, const std::string& 
       std::ostringstream missing;
       int n_missing = 0;
       for (int r = 0; r < world_size_; ++r) {
-        if (phase_[static_cast<size_t>(r)] < target) missing << (n_missing++ ? ", " : "") << r;
+        if (phase_[static_cast<size_t>(r)] < target) missing << (n_missing++ ? ", " : "") << world_rank(r);
       }
       std::ostringstream msg;
       msg << what << ": timed out after " << timeout_s << " s waiting for rank" << (n_missing > 1 ? "s " : " ")
-          << missing.str() << " (seen from rank " << rank
+          << missing.str() << " (seen from rank " << world_rank(rank)
           << "; the missing rank may have failed, hung, or called a different collective)";
       aborted_ = true;
       abort_status_ = FSDP_ERR_TIMEOUT;

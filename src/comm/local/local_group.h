@@ -6,8 +6,11 @@
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
+#include <map>
+#include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "fsdp.h"
@@ -34,7 +37,16 @@ struct Slot {
 class LocalGroup {
  public:
   explicit LocalGroup(int world_size);
+  // A group of the ranks `world_ranks` of a parent (names used in messages).
+  explicit LocalGroup(std::vector<int> world_ranks);
   int world_size() const { return world_size_; }
+  // The rank of the outermost group that group rank `rank` is, for messages.
+  int world_rank(int rank) const { return world_ranks_[static_cast<size_t>(rank)]; }
+
+  // The sub-group made by split number `split_id` for `color`: the first rank
+  // to ask creates it with `members` (world ranks, in group order), the others
+  // get the same object.
+  std::shared_ptr<LocalGroup> child(uint64_t split_id, int color, const std::vector<int>& members);
 
   // A rank is taken by at most one live context at a time.
   void claim(int rank);
@@ -53,6 +65,8 @@ class LocalGroup {
 
  private:
   int world_size_;
+  std::vector<int> world_ranks_;
+  std::map<std::pair<uint64_t, int>, std::shared_ptr<LocalGroup>> children_;
   std::mutex mu_;
   std::condition_variable cv_;
   std::vector<uint64_t> phase_;  // phases each rank has reached

@@ -1,0 +1,103 @@
+// src/comm/launch.cpp - see launch.h.
+#include "launch.h"
+
+#include <cerrno>
+#include <cstdlib>
+
+#include "../core/error.h"
+#include "local/local_comm.h"
+#ifdef FSDP_HAVE_MPI
+#include "mpi/mpi_comm.h"
+#endif
+
+namespace fsdp::comm {
+namespace {
+
+// The value of `name` as an int >= lo, or `fallback` when unset.
+int env_int(const char* name, int lo, int fallback) {
+  const char* v = std::getenv(name);  // NOLINT(concurrency-mt-unsafe): read before any rank thread starts
+  if (v == nullptr) return fallback;
+  char* end = nullptr;
+  errno = 0;
+  long n = std::strtol(v, &end, 10);
+  if (*v == '\0' || *end != '\0' || errno != 0 || n < lo || n > (1L << 30)) {
+    fail(FSDP_ERR_INVALID_ARGUMENT, std::string("environment variable ") + name + "='" + v +
+                                        "' is not an integer >= " + std::to_string(lo) +
+                                        "; it is set by the launcher (mpirun): do not set it by hand");
+  }
+  return static_cast<int>(n);
+}
+
+LaunchEnv read_vars(const char* source, const char* rank, const char* size, const char* local_rank,
+                    const char* local_size) {
+  LaunchEnv e;
+  e.rank = env_int(rank, 0, -1);
+  e.world = env_int(size, 1, -1);
+  if (e.rank < 0 && e.world < 0) return e;
+  if (e.rank < 0 || e.world < 0 || e.rank >= e.world) {
+    fail(FSDP_ERR_INVALID_ARGUMENT, std::string("launcher variables disagree: ") + rank + "=" +
+                                        std::to_string(e.rank) + ", " + size + "=" + std::to_string(e.world) +
+                                        "; both must be set, with the rank below the size");
+  }
+  e.source = source;
+  e.local_rank = env_int(local_rank, 0, -1);
+  e.local_world = env_int(local_size, 1, -1);
+  return e;
+}
+
+}  // namespace
+
+LaunchEnv read_launch_env() {
+  LaunchEnv e = read_vars("OMPI_COMM_WORLD_*", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+                          "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE");
+  if (e.present()) return e;
+  return read_vars("PMI_RANK/PMI_SIZE", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS");
+}
+
+bool have_mpi() {
+#ifdef FSDP_HAVE_MPI
+  return true;
+#else
+  return false;
+#endif
+}
+
+std::unique_ptr<Communicator> make_world_comm(const core::Options& opts, std::shared_ptr<LocalGroup> group,
+                                              bool group_given, int rank) {
+  using core::CommKind;
+  CommKind kind = opts.comm;
+  if (kind == CommKind::kAuto) {
+    LaunchEnv env = group_given ? LaunchEnv{} : read_launch_env();
+    if (env.present() && env.world > 1) {
+      if (!have_mpi()) {
+        fail(FSDP_ERR_UNSUPPORTED, "fsdp_ctx_create: this process was launched as rank " + std::to_string(env.rank) +
+                                       " of " + std::to_string(env.world) + " (" + env.source +
+                                       "), but this libfsdp was built without MPI, so every process would train "
+                                       "alone; rebuild with MPI installed (FSDP_WITH_MPI), or set comm=local to "
+                                       "run independent single-rank jobs on purpose");
+      }
+      kind = CommKind::kMpi;
+    } else {
+      kind = CommKind::kLocal;
+    }
+  }
+  if (kind == CommKind::kMpi) {
+    if (group_given) {
+      fail(FSDP_ERR_INVALID_ARGUMENT,
+           "fsdp_ctx_create: comm=mpi takes its ranks from the launcher; pass group NULL and rank -1");
+    }
+#ifdef FSDP_HAVE_MPI
+    return make_mpi_world(opts, rank);
+#else
+    fail(FSDP_ERR_UNSUPPORTED, "fsdp_ctx_create: comm=mpi is not built into this library");
+#endif
+  }
+  if (rank < 0 || rank >= group->world_size()) {
+    fail(FSDP_ERR_INVALID_ARGUMENT, "fsdp_ctx_create: rank " + std::to_string(rank) +
+                                        " is outside the group's world of " + std::to_string(group->world_size()) +
+                                        (group_given ? "" : " (group NULL means a world of one)"));
+  }
+  return std::make_unique<LocalComm>(std::move(group), rank, opts.timeout_s);
+}
+
+}  // namespace fsdp::comm

@@ -1,0 +1,40 @@
+// src/comm/launch.h - which communicator a context gets: what a launcher
+// (mpirun, MPICH's hydra) told this process through its environment, and the
+// choice between the in-process `local` communicator and `mpi`.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "../core/config.h"
+#include "communicator.h"
+#include "local/local_group.h"
+
+namespace fsdp::comm {
+
+// Rank, world and host-local place of this process as its launcher set them;
+// `source` names the variables ("OMPI_COMM_WORLD_*"), empty when none is set.
+struct LaunchEnv {
+  std::string source;
+  int rank = -1;
+  int world = -1;
+  int local_rank = -1;   // -1 when the launcher does not say
+  int local_world = -1;  // -1 when the launcher does not say
+  bool present() const { return !source.empty(); }
+};
+
+// Reads OMPI_COMM_WORLD_{RANK,SIZE,LOCAL_RANK,LOCAL_SIZE} (Open MPI) or
+// PMI_RANK/PMI_SIZE with MPI_LOCALRANKID/MPI_LOCALNRANKS (MPICH). Throws
+// INVALID_ARGUMENT naming the variable when a value is malformed.
+LaunchEnv read_launch_env();
+
+// The world communicator for a new context. `group` (may be null) and `rank`
+// are fsdp_ctx_create's arguments: a local group and a rank in it, or, for
+// mpi, null and -1 (or the launcher's rank, which is then checked).
+std::unique_ptr<Communicator> make_world_comm(const core::Options& opts, std::shared_ptr<LocalGroup> group,
+                                              bool group_given, int rank);
+
+// Whether this build has the mpi communicator.
+bool have_mpi();
+
+}  // namespace fsdp::comm
