@@ -1,5 +1,5 @@
-// Shared test helpers: N in-process ranks as threads, independent fp32<->bf16/fp16 rounding, a deterministic RNG,
-// config/status helpers.
+// Shared test helpers: N ranks as threads of this process, or as the processes of an mpirun job (when the test
+// runs under mpirun), independent fp32<->bf16/fp16 rounding, a deterministic RNG, config/status helpers.
 #ifndef FSDP_TESTS_RANK_RUNNER_H
 #define FSDP_TESTS_RANK_RUNNER_H
 
@@ -23,6 +23,10 @@
 #include <vector>
 
 #include "fsdp.h"
+
+#ifdef FSDP_TEST_MPI
+#include <mpi.h>
+#endif
 
 namespace fsdp_test {
 
@@ -99,6 +103,12 @@ inline ConfigPtr make_config(const std::map<std::string, std::string>& options) 
     return ConfigPtr();
   }
   ConfigPtr out(cfg);
+  // CTest runs some suites again with options from FSDP_* variables (the mpi
+  // ones with each mpi_algorithm); they apply to options a test leaves unset.
+  if (std::getenv("FSDP_TEST_CONFIG_FROM_ENV") != nullptr && fsdp_config_from_env(cfg) != FSDP_OK) {
+    ADD_FAILURE() << "fsdp_config_from_env: " << last_error_str();
+    return ConfigPtr();
+  }
   for (const auto& kv : options) {
     const fsdp_status_t st = fsdp_config_set(cfg, kv.first.c_str(), kv.second.c_str());
     if (st != FSDP_OK) {
@@ -112,53 +122,155 @@ inline ConfigPtr make_config(const std::map<std::string, std::string>& options) 
 
 // ---- ranks -----------------------------------------------------------------
 
+// The world size of the mpirun job this process belongs to, or 0 when it was
+// not started by a launcher (then ranks are threads).
+inline int launcher_world() {
+  const char* v = std::getenv("OMPI_COMM_WORLD_SIZE");
+  if (v == nullptr) v = std::getenv("PMI_SIZE");
+  return v == nullptr ? 0 : std::atoi(v);
+}
+inline int launcher_rank() {
+  const char* v = std::getenv("OMPI_COMM_WORLD_RANK");
+  if (v == nullptr) v = std::getenv("PMI_RANK");
+  return v == nullptr ? 0 : std::atoi(v);
+}
+
+// Aborts the process with a message if `done` is not set within `seconds`,
+// so that a hang in the library is a failure, never a stuck suite.
+class Watchdog {
+ public:
+  explicit Watchdog(double seconds)
+      : thread_([this, seconds] {
+          std::unique_lock<std::mutex> lock(mu_);
+          if (!cv_.wait_for(lock, std::chrono::duration<double>(seconds), [&] { return done_; })) {
+            std::fprintf(stderr, "run_ranks: ranks did not finish within %.0f s (hang); aborting\n", seconds);
+            std::fflush(stderr);
+            std::abort();
+          }
+        }) {}
+  ~Watchdog() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      done_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool done_ = false;
+  std::thread thread_;
+};
+
 // Runs fn(rank, group) on `world` threads sharing one local group. gtest
 // EXPECT_*/ADD_FAILURE work inside fn (gtest is thread safe on pthreads);
 // ASSERT_* returns from fn only. Each failure is tagged with its rank. If the
 // ranks have not all returned after `watchdog_s` seconds the process aborts
-// with a message, so a hang in the library is a failure, never a stuck suite.
+// with a message.
+//
+// Under mpirun this process is one rank: fn(its rank, NULL) runs here, and
+// contexts created with group NULL take the mpi communicator (comm=auto).
+// `world` must then be the job's size. Results the test keeps per rank must
+// go through share() before ranks are compared.
 inline void run_ranks(int world, const std::function<void(int rank, fsdp_local_group_t* group)>& fn,
                       double watchdog_s = 120.0) {
+  auto guarded = [&fn](int r, fsdp_local_group_t* group) {
+    SCOPED_TRACE("rank " + std::to_string(r));
+    try {
+      fn(r, group);
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << "rank " << r << " threw: " << e.what();
+    } catch (...) {
+      ADD_FAILURE() << "rank " << r << " threw a non-std exception";
+    }
+  };
+  if (int job = launcher_world(); job > 0) {
+    if (job != world) {
+      ADD_FAILURE() << "this test needs " << world << " ranks, but it runs under mpirun -np " << job
+                    << "; select the tests of that world with --gtest_filter";
+      return;
+    }
+    Watchdog watchdog(watchdog_s);
+    guarded(launcher_rank(), nullptr);
+    return;
+  }
   fsdp_local_group_t* group = nullptr;
   const fsdp_status_t s = fsdp_local_group_create(world, &group);
   if (s != FSDP_OK || group == nullptr) {
     ADD_FAILURE() << "fsdp_local_group_create(" << world << "): " << status_str(s) << ": " << last_error_str();
     return;
   }
-  std::mutex mu;
-  std::condition_variable cv;
-  bool done = false;
-  std::thread watchdog([&] {
-    std::unique_lock<std::mutex> lock(mu);
-    const auto limit = std::chrono::duration<double>(watchdog_s);
-    if (!cv.wait_for(lock, limit, [&] { return done; })) {
-      std::fprintf(stderr, "run_ranks: ranks did not finish within %.0f s (hang); aborting\n", watchdog_s);
-      std::fflush(stderr);
-      std::abort();
-    }
-  });
-  std::vector<std::thread> threads;
-  threads.reserve(size_t(world));
-  for (int r = 0; r < world; ++r) {
-    threads.emplace_back([&fn, group, r] {
-      SCOPED_TRACE("rank " + std::to_string(r));
-      try {
-        fn(r, group);
-      } catch (const std::exception& e) {
-        ADD_FAILURE() << "rank " << r << " threw: " << e.what();
-      } catch (...) {
-        ADD_FAILURE() << "rank " << r << " threw a non-std exception";
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
   {
-    std::lock_guard<std::mutex> lock(mu);
-    done = true;
+    Watchdog watchdog(watchdog_s);
+    std::vector<std::thread> threads;
+    threads.reserve(size_t(world));
+    for (int r = 0; r < world; ++r) threads.emplace_back([&guarded, group, r] { guarded(r, group); });
+    for (auto& t : threads) t.join();
   }
-  cv.notify_all();
-  watchdog.join();
   fsdp_local_group_destroy(group);
+}
+
+// Every rank's `mine`, in rank order. With threads there is one process and
+// the caller already holds every rank's result: {mine} is returned. Under
+// mpirun the ranks' bytes are exchanged (the test's own MPI_Allgatherv, after
+// the library initialised MPI).
+inline std::vector<std::string> share_bytes(const std::string& mine) {
+#ifdef FSDP_TEST_MPI
+  if (launcher_world() > 0) {
+    int initialized = 0;
+    MPI_Initialized(&initialized);
+    if (!initialized) {
+      ADD_FAILURE() << "share_bytes: MPI is not initialised (no mpi context was created)";
+      return {mine};
+    }
+    int n = 0;
+    MPI_Comm_size(MPI_COMM_WORLD, &n);
+    int len = int(mine.size());
+    std::vector<int> lens(static_cast<size_t>(n)), offs(static_cast<size_t>(n));
+    MPI_Allgather(&len, 1, MPI_INT, lens.data(), 1, MPI_INT, MPI_COMM_WORLD);
+    int total = 0;
+    for (int r = 0; r < n; ++r) {
+      offs[size_t(r)] = total;
+      total += lens[size_t(r)];
+    }
+    std::string all(size_t(total), '\0');
+    MPI_Allgatherv(mine.data(), len, MPI_BYTE, &all[0], lens.data(), offs.data(), MPI_BYTE, MPI_COMM_WORLD);
+    std::vector<std::string> out;
+    for (int r = 0; r < n; ++r) out.push_back(all.substr(size_t(offs[size_t(r)]), size_t(lens[size_t(r)])));
+    return out;
+  }
+#else
+  if (launcher_world() > 0) ADD_FAILURE() << "share_bytes under mpirun needs a test built with FSDP_TEST_MPI";
+#endif
+  return {mine};
+}
+
+// After run_ranks: fills every rank's slot of `per_rank` (one trivially
+// copyable value per rank) from the rank that computed it. A no-op with
+// threads, where every slot was written by its thread.
+template <typename T>
+void share(std::vector<T>& per_rank) {
+  if (launcher_world() == 0) return;
+  const int me = launcher_rank();
+  std::string mine(sizeof(T), '\0');
+  std::memcpy(&mine[0], &per_rank[size_t(me)], sizeof(T));
+  const auto all = share_bytes(mine);
+  for (size_t r = 0; r < all.size() && r < per_rank.size(); ++r) {
+    if (all[r].size() == sizeof(T)) std::memcpy(&per_rank[r], all[r].data(), sizeof(T));
+  }
+}
+
+// share() for vectors of floats (each rank's slot may have its own length).
+inline void share_floats(std::vector<std::vector<float>>& per_rank) {
+  if (launcher_world() == 0) return;
+  const auto& v = per_rank[size_t(launcher_rank())];
+  const auto all = share_bytes(std::string(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(float)));
+  for (size_t r = 0; r < all.size() && r < per_rank.size(); ++r) {
+    per_rank[r].resize(all[r].size() / sizeof(float));
+    std::memcpy(per_rank[r].data(), all[r].data(), all[r].size());
+  }
 }
 
 // ---- units -----------------------------------------------------------------

@@ -2,6 +2,7 @@
 // matches a single-process unsharded reference.
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -265,6 +266,8 @@ struct Case {
   double weight_decay = 0.01;
   double tol = 1e-5;          // per tensor: max|lib - ref| / max|ref|, the largest over tensors
   bool model_metric = false;  // tol is ||lib - ref|| / ||ref|| over the whole model instead
+  bool sync_module_states = false;
+  bool rank_dependent_init = false;  // ranks other than 0 set init + rank (sync_module_states must undo it)
 };
 
 void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
@@ -341,6 +344,7 @@ LibResult lib_train(const Case& c, const Model& m, const Params& init, const Dat
                                                {"loss_scale", "off"}};
     if (c.max_grad_norm > 0) opts["max_grad_norm"] = std::to_string(c.max_grad_norm);
     if (c.shard_group_size > 0) opts["shard_group_size"] = std::to_string(c.shard_group_size);
+    if (c.sync_module_states) opts["sync_module_states"] = "1";
     ConfigPtr cfg = make_config(opts);
     ASSERT_TRUE(cfg);
     fsdp_ctx_t* raw = nullptr;
@@ -353,16 +357,21 @@ LibResult lib_train(const Case& c, const Model& m, const Params& init, const Dat
     std::vector<fsdp_unit_t*> units(m.n_units(), nullptr);
     for (size_t u = 0; u < m.n_units(); ++u) {
       ASSERT_OK(register_unit(ctx.get(), m.unit_name(u), m.unit_params(u), &units[u]));
-      for (size_t i = 0; i < init[u].size(); ++i)
-        ASSERT_OK(fsdp_param_set_values(units[u], i, init[u][i].data(), init[u][i].size()));
+      for (size_t i = 0; i < init[u].size(); ++i) {
+        Tensor mine = init[u][i];
+        if (c.rank_dependent_init)
+          for (auto& v : mine) v += 0.5f * float(rank);
+        ASSERT_OK(fsdp_param_set_values(units[u], i, mine.data(), mine.size()));
+      }
     }
     const Params init_rounded = rounded(init, dt);
+    const bool init_known = !c.rank_dependent_init || c.sync_module_states;
     const int rows = kBatch / c.world, micro_rows = rows / c.micro;
     for (int step = 0; step < kSteps; ++step) {
       for (int k = 0; k < c.micro; ++k) {
         if (c.no_sync) ASSERT_OK(fsdp_set_grad_sync(ctx.get(), k + 1 == c.micro ? 1 : 0));
         lib_pass(m, units, dt, d, rank * rows + k * micro_rows, micro_rows, 1.f / float(c.micro),
-                 step == 0 ? &init_rounded : nullptr);
+                 step == 0 && init_known ? &init_rounded : nullptr);
         if (::testing::Test::HasFatalFailure()) return;
       }
       ASSERT_OK(fsdp_step(ctx.get(), nullptr));
@@ -380,6 +389,32 @@ LibResult lib_train(const Case& c, const Model& m, const Params& init, const Dat
     EXPECT_OK(fsdp_ctx_finalize(ctx.get()));
   });
   return out;
+}
+
+// Under mpirun each process holds only its own rank's result: exchange them
+// (params flattened in model order, norms as doubles) so ranks can be compared.
+void share_result(LibResult& lib, const Params& shape) {
+  if (launcher_world() == 0) return;
+  const size_t me = size_t(launcher_rank());
+  std::vector<std::vector<float>> flat(lib.params_by_rank.size());
+  for (const auto& unit : lib.params_by_rank[me])
+    for (const auto& t : unit) flat[me].insert(flat[me].end(), t.begin(), t.end());
+  share_floats(flat);
+  const auto& norms = lib.norms_by_rank[me];
+  const auto all_norms =
+      share_bytes(std::string(reinterpret_cast<const char*>(norms.data()), norms.size() * sizeof(double)));
+  for (size_t r = 0; r < flat.size(); ++r) {
+    Params p = shape;
+    size_t k = 0;
+    for (auto& unit : p)
+      for (auto& t : unit)
+        for (auto& v : t) v = k < flat[r].size() ? flat[r][k++] : NAN;
+    lib.params_by_rank[r] = p;
+    if (r < all_norms.size()) {
+      lib.norms_by_rank[r].resize(all_norms[r].size() / sizeof(double));
+      std::memcpy(lib.norms_by_rank[r].data(), all_norms[r].data(), all_norms[r].size());
+    }
+  }
 }
 
 // Largest per-tensor max|a-b| / max|ref| over the model.
@@ -446,7 +481,8 @@ void check_case(const Case& c) {
         << "the tolerance is too loose to see missing clipping";
   }
 
-  const LibResult lib = lib_train(c, m, init, d);
+  LibResult lib = lib_train(c, m, init, d);
+  share_result(lib, init);  // under mpirun: every rank's result, from its process
   if (::testing::Test::HasFailure()) return;
   for (int r = 0; r < c.world; ++r) {
     EXPECT_EQ(lib.params_by_rank[size_t(r)], lib.params_by_rank[0])
@@ -610,7 +646,44 @@ TEST(SyncModuleStates, RankZerosValuesWinAndOtherRanksMayPassNull) {
     EXPECT_OK(fsdp_gather_param(u, 0, got[size_t(rank)].data(), 12));
     EXPECT_OK(fsdp_ctx_finalize(raw));
   });
+  share_floats(got);
   for (size_t r = 0; r < 3; ++r) EXPECT_EQ(got[r], w) << "rank " << r;
 }
+
+// Ranks that set different initial values train, with sync_module_states=1,
+// exactly as a run where every rank set rank 0's values.
+class SyncModuleStatesTraining : public ::testing::TestWithParam<std::tuple<int, const char*>> {};
+
+TEST_P(SyncModuleStatesTraining, RanksThatSetDifferentValuesEndIdenticalToRankZerosRun) {
+  Case c;
+  c.world = std::get<0>(GetParam());
+  c.sharding = std::get<1>(GetParam());
+  const Data d = make_data(kMlp, 1234);
+  const Params init = make_init(kMlp, 42);
+  LibResult same = lib_train(c, kMlp, init, d);
+  share_result(same, init);
+  Case synced = c;
+  synced.sync_module_states = true;
+  synced.rank_dependent_init = true;
+  LibResult got = lib_train(synced, kMlp, init, d);
+  share_result(got, init);
+  Case unsynced = c;
+  unsynced.rank_dependent_init = true;
+  LibResult diverged = lib_train(unsynced, kMlp, init, d);
+  share_result(diverged, init);
+  if (::testing::Test::HasFailure()) return;
+  for (int r = 0; r < c.world; ++r) {
+    EXPECT_EQ(got.params_by_rank[size_t(r)], same.params_by_rank[0]) << "rank " << r;
+  }
+  // The test's power: without the option the different values do matter.
+  EXPECT_NE(diverged.params_by_rank[0], same.params_by_rank[0]);
+}
+
+INSTANTIATE_TEST_SUITE_P(WorldBySharding, SyncModuleStatesTraining,
+                         ::testing::Combine(::testing::Values(2, 4),
+                                            ::testing::Values("FULL_SHARD", "NO_SHARD", "HYBRID_SHARD")),
+                         [](const ::testing::TestParamInfo<SyncModuleStatesTraining::ParamType>& pi) {
+                           return std::string(std::get<1>(pi.param)) + "_world" + std::to_string(std::get<0>(pi.param));
+                         });
 
 }  // namespace

@@ -156,6 +156,7 @@ TEST_P(ShardedBytes, FullShardHoldsAQuarterAndHybridHalfOfNoShardUpToPadding) {
       totals[size_t(rank)] = m.sharded_params_nbytes + m.sharded_grads_nbytes + m.optimizer_state_nbytes;
       EXPECT_OK(fsdp_ctx_finalize(s.ctx.get()));
     });
+    share(totals);
     for (int r = 1; r < world; ++r) EXPECT_EQ(totals[size_t(r)], totals[0]) << sharding << " rank " << r;
     per_rank_total[sharding] = totals[0];
   }

@@ -7,48 +7,11 @@
 #include <cstring>
 #include <vector>
 
-#include "../../../kernels/cast.h"
 #include "../../core/error.h"
-#include "../../device/cpu/simd.h"
-#include "../../device/dtype_dispatch.h"
+#include "../reduce.h"
 
 namespace fsdp::comm {
 namespace {
-
-
-constexpr size_t kBlock = 512;
-
-// The three passes of a block, each a plain loop over restrict pointers so that
-// it vectorises (one loop nest over ranks and elements does not).
-template <typename T>
-inline void acc_init(float* __restrict acc, const T* __restrict a, const T* __restrict b, size_t n) {
-  if (b == nullptr) {
-    for (size_t i = 0; i < n; ++i) acc[i] = kernels::load(a, i);
-  } else {
-    for (size_t i = 0; i < n; ++i) acc[i] = kernels::load(a, i) + kernels::load(b, i);
-  }
-}
-template <typename T>
-inline void acc_add(float* __restrict acc, const T* __restrict a, size_t n) {
-  for (size_t i = 0; i < n; ++i) acc[i] += kernels::load(a, i);
-}
-template <typename T>
-inline void acc_store(T* __restrict out, const float* __restrict acc, float scale, size_t n) {
-  for (size_t i = 0; i < n; ++i) kernels::store(out, i, acc[i] * scale);
-}
-
-// out[i] = scale * sum_k ins[k][i], summed in fp32 in rank order over blocks
-// that stay in L1, rounded once to T.
-template <typename T>
-FSDP_SIMD_CLONES void reduce_blocks(T* out, const std::vector<const T*>& ins, size_t numel, float scale) {
-  alignas(64) float acc[kBlock];
-  for (size_t b = 0; b < numel; b += kBlock) {
-    size_t n = std::min(kBlock, numel - b);
-    acc_init(acc, ins[0] + b, ins.size() > 1 ? ins[1] + b : nullptr, n);
-    for (size_t k = 2; k < ins.size(); ++k) acc_add(acc, ins[k] + b, n);
-    acc_store(out + b, acc, scale, n);
-  }
-}
 
 // Reduces element range [first, first + numel) of every rank's `send` into
 // `out` (pointing at that range of the output).
@@ -56,13 +19,11 @@ void reduce_range(LocalGroup& g, void* out, size_t first, size_t numel, DType dt
   if (op == RedOp::kMax) fail(FSDP_ERR_INTERNAL, "local comm: max reduction of tensors is not used");
   int world = g.world_size();
   float scale = op == RedOp::kAvg ? 1.0f / static_cast<float>(world) : 1.0f;
-  auto run = [&](auto* typed_out) {
-    using T = std::remove_pointer_t<decltype(typed_out)>;
-    std::vector<const T*> ins(static_cast<size_t>(world));
-    for (int r = 0; r < world; ++r) ins[static_cast<size_t>(r)] = static_cast<const T*>(g.slot(r).send) + first;
-    reduce_blocks(typed_out, ins, numel, scale);
-  };
-  device::with_dtype(dtype, out, run);
+  std::vector<const void*> ins(static_cast<size_t>(world));
+  for (int r = 0; r < world; ++r) {
+    ins[static_cast<size_t>(r)] = static_cast<const char*>(g.slot(r).send) + first * dtype_size(dtype);
+  }
+  reduce_sum(out, ins.data(), ins.size(), numel, dtype, scale);
 }
 
 std::string describe(const CollectiveDesc& d) {

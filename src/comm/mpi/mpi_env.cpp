@@ -1,0 +1,115 @@
+// src/comm/mpi/mpi_env.cpp - see mpi_env.h.
+#include "mpi_env.h"
+
+#include <atomic>
+#include <cstdlib>
+
+#include "../../../kernels/cast.h"
+#include "../../core/error.h"
+#include "../../core/log.h"
+
+namespace fsdp::comm::mpi {
+namespace {
+
+std::mutex g_init_mu;
+std::mutex g_call_mu;
+bool g_we_initialized = false;
+std::atomic<bool> g_serialize{false};
+std::atomic<bool> g_failed{false};
+MPI_Op g_bf16_sum = MPI_OP_NULL;
+MPI_Op g_fp16_sum = MPI_OP_NULL;
+
+template <typename T>
+void sum16(void* in, void* inout, int* len, MPI_Datatype*) {
+  const T* a = static_cast<const T*>(in);
+  T* b = static_cast<T*>(inout);
+  for (int i = 0; i < *len; ++i) kernels::store(b, static_cast<size_t>(i), kernels::load(a, i) + kernels::load(b, i));
+}
+
+void at_exit() {
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (finalized) return;
+  if (g_failed.load()) {
+    // MPI_Finalize synchronises with every rank, including the one that failed.
+    core::log(FSDP_LOG_WARN, -1,
+              "a libfsdp MPI communicator failed: exiting without MPI_Finalize, so that this process "
+              "does not wait for the rank that failed (mpirun then ends the job)");
+    return;
+  }
+  MPI_Op_free(&g_bf16_sum);
+  MPI_Op_free(&g_fp16_sum);
+  MPI_Finalize();
+}
+
+const char* level_name(int level) {
+  switch (level) {
+    case MPI_THREAD_SINGLE:
+      return "MPI_THREAD_SINGLE";
+    case MPI_THREAD_FUNNELED:
+      return "MPI_THREAD_FUNNELED";
+    case MPI_THREAD_SERIALIZED:
+      return "MPI_THREAD_SERIALIZED";
+    default:
+      return "MPI_THREAD_MULTIPLE";
+  }
+}
+
+}  // namespace
+
+void ensure_initialized() {
+  std::lock_guard<std::mutex> guard(g_init_mu);
+  if (g_bf16_sum != MPI_OP_NULL) return;
+  int initialized = 0, finalized = 0;
+  MPI_Initialized(&initialized);
+  MPI_Finalized(&finalized);
+  if (finalized) fail(FSDP_ERR_COMM, "fsdp_ctx_create: MPI was already finalized in this process");
+  int provided = MPI_THREAD_SINGLE;
+  if (!initialized) {
+    int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
+    if (rc != MPI_SUCCESS) fail(FSDP_ERR_COMM, "fsdp_ctx_create: MPI_Init_thread failed: " + error_string(rc));
+    g_we_initialized = true;
+  } else {
+    MPI_Query_thread(&provided);
+  }
+  if (provided < MPI_THREAD_SERIALIZED) {
+    fail(FSDP_ERR_UNSUPPORTED, std::string("fsdp_ctx_create: MPI runs at ") + level_name(provided) +
+                                   ", but libfsdp calls MPI from its comm thread, which needs "
+                                   "MPI_THREAD_SERIALIZED or MPI_THREAD_MULTIPLE; initialise MPI with "
+                                   "MPI_Init_thread(..., MPI_THREAD_MULTIPLE, ...) or let libfsdp do it");
+  }
+  // Below MULTIPLE every libfsdp MPI call takes one process-wide lock; the
+  // host program must then not call MPI while libfsdp runs collectives.
+  g_serialize = provided < MPI_THREAD_MULTIPLE;
+  MPI_Op_create(&sum16<kernels::bf16_t>, 1, &g_bf16_sum);
+  MPI_Op_create(&sum16<kernels::fp16_t>, 1, &g_fp16_sum);
+  if (g_we_initialized) std::atexit(at_exit);
+}
+
+std::unique_lock<std::mutex> lock() {
+  return g_serialize.load() ? std::unique_lock<std::mutex>(g_call_mu) : std::unique_lock<std::mutex>();
+}
+
+MPI_Datatype datatype(DType dtype) { return dtype == DType::kFp32 ? MPI_FLOAT : MPI_UINT16_T; }
+
+MPI_Op sum_op(DType dtype) {
+  switch (dtype) {
+    case DType::kBf16:
+      return g_bf16_sum;
+    case DType::kFp16:
+      return g_fp16_sum;
+    default:
+      return MPI_SUM;
+  }
+}
+
+void note_failure() { g_failed = true; }
+
+std::string error_string(int code) {
+  char buf[MPI_MAX_ERROR_STRING];
+  int len = 0;
+  if (MPI_Error_string(code, buf, &len) != MPI_SUCCESS) return "MPI error " + std::to_string(code);
+  return std::string(buf, static_cast<size_t>(len));
+}
+
+}  // namespace fsdp::comm::mpi
