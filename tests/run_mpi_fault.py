@@ -1,0 +1,58 @@
+#!/usr/bin/env python3
+"""Runs tests/mpi_fault.cpp under mpirun and checks that every surviving rank
+reported the expected error, that messages name the right rank, and that the
+job ended (an error, not a hang) well within the limit.
+
+usage: run_mpi_fault.py MPIEXEC NP PROGRAM SCENARIO
+"""
+import re
+import subprocess
+import sys
+import time
+
+EXPECT = {
+    # scenario: (status every reporting rank must print, what the message must say, max seconds)
+    "early_exit": ("FSDP_ERR_TIMEOUT", r"rank {last}\b", 60),
+    "mismatch": ("FSDP_ERR_MISMATCH", r"unit 'b'", 30),
+    "wrong_rank": ("FSDP_ERR_INVALID_ARGUMENT", r"pass -1", 30),
+}
+
+
+def main():
+    mpiexec, np_, program, scenario = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    status, pattern, limit = EXPECT[scenario]
+    pattern = pattern.format(last=np_ - 1)
+    t0 = time.monotonic()
+    try:
+        run = subprocess.run([mpiexec, "-np", str(np_), "--oversubscribe", program, scenario],
+                             capture_output=True, text=True, timeout=limit)
+    except subprocess.TimeoutExpired as e:
+        print(f"FAIL: the job did not end within {limit} s (hang)\n{e.stdout}\n{e.stderr}")
+        return 1
+    took = time.monotonic() - t0
+    print(run.stdout)
+    reports = {int(m.group(1)): (m.group(2), m.group(3))
+               for m in re.finditer(r"^rank (\d+): (FSDP_\w+): (.*)$", run.stdout, re.M)}
+    expected_ranks = range(np_ - 1) if scenario == "early_exit" else range(np_)
+    ok = True
+    for r in expected_ranks:
+        if r not in reports:
+            print(f"FAIL: rank {r} printed no report\nstderr:\n{run.stderr}")
+            ok = False
+            continue
+        got, msg = reports[r]
+        if got != status:
+            print(f"FAIL: rank {r} got {got}, expected {status}: {msg}")
+            ok = False
+        elif not re.search(pattern, msg):
+            print(f"FAIL: rank {r}'s message does not match /{pattern}/: {msg}")
+            ok = False
+    if run.returncode == 0:
+        print("FAIL: mpirun exited 0, but the job failed")
+        ok = False
+    print(f"job ended after {took:.1f} s with exit code {run.returncode}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
