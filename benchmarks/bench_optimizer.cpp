@@ -41,7 +41,7 @@ int main(int argc, char** argv) {
   if (argc > 1) n = static_cast<size_t>(std::atof(argv[1]));
   if (argc > 2) reps = std::atoi(argv[2]);
   for (int threads : {1, 2}) {
-    CpuDevice dev(threads);
+    CpuDevice dev(threads, fsdp::device::Pool::kDevice);
     ThreadPool pool(threads);
     auto alloc = [&](float init) {
       float* p = static_cast<float*>(dev.alloc(n * sizeof(float)));

@@ -239,6 +239,13 @@ typedef struct fsdp_memory_stats_s {
   size_t unsharded_grads_peak_nbytes;
   size_t total_nbytes; /* everything above, plus comm scratch */
   size_t total_peak_nbytes;
+  /* total_nbytes split by where it lives: the compute device, and the host
+   * (with offload=cpu: master shards, sharded grads, optimizer state, and the
+   * host side of copies). Without offload everything is device memory. */
+  size_t device_nbytes;
+  size_t device_peak_nbytes;
+  size_t host_nbytes;
+  size_t host_peak_nbytes;
 } fsdp_memory_stats_t;
 
 FSDP_API fsdp_status_t fsdp_memory_stats(const fsdp_ctx_t* ctx, fsdp_memory_stats_t* stats);

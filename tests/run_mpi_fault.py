@@ -5,7 +5,9 @@ job ended (an error, not a hang) well within the limit.
 
 usage: run_mpi_fault.py MPIEXEC NP PROGRAM SCENARIO
 """
+import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -23,12 +25,16 @@ def main():
     status, pattern, limit = EXPECT[scenario]
     pattern = pattern.format(last=np_ - 1)
     t0 = time.monotonic()
+    proc = subprocess.Popen([mpiexec, "-np", str(np_), "--oversubscribe", program, scenario],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        run = subprocess.run([mpiexec, "-np", str(np_), "--oversubscribe", program, scenario],
-                             capture_output=True, text=True, timeout=limit)
-    except subprocess.TimeoutExpired as e:
-        print(f"FAIL: the job did not end within {limit} s (hang)\n{e.stdout}\n{e.stderr}")
+        out, err = proc.communicate(timeout=limit)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        print(f"FAIL: the job did not end within {limit} s (hang)\nstdout:\n{out}\nstderr:\n{err}")
         return 1
+    run = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
     took = time.monotonic() - t0
     print(run.stdout)
     reports = {int(m.group(1)): (m.group(2), m.group(3))

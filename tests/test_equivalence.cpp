@@ -267,6 +267,7 @@ struct Case {
   double tol = 1e-5;          // per tensor: max|lib - ref| / max|ref|, the largest over tensors
   bool model_metric = false;  // tol is ||lib - ref|| / ||ref|| over the whole model instead
   bool sync_module_states = false;
+  bool offload = false;              // offload=cpu
   bool rank_dependent_init = false;  // ranks other than 0 set init + rank (sync_module_states must undo it)
 };
 
@@ -345,6 +346,7 @@ LibResult lib_train(const Case& c, const Model& m, const Params& init, const Dat
     if (c.max_grad_norm > 0) opts["max_grad_norm"] = std::to_string(c.max_grad_norm);
     if (c.shard_group_size > 0) opts["shard_group_size"] = std::to_string(c.shard_group_size);
     if (c.sync_module_states) opts["sync_module_states"] = "1";
+    if (c.offload) opts["offload"] = "cpu";
     ConfigPtr cfg = make_config(opts);
     ASSERT_TRUE(cfg);
     fsdp_ctx_t* raw = nullptr;
@@ -677,6 +679,56 @@ TEST_P(SyncModuleStatesTraining, RanksThatSetDifferentValuesEndIdenticalToRankZe
   }
   // The test's power: without the option the different values do matter.
   EXPECT_NE(diverged.params_by_rank[0], same.params_by_rank[0]);
+}
+
+// ---- CPU offload -------------------------------------------------------------
+
+// offload=cpu moves shards, grads and optimizer state to the host and the
+// optimizer with them; the arithmetic is the same, so fp32 results must be
+// bitwise equal to training without offload (and match the reference).
+class OffloadTraining : public ::testing::TestWithParam<std::tuple<int, const char*>> {};
+
+TEST_P(OffloadTraining, MatchesTrainingWithoutOffloadBitwiseInFp32) {
+  Case c;
+  c.world = std::get<0>(GetParam());
+  c.sharding = std::get<1>(GetParam());
+  if (c.sharding.rfind("HYBRID", 0) == 0) c.shard_group_size = 2;
+  c.micro = 2;  // grad accumulation over two backward passes, both offloaded
+  const Data d = make_data(kMlp, 1234);
+  const Params init = make_init(kMlp, 42);
+  LibResult off = lib_train(c, kMlp, init, d);
+  share_result(off, init);
+  Case on = c;
+  on.offload = true;
+  LibResult got = lib_train(on, kMlp, init, d);
+  share_result(got, init);
+  if (::testing::Test::HasFailure()) return;
+  for (int r = 0; r < c.world; ++r) {
+    EXPECT_EQ(got.params_by_rank[size_t(r)], off.params_by_rank[0]) << "rank " << r;
+    EXPECT_EQ(got.norms_by_rank[size_t(r)], off.norms_by_rank[0]) << "rank " << r;
+  }
+  check_case(on);  // and against the single-process reference
+}
+
+INSTANTIATE_TEST_SUITE_P(WorldBySharding, OffloadTraining,
+                         ::testing::Combine(::testing::Values(2, 4),
+                                            ::testing::Values("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD",
+                                                              "HYBRID_SHARD")),
+                         [](const ::testing::TestParamInfo<OffloadTraining::ParamType>& pi) {
+                           return std::string(std::get<1>(pi.param)) + "_world" + std::to_string(std::get<0>(pi.param));
+                         });
+
+TEST(OffloadMixedPrecision, Bf16ReduceFp32MatchesTheReference_world2) {
+  Case c;
+  c.name = "OffloadBf16";
+  c.world = 2;
+  c.dtype = FSDP_DTYPE_BF16;
+  c.reduce_dtype = "fp32";
+  c.weight_decay = 1.0;
+  c.model_metric = true;
+  c.tol = kBf16Fp32ReduceTol;
+  c.offload = true;
+  check_case(c);
 }
 
 INSTANTIATE_TEST_SUITE_P(WorldBySharding, SyncModuleStatesTraining,

@@ -344,6 +344,74 @@ INSTANTIATE_TEST_SUITE_P(AlignByWorldBySharding, LayoutRule,
                                   std::to_string(std::get<1>(pi.param)) + "_" + std::get<2>(pi.param);
                          });
 
+// ---- offload=cpu: what lives on the device and what on the host ---------------
+
+class OffloadPools : public ::testing::TestWithParam<std::tuple<std::string, fsdp_dtype_t>> {};
+
+TEST_P(OffloadPools, DeviceHoldsOnlyGatheredParamsAndGradsInFlightHostHoldsAllState) {
+  const std::string sharding = std::get<0>(GetParam());
+  const fsdp_dtype_t dt = std::get<1>(GetParam());
+  const int world = 2;
+  std::vector<size_t> unit_bytes;
+  for (const auto& u : kUnits) unit_bytes.push_back(full_numel(u, sharding, world) * dtype_nbytes(dt));
+  for (const bool offload : {false, true}) {
+    SCOPED_TRACE(offload ? "offload=cpu" : "offload=none");
+    run_ranks(world, [&](int rank, fsdp_local_group_t* group) {
+      RankSetup s;
+      auto opts = sharding_options(sharding);
+      opts["param_dtype"] = dtype_config_name(dt);
+      opts["backward_prefetch"] = "none";
+      opts["offload"] = offload ? "cpu" : "none";
+      setup(s, opts, group, rank);
+      if (::testing::Test::HasFatalFailure()) return;
+      train_step(s);
+      if (::testing::Test::HasFatalFailure()) return;
+      fsdp_ctx_t* ctx = s.ctx.get();
+      const fsdp_memory_stats_t m = stats_of(ctx);
+      const size_t state = m.sharded_params_nbytes + m.sharded_grads_nbytes + m.optimizer_state_nbytes;
+      ASSERT_GT(m.optimizer_state_nbytes, 0u);
+      EXPECT_EQ(m.device_nbytes + m.host_nbytes, m.total_nbytes);
+      // Between steps nothing else is allocated: the pools hold exactly the state.
+      EXPECT_EQ(m.device_nbytes, offload ? 0 : state) << "device pool between steps";
+      EXPECT_EQ(m.host_nbytes, offload ? state : 0) << "host pool between steps";
+      if (offload) {
+        EXPECT_GE(m.host_peak_nbytes, state);
+        EXPECT_LT(m.device_peak_nbytes, m.host_peak_nbytes) << "the device peak is one pass's buffers";
+      }
+      // During forward the device holds this unit's full params, and nothing
+      // else beyond the state it held anyway (the staged shard is freed).
+      const size_t resident = offload ? 0 : state;
+      for (size_t u = 0; u < s.units.size(); ++u) {
+        ASSERT_OK(fsdp_forward_begin(s.units[u], nullptr));
+        const fsdp_memory_stats_t f = stats_of(ctx);
+        EXPECT_EQ(f.device_nbytes - resident, f.gathered_params_nbytes) << "in forward of unit " << u;
+        // (NO_SHARD without offload computes on its shards: nothing is gathered.)
+        if (offload || sharding != "NO_SHARD") {
+          EXPECT_GE(f.gathered_params_nbytes, unit_bytes[u]) << "in forward of unit " << u;
+        }
+        EXPECT_EQ(f.host_nbytes, offload ? state : 0) << "in forward of unit " << u;
+        ASSERT_OK(fsdp_forward_end(s.units[u], nullptr));
+      }
+      for (size_t u = s.units.size(); u-- > 0;) {
+        ASSERT_OK(fsdp_backward_begin(s.units[u], nullptr));
+        ASSERT_OK(fsdp_backward_end(s.units[u], nullptr));
+      }
+      ASSERT_OK(fsdp_step(ctx, nullptr));
+      const fsdp_memory_stats_t after = stats_of(ctx);
+      EXPECT_EQ(after.device_nbytes, resident) << "after the second step";
+      EXPECT_EQ(after.host_nbytes, offload ? state : 0) << "after the second step";
+      EXPECT_OK(fsdp_ctx_finalize(ctx));
+    });
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(ShardingByDtype, OffloadPools,
+                         ::testing::Combine(::testing::Values("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"),
+                                            ::testing::Values(FSDP_DTYPE_FP32, FSDP_DTYPE_BF16)),
+                         [](const ::testing::TestParamInfo<OffloadPools::ParamType>& pi) {
+                           return std::get<0>(pi.param) + "_" + dtype_config_name(std::get<1>(pi.param)) + "_world2";
+                         });
+
 // ---- the stats struct is versioned by struct_size ----------------------------
 
 TEST(MemoryStats, FieldsPastAnOlderCallersStructSizeAreNotWritten) {

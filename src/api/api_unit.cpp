@@ -235,6 +235,11 @@ fsdp_status_t fsdp_memory_stats(const fsdp_ctx_t* ctx, fsdp_memory_stats_t* stat
     full.unsharded_grads_peak_nbytes = peak(MemCategory::kUnshardedGrads);
     full.total_nbytes = snap.total;
     full.total_peak_nbytes = snap.total_peak;
+    using fsdp::device::Pool;
+    full.device_nbytes = snap.pool[static_cast<size_t>(Pool::kDevice)];
+    full.device_peak_nbytes = snap.pool_peak[static_cast<size_t>(Pool::kDevice)];
+    full.host_nbytes = snap.pool[static_cast<size_t>(Pool::kHost)];
+    full.host_peak_nbytes = snap.pool_peak[static_cast<size_t>(Pool::kHost)];
     std::memcpy(stats, &full, full.struct_size);
   });
 }

@@ -48,13 +48,24 @@ Context::Context(const Options& opts, std::unique_ptr<comm::Communicator> world)
   world_ = std::move(world);
   rt_.rank = world_->rank();
   rt_.world = world_->world_size();
-  dev_ = std::make_unique<device::CpuDevice>(opts.threads);
+  dev_ = std::make_unique<device::CpuDevice>(opts.threads, device::Pool::kDevice);
+  rt_.dev = dev_.get();
+  rt_.state_dev = dev_.get();
   Trace* trace = &rt_.trace;
+  if (opts.offload_cpu) {
+    // The optimizer runs here, on the host's SIMD kernels and thread pool.
+    host_ = std::make_unique<device::CpuDevice>(opts.threads, device::Pool::kHost);
+    rt_.state_dev = host_.get();
+    auto on_copy = [trace](const std::string& name, bool begin) { trace->add(name, begin ? 'B' : 'E', Track::kCopy); };
+    copy_in_ = std::make_unique<CommStream>(on_copy, nullptr);
+    copy_out_ = std::make_unique<CommStream>(on_copy, nullptr);
+    rt_.copy_in = copy_in_.get();
+    rt_.copy_out = copy_out_.get();
+  }
   stream_ = std::make_unique<CommStream>(
       [trace](const std::string& name, bool begin) { trace->add(name, begin ? 'B' : 'E', Track::kComm); },
       [this](const std::string& reason) { abort_comms(reason); });
   sync_world_ = std::make_unique<SyncComm>(*stream_, *world_);
-  rt_.dev = dev_.get();
   rt_.comm = sync_world_.get();
   rt_.world_comm = world_.get();
   rt_.stream = stream_.get();

@@ -57,13 +57,17 @@ class Context {
 
   Runtime rt_;
   std::unique_ptr<device::Device> dev_;
+  std::unique_ptr<device::Device> host_;  // offload=cpu only
   std::unique_ptr<comm::Communicator> world_;
   std::unique_ptr<comm::Communicator> shard_;    // HYBRID_SHARD only
   std::unique_ptr<comm::Communicator> replica_;  // HYBRID_SHARD only
   std::vector<std::unique_ptr<Unit>> units_;
   Optimizer optimizer_;
   Scheduler scheduler_;
-  // Declared after what its tasks use so that it stops first.
+  // Declared after what their tasks use so that they stop first; the comm
+  // stream stops before the copy streams, whose tasks may wait for it.
+  std::unique_ptr<CommStream> copy_in_;
+  std::unique_ptr<CommStream> copy_out_;
   std::unique_ptr<CommStream> stream_;
   std::unique_ptr<SyncComm> sync_world_;
   std::unique_ptr<SyncComm> sync_shard_;

@@ -7,11 +7,8 @@
 #include <cstddef>
 #include <mutex>
 
+#include "../device/device.h"
 #include "dtype.h"
-
-namespace fsdp::device {
-class Device;
-}
 
 namespace fsdp::core {
 
@@ -33,10 +30,12 @@ class MemoryTracker {
     std::array<size_t, kN> peak{};
     size_t total = 0;
     size_t total_peak = 0;
+    std::array<size_t, 2> pool{};  // by device::Pool
+    std::array<size_t, 2> pool_peak{};
   };
 
-  void add(MemCategory c, size_t nbytes);
-  void sub(MemCategory c, size_t nbytes);
+  void add(MemCategory c, device::Pool p, size_t nbytes);
+  void sub(MemCategory c, device::Pool p, size_t nbytes);
   Snapshot snapshot() const;
   void reset_peak();
 

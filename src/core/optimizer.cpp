@@ -11,10 +11,10 @@ void Optimizer::add_unit(const Unit& unit) {
   size_t n = unit.shard_numel();
   const Options& o = rt_.opts;
   if (o.optimizer != OptimizerKind::kSgd) {
-    s.exp_avg = Buffer(rt_.dev, &rt_.mem, MemCategory::kOptimizerState, DType::kFp32, n);
-    s.exp_avg_sq = Buffer(rt_.dev, &rt_.mem, MemCategory::kOptimizerState, DType::kFp32, n);
+    s.exp_avg = Buffer(rt_.state_dev, &rt_.mem, MemCategory::kOptimizerState, DType::kFp32, n);
+    s.exp_avg_sq = Buffer(rt_.state_dev, &rt_.mem, MemCategory::kOptimizerState, DType::kFp32, n);
   } else if (o.momentum != 0.0) {
-    s.exp_avg = Buffer(rt_.dev, &rt_.mem, MemCategory::kOptimizerState, DType::kFp32, n);
+    s.exp_avg = Buffer(rt_.state_dev, &rt_.mem, MemCategory::kOptimizerState, DType::kFp32, n);
   }
   states_.push_back(std::move(s));
 }
@@ -22,7 +22,7 @@ void Optimizer::add_unit(const Unit& unit) {
 double Optimizer::grad_sum_squares(const std::vector<std::unique_ptr<Unit>>& units) {
   // Padding in the sharded grads is always zero, so whole shards can be summed.
   double sq = 0.0;
-  for (const auto& u : units) sq += rt_.dev->sum_squares(u->sharded_grad(), u->shard_numel());
+  for (const auto& u : units) sq += rt_.state_dev->sum_squares(u->sharded_grad(), u->shard_numel());
   // Shards of a shard group cover the model once; replicas hold the same grads.
   if (rt_.shard_world() > 1) rt_.shard_sync->all_reduce_f64(&sq, 1, comm::RedOp::kSum, "grad norm");
   return sq;
@@ -37,7 +37,7 @@ void Optimizer::step(const std::vector<std::unique_ptr<Unit>>& units) {
   bool finite = std::isfinite(sq);
   scaler_.update(finite);
   if (!finite) {
-    for (const auto& u : units) rt_.dev->zero(u->sharded_grad(), u->shard_numel() * sizeof(float));
+    for (const auto& u : units) rt_.state_dev->zero(u->sharded_grad(), u->shard_numel() * sizeof(float));
     return;
   }
   float grad_scale = static_cast<float>(1.0 / scale);
@@ -60,16 +60,16 @@ void Optimizer::step(const std::vector<std::unique_ptr<Unit>>& units) {
         kernels::SgdOp op{
             static_cast<float>(o.lr), wd, static_cast<float>(o.momentum), grad_scale, o.nesterov, step_ == 1};
         float* buf = st.exp_avg.empty() ? nullptr : st.exp_avg.as<float>() + seg.shard_begin;
-        rt_.dev->sgd({op, p, g, buf, out, out_dtype, seg.numel});
+        rt_.state_dev->sgd({op, p, g, buf, out, out_dtype, seg.numel});
       } else {
         auto op = kernels::AdamOp::make(static_cast<float>(o.lr), static_cast<float>(o.beta1),
                                         static_cast<float>(o.beta2), static_cast<float>(o.eps), wd,
                                         o.optimizer == OptimizerKind::kAdamW, step_, grad_scale);
-        rt_.dev->adam({op, p, g, st.exp_avg.as<float>() + seg.shard_begin, st.exp_avg_sq.as<float>() + seg.shard_begin,
+        rt_.state_dev->adam({op, p, g, st.exp_avg.as<float>() + seg.shard_begin, st.exp_avg_sq.as<float>() + seg.shard_begin,
                        out, out_dtype, seg.numel});
       }
     }
-    rt_.dev->zero(u.sharded_grad(), u.shard_numel() * sizeof(float));
+    rt_.state_dev->zero(u.sharded_grad(), u.shard_numel() * sizeof(float));
   }
 }
 

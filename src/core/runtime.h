@@ -22,7 +22,11 @@ class Scheduler;
 struct Runtime {
   explicit Runtime(const Options& o) : opts(o) {}
   Options opts;
+  // The compute device (gathered params, the grads the host writes) and the
+  // device that holds the shards and optimizer state: the same one, or the
+  // host with offload=cpu.
   device::Device* dev = nullptr;
+  device::Device* state_dev = nullptr;
   // Synchronous collectives (they run on the comm stream and wait): over the
   // world, and over this rank's shard group (the world unless HYBRID_SHARD).
   comm::Communicator* comm = nullptr;
@@ -34,6 +38,10 @@ struct Runtime {
   MemoryTracker mem;
   Trace trace;
   CommStream* stream = nullptr;  // every collective goes through it
+  // offload=cpu: host -> device copies of param shards before their gathers,
+  // device -> host copies of reduced grad shards (and their accumulation).
+  CommStream* copy_in = nullptr;
+  CommStream* copy_out = nullptr;
   Scheduler* sched = nullptr;
   // Grad reductions queued on the comm stream, oldest first. A backward pass
   // lets at most one run behind the unit being computed, which bounds the
@@ -50,6 +58,10 @@ struct Runtime {
   bool finalized = false;
 
   bool sharded() const { return opts.sharding != Sharding::kNoShard; }
+  bool offload() const { return opts.offload_cpu; }
+  // Units whose full params are a separate buffer on the compute device,
+  // made by a gather (sharded) or a host -> device copy (NO_SHARD offloaded).
+  bool gathers() const { return sharded() || offload(); }
   int shard_world() const { return shard_size; }
   int shard_rank() const { return shard_index; }
   std::string where() const { return "rank " + std::to_string(rank); }

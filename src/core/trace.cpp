@@ -63,7 +63,9 @@ void Trace::write(const std::string& path, int rank) const {
   out << "{\"name\": \"thread_name\", \"ph\": \"M\", \"pid\": " << rank
       << ", \"tid\": 0, \"args\": {\"name\": \"calls\"}},\n";
   out << "{\"name\": \"thread_name\", \"ph\": \"M\", \"pid\": " << rank
-      << ", \"tid\": 1, \"args\": {\"name\": \"comm stream\"}}";
+      << ", \"tid\": 1, \"args\": {\"name\": \"comm stream\"}},\n";
+  out << "{\"name\": \"thread_name\", \"ph\": \"M\", \"pid\": " << rank
+      << ", \"tid\": 2, \"args\": {\"name\": \"copy streams (offload)\"}}";
   for (const Record& r : recs) {
     char ts[32];
     std::snprintf(ts, sizeof ts, "%.3f", r.ts_us);

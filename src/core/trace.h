@@ -1,6 +1,7 @@
 // src/core/trace.h - Trace: a timeline of one rank, written as Chrome trace
 // JSON (Perfetto, chrome://tracing). Track 0 is the caller's calls, track 1
-// the comm stream; memory counters ride along. Off until fsdp_trace_begin.
+// the comm stream, track 2 the copy streams of offload=cpu; memory counters
+// ride along. Off until fsdp_trace_begin.
 #pragma once
 
 #include <chrono>
@@ -10,7 +11,7 @@
 
 namespace fsdp::core {
 
-enum class Track { kCaller = 0, kComm = 1 };
+enum class Track { kCaller = 0, kComm = 1, kCopy = 2 };
 
 class Trace {
  public:

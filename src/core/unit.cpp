@@ -41,12 +41,12 @@ Unit::Unit(Runtime& rt, size_t index, std::string name, std::vector<ParamSpec> p
     weight_decay_.push_back(wd);
   }
   size_t s = layout_.shard_numel();
-  master_ = Buffer(rt_.dev, &rt_.mem, MemCategory::kShardedParams, DType::kFp32, s);
+  master_ = Buffer(rt_.state_dev, &rt_.mem, MemCategory::kShardedParams, DType::kFp32, s);
   if (rt_.opts.param_dtype != DType::kFp32) {
-    lowp_ = Buffer(rt_.dev, &rt_.mem, MemCategory::kShardedParams, rt_.opts.param_dtype, s);
+    lowp_ = Buffer(rt_.state_dev, &rt_.mem, MemCategory::kShardedParams, rt_.opts.param_dtype, s);
   }
-  sgrad_ = Buffer(rt_.dev, &rt_.mem, MemCategory::kShardedGrads, DType::kFp32, s);
-  if (!rt_.sharded()) state_ = UnitState::kGathered;  // NO_SHARD params are always full
+  sgrad_ = Buffer(rt_.state_dev, &rt_.mem, MemCategory::kShardedGrads, DType::kFp32, s);
+  if (!rt_.gathers()) state_ = UnitState::kGathered;  // NO_SHARD params are always full
 }
 
 std::string Unit::unit_tag() const { return "'" + name_ + "' (#" + std::to_string(index_) + ")"; }
@@ -67,7 +67,7 @@ void Unit::bad_state(const char* call, const char* expected) const {
 }
 
 void* Unit::full_params() const {
-  if (rt_.sharded()) return gathered_.data();
+  if (rt_.gathers()) return gathered_.data();
   return lowp_.empty() ? master_.data() : lowp_.data();
 }
 
@@ -117,10 +117,10 @@ void Unit::set_values(size_t param_index, const float* values, size_t numel) {
   size_t hi = std::min(off + numel, shard_offset() + shard_numel());
   if (lo < hi) {
     size_t dst = lo - shard_offset();
-    rt_.dev->copy_from_host(master() + dst, values + (lo - off), (hi - lo) * sizeof(float));
+    rt_.state_dev->copy_from_host(master() + dst, values + (lo - off), (hi - lo) * sizeof(float));
     if (!lowp_.empty()) {
       size_t es = dtype_size(lowp_.dtype());
-      rt_.dev->cast(static_cast<char*>(lowp_.data()) + dst * es, lowp_.dtype(), master() + dst, DType::kFp32, hi - lo);
+      rt_.state_dev->cast(static_cast<char*>(lowp_.data()) + dst * es, lowp_.dtype(), master() + dst, DType::kFp32, hi - lo);
     }
   }
 }
@@ -146,9 +146,36 @@ void Unit::issue_gather(bool prefetch) {
   std::string what = label("all_gather");
   if (rt_.trace.enabled()) rt_.trace.add(std::string(prefetch ? "prefetch " : "issue ") + what, 'i', Track::kCaller);
   comm::Communicator* shard = rt_.shard_comm;
-  gather_event_ =
-      rt_.stream->submit(what + " " + std::to_string(nbytes * static_cast<size_t>(rt_.shard_world())) + " B",
-                         [shard, src, dst, nbytes, what] { shard->all_gather(src, dst, nbytes, what); });
+  EventPtr copied;
+  std::shared_ptr<Buffer> staged;
+  if (rt_.offload()) {
+    // The host shard goes to the device first, on the copy stream, so that the
+    // copy overlaps compute as the gather does. A world of one (NO_SHARD)
+    // needs no collective: the copy lands in the full buffer itself.
+    bool alone = rt_.shard_world() == 1;
+    if (!alone) {
+      staged = std::make_shared<Buffer>(rt_.dev, &rt_.mem, MemCategory::kScratch, rt_.opts.param_dtype, shard_numel(),
+                                        /*zeroed=*/false);
+    }
+    void* to = alone ? dst : staged->data();
+    device::Device* dev = rt_.dev;
+    copied = rt_.copy_in->submit(label("host to device copy") + " " + std::to_string(nbytes) + " B",
+                                 [dev, to, src, nbytes] { dev->copy_from_host(to, src, nbytes); });
+    if (alone) {
+      gather_event_ = copied;
+      state_ = UnitState::kGathering;
+      trace_memory();
+      return;
+    }
+    src = staged->data();
+  }
+  gather_event_ = rt_.stream->submit(
+      what + " " + std::to_string(nbytes * static_cast<size_t>(rt_.shard_world())) + " B",
+      [shard, src, dst, nbytes, what, copied, staged] {
+        if (copied) copied->wait();
+        shard->all_gather(src, dst, nbytes, what);
+        if (staged) staged->reset();
+      });
   state_ = UnitState::kGathering;
   trace_memory();
 }
@@ -235,7 +262,7 @@ void Unit::backward_end() {
   } else {
     grads_pending_ = true;
   }
-  if (rt_.sharded()) {
+  if (rt_.gathers()) {
     free_gathered();
   } else {
     state_ = UnitState::kGathered;
@@ -257,7 +284,13 @@ EventPtr Unit::submit_reduction() {
   float* sgrad = sharded_grad();
   std::string what = label(rt_.sharded() ? "reduce_scatter" : "all_reduce");
   auto op = rt_.opts.reduce_op == ReduceOp::kAvg ? comm::RedOp::kAvg : comm::RedOp::kSum;
-  return rt_.stream->submit(what + " " + std::to_string(padded * dtype_size(rd)) + " B", [=] {
+  // With offload=cpu the reduced grad leaves the comm task in `reduced` and a
+  // copy-stream task brings it to the host grad shard; otherwise the comm task
+  // accumulates it on the device.
+  bool offload = rt_.offload();
+  auto reduced = std::make_shared<Buffer>();
+  size_t n_reduced = rt_.sharded() ? shard : padded;
+  EventPtr ev = rt_.stream->submit(what + " " + std::to_string(padded * dtype_size(rd)) + " B", [=] {
     Buffer converted;
     void* src = grads->data();
     if (rd != pd) {
@@ -265,20 +298,35 @@ EventPtr Unit::submit_reduction() {
       rt->dev->cast(converted.data(), rd, grads->data(), pd, padded);
       src = converted.data();
     }
+    Buffer out;
     if (rt->sharded()) {
-      Buffer reduced(rt->dev, &rt->mem, MemCategory::kScratch, rd, shard, /*zeroed=*/false);
-      rt->shard_comm->reduce_scatter(src, reduced.data(), shard, rd, op, what);
+      out = Buffer(rt->dev, &rt->mem, MemCategory::kScratch, rd, shard, /*zeroed=*/false);
+      rt->shard_comm->reduce_scatter(src, out.data(), shard, rd, op, what);
       // HYBRID_SHARD: the same shard of every replica, averaged (or summed) too.
       if (rt->replica_comm != nullptr) {
-        rt->replica_comm->all_reduce(reduced.data(), reduced.data(), shard, rd, op, what + " (across replicas)");
+        rt->replica_comm->all_reduce(out.data(), out.data(), shard, rd, op, what + " (across replicas)");
       }
-      rt->dev->accumulate(sgrad, reduced.data(), rd, 1.0f, shard);
     } else {
       rt->world_comm->all_reduce(src, src, padded, rd, op, what);
-      rt->dev->accumulate(sgrad, src, rd, 1.0f, padded);
+      out = std::move(rd != pd ? converted : *grads);
+    }
+    if (offload) {
+      *reduced = std::move(out);
+    } else {
+      rt->dev->accumulate(sgrad, out.data(), rd, 1.0f, n_reduced);
     }
     grads->reset();
   });
+  if (!offload) return ev;
+  return rt_.copy_out->submit(label("device to host copy") + " " + std::to_string(n_reduced * dtype_size(rd)) + " B",
+                              [=] {
+                                ev->wait();
+                                Buffer on_host(rt->state_dev, &rt->mem, MemCategory::kScratch, rd, n_reduced,
+                                               /*zeroed=*/false);
+                                rt->dev->copy_to_host(on_host.data(), reduced->data(), n_reduced * dtype_size(rd));
+                                reduced->reset();
+                                rt->state_dev->accumulate(sgrad, on_host.data(), rd, 1.0f, n_reduced);
+                              });
 }
 
 void Unit::reduce_pending_grads() {
@@ -293,7 +341,7 @@ void Unit::wait_reductions() {
 }
 
 void Unit::drop_stale_gathered() {
-  if (!rt_.sharded()) return;
+  if (!rt_.gathers()) return;
   if (state_ == UnitState::kGathering) finish_gather();
   if (state_ == UnitState::kGathered) free_gathered();
 }
@@ -322,11 +370,19 @@ void Unit::gather_param(size_t param_index, float* out, size_t numel) {
   if (in_use()) bad_state("fsdp_gather_param", "the unit outside forward and backward");
   size_t off = layout_.param_offset(param_index);
   if (!rt_.sharded()) {
-    rt_.dev->copy_to_host(out, master() + off, numel * sizeof(float));
+    rt_.state_dev->copy_to_host(out, master() + off, numel * sizeof(float));
     return;
   }
+  // The collective runs on the compute device: an offloaded shard is staged there.
+  const float* src = master();
+  Buffer staged;
+  if (rt_.offload()) {
+    staged = Buffer(rt_.dev, &rt_.mem, MemCategory::kScratch, DType::kFp32, shard_numel(), /*zeroed=*/false);
+    rt_.dev->copy_from_host(staged.data(), master(), shard_numel() * sizeof(float));
+    src = staged.as<float>();
+  }
   Buffer full(rt_.dev, &rt_.mem, MemCategory::kScratch, DType::kFp32, layout_.padded_numel(), /*zeroed=*/false);
-  rt_.shard_sync->all_gather(master(), full.data(), shard_numel() * sizeof(float), label("fsdp_gather_param"));
+  rt_.shard_sync->all_gather(src, full.data(), shard_numel() * sizeof(float), label("fsdp_gather_param"));
   rt_.dev->copy_to_host(out, full.as<float>() + off, numel * sizeof(float));
 }
 

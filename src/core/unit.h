@@ -37,9 +37,10 @@ class Unit {
   // Full grads accumulated with grad sync off, not yet reduced.
   bool grads_pending() const { return grads_pending_; }
   // Holds, or is gathering, full params that a later step frees (sharded strategies).
-  bool holds_gathered() const { return rt_.sharded() && state_ != UnitState::kSharded; }
-  bool can_gather() const { return rt_.sharded() && state_ == UnitState::kSharded; }
-  // Starts the all-gather on the comm stream (SHARDED -> GATHERING).
+  bool holds_gathered() const { return rt_.gathers() && state_ != UnitState::kSharded; }
+  bool can_gather() const { return rt_.gathers() && state_ == UnitState::kSharded; }
+  // Starts the all-gather on the comm stream, after the host -> device copy
+  // of the shard with offload=cpu (SHARDED -> GATHERING).
   void issue_gather(bool prefetch);
 
   void set_values(size_t param_index, const float* values, size_t numel);
@@ -65,7 +66,8 @@ class Unit {
   size_t shard_offset() const { return layout_.shard_offset(rt_.shard_rank()); }
   float* master() const { return master_.as<float>(); }
   float* sharded_grad() const { return sgrad_.as<float>(); }
-  // The param_dtype copy of the shard (null when param_dtype is fp32).
+  // The param_dtype copy of the shard (null when param_dtype is fp32). These
+  // shards live on the state device: the host with offload=cpu.
   void* lowp_shard() const { return lowp_.data(); }
   const std::vector<ShardSegment>& segments() const { return segments_; }
 
@@ -91,11 +93,11 @@ class Unit {
   EventPtr gather_event_;  // while GATHERING
   EventPtr reduce_event_;  // the last reduction queued for this unit
 
-  Buffer master_;    // fp32 [shard]
-  Buffer lowp_;      // param_dtype [shard], only when param_dtype != fp32
-  Buffer sgrad_;     // fp32 [shard]
-  Buffer gathered_;  // param_dtype [padded], while gathered (sharded strategies)
-  Buffer ugrad_;     // param_dtype [padded], during backward / while pending
+  Buffer master_;    // fp32 [shard], state device
+  Buffer lowp_;      // param_dtype [shard], state device, only when param_dtype != fp32
+  Buffer sgrad_;     // fp32 [shard], state device
+  Buffer gathered_;  // param_dtype [padded], compute device, while gathered (when rt_.gathers())
+  Buffer ugrad_;     // param_dtype [padded], compute device, during backward / while pending
 };
 
 }  // namespace fsdp::core

@@ -34,10 +34,15 @@ struct SgdArgs {
   size_t numel;
 };
 
+// Where a Device's memory lives: the accelerator's (or, for the CPU device,
+// the pool standing in for it) or the host's, where offload=cpu keeps state.
+enum class Pool { kDevice, kHost };
+
 class Device {
  public:
   virtual ~Device() = default;
   virtual const char* name() const = 0;
+  virtual Pool pool() const = 0;
 
   // Throws Error(FSDP_ERR_OUT_OF_MEMORY) when the allocation fails.
   virtual void* alloc(size_t nbytes) = 0;

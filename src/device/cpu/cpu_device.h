@@ -11,8 +11,11 @@ namespace fsdp::device {
 
 class CpuDevice final : public Device {
  public:
-  explicit CpuDevice(int n_threads) : pool_(n_threads) {}
+  // `mem_pool` labels the memory for accounting: with offload=cpu a context
+  // has two CPU devices, so that the device <-> host copy path really runs.
+  CpuDevice(int n_threads, Pool mem_pool) : pool_(n_threads), mem_pool_(mem_pool) {}
   const char* name() const override { return "cpu"; }
+  Pool pool() const override { return mem_pool_; }
 
   void* alloc(size_t nbytes) override;
   void free(void* ptr) noexcept override;
@@ -29,6 +32,7 @@ class CpuDevice final : public Device {
 
  private:
   ThreadPool pool_;
+  Pool mem_pool_;
 };
 
 }  // namespace fsdp::device
