@@ -137,14 +137,10 @@ MpiComm::~MpiComm() {
   MPI_Comm_free(&comm_);
 }
 
-void MpiComm::fail_comm(fsdp_status_t status, const std::string& message) {
-  {
-    std::lock_guard<std::mutex> lock(reason_mu_);
-    if (failure_reason_.empty()) failure_reason_ = message;
-  }
-  failure_.store(status);
-  mpi::note_failure();
-  fail(status, message);
+char* MpiComm::scratch(int i, size_t nbytes) {
+  std::vector<char>& s = scratch_[i];
+  if (s.size() < nbytes) s.resize(nbytes);
+  return s.data();
 }
 
 void MpiComm::abort(const std::string& reason) {
@@ -348,21 +344,22 @@ void MpiComm::ring_reduce_scatter(const void* send, void* out, const std::vector
   const auto own = [&](int c) { return static_cast<const char*>(send) + first[static_cast<size_t>(c)] * es; };
   size_t max_len = 0;
   for (int c = 0; c < world_; ++c) max_len = std::max(max_len, len(c));
-  std::vector<char> partial(max_len * es), incoming(max_len * es);
+  char* partial = scratch(0, max_len * es);
+  char* incoming = scratch(1, max_len * es);
   // Step k sends the partial sum of chunk (r-1-k) and receives that of chunk
   // (r-2-k), adding this rank's part; after world-1 steps chunk r is complete.
   int c_send = (rank_ + world_ - 1) % world_;
   for (int k = 0; k < world_ - 1; ++k) {
     int c_recv = (rank_ + 2 * world_ - 2 - k) % world_;
-    ring_exchange(k == 0 ? own(c_send) : partial.data(), len(c_send) * es, incoming.data(), len(c_recv) * es);
-    const void* ins[2] = {incoming.data(), own(c_recv)};
+    ring_exchange(k == 0 ? own(c_send) : partial, len(c_send) * es, incoming, len(c_recv) * es);
+    const void* ins[2] = {incoming, own(c_recv)};
     bool last = k == world_ - 2;
     // The output may be this rank's own input (all_reduce in place): only
     // write there when it does not overlap what is read.
     bool direct = last && (static_cast<const char*>(out) + len(c_recv) * es <= own(c_recv) ||
                            static_cast<const char*>(out) >= own(c_recv) + len(c_recv) * es);
-    reduce_sum(direct ? out : partial.data(), ins, 2, len(c_recv), dtype, last ? scale : 1.0f);
-    if (last && !direct) std::memcpy(out, partial.data(), len(c_recv) * es);
+    reduce_sum(direct ? out : partial, ins, 2, len(c_recv), dtype, last ? scale : 1.0f);
+    if (last && !direct) std::memcpy(out, partial, len(c_recv) * es);
     c_send = c_recv;
   }
 }
@@ -413,15 +410,15 @@ void MpiComm::reduce_scatter(const void* send, void* recv, size_t numel_per_rank
       ring_reduce_scatter(send, recv, first, dtype, scale);
       return;
     }
-    std::vector<char> summed(numel_per_rank * es);
+    char* summed = scratch(0, numel_per_rank * es);
     MPI_Request req = MPI_REQUEST_NULL;
     {
       auto guard = mpi::lock();
-      MPI_Ireduce_scatter_block(send, summed.data(), as_count(numel_per_rank), mpi::datatype(dtype),
+      MPI_Ireduce_scatter_block(send, summed, as_count(numel_per_rank), mpi::datatype(dtype),
                                 mpi::sum_op(dtype), comm_, &req);
     }
     wait_native(req);
-    const void* ins[1] = {summed.data()};
+    const void* ins[1] = {summed};
     reduce_sum(recv, ins, 1, numel_per_rank, dtype, scale);
   });
 }
@@ -447,14 +444,14 @@ void MpiComm::all_reduce(const void* send, void* recv, size_t numel, DType dtype
       ring_all_gather(recv, first);
       return;
     }
-    std::vector<char> summed(numel * es);
+    char* summed = scratch(0, numel * es);
     MPI_Request req = MPI_REQUEST_NULL;
     {
       auto guard = mpi::lock();
-      MPI_Iallreduce(send, summed.data(), as_count(numel), mpi::datatype(dtype), mpi::sum_op(dtype), comm_, &req);
+      MPI_Iallreduce(send, summed, as_count(numel), mpi::datatype(dtype), mpi::sum_op(dtype), comm_, &req);
     }
     wait_native(req);
-    const void* ins[1] = {summed.data()};
+    const void* ins[1] = {summed};
     reduce_sum(recv, ins, 1, numel, dtype, scale);
   });
 }

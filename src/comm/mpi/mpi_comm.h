@@ -70,7 +70,9 @@ class MpiComm final : public Communicator {
   void ring_all_gather(void* buf, const std::vector<size_t>& first);
   // Waits for a native collective's request.
   void wait_native(MPI_Request req);
-  [[noreturn]] void fail_comm(fsdp_status_t status, const std::string& message);
+  // Scratch buffer `i` of at least `nbytes`, kept between collectives (a fresh
+  // allocation per call costs page faults on every element).
+  char* scratch(int i, size_t nbytes);
   std::string rank_name(int rank) const { return "rank " + std::to_string(world_ranks_[static_cast<size_t>(rank)]); }
 
   MPI_Comm comm_;
@@ -86,6 +88,7 @@ class MpiComm final : public Communicator {
   std::atomic<bool> aborted_{false};
   std::mutex reason_mu_;
   std::string failure_reason_;
+  std::vector<char> scratch_[2];
 };
 
 // The world communicator of this process (MPI_COMM_WORLD, duplicated). Checks
