@@ -5,6 +5,12 @@
  *   train_mlp [--ranks N] [--steps S] [--dtype bf16|fp16|fp32] [--sharding S] [--check 1]
  *             [--trace PREFIX]   (writes PREFIX.rankR.json, Chrome trace, of the last 2 steps)
  *
+ * Started by mpirun instead, each process is one rank (comm=auto picks mpi):
+ *
+ *   mpirun -np 4 train_mlp [--steps S] ...   (FSDP_* variables set options, e.g. -x FSDP_OFFLOAD=cpu)
+ *
+ * and rank 0 prints the loss on its own rows; every rank prints its memory.
+ *
  * With --check 1 it exits with status 1 unless the loss fell at least 4x and the
  * N-rank loss stays within 20% of the 1-rank loss (bf16 rounds each rank's
  * grads separately, so the two runs are close, not identical).
@@ -33,7 +39,8 @@ typedef struct {
 
 typedef struct {
   options_t opt;
-  int world, rank;
+  int world, rank; /* rank -1: this process is one rank of an mpirun job (group NULL) */
+  int slot;        /* this rank's index in the arrays below */
   fsdp_local_group_t* group;
   pthread_barrier_t* barrier;
   double* losses;           /* [steps] global loss, written by rank 0 */
@@ -41,6 +48,9 @@ typedef struct {
   fsdp_memory_stats_t* mem; /* [world] final memory per rank */
   int failed;
 } job_t;
+
+/* The strategy and dtype in effect (FSDP_* variables may override the flags). */
+static char g_sharding[32], g_dtype[16];
 
 #define CHECK(call)                                                                                                \
   do {                                                                                                             \
@@ -123,7 +133,7 @@ static void* train(void* arg) {
   fsdp_ctx_t* ctx = NULL;
   fsdp_unit_t* units[N_LAYERS];
   fsdp_dtype_t dt;
-  int l, step, rows = GLOBAL_BATCH / job->world, row0 = job->rank * rows;
+  int l, step, rows, row0;
   float *act[N_LAYERS + 1], *dact[N_LAYERS + 1];
 
   CHECK(fsdp_config_create(&cfg));
@@ -136,9 +146,22 @@ static void* train(void* arg) {
   CHECK(fsdp_config_set(cfg, "no_weight_decay", "*bias"));
   CHECK(fsdp_config_set(cfg, "max_grad_norm", "1.0"));
   CHECK(fsdp_config_from_env(cfg)); /* FSDP_* variables override the above */
+  if (job->slot == 0) {
+    CHECK(fsdp_config_get(cfg, "sharding", g_sharding, sizeof g_sharding, NULL));
+    CHECK(fsdp_config_get(cfg, "param_dtype", g_dtype, sizeof g_dtype, NULL));
+  }
   CHECK(fsdp_ctx_create(cfg, job->group, job->rank, &ctx));
   fsdp_config_destroy(cfg);
   CHECK(fsdp_ctx_param_dtype(ctx, &dt));
+  CHECK(fsdp_ctx_rank(ctx, &job->rank));
+  CHECK(fsdp_ctx_world_size(ctx, &job->world));
+  if (GLOBAL_BATCH % job->world) {
+    fprintf(stderr, "rank %d: the world size %d must divide the batch of %d\n", job->rank, job->world, GLOBAL_BATCH);
+    job->failed = 1;
+    return NULL;
+  }
+  rows = GLOBAL_BATCH / job->world;
+  row0 = job->rank * rows;
 
   for (l = 0; l < N_LAYERS; ++l) { /* one unit per layer: W [out, in], bias [out] */
     const char* names[2] = {"weight", "bias"};
@@ -219,12 +242,13 @@ static void* train(void* arg) {
       CHECK(fsdp_backward_end(units[l], NULL));
     }
     CHECK(fsdp_step(ctx, NULL));
-    job->rank_loss[job->rank] = loss;
+    job->rank_loss[job->slot] = loss;
     pthread_barrier_wait(job->barrier);
-    if (job->rank == 0) { /* every rank's rows weigh the same */
+    if (job->slot == 0) { /* every rank's rows weigh the same (one process of mpirun: its own rows) */
+      int n = job->group == NULL ? 1 : job->world;
       double s = 0.0;
-      for (r = 0; r < job->world; ++r) s += job->rank_loss[r];
-      job->losses[step] = s / job->world;
+      for (r = 0; r < n; ++r) s += job->rank_loss[r];
+      job->losses[step] = s / n;
     }
     pthread_barrier_wait(job->barrier);
   }
@@ -233,8 +257,8 @@ static void* train(void* arg) {
     snprintf(path, sizeof path, "%s.rank%d.json", job->opt.trace, job->rank);
     CHECK(fsdp_trace_write(ctx, path));
   }
-  job->mem[job->rank].struct_size = sizeof(fsdp_memory_stats_t);
-  CHECK(fsdp_memory_stats(ctx, &job->mem[job->rank]));
+  job->mem[job->slot].struct_size = sizeof(fsdp_memory_stats_t);
+  CHECK(fsdp_memory_stats(ctx, &job->mem[job->slot]));
   CHECK(fsdp_ctx_finalize(ctx));
   fsdp_ctx_destroy(ctx);
   for (l = 0; l <= N_LAYERS; ++l) {
@@ -244,15 +268,19 @@ static void* train(void* arg) {
   return NULL;
 }
 
-/* Runs the job on `world` thread-ranks; returns 0 on success. */
+/* Runs the job on `world` thread-ranks (world 0: one rank of an mpirun job);
+ * returns 0 on success. */
 static int run(const options_t* opt, int world, double* losses, fsdp_memory_stats_t* mem) {
+  int launched = world == 0;
   pthread_t threads[MAX_RANKS];
   job_t jobs[MAX_RANKS];
   double rank_loss[MAX_RANKS];
   pthread_barrier_t barrier;
   fsdp_local_group_t* group = NULL;
   int r, failed = 0;
-  if (fsdp_local_group_create(world, &group) != FSDP_OK) {
+  if (launched) {
+    world = 1; /* one thread here */
+  } else if (fsdp_local_group_create(world, &group) != FSDP_OK) {
     fprintf(stderr, "fsdp_local_group_create: %s\n", fsdp_last_error());
     return 1;
   }
@@ -262,7 +290,8 @@ static int run(const options_t* opt, int world, double* losses, fsdp_memory_stat
     memset(&j, 0, sizeof j);
     j.opt = *opt;
     j.world = world;
-    j.rank = r;
+    j.rank = launched ? -1 : r;
+    j.slot = r;
     j.group = group;
     j.barrier = &barrier;
     j.losses = losses;
@@ -281,6 +310,52 @@ static int run(const options_t* opt, int world, double* losses, fsdp_memory_stat
 }
 
 static double mib(size_t n) { return (double)n / (1024.0 * 1024.0); }
+
+/* The size of the mpirun job this process belongs to (0: not started by one). */
+static int launcher_world(void) {
+  const char* v = getenv("OMPI_COMM_WORLD_SIZE");
+  if (v == NULL) v = getenv("PMI_SIZE");
+  return v == NULL ? 0 : atoi(v);
+}
+
+static void print_memory_header(void) {
+  printf("\nper-rank memory (MiB)        params   grads   optim  gathered-peak  total-peak  (device / host)\n");
+}
+static void print_memory(const char* who, const fsdp_memory_stats_t* m) {
+  printf("  %-24s %7.3f %7.3f %7.3f  %13.3f  %10.3f  (%.3f / %.3f)\n", who, mib(m->sharded_params_nbytes),
+         mib(m->sharded_grads_nbytes), mib(m->optimizer_state_nbytes), mib(m->gathered_params_peak_nbytes),
+         mib(m->total_peak_nbytes), mib(m->device_peak_nbytes), mib(m->host_peak_nbytes));
+}
+
+/* One rank of an mpirun job: rank 0 prints the loss on its rows. */
+static int run_launched(const options_t* opt, int world) {
+  double* losses = calloc((size_t)opt->steps, sizeof(double));
+  fsdp_memory_stats_t mem[1];
+  const char* r_env = getenv("OMPI_COMM_WORLD_RANK") ? getenv("OMPI_COMM_WORLD_RANK") : getenv("PMI_RANK");
+  int rank = r_env ? atoi(r_env) : 0, s;
+  char who[64];
+  if (run(opt, 0, losses, mem)) return 1;
+  if (rank == 0) {
+    printf("%s\nMLP %d-%d-%d-%d-%d, %d units, global batch %d over %d processes (mpirun), %s, param_dtype %s\n\n",
+           fsdp_build_info(), kDims[0], kDims[1], kDims[2], kDims[3], kDims[4], N_LAYERS, GLOBAL_BATCH, world,
+           g_sharding, g_dtype);
+    printf("%6s  %18s\n", "step", "loss (rank 0 rows)");
+    for (s = 0; s < opt->steps; ++s)
+      if (s % opt->print_every == 0 || s == opt->steps - 1) printf("%6d  %18.6f\n", s + 1, losses[s]);
+    print_memory_header();
+  }
+  fflush(stdout);
+  snprintf(who, sizeof who, "rank %d of %d", rank, world);
+  print_memory(who, &mem[0]);
+  fflush(stdout);
+  s = opt->steps - 1;
+  if (opt->check && !(losses[s] * 4.0 < losses[0])) {
+    fprintf(stderr, "rank %d: check failed: loss %g -> %g\n", rank, losses[0], losses[s]);
+    return 1;
+  }
+  free(losses);
+  return 0;
+}
 
 int main(int argc, char** argv) {
   options_t opt = {4, 60, 10, 0, "bf16", "FULL_SHARD", NULL};
@@ -306,29 +381,29 @@ int main(int argc, char** argv) {
   if (a < argc || opt.ranks < 1 || opt.ranks > MAX_RANKS || GLOBAL_BATCH % opt.ranks || opt.steps < 1) {
     fprintf(stderr,
             "usage: %s [--ranks N (divides %d, <= %d)] [--steps S] [--dtype bf16|fp16|fp32] "
-            "[--sharding FULL_SHARD|SHARD_GRAD_OP|NO_SHARD] [--check 1] [--trace PREFIX]\n",
+            "[--sharding FULL_SHARD|SHARD_GRAD_OP|NO_SHARD|HYBRID_SHARD|HYBRID_SHARD_ZERO2] [--check 1] "
+            "[--trace PREFIX]\n",
             argv[0], GLOBAL_BATCH, MAX_RANKS);
     return 2;
   }
   make_data();
+  if (launcher_world() > 1) return run_launched(&opt, launcher_world());
   loss_n = calloc((size_t)opt.steps, sizeof(double));
   loss_1 = calloc((size_t)opt.steps, sizeof(double));
-  printf("%s\nMLP %d-%d-%d-%d-%d, %d units, global batch %d, %s, param_dtype %s, AdamW\n\n", fsdp_build_info(),
-         kDims[0], kDims[1], kDims[2], kDims[3], kDims[4], N_LAYERS, GLOBAL_BATCH, opt.sharding, opt.dtype);
   if (run(&opt, opt.ranks, loss_n, mem_n) || run(&opt, 1, loss_1, mem_1)) return 1;
+  printf("%s\nMLP %d-%d-%d-%d-%d, %d units, global batch %d, %s, param_dtype %s, AdamW\n\n", fsdp_build_info(),
+         kDims[0], kDims[1], kDims[2], kDims[3], kDims[4], N_LAYERS, GLOBAL_BATCH, g_sharding, g_dtype);
 
   printf("%6s  %14s  %14s\n", "step", "loss (N ranks)", "loss (1 rank)");
   for (s = 0; s < opt.steps; ++s)
     if (s % opt.print_every == 0 || s == opt.steps - 1) printf("%6d  %14.6f  %14.6f\n", s + 1, loss_n[s], loss_1[s]);
-  printf("\nper-rank memory (MiB)        params   grads   optim  gathered-peak  total-peak\n");
-  for (r = 0; r < opt.ranks; ++r)
-    printf("  rank %d of %-2d             %7.3f %7.3f %7.3f  %13.3f  %10.3f\n", r, opt.ranks,
-           mib(mem_n[r].sharded_params_nbytes), mib(mem_n[r].sharded_grads_nbytes),
-           mib(mem_n[r].optimizer_state_nbytes), mib(mem_n[r].gathered_params_peak_nbytes),
-           mib(mem_n[r].total_peak_nbytes));
-  printf("  1-rank run               %7.3f %7.3f %7.3f  %13.3f  %10.3f\n", mib(mem_1[0].sharded_params_nbytes),
-         mib(mem_1[0].sharded_grads_nbytes), mib(mem_1[0].optimizer_state_nbytes),
-         mib(mem_1[0].gathered_params_peak_nbytes), mib(mem_1[0].total_peak_nbytes));
+  print_memory_header();
+  for (r = 0; r < opt.ranks; ++r) {
+    char who[64];
+    snprintf(who, sizeof who, "rank %d of %d", r, opt.ranks);
+    print_memory(who, &mem_n[r]);
+  }
+  print_memory("1-rank run", &mem_1[0]);
   s = opt.steps - 1;
   if (opt.check && (!(loss_n[s] * 4.0 < loss_n[0]) || fabs(loss_n[s] - loss_1[s]) > 0.2 * loss_1[s])) {
     fprintf(stderr, "check failed: loss %g -> %g on %d ranks, %g on 1 rank\n", loss_n[0], loss_n[s], opt.ranks,
