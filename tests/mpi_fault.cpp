@@ -7,10 +7,12 @@
 //   mismatch     the last rank gathers another unit than the others: every
 //                rank fails with FSDP_ERR_MISMATCH, without waiting for a timeout
 //   wrong_rank   every rank passes a rank argument that is not its own
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <thread>
 
 #include "fsdp.h"
 
@@ -19,6 +21,9 @@ namespace {
 int report(int rank, fsdp_status_t got, fsdp_status_t expected) {
   std::printf("rank %d: %s: %s\n", rank, fsdp_status_name(got), got == FSDP_OK ? "" : fsdp_last_error());
   std::fflush(stdout);
+  // mpirun ends the whole job when the first rank exits with an error; give
+  // the other ranks' reports time to reach it first.
+  std::this_thread::sleep_for(std::chrono::seconds(2));
   return got == expected ? 3 : 1;
 }
 

@@ -2,7 +2,9 @@
 #include "mpi_env.h"
 
 #include <atomic>
+#include <chrono>
 #include <cstdlib>
+#include <thread>
 
 #include "../../../kernels/cast.h"
 #include "../../core/error.h"
@@ -16,6 +18,7 @@ std::mutex g_call_mu;
 bool g_we_initialized = false;
 std::atomic<bool> g_serialize{false};
 std::atomic<bool> g_failed{false};
+std::atomic<double> g_exit_timeout_s{0.0};  // the longest timeout_s of any mpi context
 MPI_Op g_bf16_sum = MPI_OP_NULL;
 MPI_Op g_fp16_sum = MPI_OP_NULL;
 
@@ -30,11 +33,33 @@ void at_exit() {
   int finalized = 0;
   MPI_Finalized(&finalized);
   if (finalized) return;
+  if (!g_failed.load()) {
+    // Open MPI 4.1's mpirun can deadlock in its own teardown when one rank is
+    // inside MPI_Finalize while another fails, so first wait (bounded) for
+    // every rank to reach its exit. A rank that failed ends the job meanwhile.
+    MPI_Request req = MPI_REQUEST_NULL;
+    MPI_Ibarrier(MPI_COMM_WORLD, &req);
+    auto deadline = std::chrono::steady_clock::now() +
+                    std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                        std::chrono::duration<double>(2 * g_exit_timeout_s.load() + 5));
+    int done = 0;
+    while (!done && !g_failed.load() && std::chrono::steady_clock::now() < deadline) {
+      MPI_Test(&req, &done, MPI_STATUS_IGNORE);
+      if (!done) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    if (!done) {
+      core::log(FSDP_LOG_WARN, -1,
+                "not every MPI rank reached its exit within the collective timeout; calling MPI_Finalize "
+                "anyway, which waits for them");
+    }
+  }
   if (g_failed.load()) {
-    // MPI_Finalize synchronises with every rank, including the one that failed.
+    // MPI_Finalize synchronises with every rank, including the one that
+    // failed: end the whole job instead, as a failed collective would.
     core::log(FSDP_LOG_WARN, -1,
-              "a libfsdp MPI communicator failed: exiting without MPI_Finalize, so that this process "
-              "does not wait for the rank that failed (mpirun then ends the job)");
+              "a libfsdp MPI communicator failed: ending the MPI job with MPI_Abort at exit, so that no rank "
+              "waits in MPI_Finalize for a rank that failed");
+    MPI_Abort(MPI_COMM_WORLD, 1);
     return;
   }
   MPI_Op_free(&g_bf16_sum);
@@ -104,6 +129,12 @@ MPI_Op sum_op(DType dtype) {
 }
 
 void note_failure() { g_failed = true; }
+
+void note_timeout(double timeout_s) {
+  double cur = g_exit_timeout_s.load();
+  while (timeout_s > cur && !g_exit_timeout_s.compare_exchange_weak(cur, timeout_s)) {
+  }
+}
 
 std::string error_string(int code) {
   char buf[MPI_MAX_ERROR_STRING];

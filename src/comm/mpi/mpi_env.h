@@ -29,6 +29,9 @@ MPI_Op sum_op(DType dtype);
 // A communicator of this process failed: at exit MPI_Finalize is skipped, as
 // it would wait for the rank that failed; mpirun then ends the job.
 void note_failure();
+// A context uses this collective timeout: the exit handler waits that long
+// (twice, plus a margin) for every rank to reach its exit before finalising.
+void note_timeout(double timeout_s);
 
 // "MPI_ERR_TRUNCATE: message truncated" for an MPI error code.
 std::string error_string(int code);
