@@ -131,7 +131,10 @@ FSDP_API void fsdp_local_group_destroy(fsdp_local_group_t* group);
 
 /* Collective. One rank's view of the job. With comm=local, `group` and `rank`
  * say which in-process rank this is (group NULL means a world of one, rank 0).
- * The config is copied: later changes to `cfg` do not affect the context. */
+ * With comm=mpi (or comm=auto in a process started by mpirun, see
+ * docs/launching.md) the ranks are processes: pass group NULL and rank -1 (or
+ * the launcher's rank, which is then checked). The config is copied: later
+ * changes to `cfg` do not affect the context. */
 FSDP_API fsdp_status_t fsdp_ctx_create(const fsdp_config_t* cfg, fsdp_local_group_t* group, int rank, fsdp_ctx_t** out);
 /* Collective. Waits for outstanding collectives on every rank; afterwards
  * every call on the context except fsdp_ctx_destroy is
@@ -219,7 +222,9 @@ FSDP_API fsdp_status_t fsdp_gather_param(fsdp_unit_t* unit, size_t param_index, 
 /* This rank's flat fp32 master shard of the unit: pointer, offset of its
  * first element in the unit's flat buffer, and element count. Params lie in
  * the flat buffer in registration order, each start aligned to align_bytes;
- * gaps and the tail are padding. */
+ * gaps and the tail are padding. The shard is over the shard group (the world,
+ * or shard_group_size ranks for HYBRID_SHARD); with offload=cpu it is host
+ * memory. */
 FSDP_API fsdp_status_t fsdp_shard_info(fsdp_unit_t* unit, float** ptr, size_t* offset, size_t* numel);
 /* Where param `param_index` lies in the unit's flat buffer. */
 FSDP_API fsdp_status_t fsdp_param_flat_range(fsdp_unit_t* unit, size_t param_index, size_t* offset, size_t* numel);

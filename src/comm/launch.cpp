@@ -92,6 +92,7 @@ std::unique_ptr<Communicator> make_world_comm(const core::Options& opts, std::sh
     fail(FSDP_ERR_UNSUPPORTED, "fsdp_ctx_create: comm=mpi is not built into this library");
 #endif
   }
+  if (!group_given && rank == -1) rank = 0;  // "the launcher's rank": a world of one has rank 0
   if (rank < 0 || rank >= group->world_size()) {
     fail(FSDP_ERR_INVALID_ARGUMENT, "fsdp_ctx_create: rank " + std::to_string(rank) +
                                         " is outside the group's world of " + std::to_string(group->world_size()) +
