@@ -137,7 +137,7 @@ TEST(NullArguments, EveryFunctionRejectsNullHandlesAndOutputs) {
       {"ctx_create cfg", [&] { return fsdp_ctx_create(nullptr, nullptr, 0, &c_out); }},
       {"ctx_create out", [&] { return fsdp_ctx_create(cfg.get(), nullptr, 0, nullptr); }},
       {"ctx_create rank 1 of world 1", [&] { return fsdp_ctx_create(cfg.get(), nullptr, 1, &c_out); }},
-      {"ctx_create rank -1", [&] { return fsdp_ctx_create(cfg.get(), nullptr, -1, &c_out); }},
+      {"ctx_create rank -2", [&] { return fsdp_ctx_create(cfg.get(), nullptr, -2, &c_out); }},
       {"ctx_finalize", [&] { return fsdp_ctx_finalize(nullptr); }},
       {"ctx_rank ctx", [&] { return fsdp_ctx_rank(nullptr, &i); }},
       {"ctx_rank out", [&] { return fsdp_ctx_rank(ctx, nullptr); }},
@@ -729,4 +729,17 @@ TEST(HybridShard, ShardInfoCoversTheShardGroupNotTheWorld) {
     EXPECT_EQ(numels[size_t(r)], 52u) << "rank " << r;
     EXPECT_EQ(offsets[size_t(r)], size_t(r % 2) * 52u) << "rank " << r;
   }
+}
+
+TEST(Context, RankMinusOneWithoutAGroupIsRankZeroOfAWorldOfOne) {
+  ConfigPtr cfg = make_config({{"comm", "local"}});
+  ASSERT_TRUE(cfg);
+  fsdp_ctx_t* raw = nullptr;
+  ASSERT_OK(fsdp_ctx_create(cfg.get(), nullptr, -1, &raw));
+  CtxPtr ctx(raw);
+  int rank = -5, world = -5;
+  EXPECT_OK(fsdp_ctx_rank(raw, &rank));
+  EXPECT_OK(fsdp_ctx_world_size(raw, &world));
+  EXPECT_EQ(rank, 0);
+  EXPECT_EQ(world, 1);
 }
