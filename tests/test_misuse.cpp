@@ -743,3 +743,47 @@ TEST(Context, RankMinusOneWithoutAGroupIsRankZeroOfAWorldOfOne) {
   EXPECT_EQ(rank, 0);
   EXPECT_EQ(world, 1);
 }
+
+// ---- launcher variables ------------------------------------------------------
+
+// Sets an environment variable for the scope of a test.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) { setenv(name, value, 1); }
+  ~ScopedEnv() { unsetenv(name_); }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+ private:
+  const char* name_;
+};
+
+TEST(Launch, AMalformedLauncherVariableIsRefusedNamingIt) {
+  if (launcher_world() > 0) GTEST_SKIP() << "runs outside mpirun";
+  ScopedEnv size("OMPI_COMM_WORLD_SIZE", "four");
+  ScopedEnv rank("OMPI_COMM_WORLD_RANK", "0");
+  ConfigPtr cfg = make_config({});
+  ASSERT_TRUE(cfg);
+  fsdp_ctx_t* raw = nullptr;
+  EXPECT_STATUS(FSDP_ERR_INVALID_ARGUMENT, fsdp_ctx_create(cfg.get(), nullptr, -1, &raw));
+  EXPECT_TRUE(contains(last_error_str(), "OMPI_COMM_WORLD_SIZE")) << last_error_str();
+  EXPECT_EQ(raw, nullptr);
+}
+
+TEST(Launch, AProcessOfAnMpirunJobIsRefusedByABuildWithoutMpi) {
+  if (std::string(fsdp_build_info()).find("mpi") != std::string::npos) {
+    GTEST_SKIP() << "this build has the mpi communicator (CI also builds without it)";
+  }
+  ScopedEnv size("OMPI_COMM_WORLD_SIZE", "4");
+  ScopedEnv rank("OMPI_COMM_WORLD_RANK", "1");
+  ConfigPtr cfg = make_config({});
+  ASSERT_TRUE(cfg);
+  fsdp_ctx_t* raw = nullptr;
+  EXPECT_STATUS(FSDP_ERR_UNSUPPORTED, fsdp_ctx_create(cfg.get(), nullptr, -1, &raw));
+  EXPECT_TRUE(contains(last_error_str(), "rank 1 of 4")) << last_error_str();
+  // Running the processes as independent jobs is possible, but only on purpose.
+  ConfigPtr local = make_config({{"comm", "local"}});
+  ASSERT_TRUE(local);
+  ASSERT_OK(fsdp_ctx_create(local.get(), nullptr, -1, &raw));
+  fsdp_ctx_destroy(raw);
+}

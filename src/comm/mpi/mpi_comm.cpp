@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <climits>
 #include <cstring>
+#include <functional>
 #include <sstream>
 #include <thread>
 
@@ -317,6 +318,19 @@ void MpiComm::wait_native(MPI_Request req) {
                              "); every rank had reached it, so a rank failed or stalled inside it");
 }
 
+void MpiComm::native_sum(void* out, size_t numel, DType dtype, float scale,
+                         const std::function<void(void* summed, MPI_Request* req)>& post) {
+  char* summed = scratch(0, numel * dtype_size(dtype));
+  MPI_Request req = MPI_REQUEST_NULL;
+  {
+    auto guard = mpi::lock();
+    post(summed, &req);
+  }
+  wait_native(req);
+  const void* ins[1] = {summed};
+  reduce_sum(out, ins, 1, numel, dtype, scale);
+}
+
 void MpiComm::ring_exchange(const void* send, size_t send_nbytes, void* recv, size_t recv_nbytes) {
   int next = (rank_ + 1) % world_;
   int prev = (rank_ + world_ - 1) % world_;
@@ -410,18 +424,12 @@ void MpiComm::reduce_scatter(const void* send, void* recv, size_t numel_per_rank
       ring_reduce_scatter(send, recv, first, dtype, scale);
       return;
     }
-    char* summed = scratch(0, numel_per_rank * es);
     // MPI_Ireduce_scatter rather than _block: Open MPI picks a faster
     // algorithm for it (bench_mpi_collectives times both raw calls).
     std::vector<int> counts(static_cast<size_t>(world_), as_count(numel_per_rank));
-    MPI_Request req = MPI_REQUEST_NULL;
-    {
-      auto guard = mpi::lock();
-      MPI_Ireduce_scatter(send, summed, counts.data(), mpi::datatype(dtype), mpi::sum_op(dtype), comm_, &req);
-    }
-    wait_native(req);
-    const void* ins[1] = {summed};
-    reduce_sum(recv, ins, 1, numel_per_rank, dtype, scale);
+    native_sum(recv, numel_per_rank, dtype, scale, [&](void* summed, MPI_Request* req) {
+      MPI_Ireduce_scatter(send, summed, counts.data(), mpi::datatype(dtype), mpi::sum_op(dtype), comm_, req);
+    });
   });
 }
 
@@ -446,15 +454,9 @@ void MpiComm::all_reduce(const void* send, void* recv, size_t numel, DType dtype
       ring_all_gather(recv, first);
       return;
     }
-    char* summed = scratch(0, numel * es);
-    MPI_Request req = MPI_REQUEST_NULL;
-    {
-      auto guard = mpi::lock();
-      MPI_Iallreduce(send, summed, as_count(numel), mpi::datatype(dtype), mpi::sum_op(dtype), comm_, &req);
-    }
-    wait_native(req);
-    const void* ins[1] = {summed};
-    reduce_sum(recv, ins, 1, numel, dtype, scale);
+    native_sum(recv, numel, dtype, scale, [&](void* summed, MPI_Request* req) {
+      MPI_Iallreduce(send, summed, as_count(numel), mpi::datatype(dtype), mpi::sum_op(dtype), comm_, req);
+    });
   });
 }
 

@@ -10,6 +10,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -70,6 +71,10 @@ class MpiComm final : public Communicator {
   void ring_all_gather(void* buf, const std::vector<size_t>& first);
   // Waits for a native collective's request.
   void wait_native(MPI_Request req);
+  // MPI's own sum (`post` starts it into `summed`, under the MPI lock), then
+  // out = scale * summed: MPI ops cannot average.
+  void native_sum(void* out, size_t numel, DType dtype, float scale,
+                  const std::function<void(void* summed, MPI_Request* req)>& post);
   // Scratch buffer `i` of at least `nbytes`, kept between collectives (a fresh
   // allocation per call costs page faults on every element).
   char* scratch(int i, size_t nbytes);
