@@ -89,9 +89,8 @@ int main(int argc, char** argv) {
       MPI_Reduce_scatter_block(fin.data(), fout.data(), static_cast<int>(n_per_rank), MPI_FLOAT, MPI_SUM,
                                MPI_COMM_WORLD);
     });
-    double t_raw_rs = timed(reps, [&] {
-      MPI_Reduce_scatter(fin.data(), fout.data(), counts.data(), MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
-    });
+    double t_raw_rs = timed(
+        reps, [&] { MPI_Reduce_scatter(fin.data(), fout.data(), counts.data(), MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD); });
     struct Path {
       const char* name;
       Communicator* comm;
@@ -107,19 +106,25 @@ int main(int argc, char** argv) {
     }
     if (rank != 0) continue;
     auto line = [&](const char* bench, double t) {
-      return JsonLine().add("benchmark", bench).add("world", world).add("mib", m).add("seconds", t).add(
-          "gb_per_s", gbs(t));
+      return JsonLine()
+          .add("benchmark", bench)
+          .add("world", world)
+          .add("mib", m)
+          .add("seconds", t)
+          .add("gb_per_s", gbs(t));
     };
     std::printf("%s\n", line("memcpy_every_process", t_memcpy).str().c_str());
     std::printf("%s\n", line("MPI_Allgather", t_raw_ag).add("fraction_of_memcpy", t_memcpy / t_raw_ag).str().c_str());
-    std::printf("%s\n", line("MPI_Reduce_scatter_block", t_raw_rsb).add("fraction_of_memcpy", t_memcpy / t_raw_rsb).str().c_str());
-    std::printf("%s\n", line("MPI_Reduce_scatter", t_raw_rs).add("fraction_of_memcpy", t_memcpy / t_raw_rs).str().c_str());
+    std::printf(
+        "%s\n",
+        line("MPI_Reduce_scatter_block", t_raw_rsb).add("fraction_of_memcpy", t_memcpy / t_raw_rsb).str().c_str());
+    std::printf("%s\n",
+                line("MPI_Reduce_scatter", t_raw_rs).add("fraction_of_memcpy", t_memcpy / t_raw_rs).str().c_str());
     for (const Path& p : paths) {
       std::string ag = std::string("fsdp_all_gather_") + p.name;
       std::string rs = std::string("fsdp_reduce_scatter_") + p.name;
-      JsonLine a = line(ag.c_str(), p.ag)
-                       .add("vs_MPI_Allgather", t_raw_ag / p.ag)
-                       .add("fraction_of_memcpy", t_memcpy / p.ag);
+      JsonLine a =
+          line(ag.c_str(), p.ag).add("vs_MPI_Allgather", t_raw_ag / p.ag).add("fraction_of_memcpy", t_memcpy / p.ag);
       JsonLine r = line(rs.c_str(), p.rs)
                        .add("vs_MPI_Reduce_scatter_block", t_raw_rsb / p.rs)
                        .add("vs_MPI_Reduce_scatter", t_raw_rs / p.rs)

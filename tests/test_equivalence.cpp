@@ -712,9 +712,8 @@ TEST_P(OffloadTraining, MatchesTrainingWithoutOffloadBitwiseInFp32) {
 }
 
 INSTANTIATE_TEST_SUITE_P(WorldBySharding, OffloadTraining,
-                         ::testing::Combine(::testing::Values(2, 4),
-                                            ::testing::Values("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD",
-                                                              "HYBRID_SHARD")),
+                         ::testing::Combine(::testing::Values(2, 4), ::testing::Values("FULL_SHARD", "SHARD_GRAD_OP",
+                                                                                       "NO_SHARD", "HYBRID_SHARD")),
                          [](const ::testing::TestParamInfo<OffloadTraining::ParamType>& pi) {
                            return std::string(std::get<1>(pi.param)) + "_world" + std::to_string(std::get<0>(pi.param));
                          });

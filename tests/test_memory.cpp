@@ -196,7 +196,7 @@ TEST_P(GatheredBytes, FullShardGathersOneUnitAtATimeShardGradOpKeepsAllUntilBack
   const fsdp_dtype_t dt = std::get<1>(GetParam());
   const int world = 4;
   const bool full = sharding == "FULL_SHARD" || sharding == "HYBRID_SHARD";  // free after forward
-  std::vector<size_t> unit_bytes;  // full padded numel * sizeof(param_dtype)
+  std::vector<size_t> unit_bytes;                                            // full padded numel * sizeof(param_dtype)
   size_t largest = 0, sum = 0;
   for (const auto& u : kUnits) {
     unit_bytes.push_back(full_numel(u, sharding, world) * dtype_nbytes(dt));

@@ -35,8 +35,8 @@ LaunchEnv read_vars(const char* source, const char* rank, const char* size, cons
   e.world = env_int(size, 1, -1);
   if (e.rank < 0 && e.world < 0) return e;
   if (e.rank < 0 || e.world < 0 || e.rank >= e.world) {
-    fail(FSDP_ERR_INVALID_ARGUMENT, std::string("launcher variables disagree: ") + rank + "=" +
-                                        std::to_string(e.rank) + ", " + size + "=" + std::to_string(e.world) +
+    fail(FSDP_ERR_INVALID_ARGUMENT, std::string("launcher variables disagree: ") + rank + "=" + std::to_string(e.rank) +
+                                        ", " + size + "=" + std::to_string(e.world) +
                                         "; both must be set, with the rank below the size");
   }
   e.source = source;

@@ -139,9 +139,7 @@ const std::vector<Entry>& table() {
   static const std::vector<Entry> entries = {
       {"sharding",
        {"sharding_strategy", "shard_strat"},
-       [](Options& o, const std::string& v) {
-         o.sharding = parse_choice("sharding", v, kShardings);
-       },
+       [](Options& o, const std::string& v) { o.sharding = parse_choice("sharding", v, kShardings); },
        [](const Options& o) { return std::string(sharding_name(o.sharding)); }},
       {"param_dtype",
        {"mp"},
@@ -261,13 +259,15 @@ const std::vector<Entry>& table() {
        [](Options& o, const std::string& v) {
          std::string l = lower(trim(v));
          if (l == "mpi" && !kHaveMpi) {
-           fail(FSDP_ERR_UNSUPPORTED, "config: comm 'mpi' is not built into this library (it was configured "
-                                      "without MPI; rebuild with MPI installed, see fsdp_build_info()); use local");
+           fail(FSDP_ERR_UNSUPPORTED,
+                "config: comm 'mpi' is not built into this library (it was configured "
+                "without MPI; rebuild with MPI installed, see fsdp_build_info()); use local");
          }
          if (l == "nccl") {
-           fail(FSDP_ERR_UNSUPPORTED, "config: comm 'nccl' needs the CUDA device, which this build does not have "
-                                      "(see fsdp_build_info()); use " +
-                                          std::string(kHaveMpi ? "mpi or local" : "local"));
+           fail(FSDP_ERR_UNSUPPORTED,
+                "config: comm 'nccl' needs the CUDA device, which this build does not have "
+                "(see fsdp_build_info()); use " +
+                    std::string(kHaveMpi ? "mpi or local" : "local"));
          }
          o.comm = parse_choice("comm", v, kComms);
        },

@@ -57,9 +57,7 @@ struct Options {
   DType reduce_dtype() const { return reduce_dtype_auto ? param_dtype : reduce_dtype_set; }
   bool hybrid() const { return sharding == Sharding::kHybridShard || sharding == Sharding::kHybridShardZero2; }
   // FULL_SHARD and HYBRID_SHARD free full params after forward and gather them again for backward.
-  bool reshard_after_forward() const {
-    return sharding == Sharding::kFullShard || sharding == Sharding::kHybridShard;
-  }
+  bool reshard_after_forward() const { return sharding == Sharding::kFullShard || sharding == Sharding::kHybridShard; }
 };
 
 class Config {

@@ -86,8 +86,7 @@ void Context::setup_groups() {
   // The default (one host) may differ between hosts: agree before splitting.
   int g = o.shard_group_size > 0 ? o.shard_group_size : world_->local_world_size();
   agree(*rt_.comm, "fsdp_ctx_create (HYBRID_SHARD shard group size)",
-        "shard_group_size=" + std::to_string(g) +
-            (o.shard_group_size > 0 ? "" : " (the default: ranks on this host)"));
+        "shard_group_size=" + std::to_string(g) + (o.shard_group_size > 0 ? "" : " (the default: ranks on this host)"));
   if (g > rt_.world || rt_.world % g != 0) {
     fail(FSDP_ERR_INVALID_ARGUMENT, "fsdp_ctx_create: " + std::string(sharding_name(o.sharding)) +
                                         " needs a shard group size that divides the world size " +

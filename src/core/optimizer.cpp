@@ -65,8 +65,8 @@ void Optimizer::step(const std::vector<std::unique_ptr<Unit>>& units) {
         auto op = kernels::AdamOp::make(static_cast<float>(o.lr), static_cast<float>(o.beta1),
                                         static_cast<float>(o.beta2), static_cast<float>(o.eps), wd,
                                         o.optimizer == OptimizerKind::kAdamW, step_, grad_scale);
-        rt_.state_dev->adam({op, p, g, st.exp_avg.as<float>() + seg.shard_begin, st.exp_avg_sq.as<float>() + seg.shard_begin,
-                       out, out_dtype, seg.numel});
+        rt_.state_dev->adam({op, p, g, st.exp_avg.as<float>() + seg.shard_begin,
+                             st.exp_avg_sq.as<float>() + seg.shard_begin, out, out_dtype, seg.numel});
       }
     }
     rt_.state_dev->zero(u.sharded_grad(), u.shard_numel() * sizeof(float));

@@ -120,7 +120,8 @@ void Unit::set_values(size_t param_index, const float* values, size_t numel) {
     rt_.state_dev->copy_from_host(master() + dst, values + (lo - off), (hi - lo) * sizeof(float));
     if (!lowp_.empty()) {
       size_t es = dtype_size(lowp_.dtype());
-      rt_.state_dev->cast(static_cast<char*>(lowp_.data()) + dst * es, lowp_.dtype(), master() + dst, DType::kFp32, hi - lo);
+      rt_.state_dev->cast(static_cast<char*>(lowp_.data()) + dst * es, lowp_.dtype(), master() + dst, DType::kFp32,
+                          hi - lo);
     }
   }
 }
@@ -169,13 +170,13 @@ void Unit::issue_gather(bool prefetch) {
     }
     src = staged->data();
   }
-  gather_event_ = rt_.stream->submit(
-      what + " " + std::to_string(nbytes * static_cast<size_t>(rt_.shard_world())) + " B",
-      [shard, src, dst, nbytes, what, copied, staged] {
-        if (copied) copied->wait();
-        shard->all_gather(src, dst, nbytes, what);
-        if (staged) staged->reset();
-      });
+  gather_event_ =
+      rt_.stream->submit(what + " " + std::to_string(nbytes * static_cast<size_t>(rt_.shard_world())) + " B",
+                         [shard, src, dst, nbytes, what, copied, staged] {
+                           if (copied) copied->wait();
+                           shard->all_gather(src, dst, nbytes, what);
+                           if (staged) staged->reset();
+                         });
   state_ = UnitState::kGathering;
   trace_memory();
 }

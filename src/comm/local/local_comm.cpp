@@ -73,8 +73,8 @@ void LocalComm::run_checked(CollectiveDesc desc, const void* send, void* recv, c
       // Every rank sees the same slots, so every rank fails here, together.
       std::string msg = "ranks called different collectives: rank " + std::to_string(group_->world_rank(rank_)) +
                         " called " + describe(mine.desc) + " as its collective #" + std::to_string(mine.seq) +
-                        ", rank " + std::to_string(group_->world_rank(r)) + " called " + describe(other.desc) + " as its collective #" +
-                        std::to_string(other.seq) +
+                        ", rank " + std::to_string(group_->world_rank(r)) + " called " + describe(other.desc) +
+                        " as its collective #" + std::to_string(other.seq) +
                         "; every rank must make the same collective calls in the same order";
       group_->abort(FSDP_ERR_MISMATCH, msg);
       fail(FSDP_ERR_MISMATCH, msg);

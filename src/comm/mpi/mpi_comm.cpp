@@ -103,8 +103,8 @@ struct MpiComm::Desc {
   char label[96] = {};  // for messages; the hash compares the whole label
 
   std::string describe() const {
-    std::string s = std::string(kind) + "(" + std::string(label, strnlen(label, sizeof label)) + ", size " +
-                    std::to_string(size);
+    std::string s =
+        std::string(kind) + "(" + std::string(label, strnlen(label, sizeof label)) + ", size " + std::to_string(size);
     if (dtype >= 0) s += std::string(", ") + dtype_name(static_cast<DType>(dtype));
     if (root >= 0) s += ", root " + std::to_string(root);
     return s + ")";
@@ -176,8 +176,8 @@ void MpiComm::collective(const char* kind, size_t size, int dtype, int op, int r
                          Body&& body) {
   if (failure_.load() != FSDP_OK) {
     std::lock_guard<std::mutex> lock(reason_mu_);
-    fail(FSDP_ERR_COMM, label + " (" + kind + ") on " + rank_name(rank_) +
-                            ": the communicator failed earlier: " + failure_reason_);
+    fail(FSDP_ERR_COMM,
+         label + " (" + kind + ") on " + rank_name(rank_) + ": the communicator failed earlier: " + failure_reason_);
   }
   ++seq_;
   Desc d;
@@ -314,8 +314,7 @@ void MpiComm::wait_native(MPI_Request req) {
   // A collective request can be neither cancelled nor freed: it is left to
   // MPI, and this communicator is not freed (see the destructor).
   fail(FSDP_ERR_TIMEOUT, what_ + ": timed out after " + seconds(timeout_s_) + " s inside MPI's collective (seen from " +
-                             rank_name(rank_) +
-                             "); every rank had reached it, so a rank failed or stalled inside it");
+                             rank_name(rank_) + "); every rank had reached it, so a rank failed or stalled inside it");
 }
 
 void MpiComm::native_sum(void* out, size_t numel, DType dtype, float scale,
@@ -344,8 +343,8 @@ void MpiComm::ring_exchange(const void* send, size_t send_nbytes, void* recv, si
     }
     for (size_t off = 0; off < send_nbytes; off += kMaxPiece) {
       reqs.push_back(MPI_REQUEST_NULL);
-      MPI_Isend(static_cast<const char*>(send) + off, as_count(std::min(kMaxPiece, send_nbytes - off)), MPI_BYTE,
-                next, kTagData, comm_, &reqs.back());
+      MPI_Isend(static_cast<const char*>(send) + off, as_count(std::min(kMaxPiece, send_nbytes - off)), MPI_BYTE, next,
+                kTagData, comm_, &reqs.back());
     }
   }
   wait_data(reqs, prev);
@@ -433,8 +432,7 @@ void MpiComm::reduce_scatter(const void* send, void* recv, size_t numel_per_rank
   });
 }
 
-void MpiComm::all_reduce(const void* send, void* recv, size_t numel, DType dtype, RedOp op,
-                         const std::string& label) {
+void MpiComm::all_reduce(const void* send, void* recv, size_t numel, DType dtype, RedOp op, const std::string& label) {
   if (op == RedOp::kMax) fail(FSDP_ERR_INTERNAL, "mpi comm: max reduction of tensors is not used");
   const size_t es = dtype_size(dtype);
   const float scale = op == RedOp::kAvg ? 1.0f / static_cast<float>(world_) : 1.0f;

@@ -39,9 +39,9 @@ void at_exit() {
     // every rank to reach its exit. A rank that failed ends the job meanwhile.
     MPI_Request req = MPI_REQUEST_NULL;
     MPI_Ibarrier(MPI_COMM_WORLD, &req);
-    auto deadline = std::chrono::steady_clock::now() +
-                    std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                        std::chrono::duration<double>(2 * g_exit_timeout_s.load() + 5));
+    auto deadline =
+        std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                               std::chrono::duration<double>(2 * g_exit_timeout_s.load() + 5));
     int done = 0;
     while (!done && !g_failed.load() && std::chrono::steady_clock::now() < deadline) {
       MPI_Test(&req, &done, MPI_STATUS_IGNORE);
