@@ -289,7 +289,7 @@ EventPtr Unit::submit_reduction() {
   // copy-stream task brings it to the host grad shard; otherwise the comm task
   // accumulates it on the device.
   bool offload = rt_.offload();
-  auto reduced = std::make_shared<Buffer>();
+  auto reduced = offload ? std::make_shared<Buffer>() : nullptr;
   size_t n_reduced = rt_.sharded() ? shard : padded;
   EventPtr ev = rt_.stream->submit(what + " " + std::to_string(padded * dtype_size(rd)) + " B", [=] {
     Buffer converted;
