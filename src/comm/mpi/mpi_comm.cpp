@@ -191,7 +191,7 @@ void MpiComm::collective(const char* kind, size_t size, int dtype, int op, int r
   std::strncpy(d.label, label.c_str(), sizeof d.label - 1);
   what_ = label + " (" + kind + ", collective #" + std::to_string(seq_) + ")";
   try {
-    check_in(d, what_);
+    check_in(d);
     body();
   } catch (const Error& e) {
     if (failure_.load() == FSDP_OK) {
@@ -204,29 +204,32 @@ void MpiComm::collective(const char* kind, size_t size, int dtype, int op, int r
   }
 }
 
-bool MpiComm::poll(std::vector<MPI_Request>& reqs, Clock::time_point deadline) {
+bool MpiComm::poll(std::vector<MPI_Request>& reqs, Clock::time_point deadline, std::shared_ptr<void> buffers) {
   bool ok = poll_requests(reqs, deadline, &aborted_);
   if (!ok && aborted_.load()) {
-    abandon(reqs);
+    abandon(reqs, std::move(buffers));
     std::lock_guard<std::mutex> lock(reason_mu_);
     fail(FSDP_ERR_COMM, what_ + " on " + rank_name(rank_) + ": " + failure_reason_);
   }
   return ok;
 }
 
-void MpiComm::check_in(const Desc& mine_in, const std::string& what) {
+void MpiComm::check_in(const Desc& mine_in) {
   if (world_ == 1) return;
-  // On the heap: if rank 0 stops answering, MPI may keep these after we leave.
+  const std::string& what = what_;
+  // On the heap: if a peer stops answering, MPI may keep these after we leave.
   struct Buffers {
     Desc mine;
     Verdict verdict;
+    std::vector<Desc> got;  // rank 0: every rank's description
   };
   auto bufs = std::make_shared<Buffers>();
   bufs->mine = mine_in;
   const Desc& mine = bufs->mine;
   Verdict& verdict = bufs->verdict;
   if (rank_ == 0) {
-    std::vector<Desc> got(static_cast<size_t>(world_));
+    std::vector<Desc>& got = bufs->got;
+    got.resize(static_cast<size_t>(world_));
     std::vector<MPI_Request> reqs(static_cast<size_t>(world_ - 1), MPI_REQUEST_NULL);
     {
       auto guard = mpi::lock();
@@ -236,7 +239,7 @@ void MpiComm::check_in(const Desc& mine_in, const std::string& what) {
       }
     }
     std::vector<int> arrived;
-    if (!poll(reqs, after(timeout_s_))) {
+    if (!poll(reqs, after(timeout_s_), bufs)) {
       std::string missing;
       int n_missing = 0;
       for (int r = 1; r < world_; ++r) {
@@ -246,7 +249,7 @@ void MpiComm::check_in(const Desc& mine_in, const std::string& what) {
           arrived.push_back(r);
         }
       }
-      abandon(reqs);
+      abandon(reqs, bufs);
       verdict.status = FSDP_ERR_TIMEOUT;
       std::snprintf(verdict.message, sizeof verdict.message,
                     "%s: timed out after %s s waiting for rank%s %s (seen from rank %d, which checks every "
@@ -276,7 +279,7 @@ void MpiComm::check_in(const Desc& mine_in, const std::string& what) {
         MPI_Isend(&verdict, sizeof verdict, MPI_BYTE, arrived[i], kTagVerdict, comm_, &sends[i]);
       }
     }
-    if (!poll(sends, after(timeout_s_))) abandon(sends, bufs);
+    if (!poll(sends, after(timeout_s_), bufs)) abandon(sends, bufs);
   } else {
     std::vector<MPI_Request> reqs(2, MPI_REQUEST_NULL);
     {
@@ -286,7 +289,7 @@ void MpiComm::check_in(const Desc& mine_in, const std::string& what) {
     }
     // Longer than rank 0's own wait, so that rank 0's verdict (which names a
     // missing rank) arrives first when rank 0 is alive.
-    if (!poll(reqs, after(2 * timeout_s_ + 1))) {
+    if (!poll(reqs, after(2 * timeout_s_ + 1), bufs)) {
       abandon(reqs, bufs);
       fail(FSDP_ERR_TIMEOUT, what + ": timed out after " + seconds(2 * timeout_s_ + 1) + " s waiting for " +
                                  rank_name(0) + " (seen from " + rank_name(rank_) + "), which checks that every " +

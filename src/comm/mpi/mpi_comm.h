@@ -55,10 +55,11 @@ class MpiComm final : public Communicator {
   // Runs `body` after the check-in; any error marks the communicator failed.
   template <typename Body>
   void collective(const char* kind, size_t size, int dtype, int op, int root, const std::string& label, Body&& body);
-  void check_in(const Desc& mine, const std::string& what);
+  void check_in(const Desc& mine);
   // Waits for `reqs` until `deadline`; false on timeout (unfinished requests
-  // stay set). Throws COMM if the communicator is aborted meanwhile.
-  bool poll(std::vector<MPI_Request>& reqs, Clock::time_point deadline);
+  // stay set). Throws COMM if the communicator is aborted meanwhile, giving
+  // the requests up; `buffers` (theirs) are then kept alive for MPI.
+  bool poll(std::vector<MPI_Request>& reqs, Clock::time_point deadline, std::shared_ptr<void> buffers = nullptr);
   // Waits for a data transfer of the current collective, or fails naming `peer`.
   void wait_data(std::vector<MPI_Request>& reqs, int peer);
   // Sends `send_nbytes` to the next rank and receives `recv_nbytes` from the
