@@ -229,6 +229,30 @@ FSDP_API fsdp_status_t fsdp_shard_info(fsdp_unit_t* unit, float** ptr, size_t* o
 /* Where param `param_index` lies in the unit's flat buffer. */
 FSDP_API fsdp_status_t fsdp_param_flat_range(fsdp_unit_t* unit, size_t param_index, size_t* offset, size_t* numel);
 
+/* ---- checkpoints ------------------------------------------------------- */
+/* Formats, guarantees and how other languages read them: docs/checkpoints.md. */
+
+/* Collective. Saves the training state (fp32 params, optimizer state and step,
+ * loss scale) into directory `dir`. kind "sharded": each rank of the shard
+ * group writes its own shard file, in parallel, plus rank 0 a JSON metadata
+ * file with the layout and a checksum per tensor. kind "full": rank 0 writes
+ * model.safetensors (each param under its registered name and shape, fp32)
+ * and optimizer.safetensors, gathering one unit at a time so that its memory
+ * peak stays near the largest unit; param names must then be unique across
+ * units. The checkpoint is assembled in a hidden sibling directory and renamed
+ * into place, so `dir` always holds one whole checkpoint: the previous one
+ * until the new one is complete. Grads are not saved. No unit may be in use. */
+FSDP_API fsdp_status_t fsdp_save(fsdp_ctx_t* ctx, const char* dir, const char* kind);
+/* Collective. Loads a checkpoint of either kind, written at any world size
+ * and sharding strategy, into the registered units (same units, param names
+ * and shapes, and an optimizer keeping the same state; else
+ * FSDP_ERR_INVALID_ARGUMENT naming the first difference). Each rank reads
+ * only the byte ranges that overlap its own shard and checks their checksums.
+ * Restores params, optimizer state, step, learning rate and loss scale; zeroes
+ * the sharded grads. A damaged checkpoint gives FSDP_ERR_CORRUPT naming the
+ * file and tensor. All or nothing: if any rank fails, no rank changes. */
+FSDP_API fsdp_status_t fsdp_load(fsdp_ctx_t* ctx, const char* dir);
+
 /* ---- observe ------------------------------------------------------------- */
 
 /* Bytes this rank holds, by category. Set struct_size = sizeof(the struct) before

@@ -11,6 +11,9 @@ command -v pkg-config >/dev/null || missing+=(pkg-config)
 command -v python3 >/dev/null || missing+=(python3)
 [ -f /usr/include/gtest/gtest.h ] || missing+=(libgtest-dev)
 [ -d /usr/include/benchmark ] || missing+=(libbenchmark-dev)
+# Checkpoints: JSON metadata and safetensors headers, CRC-32 checksums.
+[ -f /usr/include/nlohmann/json.hpp ] || missing+=(nlohmann-json3-dev)
+[ -f /usr/include/zlib.h ] || missing+=(zlib1g-dev)
 # Open MPI: the mpi communicator and its tests (mpirun -np 2 and 4).
 command -v mpirun >/dev/null || missing+=(openmpi-bin)
 command -v mpicc >/dev/null || missing+=(libopenmpi-dev)

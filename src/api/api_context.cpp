@@ -204,6 +204,25 @@ fsdp_status_t fsdp_ctx_param_dtype(const fsdp_ctx_t* ctx, fsdp_dtype_t* dtype) {
   });
 }
 
+fsdp_status_t fsdp_save(fsdp_ctx_t* ctx, const char* dir, const char* kind) {
+  return guard([&] {
+    require(ctx, "fsdp_save", "ctx");
+    require(dir, "fsdp_save", "dir");
+    require(kind, "fsdp_save", "kind");
+    ctx_of(ctx)->check_live("fsdp_save");
+    ctx_of(ctx)->save(dir, kind);
+  });
+}
+
+fsdp_status_t fsdp_load(fsdp_ctx_t* ctx, const char* dir) {
+  return guard([&] {
+    require(ctx, "fsdp_load", "ctx");
+    require(dir, "fsdp_load", "dir");
+    ctx_of(ctx)->check_live("fsdp_load");
+    ctx_of(ctx)->load(dir);
+  });
+}
+
 fsdp_status_t fsdp_ctx_async_error(const fsdp_ctx_t* ctx) {
   fsdp_status_t st = FSDP_OK;
   fsdp_status_t call = guard([&] {

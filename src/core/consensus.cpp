@@ -1,6 +1,7 @@
 // src/core/consensus.cpp - see consensus.h.
 #include "consensus.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <sstream>
@@ -33,6 +34,36 @@ std::string first_difference(const std::string& root, const std::string& mine, i
 }
 
 }  // namespace
+
+std::vector<std::string> gather_strings(comm::Communicator& comm, const std::string& mine, const std::string& what) {
+  size_t world = static_cast<size_t>(comm.world_size());
+  if (world == 1) return {mine};
+  std::vector<uint64_t> lens(world);
+  uint64_t len = mine.size();
+  comm.all_gather(&len, lens.data(), sizeof len, what + " (lengths)");
+  uint64_t longest = 1;
+  for (uint64_t l : lens) longest = std::max(longest, l);
+  std::string padded = mine;
+  padded.resize(longest, '\0');
+  std::string all(longest * world, '\0');
+  comm.all_gather(padded.data(), all.data(), longest, what + " (strings)");
+  std::vector<std::string> out(world);
+  for (size_t r = 0; r < world; ++r) out[r] = all.substr(r * longest, lens[r]);
+  return out;
+}
+
+void check_outcomes(comm::Communicator& comm, const std::string& what, fsdp_status_t status,
+                    const std::string& message) {
+  std::string mine = status == FSDP_OK ? std::string() : std::to_string(static_cast<int>(status)) + " " + message;
+  std::vector<std::string> all = gather_strings(comm, mine, what);
+  if (status != FSDP_OK) fail(status, message);
+  for (size_t r = 0; r < all.size(); ++r) {
+    if (all[r].empty()) continue;
+    size_t sp = all[r].find(' ');
+    auto st = static_cast<fsdp_status_t>(std::stoi(all[r].substr(0, sp)));
+    fail(st, what + " failed on rank " + std::to_string(r) + ": " + all[r].substr(sp + 1));
+  }
+}
 
 void agree(comm::Communicator& comm, const std::string& what, const std::string& text) {
   if (comm.world_size() == 1) return;

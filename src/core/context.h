@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "../ckpt/meta.h"
 #include "../comm/communicator.h"
 #include "comm_stream.h"
 #include "optimizer.h"
@@ -41,6 +42,10 @@ class Context {
   double last_grad_norm() const;
   const LossScaler& loss_scaler() const { return optimizer_.loss_scaler(); }
   void finalize();
+  // Checkpoints (checkpoint.cpp). Collective. kind is "sharded" or "full".
+  void save(const std::string& dir, const std::string& kind);
+  // Collective. All or nothing: on any rank's failure no rank changes.
+  void load(const std::string& dir);
   MemoryTracker& memory() { return rt_.mem; }
   Trace& trace() { return rt_.trace; }
   const MemoryTracker& memory() const { return rt_.mem; }
@@ -54,6 +59,12 @@ class Context {
   void setup_groups();
   // Fails every collective of this context's communicators (never waits).
   void abort_comms(const std::string& reason);
+  // checkpoint.cpp: the metadata of this context's state, and the files this
+  // rank writes into the staging directory.
+  ckpt::Meta checkpoint_meta(const std::string& kind) const;
+  std::vector<ckpt::FileRecord> write_shard_file(const std::string& staged, const ckpt::Meta& meta);
+  std::vector<ckpt::FileRecord> write_full_files(const std::string& staged, const ckpt::Meta& meta);
+  void check_loadable(const ckpt::Meta& meta, const std::string& file) const;
 
   Runtime rt_;
   std::unique_ptr<device::Device> dev_;

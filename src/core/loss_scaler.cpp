@@ -13,6 +13,14 @@ LossScaler::LossScaler(const Options& o)
       backoff_(o.loss_scale_backoff),
       growth_interval_(o.loss_scale_growth_interval) {}
 
+void LossScaler::restore(double scale, long clean_steps, uint64_t skipped_steps) {
+  if (dynamic_) {
+    scale_ = scale;
+    clean_steps_ = clean_steps;
+  }
+  skipped_ = skipped_steps;
+}
+
 void LossScaler::update(bool finite) {
   if (!finite) {
     ++skipped_;

@@ -16,6 +16,9 @@ class LossScaler {
   explicit LossScaler(const Options& o);
   double scale() const { return scale_; }
   uint64_t skipped_steps() const { return skipped_; }
+  long clean_steps() const { return clean_steps_; }
+  // From a checkpoint. A static or disabled scale stays what the options say.
+  void restore(double scale, long clean_steps, uint64_t skipped_steps);
   // Called once per step with whether the global grads were all finite.
   void update(bool finite);
 

@@ -19,6 +19,30 @@ void Optimizer::add_unit(const Unit& unit) {
   states_.push_back(std::move(s));
 }
 
+std::vector<std::string> Optimizer::state_names() const {
+  const Options& o = rt_.opts;
+  if (o.optimizer != OptimizerKind::kSgd) return {"exp_avg", "exp_avg_sq"};
+  if (o.momentum != 0.0) return {"momentum"};
+  return {};
+}
+
+const Buffer& Optimizer::state(size_t unit, size_t i) const {
+  return i == 0 ? states_.at(unit).exp_avg : states_.at(unit).exp_avg_sq;
+}
+
+Buffer Optimizer::make_state_buffer(size_t numel) const {
+  return Buffer(rt_.state_dev, &rt_.mem, MemCategory::kOptimizerState, DType::kFp32, numel, /*zeroed=*/false);
+}
+
+void Optimizer::restore(long step, double last_grad_norm, std::vector<std::vector<Buffer>> states) {
+  step_ = step;
+  last_grad_norm_ = last_grad_norm;
+  for (size_t k = 0; k < states.size() && k < states_.size(); ++k) {
+    if (states[k].size() > 0) states_[k].exp_avg = std::move(states[k][0]);
+    if (states[k].size() > 1) states_[k].exp_avg_sq = std::move(states[k][1]);
+  }
+}
+
 double Optimizer::grad_sum_squares(const std::vector<std::unique_ptr<Unit>>& units) {
   // Padding in the sharded grads is always zero, so whole shards can be summed.
   double sq = 0.0;

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "loss_scaler.h"
@@ -28,6 +29,15 @@ class Optimizer {
   double last_grad_norm() const { return last_grad_norm_; }
   long step_count() const { return step_; }
   void set_lr(double lr) { rt_.opts.lr = lr; }
+
+  // Checkpoints: the per-element state tensors by name ({"exp_avg",
+  // "exp_avg_sq"}, {"momentum"} or none), unit `unit`'s i-th of them, and
+  // the restore of everything a checkpoint holds (`states[unit][i]`).
+  std::vector<std::string> state_names() const;
+  const Buffer& state(size_t unit, size_t i) const;
+  Buffer make_state_buffer(size_t numel) const;
+  void restore(long step, double last_grad_norm, std::vector<std::vector<Buffer>> states);
+  LossScaler& loss_scaler() { return scaler_; }
 
  private:
   struct State {

@@ -126,6 +126,16 @@ void Unit::set_values(size_t param_index, const float* values, size_t numel) {
   }
 }
 
+void Unit::load_master(Buffer master) {
+  if (in_use() || holds_gathered() || master.numel() != shard_numel()) {
+    fail(FSDP_ERR_INTERNAL, "load_master on unit '" + name_ + "' in state " + unit_state_name(state_));
+  }
+  master_ = std::move(master);
+  if (!lowp_.empty()) rt_.state_dev->cast(lowp_.data(), lowp_.dtype(), master_.data(), DType::kFp32, shard_numel());
+  rt_.state_dev->zero(sgrad_.data(), sgrad_.nbytes());
+  grads_pending_ = false;
+}
+
 void Unit::set_weight_decay(size_t param_index, double weight_decay) {
   check_param_index(param_index, "fsdp_param_set_weight_decay");
   if (!(weight_decay >= 0.0 && weight_decay < 1e9)) {

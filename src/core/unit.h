@@ -45,6 +45,10 @@ class Unit {
 
   void set_values(size_t param_index, const float* values, size_t numel);
   void set_weight_decay(size_t param_index, double weight_decay);
+  // A loaded checkpoint's fp32 master shard replaces this one (the
+  // param_dtype copy follows, sharded grads restart from zero). The unit holds
+  // no gathered params (the caller dropped them).
+  void load_master(Buffer master);
   double weight_decay(size_t param_index) const { return weight_decay_[param_index]; }
 
   void forward_begin();

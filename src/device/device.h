@@ -43,6 +43,10 @@ class Device {
   virtual ~Device() = default;
   virtual const char* name() const = 0;
   virtual Pool pool() const = 0;
+  // Whether the host can read and write this device's memory through its
+  // pointers (checkpoint files are then written from and read into it
+  // directly, with no staging copy).
+  virtual bool host_visible() const = 0;
 
   // Throws Error(FSDP_ERR_OUT_OF_MEMORY) when the allocation fails.
   virtual void* alloc(size_t nbytes) = 0;

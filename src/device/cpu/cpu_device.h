@@ -15,6 +15,7 @@ class CpuDevice final : public Device {
   // has two CPU devices, so that the device <-> host copy path really runs.
   CpuDevice(int n_threads, Pool mem_pool) : pool_(n_threads), mem_pool_(mem_pool) {}
   const char* name() const override { return "cpu"; }
+  bool host_visible() const override { return true; }
   Pool pool() const override { return mem_pool_; }
 
   void* alloc(size_t nbytes) override;

@@ -1,0 +1,67 @@
+// src/ckpt/io.h - the file-system side of checkpoints: RAII file handles whose
+// every failure is an fsdp::Error naming the path, and the steps that make a
+// checkpoint crash-safe (fsync, rename into place). Plus the test-only fault
+// injection (FSDP_CKPT_FAULT) that simulates a crash between two files.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace fsdp::ckpt {
+
+class File {
+ public:
+  File() = default;
+  ~File();
+  File(File&& o) noexcept : fd_(o.fd_), path_(std::move(o.path_)) { o.fd_ = -1; }
+  File& operator=(File&& o) noexcept;
+  File(const File&) = delete;
+  File& operator=(const File&) = delete;
+
+  // FSDP_ERR_CORRUPT when the file is missing (a checkpoint lacks it), IO otherwise.
+  static File open_read(const std::string& path);
+  // Creates a new file (fails if it exists).
+  static File create(const std::string& path);
+
+  const std::string& path() const { return path_; }
+  uint64_t size() const;
+  // Reads exactly n bytes at `offset`; a file that ends first is CORRUPT (truncated).
+  void pread_exact(uint64_t offset, void* buf, size_t n) const;
+  void write_all(const void* buf, size_t n);
+  void sync();
+  void close();
+
+ private:
+  int fd_ = -1;
+  std::string path_;
+};
+
+bool path_exists(const std::string& path);
+bool is_dir(const std::string& path);
+// mkdir -p.
+void make_dirs(const std::string& path);
+// rm -r; quiet when the path does not exist.
+void remove_tree(const std::string& path);
+void sync_dir(const std::string& path);
+std::string parent_dir(const std::string& path);
+std::string join(const std::string& dir, const std::string& name);
+// Where a checkpoint for `dir` is assembled before it is renamed into place:
+// a hidden sibling, so that the rename stays on one file system.
+std::string staging_dir(const std::string& dir);
+// Moves the complete checkpoint `staged` to `dir`. If `dir` holds an older
+// checkpoint the two are swapped atomically (renameat2 RENAME_EXCHANGE), so at
+// every instant `dir` is one whole checkpoint, and the old one is removed
+// afterwards. Both parents are fsync'ed.
+void commit_dir(const std::string& staged, const std::string& dir);
+
+// Test-only fault injection, read from FSDP_CKPT_FAULT:
+//   crash_after_files=N  the process exits (_exit(86), no clean-up) once N
+//                        checkpoint files have been written in it, counting
+//                        across its ranks;
+//   io_error_rank=R      rank R's shard write fails with FSDP_ERR_IO.
+// Unset in production: each check is one getenv.
+void after_file_written();
+bool inject_io_error(int rank);
+
+}  // namespace fsdp::ckpt

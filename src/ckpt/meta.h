@@ -1,0 +1,86 @@
+// src/ckpt/meta.h - a checkpoint's metadata file (fsdp_checkpoint.json): what
+// was saved (sharded or full), by which job (world size, sharding), every
+// unit's flat layout, the optimizer and loss-scaler state, and a record of each
+// file with its checksums. Parsing checks every field, so that a damaged file
+// is refused with FSDP_ERR_CORRUPT naming what is wrong, never trusted.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "safetensors.h"
+
+namespace fsdp::ckpt {
+
+constexpr const char* kMetaFile = "fsdp_checkpoint.json";
+constexpr const char* kFormatName = "libfsdp-checkpoint";
+constexpr int kFormatVersion = 1;
+constexpr uint64_t kDefaultChunkBytes = 1u << 20;
+
+struct ParamMeta {
+  std::string name;
+  std::vector<int64_t> shape;
+  uint64_t numel = 0;
+  uint64_t offset = 0;  // in the unit's flat buffer (sharded checkpoints)
+  double weight_decay = 0.0;
+};
+
+struct UnitMeta {
+  std::string name;
+  uint64_t padded_numel = 0;  // flat buffer length, a multiple of shard_world
+  std::vector<ParamMeta> params;
+  uint64_t shard_numel(int shard_world) const { return padded_numel / static_cast<uint64_t>(shard_world); }
+};
+
+struct OptimizerMeta {
+  std::string kind;  // "adamw", "adam", "sgd"
+  // Per-element state tensors: {"exp_avg", "exp_avg_sq"}, {"momentum"} or {}.
+  std::vector<std::string> state;
+  double lr = 0, beta1 = 0, beta2 = 0, eps = 0, weight_decay = 0, momentum = 0;
+  bool nesterov = false;
+  int64_t step = 0;
+  double last_grad_norm = 0;
+};
+
+struct ScalerMeta {
+  double scale = 1.0;
+  int64_t clean_steps = 0;
+  uint64_t skipped_steps = 0;
+};
+
+struct Meta {
+  std::string kind;  // "sharded" or "full"
+  std::string library;
+  int world_size = 1;
+  std::string sharding;
+  // Sharded: the number of shard files and of flat shards per unit. Full: 1.
+  int shard_world = 1;
+  uint64_t align_elems = 1;
+  uint64_t chunk_bytes = kDefaultChunkBytes;
+  OptimizerMeta optimizer;
+  ScalerMeta scaler;
+  std::vector<UnitMeta> units;
+  std::vector<FileRecord> files;
+
+  bool sharded() const { return kind == "sharded"; }
+  const FileRecord& file(const std::string& name) const;
+};
+
+// Tensor names. Sharded files hold "units.<u>.param" and "units.<u>.<state>"
+// of shape [shard_numel]; model.safetensors holds each param under its own
+// name and shape, optimizer.safetensors "<param>.<state>".
+std::string shard_tensor(size_t unit, const std::string& kind);
+std::string shard_file(int shard, int shard_world);
+constexpr const char* kModelFile = "model.safetensors";
+constexpr const char* kOptimizerFile = "optimizer.safetensors";
+
+std::string to_json(const Meta& m);
+// The file records alone, as ranks send them to the rank that writes the
+// metadata.
+std::string files_to_json(const std::vector<FileRecord>& files);
+std::vector<FileRecord> files_from_json(const std::string& text);
+// Throws FSDP_ERR_CORRUPT naming `file` and the field.
+Meta parse_meta(const std::string& file, const std::string& text);
+
+}  // namespace fsdp::ckpt

@@ -1,0 +1,116 @@
+// src/ckpt/reader.cpp - see reader.h.
+#include "reader.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "../core/error.h"
+
+namespace fsdp::ckpt {
+
+CheckpointReader::CheckpointReader(std::string dir) : dir_(std::move(dir)) {
+  std::string path = join(dir_, kMetaFile);
+  if (!is_dir(dir_))
+    fail(FSDP_ERR_INVALID_ARGUMENT, "'" + dir_ + "' is not a checkpoint directory (no such directory)");
+  File f = File::open_read(path);
+  uint64_t size = f.size();
+  if (size > (uint64_t{1} << 30)) fail(FSDP_ERR_CORRUPT, "checkpoint metadata '" + path + "' is over 1 GiB");
+  std::string text(size, '\0');
+  f.pread_exact(0, text.data(), size);
+  meta_ = parse_meta(path, text);
+}
+
+const Reader& CheckpointReader::file(const std::string& name) {
+  auto it = open_.find(name);
+  if (it != open_.end()) return *it->second;
+  auto r = std::make_unique<Reader>(join(dir_, name), &meta_.file(name), meta_.chunk_bytes);
+  // Every tensor must have the size the layout gives it, so that no read can
+  // pass its end.
+  for (size_t u = 0; u < meta_.units.size(); ++u) {
+    const UnitMeta& um = meta_.units[u];
+    std::vector<std::string> kinds = {"param"};
+    kinds.insert(kinds.end(), meta_.optimizer.state.begin(), meta_.optimizer.state.end());
+    for (const std::string& k : kinds) {
+      if (meta_.sharded()) {
+        const TensorInfo& t = r->tensor(shard_tensor(u, k));
+        if (t.nbytes() != um.shard_numel(meta_.shard_world) * 4) {
+          fail(FSDP_ERR_CORRUPT, "checkpoint file '" + r->path() + "': tensor '" + t.name + "' has " +
+                                     std::to_string(t.nbytes()) + " bytes, the layout needs " +
+                                     std::to_string(um.shard_numel(meta_.shard_world) * 4));
+        }
+        continue;
+      }
+      bool model = k == "param";
+      if ((name == kModelFile) != model) continue;
+      for (const ParamMeta& p : um.params) {
+        const TensorInfo& t = r->tensor(model ? p.name : p.name + "." + k);
+        if (t.nbytes() != p.numel * 4 || t.shape != p.shape) {
+          fail(FSDP_ERR_CORRUPT, "checkpoint file '" + r->path() + "': tensor '" + t.name +
+                                     "' does not have the shape the checkpoint metadata gives it");
+        }
+      }
+    }
+  }
+  return *open_.emplace(name, std::move(r)).first->second;
+}
+
+void CheckpointReader::read_param(size_t u, size_t p, const std::string& kind, uint64_t a, uint64_t b, float* out) {
+  const ParamMeta& pm = meta_.units.at(u).params.at(p);
+  if (a > b || b > pm.numel) fail(FSDP_ERR_INTERNAL, "checkpoint read outside param '" + pm.name + "'");
+  if (!meta_.sharded()) {
+    bool model = kind == "param";
+    file(model ? kModelFile : kOptimizerFile).read(model ? pm.name : pm.name + "." + kind, a * 4, (b - a) * 4, out);
+    return;
+  }
+  uint64_t shard_numel = meta_.units[u].shard_numel(meta_.shard_world);
+  std::string tensor = shard_tensor(u, kind);
+  while (a < b) {
+    uint64_t pos = pm.offset + a;
+    int s = static_cast<int>(pos / shard_numel);
+    uint64_t within = pos % shard_numel;
+    uint64_t k = std::min(b - a, shard_numel - within);
+    file(shard_file(s, meta_.shard_world)).read(tensor, within * 4, k * 4, out);
+    out += k;
+    a += k;
+  }
+}
+
+void CheckpointReader::read_shard(size_t u, const std::string& kind, const core::FlatLayout& layout, int shard,
+                                  float* out) {
+  uint64_t lo = layout.shard_offset(shard);
+  uint64_t hi = lo + layout.shard_numel();
+  uint64_t pos = lo;  // everything before it is filled
+  for (size_t i = 0; i < layout.n_params(); ++i) {
+    uint64_t off = layout.param_offset(i);
+    uint64_t b = std::max(lo, off);
+    uint64_t e = std::min(hi, off + layout.param(i).numel);
+    if (b >= e) continue;
+    std::memset(out + (pos - lo), 0, (b - pos) * sizeof(float));
+    read_param(u, i, kind, b - off, e - off, out + (b - lo));
+    pos = e;
+  }
+  std::memset(out + (pos - lo), 0, (hi - pos) * sizeof(float));
+}
+
+std::string CheckpointReader::verify_all() {
+  std::string problems;
+  for (const FileRecord& f : meta_.files) {
+    try {
+      problems += file(f.name).verify_all();
+    } catch (const Error& e) {
+      problems += std::string(e.what()) + "\n";
+    }
+  }
+  return problems;
+}
+
+void write_meta(const std::string& dir, const Meta& m) {
+  std::string text = to_json(m);
+  File f = File::create(join(dir, kMetaFile));
+  f.write_all(text.data(), text.size());
+  f.sync();
+  f.close();
+  after_file_written();
+}
+
+}  // namespace fsdp::ckpt

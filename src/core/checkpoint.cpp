@@ -1,0 +1,382 @@
+// src/core/checkpoint.cpp - Context::save and Context::load: the collective
+// side of checkpoints. Who writes which file, how the ranks agree on the
+// outcome of every phase (so that all return the same status), and the
+// all-or-nothing load: everything is read and checked into new buffers first,
+// and only when every rank succeeded do they replace the context's state. The
+// file format itself is src/ckpt/.
+#include <algorithm>
+#include <cstring>
+#include <set>
+#include <sstream>
+
+#include "../ckpt/io.h"
+#include "../ckpt/reader.h"
+#include "consensus.h"
+#include "context.h"
+#include "error.h"
+
+namespace fsdp::core {
+namespace {
+
+const char* optimizer_name(OptimizerKind k) {
+  switch (k) {
+    case OptimizerKind::kAdamW:
+      return "adamw";
+    case OptimizerKind::kAdam:
+      return "adam";
+    case OptimizerKind::kSgd:
+      return "sgd";
+  }
+  return "?";
+}
+
+// Streams `nbytes` of `dev` memory into the writer (staged through the host
+// when the device's memory is not host-visible).
+void write_from(ckpt::Writer& w, device::Device* dev, const void* src, size_t nbytes) {
+  if (dev->host_visible()) {
+    w.write(src, nbytes);
+    return;
+  }
+  std::vector<char> stage(std::min<size_t>(nbytes, 8u << 20));
+  for (size_t off = 0; off < nbytes; off += stage.size()) {
+    size_t k = std::min(stage.size(), nbytes - off);
+    dev->copy_to_host(stage.data(), static_cast<const char*>(src) + off, k);
+    w.write(stage.data(), k);
+  }
+}
+
+struct Outcome {
+  fsdp_status_t status = FSDP_OK;
+  std::string message;
+  bool ok() const { return status == FSDP_OK; }
+};
+
+template <typename F>
+Outcome attempt(F&& body) {
+  Outcome o;
+  try {
+    body();
+  } catch (const Error& e) {
+    o.status = e.status();
+    o.message = e.what();
+  } catch (const std::bad_alloc&) {
+    o.status = FSDP_ERR_OUT_OF_MEMORY;
+    o.message = "out of host memory";
+  } catch (const std::exception& e) {
+    o.status = FSDP_ERR_INTERNAL;
+    o.message = std::string("internal error (please report): ") + e.what();
+  }
+  return o;
+}
+
+std::string shape_str(const std::vector<int64_t>& s) {
+  std::ostringstream os;
+  os << "[";
+  for (size_t i = 0; i < s.size(); ++i) os << (i ? ", " : "") << s[i];
+  os << "]";
+  return os.str();
+}
+
+}  // namespace
+
+ckpt::Meta Context::checkpoint_meta(const std::string& kind) const {
+  const Options& o = rt_.opts;
+  ckpt::Meta m;
+  m.kind = kind;
+  m.library = "libfsdp " + std::to_string(FSDP_VERSION_MAJOR) + "." + std::to_string(FSDP_VERSION_MINOR) + "." +
+              std::to_string(FSDP_VERSION_PATCH);
+  m.world_size = rt_.world;
+  m.sharding = sharding_name(o.sharding);
+  m.shard_world = kind == "sharded" ? rt_.shard_world() : 1;
+  m.align_elems = o.align_bytes / sizeof(float);
+  ckpt::OptimizerMeta& om = m.optimizer;
+  om.kind = optimizer_name(o.optimizer);
+  om.state = optimizer_.state_names();
+  om.lr = o.lr;
+  om.beta1 = o.beta1;
+  om.beta2 = o.beta2;
+  om.eps = o.eps;
+  om.weight_decay = o.weight_decay;
+  om.momentum = o.momentum;
+  om.nesterov = o.nesterov;
+  om.step = optimizer_.step_count();
+  om.last_grad_norm = optimizer_.last_grad_norm();
+  const LossScaler& s = optimizer_.loss_scaler();
+  m.scaler = {s.scale(), s.clean_steps(), s.skipped_steps()};
+  for (const auto& u : units_) {
+    ckpt::UnitMeta um;
+    um.name = u->name();
+    um.padded_numel = u->layout().padded_numel();
+    for (size_t i = 0; i < u->layout().n_params(); ++i) {
+      const ParamSpec& p = u->layout().param(i);
+      um.params.push_back({p.name, p.shape, p.numel, u->layout().param_offset(i), u->weight_decay(i)});
+    }
+    m.units.push_back(std::move(um));
+  }
+  return m;
+}
+
+std::vector<ckpt::FileRecord> Context::write_shard_file(const std::string& staged, const ckpt::Meta& meta) {
+  // One file per shard of the shard group: replicas (HYBRID_SHARD's other
+  // groups, NO_SHARD's other ranks) hold the same shards and write nothing.
+  if (rt_.rank >= rt_.shard_world()) return {};
+  if (ckpt::inject_io_error(rt_.rank)) {
+    fail(FSDP_ERR_IO, "cannot write '" + ckpt::join(staged, ckpt::shard_file(rt_.shard_rank(), meta.shard_world)) +
+                          "': injected by FSDP_CKPT_FAULT");
+  }
+  std::vector<std::string> kinds = {"param"};
+  kinds.insert(kinds.end(), meta.optimizer.state.begin(), meta.optimizer.state.end());
+  std::vector<ckpt::Writer::Entry> entries;
+  for (size_t k = 0; k < units_.size(); ++k) {
+    for (const std::string& kind : kinds) {
+      entries.push_back({ckpt::shard_tensor(k, kind), {static_cast<int64_t>(units_[k]->shard_numel())}});
+    }
+  }
+  std::string name = ckpt::shard_file(rt_.shard_rank(), meta.shard_world);
+  ckpt::Writer w(ckpt::join(staged, name), name, std::move(entries),
+                 {{"format", ckpt::kFormatName},
+                  {"shard", std::to_string(rt_.shard_rank())},
+                  {"shard_world", std::to_string(meta.shard_world)}},
+                 meta.chunk_bytes);
+  for (size_t k = 0; k < units_.size(); ++k) {
+    size_t nbytes = units_[k]->shard_numel() * sizeof(float);
+    write_from(w, rt_.state_dev, units_[k]->master(), nbytes);
+    for (size_t i = 0; i < meta.optimizer.state.size(); ++i) {
+      write_from(w, rt_.state_dev, optimizer_.state(k, i).data(), nbytes);
+    }
+  }
+  return {w.finish()};
+}
+
+std::vector<ckpt::FileRecord> Context::write_full_files(const std::string& staged, const ckpt::Meta& meta) {
+  // Shard group 0 gathers one unit at a time; rank 0 writes it. The other
+  // groups hold the same values and have nothing to do.
+  if (rt_.rank >= rt_.shard_world()) return {};
+  bool root = rt_.rank == 0;
+  const std::vector<std::string>& states = meta.optimizer.state;
+  std::unique_ptr<ckpt::Writer> model;
+  std::unique_ptr<ckpt::Writer> optim;
+  // An I/O failure on rank 0 must not leave the others waiting in a gather:
+  // it stops writing, keeps gathering, and reports at the end.
+  Outcome io;
+  auto on_root = [&](auto&& body) {
+    if (root && io.ok()) io = attempt(body);
+  };
+  on_root([&] {
+    std::vector<ckpt::Writer::Entry> params;
+    std::vector<ckpt::Writer::Entry> moments;
+    // In the order the loop below writes them: unit by unit, and within a
+    // unit one state at a time.
+    for (const auto& u : units_) {
+      const FlatLayout& lay = u->layout();
+      for (size_t i = 0; i < lay.n_params(); ++i) params.push_back({lay.param(i).name, lay.param(i).shape});
+      for (const std::string& s : states) {
+        for (size_t i = 0; i < lay.n_params(); ++i)
+          moments.push_back({lay.param(i).name + "." + s, lay.param(i).shape});
+      }
+    }
+    std::map<std::string, std::string> md = {{"format", "pt"}, {"written_by", meta.library}};
+    model = std::make_unique<ckpt::Writer>(ckpt::join(staged, ckpt::kModelFile), ckpt::kModelFile, std::move(params),
+                                           md, meta.chunk_bytes);
+    if (!states.empty()) {
+      optim = std::make_unique<ckpt::Writer>(ckpt::join(staged, ckpt::kOptimizerFile), ckpt::kOptimizerFile,
+                                             std::move(moments), md, meta.chunk_bytes);
+    }
+  });
+  bool gather = rt_.shard_world() > 1;
+  for (size_t k = 0; k < units_.size(); ++k) {
+    Unit& u = *units_[k];
+    const FlatLayout& lay = u.layout();
+    // The full flat unit, reused for the params and each state in turn: the
+    // peak is one unit (plus, offloaded, the shard staged for the gather).
+    Buffer full;
+    Buffer staged_shard;
+    if (gather) {
+      full = Buffer(rt_.dev, &rt_.mem, MemCategory::kScratch, DType::kFp32, lay.padded_numel(), /*zeroed=*/false);
+      if (rt_.offload()) {
+        staged_shard = Buffer(rt_.dev, &rt_.mem, MemCategory::kScratch, DType::kFp32, u.shard_numel(), false);
+      }
+    }
+    for (size_t s = 0; s <= states.size(); ++s) {
+      const float* shard = s == 0 ? u.master() : optimizer_.state(k, s - 1).as<float>();
+      const float* flat = shard;
+      device::Device* where = rt_.state_dev;
+      if (gather) {
+        if (rt_.offload()) {
+          rt_.dev->copy_from_host(staged_shard.data(), shard, u.shard_numel() * sizeof(float));
+          shard = staged_shard.as<float>();
+        }
+        rt_.shard_sync->all_gather(shard, full.data(), u.shard_numel() * sizeof(float),
+                                   "fsdp_save gather of unit '" + u.name() + "'");
+        flat = full.as<float>();
+        where = rt_.dev;
+      }
+      on_root([&] {
+        ckpt::Writer& w = s == 0 ? *model : *optim;
+        for (size_t i = 0; i < lay.n_params(); ++i) {
+          write_from(w, where, flat + lay.param_offset(i), lay.param(i).numel * sizeof(float));
+        }
+      });
+    }
+  }
+  std::vector<ckpt::FileRecord> recs;
+  on_root([&] {
+    recs.push_back(model->finish());
+    if (optim) recs.push_back(optim->finish());
+  });
+  if (!io.ok()) fail(io.status, io.message);
+  return recs;
+}
+
+void Context::save(const std::string& dir, const std::string& kind) {
+  check_no_unit_in_use("fsdp_save");
+  agree(*rt_.comm, "fsdp_save", "kind=" + kind + "\ndir=" + dir);
+  if (kind != "sharded" && kind != "full") {
+    fail(FSDP_ERR_INVALID_ARGUMENT, "fsdp_save: kind must be \"sharded\" or \"full\", not \"" + kind + "\"");
+  }
+  if (dir.empty()) fail(FSDP_ERR_INVALID_ARGUMENT, "fsdp_save: dir is empty");
+  if (kind == "full") {
+    std::set<std::string> names;
+    for (const auto& u : units_) {
+      for (size_t i = 0; i < u->layout().n_params(); ++i) {
+        const std::string& n = u->layout().param(i).name;
+        if (!names.insert(n).second || n == "__metadata__") {
+          fail(FSDP_ERR_INVALID_ARGUMENT, "fsdp_save: a full checkpoint names tensors by param name, and '" + n +
+                                              "' (unit '" + u->name() +
+                                              "') is used twice or reserved; register unique names "
+                                              "(e.g. 'layers.3.weight') or save \"sharded\"");
+        }
+      }
+    }
+  }
+  TraceScope scope(rt_.trace, "save");
+  const std::string what = "fsdp_save to '" + dir + "'";
+  ckpt::Meta meta = checkpoint_meta(kind);
+  std::string staged = ckpt::staging_dir(dir);
+  bool root = rt_.rank == 0;
+  // A staging directory left by a crashed save is stale: start afresh.
+  Outcome prep = attempt([&] {
+    if (!root) return;
+    ckpt::make_dirs(ckpt::parent_dir(staged));
+    ckpt::remove_tree(staged);
+    ckpt::make_dirs(staged);
+  });
+  check_outcomes(*rt_.comm, what + " (preparing " + staged + ")", prep.status, prep.message);
+
+  std::vector<ckpt::FileRecord> mine;
+  Outcome wrote =
+      attempt([&] { mine = kind == "sharded" ? write_shard_file(staged, meta) : write_full_files(staged, meta); });
+  Outcome commit;
+  try {
+    check_outcomes(*rt_.comm, what, wrote.status, wrote.message);
+    std::vector<std::string> recs = gather_strings(*rt_.comm, ckpt::files_to_json(mine), what + " (file records)");
+    commit = attempt([&] {
+      if (!root) return;
+      for (const std::string& r : recs) {
+        for (ckpt::FileRecord& f : ckpt::files_from_json(r)) meta.files.push_back(std::move(f));
+      }
+      ckpt::write_meta(staged, meta);
+      ckpt::commit_dir(staged, dir);
+    });
+    check_outcomes(*rt_.comm, what + " (commit)", commit.status, commit.message);
+  } catch (const Error&) {
+    // The previous checkpoint at `dir` is untouched; the partial one goes.
+    if (root) attempt([&] { ckpt::remove_tree(staged); });
+    throw;
+  }
+}
+
+void Context::check_loadable(const ckpt::Meta& m, const std::string& file) const {
+  auto bad = [&](const std::string& msg) {
+    fail(FSDP_ERR_INVALID_ARGUMENT, "fsdp_load: checkpoint '" + file + "' does not fit this context: " + msg);
+  };
+  if (m.units.size() != units_.size()) {
+    bad("it holds " + std::to_string(m.units.size()) + " units, this context registered " +
+        std::to_string(units_.size()));
+  }
+  for (size_t k = 0; k < units_.size(); ++k) {
+    const ckpt::UnitMeta& cu = m.units[k];
+    const FlatLayout& lay = units_[k]->layout();
+    std::string where = "unit #" + std::to_string(k) + " '" + units_[k]->name() + "'";
+    if (cu.name != units_[k]->name()) bad(where + " is '" + cu.name + "' in the checkpoint");
+    if (cu.params.size() != lay.n_params()) {
+      bad(where + " has " + std::to_string(cu.params.size()) + " params in the checkpoint, " +
+          std::to_string(lay.n_params()) + " here");
+    }
+    for (size_t i = 0; i < lay.n_params(); ++i) {
+      const ckpt::ParamMeta& cp = cu.params[i];
+      const ParamSpec& p = lay.param(i);
+      if (cp.name != p.name)
+        bad(where + " param " + std::to_string(i) + " is '" + cp.name + "', here '" + p.name + "'");
+      if (cp.shape != p.shape) {
+        bad("tensor '" + p.name + "' of " + where + " has shape " + shape_str(cp.shape) + ", registered " +
+            shape_str(p.shape));
+      }
+    }
+  }
+  std::vector<std::string> states = optimizer_.state_names();
+  if (m.optimizer.state != states) {
+    auto list = [](const std::vector<std::string>& v) {
+      std::string s;
+      for (const auto& x : v) s += (s.empty() ? "" : ", ") + x;
+      return "[" + s + "]";
+    };
+    bad("its optimizer '" + m.optimizer.kind + "' keeps state " + list(m.optimizer.state) + ", this context's '" +
+        optimizer_name(rt_.opts.optimizer) + "' keeps " + list(states));
+  }
+}
+
+void Context::load(const std::string& dir) {
+  check_no_unit_in_use("fsdp_load");
+  agree(*rt_.comm, "fsdp_load", "dir=" + dir);
+  TraceScope scope(rt_.trace, "load");
+  const std::string what = "fsdp_load from '" + dir + "'";
+  // Gathered params would be stale after the load; queued reductions write
+  // the grads that the load resets.
+  settle_units();
+  std::vector<Buffer> masters;
+  std::vector<std::vector<Buffer>> states;
+  ckpt::Meta meta;
+  Outcome read = attempt([&] {
+    for (const auto& u : units_) {
+      if (u->grads_pending()) {
+        fail(FSDP_ERR_INVALID_STATE, "fsdp_load (" + rt_.where() + "): unit '" + u->name() +
+                                         "' holds grads accumulated with grad sync off; run fsdp_step first");
+      }
+    }
+    ckpt::CheckpointReader r(dir);
+    check_loadable(r.meta(), ckpt::join(dir, ckpt::kMetaFile));
+    const std::vector<std::string>& names = r.meta().optimizer.state;
+    std::vector<float> host;  // staging, only for a device the host cannot see
+    auto read_into = [&](Buffer& b, size_t k, const std::string& kind) {
+      const Unit& u = *units_[k];
+      float* out = b.as<float>();
+      if (!rt_.state_dev->host_visible()) {
+        host.resize(u.shard_numel());
+        out = host.data();
+      }
+      r.read_shard(k, kind, u.layout(), rt_.shard_rank(), out);
+      if (out != b.data()) rt_.state_dev->copy_from_host(b.data(), out, u.shard_numel() * sizeof(float));
+    };
+    for (size_t k = 0; k < units_.size(); ++k) {
+      size_t n = units_[k]->shard_numel();
+      masters.emplace_back(rt_.state_dev, &rt_.mem, MemCategory::kShardedParams, DType::kFp32, n, false);
+      read_into(masters.back(), k, "param");
+      states.emplace_back();
+      for (const std::string& s : names) {
+        states.back().push_back(optimizer_.make_state_buffer(n));
+        read_into(states.back().back(), k, s);
+      }
+    }
+    meta = r.meta();
+  });
+  check_outcomes(*rt_.comm, what, read.status, read.message);
+  // Every rank has everything: from here on nothing can fail.
+  for (size_t k = 0; k < units_.size(); ++k) units_[k]->load_master(std::move(masters[k]));
+  optimizer_.restore(meta.optimizer.step, meta.optimizer.last_grad_norm, std::move(states));
+  optimizer_.loss_scaler().restore(meta.scaler.scale, static_cast<long>(meta.scaler.clean_steps),
+                                   meta.scaler.skipped_steps);
+  optimizer_.set_lr(meta.optimizer.lr);
+}
+
+}  // namespace fsdp::core
