@@ -90,7 +90,6 @@ class Writer {
   size_t cur_ = 0;       // tensor being written
   uint64_t in_cur_ = 0;  // bytes of it written
   uint32_t chunk_crc_ = 0;
-  uint32_t tensor_crc_ = 0;
   std::vector<char> buf_;
   size_t buf_used_ = 0;
 };
