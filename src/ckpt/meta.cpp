@@ -1,6 +1,7 @@
 // src/ckpt/meta.cpp - see meta.h.
 #include "meta.h"
 
+#include <cmath>
 #include <cstdio>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -39,6 +40,13 @@ class Fields {
     const json& v = get(key);
     if (!v.is_number()) at(key).bad("is not a number");
     return v.get<double>();
+  }
+  // JSON has no inf or nan: they are written as null (the grad norm of a
+  // skipped step) and read back as nan.
+  double num_or_nan(const char* key) const {
+    const json& v = get(key);
+    if (v.is_null()) return std::nan("");
+    return num(key);
   }
   bool boolean(const char* key) const {
     const json& v = get(key);
@@ -258,7 +266,7 @@ Meta parse_meta(const std::string& file, const std::string& text) {
   o.momentum = of.num("momentum");
   o.nesterov = of.boolean("nesterov");
   o.step = static_cast<int64_t>(of.u64("step", uint64_t{1} << 62));
-  o.last_grad_norm = of.num("last_grad_norm");
+  o.last_grad_norm = of.num_or_nan("last_grad_norm");
   Fields sf = root.object("loss_scaler");
   m.scaler.scale = sf.num("scale");
   if (!(m.scaler.scale > 0)) sf.at("scale").bad("must be positive");

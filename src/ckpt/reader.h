@@ -28,13 +28,14 @@ class CheckpointReader {
   // the checkpoint's: another world size or alignment); padding is zero.
   // `layout` must have the unit's params (checked by the caller).
   void read_shard(size_t u, const std::string& kind, const core::FlatLayout& layout, int shard, float* out);
-  // Every file read whole, every checksum checked; the problems found, one
-  // per line ("" if none).
+  // Every file read whole, every checksum checked; the damage found, one
+  // line each ("" if none). Throws what is not damage (FSDP_ERR_IO).
   std::string verify_all();
 
  private:
   const Reader& file(const std::string& name);
 
+  static constexpr size_t kMaxOpenFiles = 32;
   std::string dir_;
   Meta meta_;
   std::map<std::string, std::unique_ptr<Reader>> open_;
