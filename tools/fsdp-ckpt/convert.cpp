@@ -1,0 +1,249 @@
+// tools/fsdp-ckpt/convert.cpp - the writing subcommands: consolidate (any
+// checkpoint -> full) and reshard (any checkpoint -> N shard files), both
+// streaming and crash-safe (staging directory, metadata, atomic commit).
+#include <algorithm>
+#include <cstdio>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <string>
+#include <system_error>
+#include <vector>
+
+#include "args.h"
+#include "ckpt/io.h"
+#include "ckpt/reader.h"
+#include "core/error.h"
+#include "core/layout.h"
+
+namespace fsdp_ckpt {
+namespace {
+
+namespace ckpt = fsdp::ckpt;
+namespace fs = std::filesystem;
+using fsdp::fail;
+
+// Elements read per call: large enough to amortise, small enough that a huge
+// param does not need a buffer of its size.
+constexpr uint64_t kMaxBufferElems = uint64_t{4} << 20;
+
+// The "library" field as Context::checkpoint_meta writes it: the tool writes
+// with this build of the library.
+std::string library_name() {
+  return "libfsdp " + std::to_string(FSDP_VERSION_MAJOR) + "." + std::to_string(FSDP_VERSION_MINOR) + "." +
+         std::to_string(FSDP_VERSION_PATCH);
+}
+
+fs::path resolved(const std::string& p) {
+  std::string s = p;
+  while (s.size() > 1 && s.back() == '/') s.pop_back();
+  std::error_code ec;
+  fs::path abs = fs::absolute(s, ec);
+  fs::path r;
+  if (!ec) r = fs::weakly_canonical(abs, ec);
+  if (ec) fail(FSDP_ERR_IO, "cannot resolve path '" + p + "': " + ec.message());
+  return r.lexically_normal();
+}
+
+// True when `inner` is `outer` or lies inside it.
+bool within(const fs::path& inner, const fs::path& outer) {
+  auto o = outer.begin();
+  auto i = inner.begin();
+  for (; o != outer.end(); ++o, ++i) {
+    if (o->empty()) continue;  // a trailing separator
+    if (i == inner.end() || *i != *o) return false;
+  }
+  return true;
+}
+
+// Refuses a destination that would destroy the source or something that is
+// not a checkpoint: commit_dir replaces what DST holds.
+void check_destination(const std::string& src, const std::string& dst) {
+  fs::path s = resolved(src);
+  fs::path d = resolved(dst);
+  if (within(d, s)) throw UsageError("DST '" + dst + "' is SRC '" + src + "' or inside it");
+  if (within(s, d)) throw UsageError("DST '" + dst + "' contains SRC '" + src + "'");
+  std::error_code ec;
+  if (!fs::exists(d, ec)) return;
+  if (!fs::is_directory(d, ec)) fail(FSDP_ERR_IO, "cannot write a checkpoint to '" + dst + "': it is not a directory");
+  if (fs::exists(d / ckpt::kMetaFile, ec) || fs::is_empty(d, ec)) return;
+  fail(FSDP_ERR_IO, "refusing to replace '" + dst +
+                        "': it is a non-empty directory that holds no libfsdp checkpoint (" + ckpt::kMetaFile + ")");
+}
+
+// The hidden sibling directory where DST is assembled; removed unless
+// committed.
+class Staging {
+ public:
+  explicit Staging(const std::string& dst) : dst_(dst), dir_(ckpt::staging_dir(dst)) {
+    ckpt::make_dirs(ckpt::parent_dir(dir_));
+    ckpt::remove_tree(dir_);  // left by a crashed run: stale
+    ckpt::make_dirs(dir_);
+  }
+  ~Staging() {
+    if (done_) return;
+    try {
+      ckpt::remove_tree(dir_);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "fsdp-ckpt: %s\n", e.what());
+    }
+  }
+  Staging(const Staging&) = delete;
+  Staging& operator=(const Staging&) = delete;
+
+  std::string path(const std::string& name) const { return ckpt::join(dir_, name); }
+  // Metadata last, then the atomic rename: DST is the old or the new
+  // checkpoint at every instant.
+  void commit(const ckpt::Meta& m) {
+    ckpt::write_meta(dir_, m);
+    ckpt::commit_dir(dir_, dst_);  // on failure the partial checkpoint goes, as in fsdp_save
+    done_ = true;
+  }
+
+ private:
+  std::string dst_;
+  std::string dir_;
+  bool done_ = false;
+};
+
+std::vector<std::string> kinds_of(const ckpt::Meta& m) {
+  std::vector<std::string> kinds = {"param"};
+  kinds.insert(kinds.end(), m.optimizer.state.begin(), m.optimizer.state.end());
+  return kinds;
+}
+
+// Streams elements of one param (or one of its optimizer states) from the
+// source into the writer, through `buf`.
+void copy_param(ckpt::CheckpointReader& r, size_t u, size_t p, const std::string& kind, std::vector<float>& buf,
+                ckpt::Writer& w) {
+  uint64_t n = r.meta().units[u].params[p].numel;
+  for (uint64_t a = 0; a < n; a += buf.size()) {
+    uint64_t b = std::min<uint64_t>(n, a + buf.size());
+    r.read_param(u, p, kind, a, b, buf.data());
+    w.write(buf.data(), static_cast<size_t>(b - a) * sizeof(float));
+  }
+}
+
+}  // namespace
+
+int run_consolidate(const Args& a) {
+  const std::string& src = a.pos[0];
+  const std::string& dst = a.pos[1];
+  check_destination(src, dst);
+  ckpt::CheckpointReader r(src);
+  const ckpt::Meta& in = r.meta();
+  const std::vector<std::string>& states = in.optimizer.state;
+
+  // A full checkpoint names tensors by param name.
+  std::map<std::string, std::string> owner;
+  uint64_t largest = 1;
+  std::vector<ckpt::Writer::Entry> params;
+  std::vector<ckpt::Writer::Entry> moments;
+  for (const ckpt::UnitMeta& u : in.units) {
+    for (const ckpt::ParamMeta& p : u.params) {
+      auto [it, fresh] = owner.emplace(p.name, u.name);
+      if (!fresh) {
+        fail(FSDP_ERR_INVALID_ARGUMENT, "cannot consolidate '" + src + "': param name '" + p.name +
+                                            "' is used twice (units '" + it->second + "' and '" + u.name +
+                                            "'), and a full checkpoint names tensors by param name");
+      }
+      largest = std::max(largest, p.numel);
+      params.push_back({p.name, p.shape});
+    }
+    // Unit by unit, and within a unit one state at a time.
+    for (const std::string& s : states) {
+      for (const ckpt::ParamMeta& p : u.params) moments.push_back({p.name + "." + s, p.shape});
+    }
+  }
+
+  ckpt::Meta out = in;
+  out.kind = "full";
+  out.shard_world = 1;
+  out.library = library_name();
+  out.files.clear();
+
+  Staging staging(dst);
+  // Tensor order, names and metadata as Context::write_full_files writes them.
+  std::map<std::string, std::string> md = {{"format", "pt"}, {"written_by", out.library}};
+  ckpt::Writer model(staging.path(ckpt::kModelFile), ckpt::kModelFile, std::move(params), md, out.chunk_bytes);
+  std::unique_ptr<ckpt::Writer> optim;
+  if (!states.empty()) {
+    optim = std::make_unique<ckpt::Writer>(staging.path(ckpt::kOptimizerFile), ckpt::kOptimizerFile, std::move(moments),
+                                           md, out.chunk_bytes);
+  }
+  std::vector<float> buf(static_cast<size_t>(std::min(largest, kMaxBufferElems)));
+  for (size_t u = 0; u < in.units.size(); ++u) {
+    size_t n = in.units[u].params.size();
+    for (size_t p = 0; p < n; ++p) copy_param(r, u, p, "param", buf, model);
+    for (const std::string& s : states) {
+      for (size_t p = 0; p < n; ++p) copy_param(r, u, p, s, buf, *optim);
+    }
+  }
+  out.files.push_back(model.finish());
+  if (optim) out.files.push_back(optim->finish());
+  staging.commit(out);
+  std::printf("consolidated %s (%s, shard world %d) into %s: %zu units, %zu params\n", src.c_str(), in.kind.c_str(),
+              in.shard_world, dst.c_str(), in.units.size(), owner.size());
+  return 0;
+}
+
+int run_reshard(const Args& a) {
+  if (!a.has("--world")) throw UsageError("reshard needs --world N");
+  int world = parse_world("--world", a.opts.at("--world"));
+  const std::string& src = a.pos[0];
+  const std::string& dst = a.pos[1];
+  check_destination(src, dst);
+  ckpt::CheckpointReader r(src);
+  const ckpt::Meta& in = r.meta();
+
+  ckpt::Meta out = in;
+  out.kind = "sharded";
+  out.world_size = world;
+  out.shard_world = world;
+  if (!in.sharded()) out.sharding = "FULL_SHARD";
+  out.library = library_name();
+  out.files.clear();
+  // Each unit laid out as an N-rank job with the source's alignment lays it out.
+  std::vector<fsdp::core::FlatLayout> layouts;
+  size_t largest = 1;
+  for (ckpt::UnitMeta& u : out.units) {
+    std::vector<fsdp::core::ParamSpec> specs;
+    for (const ckpt::ParamMeta& p : u.params) specs.push_back({p.name, p.shape, static_cast<size_t>(p.numel)});
+    layouts.emplace_back(std::move(specs), static_cast<size_t>(in.align_elems), world);
+    const fsdp::core::FlatLayout& lay = layouts.back();
+    u.padded_numel = lay.padded_numel();
+    for (size_t i = 0; i < u.params.size(); ++i) u.params[i].offset = lay.param_offset(i);
+    largest = std::max(largest, lay.shard_numel());
+  }
+  std::vector<std::string> kinds = kinds_of(in);
+
+  Staging staging(dst);
+  std::vector<float> buf(largest);
+  for (int s = 0; s < world; ++s) {
+    std::vector<ckpt::Writer::Entry> entries;
+    for (size_t u = 0; u < layouts.size(); ++u) {
+      for (const std::string& k : kinds) {
+        entries.push_back({ckpt::shard_tensor(u, k), {static_cast<int64_t>(layouts[u].shard_numel())}});
+      }
+    }
+    // Names and metadata as Context::write_shard_file writes them.
+    std::string name = ckpt::shard_file(s, world);
+    ckpt::Writer w(
+        staging.path(name), name, std::move(entries),
+        {{"format", ckpt::kFormatName}, {"shard", std::to_string(s)}, {"shard_world", std::to_string(world)}},
+        out.chunk_bytes);
+    for (size_t u = 0; u < layouts.size(); ++u) {
+      for (const std::string& k : kinds) {
+        r.read_shard(u, k, layouts[u], s, buf.data());
+        w.write(buf.data(), layouts[u].shard_numel() * sizeof(float));
+      }
+    }
+    out.files.push_back(w.finish());
+  }
+  staging.commit(out);
+  std::printf("resharded %s (%s, shard world %d) into %s: %d shard files\n", src.c_str(), in.kind.c_str(),
+              in.shard_world, dst.c_str(), world);
+  return 0;
+}
+
+}  // namespace fsdp_ckpt
