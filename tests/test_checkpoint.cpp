@@ -385,7 +385,7 @@ std::vector<Damage> damages() {
       {"NotADirectory",
        [](const std::string& d) { std::filesystem::remove_all(d); },
        FSDP_ERR_INVALID_ARGUMENT,
-       {"no such directory"}},
+       {"fsdp_load: ", "does not exist"}},
   };
 }
 
@@ -503,7 +503,12 @@ State load_world(const std::string& dir, int world) {
   return got[0];
 }
 
-class Crash : public ::testing::TestWithParam<int> {};
+struct CrashCase {
+  std::string fault;
+  std::string name;
+};
+
+class Crash : public ::testing::TestWithParam<CrashCase> {};
 
 // A save at world 4 writes 4 shard files, then the metadata, then renames.
 // The process dies after N files (FSDP_CKPT_FAULT, real _exit: no clean-up):
@@ -515,7 +520,7 @@ TEST_P(Crash, BetweenFilesLeavesThePreviousCheckpointLoadable) {
   pid_t pid = fork();
   ASSERT_GE(pid, 0);
   if (pid == 0) {
-    setenv("FSDP_CKPT_FAULT", ("crash_after_files=" + std::to_string(GetParam())).c_str(), 1);
+    setenv("FSDP_CKPT_FAULT", GetParam().fault.c_str(), 1);
     save_world4(dir, 8, 3);
     _exit(1);  // the save should not have returned
   }
@@ -531,8 +536,52 @@ TEST_P(Crash, BetweenFilesLeavesThePreviousCheckpointLoadable) {
   EXPECT_TRUE(bitwise_equal(load_world(dir, 3), next));
 }
 
-INSTANTIATE_TEST_SUITE_P(Checkpoint, Crash, ::testing::Values(1, 2, 4, 5),
-                         [](const auto& i) { return "after_" + std::to_string(i.param) + "_files"; });
+INSTANTIATE_TEST_SUITE_P(Checkpoint, Crash,
+                         ::testing::Values(CrashCase{"crash_after_files=1", "after_1_file"},
+                                           CrashCase{"crash_after_files=2", "after_2_files"},
+                                           CrashCase{"crash_after_files=4", "after_every_shard"},
+                                           CrashCase{"crash_after_files=5", "after_the_metadata"},
+                                           CrashCase{"no_exchange=1,crash_after_files=5",
+                                                     "NoExchange_after_the_metadata"}),
+                         [](const auto& i) { return i.param.name; });
+
+// On a file system without RENAME_EXCHANGE the old checkpoint moves aside,
+// then the new one into place. A crash between the two leaves the old one
+// whole beside `dir`; the next save moves it back before anything else, so a
+// save that then fails still leaves it at `dir`.
+TEST(Checkpoint, CrashBetweenTheTwoRenamesIsRecoveredByTheNextSave) {
+  TempDir tmp;
+  const std::string dir = tmp / "ck";
+  const State previous = save_world4(dir, 12, 2);
+  pid_t pid = fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    setenv("FSDP_CKPT_FAULT", "no_exchange=1,crash_after_aside=1", 1);
+    save_world4(dir, 13, 3);
+    _exit(1);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(WIFEXITED(status));
+  ASSERT_EQ(WEXITSTATUS(status), 86);
+  ASSERT_FALSE(std::filesystem::exists(dir));
+  EXPECT_TRUE(bitwise_equal(load_world(tmp / ".ck.fsdp-staging.old", 2), previous)) << "the aside copy is not whole";
+  setenv("FSDP_CKPT_FAULT", "io_error_rank=1", 1);
+  run_ranks(4, [&](int rank, fsdp_local_group_t* group) {
+    Job job;
+    open_job(job, kNet, base_options("FULL_SHARD"), rank, group);
+    EXPECT_STATUS(FSDP_ERR_IO, fsdp_save(job.ctx.get(), dir.c_str(), "sharded"));
+  });
+  unsetenv("FSDP_CKPT_FAULT");
+  EXPECT_TRUE(bitwise_equal(load_world(dir, 4), previous));
+  EXPECT_FALSE(std::filesystem::exists(tmp / ".ck.fsdp-staging.old"));
+  // And the two-rename path, uninterrupted, replaces it.
+  setenv("FSDP_CKPT_FAULT", "no_exchange=1", 1);
+  const State next = save_world4(dir, 14, 1);
+  unsetenv("FSDP_CKPT_FAULT");
+  EXPECT_TRUE(bitwise_equal(load_world(dir, 1), next));
+  EXPECT_FALSE(std::filesystem::exists(tmp / ".ck.fsdp-staging.old"));
+}
 
 // One rank's write fails: every rank returns FSDP_ERR_IO naming that file,
 // the previous checkpoint stays, the partial one is removed.
@@ -616,6 +665,30 @@ TEST(Checkpoint, BadArgumentsFailOnEveryRankAndWriteNothing) {
     ASSERT_OK(fsdp_forward_end(job.units[0], nullptr));
   });
   EXPECT_TRUE(std::filesystem::is_empty(tmp.path()));
+}
+
+// fsdp_save replaces `dir` whole, so it must hold a checkpoint (or nothing).
+TEST(Checkpoint, SaveRefusesToReplaceWhatIsNotACheckpoint) {
+  TempDir tmp;
+  std::filesystem::create_directories(tmp / "notes");
+  write_file(tmp / "notes/keep.txt", "mine");
+  write_file(tmp / "file", "mine too");
+  run_ranks(2, [&](int rank, fsdp_local_group_t* group) {
+    Job job;
+    open_job(job, kNet, base_options("FULL_SHARD"), rank, group);
+    for (const char* d : {"notes", "file"}) {
+      fsdp_status_t st = fsdp_save(job.ctx.get(), (tmp / d).c_str(), "sharded");
+      std::string msg = last_error_str();
+      EXPECT_EQ(st, FSDP_ERR_INVALID_ARGUMENT) << msg;
+      EXPECT_NE(msg.find(tmp / d), std::string::npos) << msg;
+    }
+    // An empty directory is fine.
+    std::filesystem::create_directories(tmp / "empty");
+    EXPECT_OK(fsdp_save(job.ctx.get(), (tmp / "empty").c_str(), "sharded"));
+  });
+  EXPECT_EQ(read_file(tmp / "notes/keep.txt"), "mine");
+  EXPECT_EQ(read_file(tmp / "file"), "mine too");
+  EXPECT_TRUE(std::filesystem::exists(tmp / "empty/fsdp_checkpoint.json"));
 }
 
 // model.safetensors names tensors by param name: names repeated across units

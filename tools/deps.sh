@@ -14,6 +14,7 @@ command -v python3 >/dev/null || missing+=(python3)
 # Checkpoints: JSON metadata and safetensors headers, CRC-32 checksums.
 [ -f /usr/include/nlohmann/json.hpp ] || missing+=(nlohmann-json3-dev)
 [ -f /usr/include/zlib.h ] || missing+=(zlib1g-dev)
+[ -f /usr/include/libdeflate.h ] || missing+=(libdeflate-dev)
 # Open MPI: the mpi communicator and its tests (mpirun -np 2 and 4).
 command -v mpirun >/dev/null || missing+=(openmpi-bin)
 command -v mpicc >/dev/null || missing+=(libopenmpi-dev)

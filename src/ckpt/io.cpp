@@ -23,13 +23,22 @@ namespace {
   fail(FSDP_ERR_IO, what + " '" + path + "': " + std::strerror(err));
 }
 
-// The value of `key=` in FSDP_CKPT_FAULT, or -1.
+// The value of `key=` in FSDP_CKPT_FAULT (comma-separated key=value), or -1.
 long fault_value(const char* key) {
   const char* env = std::getenv("FSDP_CKPT_FAULT");
   if (env == nullptr) return -1;
   size_t n = std::strlen(key);
-  if (std::strncmp(env, key, n) != 0 || env[n] != '=') return -1;
-  return std::strtol(env + n + 1, nullptr, 10);
+  for (const char* p = env; p != nullptr && *p != '\0';) {
+    if (std::strncmp(p, key, n) == 0 && p[n] == '=') return std::strtol(p + n + 1, nullptr, 10);
+    p = std::strchr(p, ',');
+    if (p != nullptr) ++p;
+  }
+  return -1;
+}
+
+[[noreturn]] void simulated_crash(const char* where) {
+  std::fprintf(stderr, "[fsdp] FSDP_CKPT_FAULT: simulated crash %s\n", where);
+  std::_Exit(86);
 }
 
 std::atomic<long> g_files_written{0};
@@ -181,49 +190,71 @@ std::string staging_dir(const std::string& dir) {
   return join(parent_dir(p), "." + base + ".fsdp-staging");
 }
 
-void commit_dir(const std::string& staged, const std::string& dir) {
+bool is_empty_dir(const std::string& path) {
+  DIR* d = ::opendir(path.c_str());
+  if (d == nullptr) io_fail("cannot list", path, errno);
+  bool empty = true;
+  while (struct dirent* e = ::readdir(d)) {
+    std::string name = e->d_name;
+    if (name != "." && name != "..") empty = false;
+  }
+  ::closedir(d);
+  return empty;
+}
+
+std::string aside_dir(const std::string& dir) { return staging_dir(dir) + ".old"; }
+
+std::string commit_dir(const std::string& staged, const std::string& dir) {
   std::string target = dir;
   while (target.size() > 1 && target.back() == '/') target.pop_back();
   sync_dir(staged);
+  std::string old;  // the previous checkpoint once the new one is in place
   if (!path_exists(target)) {
     if (::rename(staged.c_str(), target.c_str()) != 0) io_fail("cannot rename '" + staged + "' to", target, errno);
   } else {
-    if (!is_dir(target))
-      fail(FSDP_ERR_IO, "cannot save a checkpoint to '" + target + "': it exists and is not a directory");
-#ifdef SYS_renameat2
-    long rc = ::syscall(SYS_renameat2, AT_FDCWD, staged.c_str(), AT_FDCWD, target.c_str(), 2 /* RENAME_EXCHANGE */);
-    int err = errno;
-#else
     long rc = -1;
-    int err = EINVAL;
+    int err = EINVAL;  // what a file system without exchange answers
+#ifdef SYS_renameat2
+    if (fault_value("no_exchange") != 1) {
+      rc = ::syscall(SYS_renameat2, AT_FDCWD, staged.c_str(), AT_FDCWD, target.c_str(), 2 /* RENAME_EXCHANGE */);
+      err = errno;
+    }
 #endif
-    if (rc != 0) {
+    if (rc == 0) {
+      old = staged;
+    } else {
       if (err != EINVAL && err != ENOSYS) io_fail("cannot exchange '" + staged + "' with", target, err);
       // No atomic exchange on this file system: the old checkpoint moves
-      // aside first, so a crash between the renames leaves it complete
-      // under the staging name (docs/checkpoints.md says how to recover).
-      std::string aside = staged + ".old";
+      // aside first. A crash between the two renames leaves it whole there;
+      // the next save moves it back (docs/checkpoints.md).
+      std::string aside = aside_dir(target);
       remove_tree(aside);
       if (::rename(target.c_str(), aside.c_str()) != 0) io_fail("cannot move aside", target, errno);
-      if (::rename(staged.c_str(), target.c_str()) != 0) io_fail("cannot rename '" + staged + "' to", target, errno);
-      sync_dir(parent_dir(target));
-      remove_tree(aside);
-      return;
+      if (fault_value("crash_after_aside") == 1) simulated_crash("after moving the old checkpoint aside");
+      if (::rename(staged.c_str(), target.c_str()) != 0) {
+        int e = errno;
+        ::rename(aside.c_str(), target.c_str());  // put the old one back
+        io_fail("cannot rename '" + staged + "' to", target, e);
+      }
+      old = aside;
     }
-    // `staged` now holds the previous checkpoint.
-    sync_dir(parent_dir(target));
-    remove_tree(staged);
   }
-  sync_dir(parent_dir(target));
+  // The new checkpoint is in place: from here on, problems are warnings.
+  std::string warning;
+  try {
+    sync_dir(parent_dir(target));
+    if (!old.empty()) remove_tree(old);
+  } catch (const Error& e) {
+    warning = e.what();
+  }
+  return warning;
 }
 
 void after_file_written() {
   long n = fault_value("crash_after_files");
   if (n < 0) return;
-  if (g_files_written.fetch_add(1) + 1 >= n) {
-    std::fprintf(stderr, "[fsdp] FSDP_CKPT_FAULT: simulated crash after %ld checkpoint files\n", n);
-    std::_Exit(86);
-  }
+  if (g_files_written.fetch_add(1) + 1 >= n)
+    simulated_crash(("after " + std::to_string(n) + " checkpoint files").c_str());
 }
 
 bool inject_io_error(int rank) { return fault_value("io_error_rank") == rank; }

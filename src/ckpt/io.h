@@ -49,17 +49,27 @@ std::string join(const std::string& dir, const std::string& name);
 // Where a checkpoint for `dir` is assembled before it is renamed into place:
 // a hidden sibling, so that the rename stays on one file system.
 std::string staging_dir(const std::string& dir);
+bool is_empty_dir(const std::string& path);
+// Where commit_dir keeps the previous checkpoint while it renames the new one
+// into place on a file system without atomic exchange.
+std::string aside_dir(const std::string& dir);
 // Moves the complete checkpoint `staged` to `dir`. If `dir` holds an older
 // checkpoint the two are swapped atomically (renameat2 RENAME_EXCHANGE), so at
 // every instant `dir` is one whole checkpoint, and the old one is removed
-// afterwards. Both parents are fsync'ed.
-void commit_dir(const std::string& staged, const std::string& dir);
+// afterwards; without exchange the old one moves to aside_dir(dir) first. The
+// parent is fsync'ed. Throws (leaving `dir` as it was) until the new
+// checkpoint is in place; what fails after that (removing the old one, the
+// last fsync) is returned as a warning instead.
+std::string commit_dir(const std::string& staged, const std::string& dir);
 
-// Test-only fault injection, read from FSDP_CKPT_FAULT:
+// Test-only fault injection, read from FSDP_CKPT_FAULT (key=value, comma-separated):
 //   crash_after_files=N  the process exits (_exit(86), no clean-up) once N
 //                        checkpoint files have been written in it, counting
 //                        across its ranks;
-//   io_error_rank=R      rank R's shard write fails with FSDP_ERR_IO.
+//   io_error_rank=R      rank R's shard write fails with FSDP_ERR_IO;
+//   no_exchange=1        commit_dir acts as on a file system without
+//                        RENAME_EXCHANGE (two renames);
+//   crash_after_aside=1  with no_exchange, the process exits between them.
 // Unset in production: each check is one getenv.
 void after_file_written();
 bool inject_io_error(int rank);

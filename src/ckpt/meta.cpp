@@ -290,7 +290,7 @@ Meta parse_meta(const std::string& file, const std::string& text) {
       Fields pf = uf.element(params[pi], "params", pi);
       ParamMeta p;
       p.name = pf.str("name");
-      if (p.name == "__metadata__") pf.at("name").bad("is reserved by safetensors");
+      if (!m.sharded() && p.name == "__metadata__") pf.at("name").bad("is reserved by safetensors");
       uint64_t numel = 1;
       for (const json& d : pf.array("shape")) {
         if (!d.is_number_integer() || d.get<int64_t>() < 0 || d.get<int64_t>() > (int64_t{1} << 50)) {

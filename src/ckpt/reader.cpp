@@ -10,8 +10,8 @@ namespace fsdp::ckpt {
 
 CheckpointReader::CheckpointReader(std::string dir) : dir_(std::move(dir)) {
   std::string path = join(dir_, kMetaFile);
-  if (!is_dir(dir_))
-    fail(FSDP_ERR_INVALID_ARGUMENT, "'" + dir_ + "' is not a checkpoint directory (no such directory)");
+  if (!path_exists(dir_)) fail(FSDP_ERR_INVALID_ARGUMENT, "checkpoint directory '" + dir_ + "' does not exist");
+  if (!is_dir(dir_)) fail(FSDP_ERR_INVALID_ARGUMENT, "'" + dir_ + "' is not a checkpoint directory (it is a file)");
   File f = File::open_read(path);
   uint64_t size = f.size();
   if (size > (uint64_t{1} << 30)) fail(FSDP_ERR_CORRUPT, "checkpoint metadata '" + path + "' is over 1 GiB");

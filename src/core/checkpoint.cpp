@@ -14,6 +14,7 @@
 #include "consensus.h"
 #include "context.h"
 #include "error.h"
+#include "log.h"
 
 namespace fsdp::core {
 namespace {
@@ -254,11 +255,28 @@ void Context::save(const std::string& dir, const std::string& kind) {
   ckpt::Meta meta = checkpoint_meta(kind);
   std::string staged = ckpt::staging_dir(dir);
   bool root = rt_.rank == 0;
-  // A staging directory left by a crashed save is stale: start afresh.
   Outcome prep = attempt([&] {
     if (!root) return;
+    // A crash between the two renames of a file system without atomic
+    // exchange left the previous checkpoint aside: it goes back first.
+    std::string aside = ckpt::aside_dir(dir);
+    if (!ckpt::path_exists(dir) && ckpt::is_dir(aside)) {
+      ckpt::commit_dir(aside, dir);
+      log(FSDP_LOG_WARN, rt_.rank,
+          "fsdp_save: moved the previous checkpoint back from '" + aside + "' to '" + dir + "'");
+    }
+    // `dir` is replaced whole: never a directory that is not a checkpoint.
+    if (ckpt::path_exists(dir) && !ckpt::is_dir(dir)) {
+      fail(FSDP_ERR_INVALID_ARGUMENT, "fsdp_save: '" + dir + "' exists and is not a directory");
+    }
+    if (ckpt::is_dir(dir) && !ckpt::is_empty_dir(dir) && !ckpt::path_exists(ckpt::join(dir, ckpt::kMetaFile))) {
+      fail(FSDP_ERR_INVALID_ARGUMENT, "fsdp_save: refusing to replace '" + dir + "': it is not empty and holds no " +
+                                          ckpt::kMetaFile + " (not a libfsdp checkpoint)");
+    }
+    // A staging directory left by a crashed save is stale: start afresh.
     ckpt::make_dirs(ckpt::parent_dir(staged));
     ckpt::remove_tree(staged);
+    ckpt::remove_tree(aside);
     ckpt::make_dirs(staged);
   });
   check_outcomes(*rt_.comm, what + " (preparing " + staged + ")", prep.status, prep.message);
@@ -276,7 +294,8 @@ void Context::save(const std::string& dir, const std::string& kind) {
         for (ckpt::FileRecord& f : ckpt::files_from_json(r)) meta.files.push_back(std::move(f));
       }
       ckpt::write_meta(staged, meta);
-      ckpt::commit_dir(staged, dir);
+      std::string warning = ckpt::commit_dir(staged, dir);
+      if (!warning.empty()) log(FSDP_LOG_WARN, rt_.rank, "fsdp_save to '" + dir + "' succeeded, but " + warning);
     });
     check_outcomes(*rt_.comm, what + " (commit)", commit.status, commit.message);
   } catch (const Error&) {
@@ -370,6 +389,7 @@ void Context::load(const std::string& dir) {
     }
     meta = r.meta();
   });
+  if (!read.ok()) read.message = "fsdp_load: " + read.message;
   check_outcomes(*rt_.comm, what, read.status, read.message);
   // Every rank has everything: from here on nothing can fail.
   for (size_t k = 0; k < units_.size(); ++k) units_[k]->load_master(std::move(masters[k]));

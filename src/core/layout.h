@@ -1,7 +1,7 @@
 // src/core/layout.h - FlatLayout: where each param of a unit lies in the unit's
 // flat buffer, and which contiguous range each rank owns. Pure arithmetic: it
 // drives allocation, the collectives, per-param optimizer options inside flat
-// shards, and (later) checkpoint resharding.
+// shards, and checkpoint resharding (src/ckpt/reader.h).
 #pragma once
 
 #include <cstddef>

@@ -96,8 +96,10 @@ class Staging {
   // checkpoint at every instant.
   void commit(const ckpt::Meta& m) {
     ckpt::write_meta(dir_, m);
-    ckpt::commit_dir(dir_, dst_);  // on failure the partial checkpoint goes, as in fsdp_save
+    std::string warning = ckpt::commit_dir(dir_, dst_);  // on failure the partial checkpoint goes, as in fsdp_save
     done_ = true;
+    if (!warning.empty())
+      std::fprintf(stderr, "fsdp-ckpt: warning: '%s' was written, but %s\n", dst_.c_str(), warning.c_str());
   }
 
  private:

@@ -29,7 +29,14 @@ std::string list_str(const std::vector<std::string>& v) {
   return "[" + s + "]";
 }
 
+// The shortest text that reads back as the same double (0.9, not 0.90000000000000002).
 std::string num(double v) {
+  for (int digits = 6; digits < 17; ++digits) {
+    std::ostringstream os;
+    os.precision(digits);
+    os << v;
+    if (std::stod(os.str()) == v) return os.str();
+  }
   std::ostringstream os;
   os.precision(17);
   os << v;

@@ -55,7 +55,7 @@ constexpr const char* kConsolidateUsage =
     "model.safetensors with each param under its name and shape, optimizer.safetensors with\n"
     "'<param>.<state>' tensors (when the optimizer keeps state), and fsdp_checkpoint.json.\n"
     "fsdp_load reads it at any world size; any safetensors reader reads the model file.\n"
-    "Streams one param at a time (memory stays near the largest param). Param names must be\n"
+    "Streams one param at a time through a buffer of at most 16 MiB. Param names must be\n"
     "unique. DST is assembled in a hidden sibling directory and renamed into place, replacing\n"
     "an older checkpoint there atomically; DST may not be SRC, contain it, or be a non-empty\n"
     "directory that is not a checkpoint. Every chunk read is checked against its checksum.\n";
