@@ -646,6 +646,64 @@ TEST(Checkpoint, FullSavePeakStaysWithinTheLargestUnitPlusAConstant) {
   }
 }
 
+// ---- ranks as processes -------------------------------------------------------------
+
+// Runs as 4 threads, and as the 4 processes of an mpirun job (CTest
+// mpi_np4_checkpoint, which names a directory every process sees in
+// FSDP_TEST_CKPT_DIR): each rank writes its own shard file, rank 0 the rest;
+// fresh contexts load both kinds bitwise and train on exactly as the saver.
+// Every rank checks its own results, so nothing needs exchanging.
+TEST(CheckpointWorld4, SaveAndLoadWithRanksAsThreadsOrProcesses) {
+  TempDir tmp;
+  const char* env = std::getenv("FSDP_TEST_CKPT_DIR");
+  const std::string base = env != nullptr ? std::string(env) + "/np4" : tmp.path();
+  if (launcher_rank() == 0 && env != nullptr) {
+    std::filesystem::remove_all(base);
+    std::filesystem::create_directories(base);
+  }
+  run_ranks(4, [&](int rank, fsdp_local_group_t* group) {
+    State saved, end;
+    {  // a rank has one live context at a time
+      Job saver;
+      open_job(saver, kNet, base_options("FULL_SHARD"), rank, group);
+      ASSERT_NO_FATAL_FAILURE(set_state(saver, make_init(kNet, 15)));
+      ASSERT_NO_FATAL_FAILURE(train(saver, kNet, 0, 3, 4, rank));
+      // The first collective of the saver waited for rank 0's clean-up above.
+      ASSERT_OK(fsdp_save(saver.ctx.get(), (base + "/sharded").c_str(), "sharded"));
+      ASSERT_OK(fsdp_save(saver.ctx.get(), (base + "/full").c_str(), "full"));
+      saved = gather(saver, kNet);
+      if (rank == 0) {
+        auto model = read_safetensors(base + "/full/model.safetensors");
+        for (size_t k = 0; k < kNet.units.size(); ++k)
+          for (size_t i = 0; i < kNet.units[k].size(); ++i)
+            EXPECT_TRUE(bitwise_equal(model[kNet.units[k][i].name].values, saved[k][i])) << kNet.units[k][i].name;
+      }
+      ASSERT_NO_FATAL_FAILURE(train(saver, kNet, 3, 5, 4, rank));
+      end = gather(saver, kNet);
+    }
+    for (const char* kind : {"sharded", "full"}) {
+      SCOPED_TRACE(kind);
+      Job loader;
+      open_job(loader, kNet, base_options("SHARD_GRAD_OP"), rank, group);
+      ASSERT_OK(fsdp_load(loader.ctx.get(), (base + "/" + kind).c_str()));
+      EXPECT_TRUE(bitwise_equal(gather(loader, kNet), saved));
+      ASSERT_NO_FATAL_FAILURE(train(loader, kNet, 3, 5, 4, rank));
+      EXPECT_TRUE(bitwise_equal(gather(loader, kNet), end));
+    }
+    // Damage one rank's file: every rank fails, naming it.
+    const std::string victim_file = base + "/sharded/shard-00003-of-00004.safetensors";
+    // Shard 3 is mostly padding, which no load reads: flip a byte of the
+    // one param that reaches into it (unit 1's bias).
+    if (rank == 0) flip_byte(victim_file, data_offset(victim_file, "units.1.param") + 4);
+    Job victim;
+    open_job(victim, kNet, base_options("FULL_SHARD"), rank, group);  // collective: after the flip
+    fsdp_status_t st = fsdp_load(victim.ctx.get(), (base + "/sharded").c_str());
+    std::string msg = last_error_str();
+    EXPECT_EQ(st, FSDP_ERR_CORRUPT) << msg;
+    EXPECT_NE(msg.find("shard-00003-of-00004.safetensors"), std::string::npos) << msg;
+  });
+}
+
 // ---- misuse --------------------------------------------------------------------------
 
 TEST(Checkpoint, BadArgumentsFailOnEveryRankAndWriteNothing) {
