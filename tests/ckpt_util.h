@@ -85,6 +85,8 @@ inline void set_state(Job& job, const State& s) {
 // over the ranks, as with PyTorch).
 inline void train(Job& job, const Net& net, int s0, int s1, int world, int rank) {
   const int rows = kRows / world;
+  fsdp_dtype_t dt = FSDP_DTYPE_FP32;
+  ASSERT_OK(fsdp_ctx_param_dtype(job.ctx.get(), &dt));
   for (int s = s0; s < s1; ++s) {
     for (auto* u : job.units) {
       ASSERT_OK(fsdp_forward_begin(u, nullptr));
@@ -97,10 +99,11 @@ inline void train(Job& job, const Net& net, int s0, int s1, int world, int rank)
         void* gp = nullptr;
         ASSERT_OK(fsdp_param_ptr(job.units[k], i, &pp));
         ASSERT_OK(fsdp_grad_ptr(job.units[k], i, &gp));
-        const float* p = static_cast<const float*>(pp);
-        float* g = static_cast<float*>(gp);
         for (size_t e = 0; e < numel_of(net.units[k][i].shape); ++e) {
-          for (int b = rank * rows; b < (rank + 1) * rows; ++b) g[e] += (p[e] - target(s, b, k, i, e)) / float(rows);
+          const float p = load_elem(pp, e, dt);
+          float g = 0;
+          for (int b = rank * rows; b < (rank + 1) * rows; ++b) g += (p - target(s, b, k, i, e)) / float(rows);
+          add_elem(gp, e, dt, g);
         }
       }
       ASSERT_OK(fsdp_backward_end(job.units[k], nullptr));

@@ -71,6 +71,17 @@ TEST(CheckpointFormat, PartialReadsAreExactAndCheckOnlyTheChunksTheyTouch) {
     EXPECT_NE(std::string(e.what()).find("tensor 'a' fails its checksum in bytes [2048, 3072)"), std::string::npos)
         << e.what();
   }
+  // The same through a read of exactly that chunk (checked in place) and one
+  // spanning it whole.
+  for (auto [lo, n] : {std::pair<uint64_t, uint64_t>{512, 256}, {300, 600}}) {
+    std::vector<float> buf(n);
+    try {
+      r.read("a", lo * 4, n * 4, buf.data());
+      ADD_FAILURE() << "a damaged chunk was read without error: floats " << lo << "+" << n;
+    } catch (const fsdp::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("[2048, 3072)"), std::string::npos) << e.what();
+    }
+  }
   EXPECT_NE(r.verify_all().find("tensor 'a'"), std::string::npos);
   std::filesystem::remove_all(dir);
 }
