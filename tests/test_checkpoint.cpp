@@ -521,6 +521,21 @@ State load_world(const std::string& dir, int world) {
   return got[0];
 }
 
+// A forked process (a fresh one: no clean-up at its end) saves a new state at
+// world 4 to `dir` with FSDP_CKPT_FAULT=`fault`; its exit status (86 when the
+// fault crashed it where told).
+int save_in_a_crashing_process(const std::string& dir, const std::string& fault, uint64_t seed) {
+  pid_t pid = fork();
+  if (pid == 0) {
+    setenv("FSDP_CKPT_FAULT", fault.c_str(), 1);
+    save_world4(dir, seed, 3);
+    _exit(1);  // the save should not have returned
+  }
+  int status = 0;
+  if (pid < 0 || waitpid(pid, &status, 0) != pid || !WIFEXITED(status)) return -1;
+  return WEXITSTATUS(status);
+}
+
 struct CrashCase {
   std::string fault;
   std::string name;
@@ -535,17 +550,7 @@ TEST_P(Crash, BetweenFilesLeavesThePreviousCheckpointLoadable) {
   TempDir tmp;
   const std::string dir = tmp / "ck";
   const State previous = save_world4(dir, 7, 2);
-  pid_t pid = fork();
-  ASSERT_GE(pid, 0);
-  if (pid == 0) {
-    setenv("FSDP_CKPT_FAULT", GetParam().fault.c_str(), 1);
-    save_world4(dir, 8, 3);
-    _exit(1);  // the save should not have returned
-  }
-  int status = 0;
-  ASSERT_EQ(waitpid(pid, &status, 0), pid);
-  ASSERT_TRUE(WIFEXITED(status));
-  ASSERT_EQ(WEXITSTATUS(status), 86) << "the child did not crash where it was told to";
+  ASSERT_EQ(save_in_a_crashing_process(dir, GetParam().fault, 8), 86) << "the child did not crash where told to";
   EXPECT_TRUE(std::filesystem::exists(tmp / ".ck.fsdp-staging")) << "the crash left no partial checkpoint";
   EXPECT_TRUE(bitwise_equal(load_world(dir, 2), previous));
   // The next save clears the partial one and replaces the checkpoint.
@@ -571,17 +576,7 @@ TEST(Checkpoint, CrashBetweenTheTwoRenamesIsRecoveredByTheNextSave) {
   TempDir tmp;
   const std::string dir = tmp / "ck";
   const State previous = save_world4(dir, 12, 2);
-  pid_t pid = fork();
-  ASSERT_GE(pid, 0);
-  if (pid == 0) {
-    setenv("FSDP_CKPT_FAULT", "no_exchange=1,crash_after_aside=1", 1);
-    save_world4(dir, 13, 3);
-    _exit(1);
-  }
-  int status = 0;
-  ASSERT_EQ(waitpid(pid, &status, 0), pid);
-  ASSERT_TRUE(WIFEXITED(status));
-  ASSERT_EQ(WEXITSTATUS(status), 86);
+  ASSERT_EQ(save_in_a_crashing_process(dir, "no_exchange=1,crash_after_aside=1", 13), 86);
   ASSERT_FALSE(std::filesystem::exists(dir));
   EXPECT_TRUE(bitwise_equal(load_world(tmp / ".ck.fsdp-staging.old", 2), previous)) << "the aside copy is not whole";
   setenv("FSDP_CKPT_FAULT", "io_error_rank=1", 1);

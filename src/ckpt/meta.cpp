@@ -165,6 +165,12 @@ const FileRecord& Meta::file(const std::string& name) const {
   fail(FSDP_ERR_CORRUPT, "checkpoint metadata lists no file '" + name + "'");
 }
 
+std::string shape_string(const std::vector<int64_t>& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
 std::string shard_tensor(size_t unit, const std::string& kind) { return "units." + std::to_string(unit) + "." + kind; }
 
 std::string shard_file(int shard, int shard_world) {

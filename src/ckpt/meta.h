@@ -75,6 +75,9 @@ std::string shard_file(int shard, int shard_world);
 constexpr const char* kModelFile = "model.safetensors";
 constexpr const char* kOptimizerFile = "optimizer.safetensors";
 
+// "[3, 4]": a shape as messages and fsdp-ckpt print it.
+std::string shape_string(const std::vector<int64_t>& shape);
+
 std::string to_json(const Meta& m);
 // The file records alone, as ranks send them to the rank that writes the
 // metadata.

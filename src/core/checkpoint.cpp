@@ -7,7 +7,6 @@
 #include <algorithm>
 #include <cstring>
 #include <set>
-#include <sstream>
 
 #include "../ckpt/io.h"
 #include "../ckpt/reader.h"
@@ -68,14 +67,6 @@ Outcome attempt(F&& body) {
     o.message = std::string("internal error (please report): ") + e.what();
   }
   return o;
-}
-
-std::string shape_str(const std::vector<int64_t>& s) {
-  std::ostringstream os;
-  os << "[";
-  for (size_t i = 0; i < s.size(); ++i) os << (i ? ", " : "") << s[i];
-  os << "]";
-  return os.str();
 }
 
 }  // namespace
@@ -328,8 +319,8 @@ void Context::check_loadable(const ckpt::Meta& m, const std::string& file) const
       if (cp.name != p.name)
         bad(where + " param " + std::to_string(i) + " is '" + cp.name + "', here '" + p.name + "'");
       if (cp.shape != p.shape) {
-        bad("tensor '" + p.name + "' of " + where + " has shape " + shape_str(cp.shape) + ", registered " +
-            shape_str(p.shape));
+        bad("tensor '" + p.name + "' of " + where + " has shape " + ckpt::shape_string(cp.shape) + ", registered " +
+            ckpt::shape_string(p.shape));
       }
     }
   }

@@ -15,14 +15,6 @@ namespace {
 using fsdp::ckpt::CheckpointReader;
 using fsdp::ckpt::Meta;
 
-std::string shape_str(const std::vector<int64_t>& s) {
-  std::ostringstream os;
-  os << "[";
-  for (size_t i = 0; i < s.size(); ++i) os << (i ? ", " : "") << s[i];
-  os << "]";
-  return os.str();
-}
-
 std::string list_str(const std::vector<std::string>& v) {
   std::string s;
   for (const std::string& x : v) s += (s.empty() ? "" : ", ") + x;
@@ -69,20 +61,10 @@ nlohmann::ordered_json to_summary(const std::string& dir, const Meta& m) {
   j["align_elems"] = m.align_elems;
   j["chunk_bytes"] = m.chunk_bytes;
   j["step"] = m.optimizer.step;
-  const auto& o = m.optimizer;
-  j["optimizer"] = {{"kind", o.kind},
-                    {"state", o.state},
-                    {"lr", o.lr},
-                    {"beta1", o.beta1},
-                    {"beta2", o.beta2},
-                    {"eps", o.eps},
-                    {"weight_decay", o.weight_decay},
-                    {"momentum", o.momentum},
-                    {"nesterov", o.nesterov},
-                    {"step", o.step},
-                    {"last_grad_norm", o.last_grad_norm}};
-  j["loss_scaler"] = {
-      {"scale", m.scaler.scale}, {"clean_steps", m.scaler.clean_steps}, {"skipped_steps", m.scaler.skipped_steps}};
+  // The optimizer and loss scaler exactly as the metadata file spells them.
+  const json meta = json::parse(fsdp::ckpt::to_json(m));
+  j["optimizer"] = meta["optimizer"];
+  j["loss_scaler"] = meta["loss_scaler"];
   json units = json::array();
   uint64_t n_params = 0, numel = 0;
   for (const auto& u : m.units) {
@@ -144,7 +126,8 @@ void print_text(const std::string& dir, const Meta& m) {
     if (m.sharded()) std::printf(", %" PRIu64 " per shard", u.shard_numel(m.shard_world));
     std::printf("\n");
     for (const auto& p : u.params) {
-      std::printf("    %-32s %-16s F32 numel %-10" PRIu64, p.name.c_str(), shape_str(p.shape).c_str(), p.numel);
+      std::printf("    %-32s %-16s F32 numel %-10" PRIu64, p.name.c_str(), fsdp::ckpt::shape_string(p.shape).c_str(),
+                  p.numel);
       if (m.sharded()) std::printf(" offset %-10" PRIu64, p.offset);
       std::printf(" weight_decay %s\n", num(p.weight_decay).c_str());
     }
