@@ -175,6 +175,16 @@ inline std::map<std::string, StTensor> read_safetensors(const std::string& path)
 
 // ---- files -------------------------------------------------------------------
 
+// The CRC-32 of zlib (IEEE, reflected), bit by bit: independent of libfsdp's.
+inline uint32_t crc32_ieee(const std::string& s) {
+  uint32_t c = 0xFFFFFFFFu;
+  for (unsigned char b : s) {
+    c ^= b;
+    for (int k = 0; k < 8; ++k) c = (c >> 1) ^ (0xEDB88320u & (0u - (c & 1u)));
+  }
+  return ~c;
+}
+
 class TempDir {
  public:
   TempDir() {
@@ -201,6 +211,15 @@ inline std::string read_file(const std::string& path) {
 inline void write_file(const std::string& path, const std::string& bytes) {
   std::ofstream f(path, std::ios::binary | std::ios::trunc);
   f.write(bytes.data(), std::streamsize(bytes.size()));
+}
+
+// Rewrites a checkpoint's metadata file and its CRC-32 file together: a
+// consistent but wrong metadata file, as a buggy writer would leave.
+inline void write_meta_consistently(const std::string& dir, const std::string& text) {
+  write_file(dir + "/fsdp_checkpoint.json", text);
+  char crc[16];
+  std::snprintf(crc, sizeof crc, "%08x\n", unsigned(crc32_ieee(text)));
+  write_file(dir + "/fsdp_checkpoint.json.crc32", crc);
 }
 
 inline void copy_dir(const std::string& from, const std::string& to) {

@@ -322,11 +322,13 @@ struct Damage {
 const std::string kShard1 = "shard-00001-of-00002.safetensors";
 
 std::vector<Damage> damages() {
+  // Metadata edited consistently (its CRC-32 file rewritten too): what the
+  // field checks see.
   auto edit_meta = [](const std::function<void(nlohmann::json&)>& f) {
     return [f](const std::string& dir) {
       auto j = read_meta(dir);
       f(j);
-      write_file(dir + "/fsdp_checkpoint.json", j.dump());
+      write_meta_consistently(dir, j.dump());
     };
   };
   return {
@@ -351,6 +353,20 @@ std::vector<Damage> damages() {
        [](const std::string& d) { std::filesystem::remove(d + "/" + kShard1); },
        FSDP_ERR_CORRUPT,
        {kShard1, "missing"}},
+      {"MetadataDigitChanged",  // "step": 2 -> 3: still valid, caught only by the checksum
+       [](const std::string& d) {
+         std::string t = read_file(d + "/fsdp_checkpoint.json");
+         size_t at = t.find("\"step\": 2");
+         ASSERT_NE(at, std::string::npos);
+         t[at + 8] = '3';
+         write_file(d + "/fsdp_checkpoint.json", t);
+       },
+       FSDP_ERR_CORRUPT,
+       {"fsdp_checkpoint.json", "fails its checksum"}},
+      {"MissingMetadataChecksum",
+       [](const std::string& d) { std::filesystem::remove(d + "/fsdp_checkpoint.json.crc32"); },
+       FSDP_ERR_CORRUPT,
+       {"fsdp_checkpoint.json.crc32", "missing"}},
       {"MissingMetadata",
        [](const std::string& d) { std::filesystem::remove(d + "/fsdp_checkpoint.json"); },
        FSDP_ERR_CORRUPT,
@@ -358,7 +374,7 @@ std::vector<Damage> damages() {
       {"BadJson",
        [](const std::string& d) {
          std::string t = read_file(d + "/fsdp_checkpoint.json");
-         write_file(d + "/fsdp_checkpoint.json", t.substr(0, t.size() / 2));
+         write_meta_consistently(d, t.substr(0, t.size() / 2));
        },
        FSDP_ERR_CORRUPT,
        {"fsdp_checkpoint.json", "not valid JSON"}},

@@ -19,6 +19,7 @@ import struct
 import subprocess
 import sys
 import unittest
+import zlib
 
 TOOL = None
 MAKER = None
@@ -123,6 +124,14 @@ def flip_byte(path, offset):
 def read_meta(d):
     with open(os.path.join(d, "fsdp_checkpoint.json")) as f:
         return json.load(f)
+
+
+def write_meta_consistently(d, text):
+    """Rewrites the metadata and its CRC-32 file together (what the field checks see)."""
+    with open(os.path.join(d, "fsdp_checkpoint.json"), "w") as f:
+        f.write(text)
+    with open(os.path.join(d, "fsdp_checkpoint.json.crc32"), "w") as f:
+        f.write("%08x\n" % zlib.crc32(text.encode()))
 
 
 def dir_bytes(d):
@@ -277,8 +286,7 @@ class Inspect(Base):
         d = self.copy(self.sharded, "bad_meta")
         meta = read_meta(d)
         del meta["units"][1]["params"][0]["shape"]
-        with open(os.path.join(d, "fsdp_checkpoint.json"), "w") as f:
-            json.dump(meta, f)
+        write_meta_consistently(d, json.dumps(meta))
         r = tool("inspect", d)
         self.assertRc(r, 1)
         self.assertIn(os.path.join(d, "fsdp_checkpoint.json"), r.stderr)
@@ -335,12 +343,20 @@ class Verify(Base):
     def test_bad_json_metadata(self):
         d = self.copy(self.sharded, "bad_json")
         m = os.path.join(d, "fsdp_checkpoint.json")
-        with open(m, "r+") as f:
+        with open(m) as f:
             text = f.read()
-            f.seek(0)
-            f.truncate()
-            f.write(text[:len(text) // 2])
+        write_meta_consistently(d, text[:len(text) // 2])
         self.verify_fails(d, m, "not valid JSON")
+
+    def test_changed_metadata_fails_its_checksum(self):
+        d = self.copy(self.sharded, "meta_digit")
+        m = os.path.join(d, "fsdp_checkpoint.json")
+        with open(m) as f:
+            text = f.read()
+        self.assertIn('"step": 2', text)
+        with open(m, "w") as f:
+            f.write(text.replace('"step": 2', '"step": 3'))
+        self.verify_fails(d, m, "fails its checksum")
 
     def test_checkpoint_saved_after_a_skipped_step(self):
         # A step skipped for inf grads leaves last_grad_norm = inf, which JSON writes as null: the checkpoint
@@ -362,7 +378,8 @@ class Consolidate(Base):
     def test_exit_status_and_files(self):
         self.assertRc(self.result, 0)
         self.assertEqual(sorted(os.listdir(self.out)),
-                         ["fsdp_checkpoint.json", "model.safetensors", "optimizer.safetensors"])
+                         ["fsdp_checkpoint.json", "fsdp_checkpoint.json.crc32", "model.safetensors",
+                          "optimizer.safetensors"])
         self.assertFalse(os.path.exists(os.path.join(self.work, ".consolidated.fsdp-staging")))
 
     def test_model_file_holds_the_params_by_name_shape_and_bits(self):
@@ -451,7 +468,8 @@ class Consolidate(Base):
         src, dst = self.path("sgd_sharded"), self.path("sgd_full")
         gathered = maker("make", src, "-", "--optimizer", "sgd")
         self.assertRc(tool("consolidate", src, dst), 0)
-        self.assertEqual(sorted(os.listdir(dst)), ["fsdp_checkpoint.json", "model.safetensors"])
+        self.assertEqual(sorted(os.listdir(dst)),
+                         ["fsdp_checkpoint.json", "fsdp_checkpoint.json.crc32", "model.safetensors"])
         self.assertLoads(dst, 1, gathered, "--optimizer", "sgd")
 
 
@@ -464,7 +482,7 @@ class Reshard(Base):
 
     def test_exit_status_files_and_metadata(self):
         self.assertRc(self.result, 0)
-        self.assertEqual(sorted(os.listdir(self.out)), ["fsdp_checkpoint.json"] +
+        self.assertEqual(sorted(os.listdir(self.out)), ["fsdp_checkpoint.json", "fsdp_checkpoint.json.crc32"] +
                          ["shard-%05d-of-00003.safetensors" % s for s in range(3)])
         m = read_meta(self.out)
         self.assertEqual((m["kind"], m["world_size"], m["shard_world"], m["sharding"]), ("sharded", 3, 3, "FULL_SHARD"))

@@ -14,6 +14,10 @@
 namespace fsdp::ckpt {
 
 constexpr const char* kMetaFile = "fsdp_checkpoint.json";
+// The metadata's own CRC-32: 8 lowercase hex digits and a newline. Without it
+// a flipped digit in a field that stays in range (the step, the learning
+// rate) would go unnoticed.
+constexpr const char* kMetaCrcFile = "fsdp_checkpoint.json.crc32";
 constexpr const char* kFormatName = "libfsdp-checkpoint";
 constexpr int kFormatVersion = 1;
 constexpr uint64_t kDefaultChunkBytes = 1u << 20;

@@ -2,6 +2,8 @@
 #include "reader.h"
 
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 
 #include "../core/error.h"
@@ -17,6 +19,19 @@ CheckpointReader::CheckpointReader(std::string dir) : dir_(std::move(dir)) {
   if (size > (uint64_t{1} << 30)) fail(FSDP_ERR_CORRUPT, "checkpoint metadata '" + path + "' is over 1 GiB");
   std::string text(size, '\0');
   f.pread_exact(0, text.data(), size);
+  File c = File::open_read(join(dir_, kMetaCrcFile));
+  char hex[10] = {};
+  uint64_t n = std::min<uint64_t>(c.size(), 9);
+  c.pread_exact(0, hex, n);
+  char* end = nullptr;
+  unsigned long want = std::strtoul(hex, &end, 16);
+  if (!(n == 9 && end == hex + 8 && hex[8] == '\n')) {
+    fail(FSDP_ERR_CORRUPT, "checkpoint file '" + c.path() + "' does not hold a CRC-32 (8 hex digits and a newline)");
+  }
+  if (crc32_of(text.data(), text.size()) != want) {
+    fail(FSDP_ERR_CORRUPT,
+         "checkpoint metadata '" + path + "' fails its checksum (" + kMetaCrcFile + "): it was changed or damaged");
+  }
   meta_ = parse_meta(path, text);
 }
 
@@ -115,6 +130,12 @@ void write_meta(const std::string& dir, const Meta& m) {
   f.write_all(text.data(), text.size());
   f.sync();
   f.close();
+  char crc[16];
+  std::snprintf(crc, sizeof crc, "%08x\n", crc32_of(text.data(), text.size()));
+  File c = File::create(join(dir, kMetaCrcFile));
+  c.write_all(crc, 9);
+  c.sync();
+  c.close();
   after_file_written();
 }
 

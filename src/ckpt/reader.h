@@ -41,7 +41,7 @@ class CheckpointReader {
   std::map<std::string, std::unique_ptr<Reader>> open_;
 };
 
-// Writes `m` as the directory's metadata file, fsync'ed.
+// Writes `m` as the directory's metadata file and its CRC-32 file, fsync'ed.
 void write_meta(const std::string& dir, const Meta& m);
 
 }  // namespace fsdp::ckpt
