@@ -1,0 +1,406 @@
+// api_test.go - the binding's contract: errors (status, library message,
+// errors.Is), closed handles, zero-copy grads, config, checkpoints, memory.
+
+package fsdp
+
+import (
+	"errors"
+	"math"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+)
+
+func TestConfigErrors(t *testing.T) {
+	cfg, err := NewConfig()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cfg.Close()
+	err = cfg.Set("no_such_key", "1")
+	var fe *Error
+	if !errors.Is(err, ErrInvalidArgument) || !errors.As(err, &fe) {
+		t.Fatalf("unknown key: got %v, want ErrInvalidArgument", err)
+	}
+	if fe.Status != StatusInvalidArgument || fe.Name != "FSDP_ERR_INVALID_ARGUMENT" ||
+		!strings.Contains(fe.Message, "no_such_key") || !strings.Contains(fe.Message, "sharding") {
+		t.Errorf("unknown key: want the library's message naming the key and the valid keys, got %+v", fe)
+	}
+	if errors.Is(err, ErrInvalidState) {
+		t.Errorf("errors.Is matched the wrong status")
+	}
+	if err := cfg.Set("sharding", "ZERO2"); err != nil {
+		t.Fatal(err)
+	}
+	if v, err := cfg.Get("sharding"); err != nil || v != "SHARD_GRAD_OP" {
+		t.Errorf("Get(sharding) = %q, %v; want SHARD_GRAD_OP", v, err)
+	}
+	if _, err := cfg.Get("nope"); !errors.Is(err, ErrInvalidArgument) {
+		t.Errorf("Get(unknown) = %v", err)
+	}
+	t.Setenv("FSDP_SHARDING", "NO_SHARD")
+	if err := cfg.FromEnv(); err != nil {
+		t.Fatal(err)
+	}
+	if v, _ := cfg.Get("sharding"); v != "NO_SHARD" {
+		t.Errorf("after FromEnv sharding = %q", v)
+	}
+	cfg.Close()
+	cfg.Close() // idempotent
+	if err := cfg.Set("lr", "1"); !errors.Is(err, ErrInvalidState) {
+		t.Errorf("Set after Close = %v, want ErrInvalidState", err)
+	}
+}
+
+// oneRank builds a world-of-one context with the MLP registered.
+func oneRank(t *testing.T, opts map[string]string) (*Context, []*Unit) {
+	t.Helper()
+	ctx, err := newRankContext(nil, 0, opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	units, err := registerMLP(ctx, makeInit())
+	if err != nil {
+		ctx.Close()
+		t.Fatal(err)
+	}
+	return ctx, units
+}
+
+func TestStateAndArgumentErrors(t *testing.T) {
+	ctx, units := oneRank(t, nil)
+	u := units[0]
+	if _, err := u.Param(0); !errors.Is(err, ErrInvalidState) {
+		t.Errorf("Param outside a block = %v, want ErrInvalidState", err)
+	}
+	if err := u.SetValues(0, make([]float32, 3)); !errors.Is(err, ErrInvalidArgument) {
+		t.Errorf("SetValues of a wrong length = %v, want ErrInvalidArgument", err)
+	}
+	if _, err := u.Param(5); !errors.Is(err, ErrInvalidArgument) {
+		t.Errorf("Param(5) = %v, want ErrInvalidArgument", err)
+	}
+	if _, err := u.ParamU16(0); !errors.Is(err, ErrInvalidArgument) {
+		t.Errorf("ParamU16 on fp32 = %v, want ErrInvalidArgument", err)
+	}
+	if err := u.ForwardBegin(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := u.Grad(0); err == nil {
+		t.Errorf("Grad in a forward block succeeded")
+	}
+	if err := ctx.Step(); !errors.Is(err, ErrInvalidState) {
+		t.Errorf("Step with a unit in use = %v, want ErrInvalidState", err)
+	}
+	if err := u.ForwardEnd(); err != nil {
+		t.Fatal(err)
+	}
+	err := ctx.Load(filepath.Join(t.TempDir(), "missing"))
+	var fe *Error
+	if !errors.As(err, &fe) || fe.Message == "" {
+		t.Errorf("Load of a missing dir = %v, want an *Error with a message", err)
+	} else {
+		t.Logf("Load of a missing dir: %v", err)
+	}
+	if r, err := ctx.Rank(); err != nil || r != 0 {
+		t.Errorf("Rank = %d, %v", r, err)
+	}
+	if err := ctx.Finalize(); err != nil {
+		t.Fatal(err)
+	}
+	if err := ctx.Step(); !errors.Is(err, ErrInvalidState) {
+		t.Errorf("Step after Finalize = %v, want ErrInvalidState", err)
+	}
+	ctx.Close()
+	ctx.Close() // idempotent
+	for name, err := range map[string]error{
+		"Step": ctx.Step(), "SetLR": ctx.SetLR(1), "Save": ctx.Save(t.TempDir(), "full"),
+		"ForwardBegin": u.ForwardBegin(), "SetValues": u.SetValues(0, nil),
+	} {
+		if !errors.Is(err, ErrInvalidState) {
+			t.Errorf("%s after Close = %v, want ErrInvalidState", name, err)
+		}
+	}
+	if _, err := u.Gather(0); !errors.Is(err, ErrInvalidState) {
+		t.Errorf("Gather after Close = %v", err)
+	}
+	if _, err := ctx.MemoryStats(); !errors.Is(err, ErrInvalidState) {
+		t.Errorf("MemoryStats after Close = %v", err)
+	}
+	g, err := LocalGroup(2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	g.Close()
+	g.Close()
+	if _, err := NewContext(&Config{}, nil, 0); !errors.Is(err, ErrInvalidState) {
+		t.Errorf("NewContext with a closed config = %v", err)
+	}
+}
+
+// Ranks registering different units fail together with ErrMismatch.
+func TestMismatch(t *testing.T) {
+	err := RunRanks(2, func(rank int, g *Group) error {
+		ctx, err := newRankContext(g, rank, nil)
+		if err != nil {
+			return err
+		}
+		defer ctx.Close()
+		_, err = ctx.RegisterUnit("u", []Param{{Name: "w", Shape: []int64{4, int64(3 + rank)}}})
+		if !errors.Is(err, ErrMismatch) {
+			return errors.New("want ErrMismatch, got " + errString(err))
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+}
+
+func errString(err error) string {
+	if err == nil {
+		return "nil"
+	}
+	return err.Error()
+}
+
+// What a rank writes through the Grad slice is what the library reduces: with
+// SGD lr=1, rank r writes r+1 into every grad element; the average over 2
+// ranks is 1.5, so every param drops by 1.5 and the grad norm is 1.5*sqrt(n).
+func TestZeroCopyGrad(t *testing.T) {
+	const n = 10
+	err := RunRanks(2, func(rank int, g *Group) error {
+		ctx, err := newRankContext(g, rank, map[string]string{"optimizer": "sgd", "lr": "1", "weight_decay": "0"})
+		if err != nil {
+			return err
+		}
+		defer ctx.Close()
+		u, err := ctx.RegisterUnit("u", []Param{{Name: "w", Shape: []int64{n}}})
+		if err != nil {
+			return err
+		}
+		if err := u.SetValues(0, make([]float32, n)); err != nil {
+			return err
+		}
+		if err := u.BackwardBegin(); err != nil {
+			return err
+		}
+		gr, err := u.Grad(0)
+		if err != nil {
+			return err
+		}
+		for i := range gr {
+			if gr[i] != 0 {
+				return errors.New("grad buffer not zeroed at BackwardBegin")
+			}
+			gr[i] = float32(rank + 1)
+		}
+		if err := u.BackwardEnd(); err != nil {
+			return err
+		}
+		if err := ctx.Step(); err != nil {
+			return err
+		}
+		norm, err := ctx.LastGradNorm()
+		if err != nil {
+			return err
+		}
+		if math.Abs(norm-1.5*math.Sqrt(n)) > 1e-5 {
+			return errors.New("grad norm differs from 1.5*sqrt(n)")
+		}
+		p, err := u.Gather(0)
+		if err != nil {
+			return err
+		}
+		for _, v := range p {
+			if v != -1.5 {
+				return errors.New("param is not -1.5: the Grad slice is not the library's buffer")
+			}
+		}
+		return ctx.Finalize()
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+}
+
+// Save on 2 ranks (sharded and full), train on, load into a 1-rank context:
+// the params equal those saved.
+func TestSaveLoadRoundTrip(t *testing.T) {
+	init := makeInit()
+	x, y := makeData()
+	dir := t.TempDir()
+	var saved tensors
+	err := RunRanks(2, func(rank int, g *Group) error {
+		ctx, err := newRankContext(g, rank, nil)
+		if err != nil {
+			return err
+		}
+		defer ctx.Close()
+		units, err := registerMLP(ctx, init)
+		if err != nil {
+			return err
+		}
+		for s := 0; s < 3; s++ {
+			io := &libIO{units: units}
+			pass(io, x, y, rank*batch/2, batch/2)
+			if io.err != nil {
+				return io.err
+			}
+			if err := ctx.Step(); err != nil {
+				return err
+			}
+			if s == 1 {
+				for _, kind := range []string{"sharded", "full"} {
+					if err := ctx.Save(filepath.Join(dir, kind), kind); err != nil {
+						return err
+					}
+				}
+				p, err := gatherAll(units)
+				if err != nil {
+					return err
+				}
+				if rank == 0 {
+					saved = p
+				}
+			}
+		}
+		return ctx.Finalize()
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(filepath.Join(dir, "full", "model.safetensors")); err != nil {
+		t.Errorf("full checkpoint: %v", err)
+	}
+	for _, kind := range []string{"sharded", "full"} {
+		ctx, units := oneRank(t, nil) // fresh init, then load
+		if err := ctx.Load(filepath.Join(dir, kind)); err != nil {
+			t.Fatal(err)
+		}
+		got, err := gatherAll(units)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if e := relErr(got, saved); e != 0 {
+			t.Errorf("%s: loaded params differ from saved ones (relative %.3g)", kind, e)
+		}
+		ctx.Close()
+	}
+}
+
+func TestContextAccessors(t *testing.T) {
+	ctx, units := oneRank(t, map[string]string{"sharding": "NO_SHARD"})
+	defer ctx.Close()
+	if w, err := ctx.WorldSize(); err != nil || w != 1 {
+		t.Errorf("WorldSize = %d, %v", w, err)
+	}
+	if d, err := ctx.ParamDtype(); err != nil || d != FP32 {
+		t.Errorf("ParamDtype = %v, %v", d, err)
+	}
+	if s, skipped, err := ctx.LossScale(); err != nil || s != 1 || skipped != 0 {
+		t.Errorf("LossScale = %v %v %v", s, skipped, err)
+	}
+	if err := ctx.SetLR(0.5); err != nil {
+		t.Error(err)
+	}
+	if err := ctx.SetGradSync(false); err != nil {
+		t.Error(err)
+	}
+	if err := ctx.SetGradSync(true); err != nil {
+		t.Error(err)
+	}
+	m, err := ctx.MemoryStats()
+	if err != nil {
+		t.Fatal(err)
+	}
+	numel := 0
+	for l := range units {
+		for _, p := range units[l].Params() {
+			numel += p.Numel()
+		}
+	}
+	if m.ShardedParams < uint64(4*numel) || m.OptimizerState < uint64(8*numel) || m.Total == 0 {
+		t.Errorf("memory stats too small for %d params: %+v", numel, m)
+	}
+	off, shard, err := units[0].ShardInfo()
+	if err != nil || off != 0 || len(shard) < units[0].Params()[0].Numel() {
+		t.Errorf("ShardInfo = %d, len %d, %v", off, len(shard), err)
+	}
+	if o, n, err := units[0].FlatRange(1); err != nil || o < 16*32 || n != 32 {
+		t.Errorf("FlatRange(1) = %d %d %v", o, n, err)
+	}
+	trace := filepath.Join(t.TempDir(), "trace.json")
+	if err := ctx.TraceBegin(); err != nil {
+		t.Fatal(err)
+	}
+	if err := ctx.TraceWrite(trace); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(trace); err != nil {
+		t.Error(err)
+	}
+	if Version() != 100 || !strings.Contains(BuildInfo(), "libfsdp") {
+		t.Errorf("Version %d BuildInfo %q", Version(), BuildInfo())
+	}
+}
+
+func TestHalfConversions(t *testing.T) {
+	for _, f := range []float32{0, 1, -2.5, 0.1, 65504, 1e-6} {
+		if g := BF16ToFloat32(Float32ToBF16(f)); math.Abs(float64(g-f)) > math.Abs(float64(f))/128 {
+			t.Errorf("bf16 round trip %v -> %v", f, g)
+		}
+		if g := FP16ToFloat32(Float32ToFP16(f)); math.Abs(float64(g-f)) > math.Abs(float64(f))/1024+6e-8 {
+			t.Errorf("fp16 round trip %v -> %v", f, g)
+		}
+	}
+}
+
+// A bf16 context serves 16-bit buffers through ParamU16/GradU16 only.
+func TestBF16Accessors(t *testing.T) {
+	ctx, err := newRankContext(nil, 0, map[string]string{"param_dtype": "bf16"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ctx.Close()
+	u, err := ctx.RegisterUnit("u", []Param{{Name: "w", Shape: []int64{2, 3}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := u.SetValues(0, []float32{1.5, -2, 0.25, 3, 0, 1}); err != nil {
+		t.Fatal(err)
+	}
+	if err := u.BackwardBegin(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := u.Param(0); !errors.Is(err, ErrInvalidArgument) {
+		t.Errorf("Param on bf16 = %v, want ErrInvalidArgument", err)
+	}
+	p, err := u.ParamU16(0)
+	if err != nil || len(p) != 6 || BF16ToFloat32(p[0]) != 1.5 || BF16ToFloat32(p[1]) != -2 {
+		t.Errorf("ParamU16 = %v, %v", p, err)
+	}
+	g, err := u.GradU16(0)
+	if err != nil || len(g) != 6 || BF16ToFloat32(g[0]) != 0 {
+		t.Errorf("GradU16 = %v, %v", g, err)
+	}
+	if err := u.BackwardEnd(); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// Get grows its buffer for a value longer than its first guess.
+func TestConfigLongValue(t *testing.T) {
+	cfg, err := NewConfig()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cfg.Close()
+	long := strings.Repeat("*some_long_param_name_pattern,", 20) + "*bias"
+	if err := cfg.Set("no_weight_decay", long); err != nil {
+		t.Fatal(err)
+	}
+	if v, err := cfg.Get("no_weight_decay"); err != nil || v != long {
+		t.Errorf("Get of a %d-char value = %d chars, %v", len(long), len(v), err)
+	}
+}

@@ -1,0 +1,314 @@
+// context.go - Group (in-process ranks), RunRanks, and Context: one rank's
+// view of a job (step, learning rate, loss scale, memory, checkpoints, trace).
+
+package fsdp
+
+// #include <stdlib.h>
+// #include "fsdp.h"
+import "C"
+
+import (
+	"fmt"
+	"runtime"
+	"sync"
+	"unsafe"
+)
+
+// Group is a set of in-process ranks (the local communicator).
+type Group struct {
+	ptr  *C.fsdp_local_group_t
+	size int
+}
+
+// LocalGroup creates a group of n ranks living in this process.
+func LocalGroup(n int) (*Group, error) {
+	var p *C.fsdp_local_group_t
+	if err := call("fsdp_local_group_create", func() C.fsdp_status_t {
+		return C.fsdp_local_group_create(C.int(n), &p)
+	}); err != nil {
+		return nil, err
+	}
+	return &Group{ptr: p, size: n}, nil
+}
+
+// Size is the number of ranks of the group.
+func (g *Group) Size() int { return g.size }
+
+// Close frees the group (its memory lives on until its last Context is
+// closed, so the order does not matter); calling it again does nothing.
+func (g *Group) Close() {
+	if g != nil && g.ptr != nil {
+		C.fsdp_local_group_destroy(g.ptr)
+		g.ptr = nil
+	}
+}
+
+// RunRanks runs fn for ranks 0..n-1 of a new local Group, each on its own
+// goroutine locked to its own OS thread, waits for all, closes the group and
+// returns the first error (a panic in fn becomes an error). If a rank fails
+// the others may wait in a collective until the context's timeout_s.
+func RunRanks(n int, fn func(rank int, g *Group) error) error {
+	g, err := LocalGroup(n)
+	if err != nil {
+		return err
+	}
+	defer g.Close()
+	var (
+		wg    sync.WaitGroup
+		once  sync.Once
+		first error
+	)
+	for r := 0; r < n; r++ {
+		wg.Add(1)
+		go func(rank int) {
+			defer wg.Done()
+			runtime.LockOSThread()
+			defer runtime.UnlockOSThread()
+			err := func() (err error) {
+				defer func() {
+					if p := recover(); p != nil {
+						err = fmt.Errorf("rank %d panicked: %v", rank, p)
+					}
+				}()
+				return fn(rank, g)
+			}()
+			if err != nil {
+				once.Do(func() { first = fmt.Errorf("rank %d: %w", rank, err) })
+			}
+		}(r)
+	}
+	wg.Wait()
+	return first
+}
+
+// Context is one rank's view of the job. It owns its units.
+type Context struct {
+	ptr   *C.fsdp_ctx_t
+	units []*Unit
+}
+
+// NewContext (collective) creates this rank's context. group nil means a
+// world of one (rank 0) or, with comm=mpi, a process of an mpirun job
+// (rank -1). The config is copied.
+func NewContext(cfg *Config, group *Group, rank int) (*Context, error) {
+	if cfg == nil || cfg.ptr == nil {
+		return nil, closedError("Config")
+	}
+	var gp *C.fsdp_local_group_t
+	if group != nil {
+		if group.ptr == nil {
+			return nil, closedError("Group")
+		}
+		gp = group.ptr
+	}
+	var p *C.fsdp_ctx_t
+	if err := call("fsdp_ctx_create", func() C.fsdp_status_t {
+		return C.fsdp_ctx_create(cfg.ptr, gp, C.int(rank), &p)
+	}); err != nil {
+		return nil, err
+	}
+	return &Context{ptr: p}, nil
+}
+
+func (c *Context) live(op string) error {
+	if c == nil || c.ptr == nil {
+		return newError(op, StatusInvalidState, "Context is closed")
+	}
+	return nil
+}
+
+// intCall runs a getter returning a C int.
+func (c *Context) intCall(op string, f func(*C.int) C.fsdp_status_t) (int, error) {
+	if err := c.live(op); err != nil {
+		return 0, err
+	}
+	var v C.int
+	err := call(op, func() C.fsdp_status_t { return f(&v) })
+	return int(v), err
+}
+
+// Rank of this context.
+func (c *Context) Rank() (int, error) {
+	return c.intCall("fsdp_ctx_rank", func(v *C.int) C.fsdp_status_t { return C.fsdp_ctx_rank(c.ptr, v) })
+}
+
+// WorldSize of the job.
+func (c *Context) WorldSize() (int, error) {
+	return c.intCall("fsdp_ctx_world_size", func(v *C.int) C.fsdp_status_t { return C.fsdp_ctx_world_size(c.ptr, v) })
+}
+
+// Dtype is the dtype of the buffers behind Param and Grad.
+type Dtype int
+
+// The dtypes of fsdp.h.
+const (
+	FP32 Dtype = C.FSDP_DTYPE_FP32
+	BF16 Dtype = C.FSDP_DTYPE_BF16
+	FP16 Dtype = C.FSDP_DTYPE_FP16
+)
+
+func (d Dtype) String() string {
+	switch d {
+	case FP32:
+		return "fp32"
+	case BF16:
+		return "bf16"
+	case FP16:
+		return "fp16"
+	}
+	return fmt.Sprintf("Dtype(%d)", int(d))
+}
+
+// ParamDtype is the dtype of the full params and grads the host computes with.
+func (c *Context) ParamDtype() (Dtype, error) {
+	if err := c.live("fsdp_ctx_param_dtype"); err != nil {
+		return FP32, err
+	}
+	var d C.fsdp_dtype_t
+	err := call("fsdp_ctx_param_dtype", func() C.fsdp_status_t { return C.fsdp_ctx_param_dtype(c.ptr, &d) })
+	return Dtype(d), err
+}
+
+// AsyncError is a failure found after the call that caused it returned (nil if none).
+func (c *Context) AsyncError() error {
+	if err := c.live("fsdp_ctx_async_error"); err != nil {
+		return err
+	}
+	return call("fsdp_ctx_async_error", func() C.fsdp_status_t { return C.fsdp_ctx_async_error(c.ptr) })
+}
+
+// simple runs a C call on the live context.
+func (c *Context) simple(op string, f func() C.fsdp_status_t) error {
+	if err := c.live(op); err != nil {
+		return err
+	}
+	return call(op, f)
+}
+
+// Step (collective) runs the optimizer on this rank's shards and zeroes the grads.
+func (c *Context) Step() error {
+	return c.simple("fsdp_step", func() C.fsdp_status_t { return C.fsdp_step(c.ptr, nil) })
+}
+
+// SetLR sets the learning rate of the following steps.
+func (c *Context) SetLR(lr float64) error {
+	return c.simple("fsdp_set_lr", func() C.fsdp_status_t { return C.fsdp_set_lr(c.ptr, C.double(lr)) })
+}
+
+// SetGradSync(false) accumulates grads locally without communication (no_sync).
+func (c *Context) SetGradSync(enabled bool) error {
+	e := C.int(0)
+	if enabled {
+		e = 1
+	}
+	return c.simple("fsdp_set_grad_sync", func() C.fsdp_status_t { return C.fsdp_set_grad_sync(c.ptr, e) })
+}
+
+// LossScale is the scale to multiply the loss by, and the number of skipped steps.
+func (c *Context) LossScale() (scale float64, skipped uint64, err error) {
+	var s C.double
+	var n C.uint64_t
+	err = c.simple("fsdp_loss_scale", func() C.fsdp_status_t { return C.fsdp_loss_scale(c.ptr, &s, &n) })
+	return float64(s), uint64(n), err
+}
+
+// LastGradNorm is the global grad norm of the last Step, before clipping.
+func (c *Context) LastGradNorm() (float64, error) {
+	var v C.double
+	err := c.simple("fsdp_last_grad_norm", func() C.fsdp_status_t { return C.fsdp_last_grad_norm(c.ptr, &v) })
+	return float64(v), err
+}
+
+// MemoryStats are the bytes this rank holds, by category (fsdp_memory_stats_t).
+type MemoryStats struct {
+	ShardedParams, ShardedGrads, OptimizerState          uint64
+	GatheredParams, GatheredParamsPeak                   uint64
+	UnshardedGrads, UnshardedGradsPeak                   uint64
+	Total, TotalPeak, Device, DevicePeak, Host, HostPeak uint64
+}
+
+// MemoryStats returns this rank's memory by category.
+func (c *Context) MemoryStats() (MemoryStats, error) {
+	var s C.fsdp_memory_stats_t
+	s.struct_size = C.size_t(unsafe.Sizeof(s))
+	if err := c.simple("fsdp_memory_stats", func() C.fsdp_status_t { return C.fsdp_memory_stats(c.ptr, &s) }); err != nil {
+		return MemoryStats{}, err
+	}
+	return MemoryStats{
+		ShardedParams: uint64(s.sharded_params_nbytes), ShardedGrads: uint64(s.sharded_grads_nbytes),
+		OptimizerState: uint64(s.optimizer_state_nbytes),
+		GatheredParams: uint64(s.gathered_params_nbytes), GatheredParamsPeak: uint64(s.gathered_params_peak_nbytes),
+		UnshardedGrads: uint64(s.unsharded_grads_nbytes), UnshardedGradsPeak: uint64(s.unsharded_grads_peak_nbytes),
+		Total: uint64(s.total_nbytes), TotalPeak: uint64(s.total_peak_nbytes),
+		Device: uint64(s.device_nbytes), DevicePeak: uint64(s.device_peak_nbytes),
+		Host: uint64(s.host_nbytes), HostPeak: uint64(s.host_peak_nbytes),
+	}, nil
+}
+
+// ResetPeakMemory restarts the peaks from the current values.
+func (c *Context) ResetPeakMemory() error {
+	return c.simple("fsdp_memory_stats_reset_peak", func() C.fsdp_status_t { return C.fsdp_memory_stats_reset_peak(c.ptr) })
+}
+
+// withCString runs f with s as a C string (freed afterwards).
+func withCString(s string, f func(*C.char) error) error {
+	cs := C.CString(s)
+	defer C.free(unsafe.Pointer(cs))
+	return f(cs)
+}
+
+// Save (collective) writes a checkpoint into dir; kind is "sharded" or "full".
+func (c *Context) Save(dir, kind string) error {
+	if err := c.live("fsdp_save"); err != nil {
+		return err
+	}
+	return withCString(dir, func(d *C.char) error {
+		return withCString(kind, func(k *C.char) error {
+			return call("fsdp_save", func() C.fsdp_status_t { return C.fsdp_save(c.ptr, d, k) })
+		})
+	})
+}
+
+// Load (collective) restores a checkpoint of either kind from dir.
+func (c *Context) Load(dir string) error {
+	if err := c.live("fsdp_load"); err != nil {
+		return err
+	}
+	return withCString(dir, func(d *C.char) error {
+		return call("fsdp_load", func() C.fsdp_status_t { return C.fsdp_load(c.ptr, d) })
+	})
+}
+
+// TraceBegin starts (or restarts) recording this rank's timeline.
+func (c *Context) TraceBegin() error {
+	return c.simple("fsdp_trace_begin", func() C.fsdp_status_t { return C.fsdp_trace_begin(c.ptr) })
+}
+
+// TraceWrite writes what was recorded as Chrome trace JSON to path.
+func (c *Context) TraceWrite(path string) error {
+	if err := c.live("fsdp_trace_write"); err != nil {
+		return err
+	}
+	return withCString(path, func(p *C.char) error {
+		return call("fsdp_trace_write", func() C.fsdp_status_t { return C.fsdp_trace_write(c.ptr, p) })
+	})
+}
+
+// Finalize (collective) waits for outstanding collectives; afterwards every
+// call but Close fails with ErrInvalidState.
+func (c *Context) Finalize() error {
+	return c.simple("fsdp_ctx_finalize", func() C.fsdp_status_t { return C.fsdp_ctx_finalize(c.ptr) })
+}
+
+// Close frees the context and its units (local, never waits); calling it
+// again does nothing. Units of a closed context return errors.
+func (c *Context) Close() {
+	if c != nil && c.ptr != nil {
+		C.fsdp_ctx_destroy(c.ptr)
+		c.ptr = nil
+		for _, u := range c.units {
+			u.ptr = nil
+		}
+		c.units = nil
+	}
+}

@@ -1,0 +1,42 @@
+// Package fsdp is the Go binding of libfsdp: fully sharded data parallel
+// (ZeRO-3) training behind the stable C ABI of include/fsdp.h.
+//
+// The host (this Go program) computes forward and backward; libfsdp owns the
+// parameters, gradients, optimizer state and collectives. A step:
+//
+//	for each unit in forward order:  u.ForwardBegin(); p, _ := u.Param(i); ...; u.ForwardEnd()
+//	for each unit in reverse order:  u.BackwardBegin(); g, _ := u.Grad(i); g[k] += ...; u.BackwardEnd()
+//	ctx.Step()
+//
+// Grads are ADDED into the Grad slices (the library zeroes them at
+// BackwardBegin) and averaged over ranks (reduce_op=avg), so each rank
+// computes the grads of the mean loss over its own rows.
+//
+// Zero-copy: Param and Grad return slices over library memory, valid only
+// between the Begin and the End call of the unit (Param: ForwardBegin..
+// ForwardEnd or BackwardBegin..BackwardEnd; Grad: BackwardBegin..BackwardEnd).
+// Touching them afterwards reads freed memory. They are []float32 for
+// param_dtype=fp32; for bf16/fp16 contexts Param and Grad return an error and
+// ParamU16/GradU16 give the raw 16-bit values ([]uint16; see BF16ToFloat32,
+// Float32ToBF16, FP16ToFloat32, Float32ToFP16).
+//
+// Ranks: with the local communicator every rank is a goroutine locked to its
+// own OS thread (RunRanks); each rank creates its own Context on a shared
+// Group. Collective calls must be made by every rank in the same order.
+// A handle is not safe for concurrent use by several goroutines.
+//
+// Errors are *Error values carrying the status, its name and the library's
+// message (fsdp_last_error, read on the same OS thread as the failed call);
+// test them with errors.Is(err, fsdp.ErrInvalidArgument) and friends.
+// Every handle has an idempotent Close; calls on a closed handle return an
+// error with status ErrInvalidState, never crash.
+//
+// Building: cgo needs the header and the library. From a source checkout,
+// after the C++ build (build/default):
+//
+//	CGO_LDFLAGS="-L$PWD/build/default/src -Wl,-rpath,$PWD/build/default/src" go test ./...
+//
+// (tools/test_go.sh does this). With an installed libfsdp use pkg-config:
+//
+//	PKG_CONFIG_PATH=<prefix>/lib/pkgconfig go build -tags fsdp_pkgconfig ./...
+package fsdp

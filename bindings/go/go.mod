@@ -1,0 +1,3 @@
+module github.com/libfsdp/fsdp-go
+
+go 1.19

@@ -1,0 +1,270 @@
+// unit.go - Unit: a group of params gathered and freed together; the forward
+// and backward blocks, zero-copy Param/Grad slices, values in and out.
+
+package fsdp
+
+// #include <stdlib.h>
+// #include "fsdp.h"
+import "C"
+
+import (
+	"fmt"
+	"unsafe"
+)
+
+// Param describes one parameter of a unit: its name and row-major shape.
+type Param struct {
+	Name  string
+	Shape []int64
+}
+
+// Numel is the element count of the shape.
+func (p Param) Numel() int {
+	n := 1
+	for _, d := range p.Shape {
+		n *= int(d)
+	}
+	return n
+}
+
+// Unit is a registered unit; it belongs to its Context and is freed with it.
+type Unit struct {
+	ptr    *C.fsdp_unit_t
+	ctx    *Context
+	name   string
+	params []Param
+	dtype  Dtype
+}
+
+// RegisterUnit (collective) registers a unit of params; every rank must
+// register the same units in the same order (else ErrMismatch).
+func (c *Context) RegisterUnit(name string, params []Param) (*Unit, error) {
+	if err := c.live("fsdp_unit_register"); err != nil {
+		return nil, err
+	}
+	dt, err := c.ParamDtype()
+	if err != nil {
+		return nil, err
+	}
+	n := len(params)
+	names := make([]*C.char, n+1) // +1: never a zero-length slice to take &[0] of
+	ndims := make([]C.int32_t, n+1)
+	var dims []C.int64_t
+	for i, p := range params {
+		names[i] = C.CString(p.Name)
+		defer C.free(unsafe.Pointer(names[i]))
+		ndims[i] = C.int32_t(len(p.Shape))
+		for _, d := range p.Shape {
+			dims = append(dims, C.int64_t(d))
+		}
+	}
+	dims = append(dims, 0)
+	cname := C.CString(name)
+	defer C.free(unsafe.Pointer(cname))
+	var p *C.fsdp_unit_t
+	if err := call("fsdp_unit_register", func() C.fsdp_status_t {
+		return C.fsdp_unit_register(c.ptr, cname, C.size_t(n), &names[0], &ndims[0], &dims[0], &p)
+	}); err != nil {
+		return nil, err
+	}
+	cp := make([]Param, n)
+	for i, q := range params {
+		cp[i] = Param{Name: q.Name, Shape: append([]int64(nil), q.Shape...)}
+	}
+	u := &Unit{ptr: p, ctx: c, name: name, params: cp, dtype: dt}
+	c.units = append(c.units, u)
+	return u, nil
+}
+
+// Name of the unit.
+func (u *Unit) Name() string { return u.name }
+
+// Params of the unit (a copy).
+func (u *Unit) Params() []Param { return append([]Param(nil), u.params...) }
+
+func (u *Unit) live(op string) error {
+	if u == nil || u.ptr == nil || u.ctx == nil || u.ctx.ptr == nil {
+		return newError(op, StatusInvalidState, "the Unit's Context is closed")
+	}
+	return nil
+}
+
+func (u *Unit) simple(op string, f func() C.fsdp_status_t) error {
+	if err := u.live(op); err != nil {
+		return err
+	}
+	return call(op, f)
+}
+
+// checkIndex rejects a bad index before it reaches Go slicing code.
+func (u *Unit) checkIndex(op string, i int) error {
+	if err := u.live(op); err != nil {
+		return err
+	}
+	if i < 0 || i >= len(u.params) {
+		return newError(op, StatusInvalidArgument,
+			fmt.Sprintf("param index %d out of range: unit %q has %d params", i, u.name, len(u.params)))
+	}
+	return nil
+}
+
+// SetValues sets param i from its full fp32 values (len must be the param's
+// element count; this rank keeps its slice). With sync_module_states=1 it is
+// collective and ranks other than 0 may pass nil.
+func (u *Unit) SetValues(i int, values []float32) error {
+	if err := u.checkIndex("fsdp_param_set_values", i); err != nil {
+		return err
+	}
+	var p *C.float
+	n := len(values)
+	if n > 0 {
+		p = (*C.float)(unsafe.Pointer(&values[0]))
+	} else {
+		n = u.params[i].Numel()
+	}
+	return call("fsdp_param_set_values", func() C.fsdp_status_t {
+		return C.fsdp_param_set_values(u.ptr, C.size_t(i), p, C.size_t(n))
+	})
+}
+
+// SetWeightDecay overrides the weight decay of param i (0 for biases, norms).
+func (u *Unit) SetWeightDecay(i int, wd float64) error {
+	if err := u.checkIndex("fsdp_param_set_weight_decay", i); err != nil {
+		return err
+	}
+	return call("fsdp_param_set_weight_decay", func() C.fsdp_status_t {
+		return C.fsdp_param_set_weight_decay(u.ptr, C.size_t(i), C.double(wd))
+	})
+}
+
+// ForwardBegin (collective) makes the full params usable through Param.
+func (u *Unit) ForwardBegin() error {
+	return u.simple("fsdp_forward_begin", func() C.fsdp_status_t { return C.fsdp_forward_begin(u.ptr, nil) })
+}
+
+// ForwardEnd ends the forward block; Param slices become invalid.
+func (u *Unit) ForwardEnd() error {
+	return u.simple("fsdp_forward_end", func() C.fsdp_status_t { return C.fsdp_forward_end(u.ptr, nil) })
+}
+
+// BackwardBegin (collective) makes the params and zeroed grad buffers usable.
+func (u *Unit) BackwardBegin() error {
+	return u.simple("fsdp_backward_begin", func() C.fsdp_status_t { return C.fsdp_backward_begin(u.ptr, nil) })
+}
+
+// BackwardEnd (collective) reduces the grads; Param and Grad slices become invalid.
+func (u *Unit) BackwardEnd() error {
+	return u.simple("fsdp_backward_end", func() C.fsdp_status_t { return C.fsdp_backward_end(u.ptr, nil) })
+}
+
+// raw returns the library pointer of param i (grad: the grad buffer).
+func (u *Unit) raw(i int, grad bool, want16 bool) (unsafe.Pointer, error) {
+	op := "fsdp_param_ptr"
+	if grad {
+		op = "fsdp_grad_ptr"
+	}
+	if err := u.checkIndex(op, i); err != nil {
+		return nil, err
+	}
+	if is16 := u.dtype != FP32; is16 != want16 {
+		acc := "Param/Grad"
+		if is16 {
+			acc = "ParamU16/GradU16"
+		}
+		return nil, newError(op, StatusInvalidArgument, fmt.Sprintf("param_dtype is %v: use %s", u.dtype, acc))
+	}
+	var p unsafe.Pointer
+	err := call(op, func() C.fsdp_status_t {
+		if grad {
+			return C.fsdp_grad_ptr(u.ptr, C.size_t(i), &p)
+		}
+		return C.fsdp_param_ptr(u.ptr, C.size_t(i), &p)
+	})
+	if err == nil && p == nil && u.params[i].Numel() > 0 {
+		err = newError(op, StatusInternal, "library returned a NULL pointer")
+	}
+	return p, err
+}
+
+// Param is param i's full values, a slice over library memory valid only
+// until the end of the current forward or backward block. Read only.
+// fp32 contexts only (else ParamU16).
+func (u *Unit) Param(i int) ([]float32, error) {
+	p, err := u.raw(i, false, false)
+	if err != nil || p == nil {
+		return nil, err
+	}
+	return unsafe.Slice((*float32)(p), u.params[i].Numel()), nil
+}
+
+// Grad is param i's grad buffer, a slice over library memory valid only
+// between BackwardBegin and BackwardEnd. Add grads into it. fp32 only.
+func (u *Unit) Grad(i int) ([]float32, error) {
+	p, err := u.raw(i, true, false)
+	if err != nil || p == nil {
+		return nil, err
+	}
+	return unsafe.Slice((*float32)(p), u.params[i].Numel()), nil
+}
+
+// ParamU16 is Param for bf16/fp16 contexts: the raw 16-bit values.
+func (u *Unit) ParamU16(i int) ([]uint16, error) {
+	p, err := u.raw(i, false, true)
+	if err != nil || p == nil {
+		return nil, err
+	}
+	return unsafe.Slice((*uint16)(p), u.params[i].Numel()), nil
+}
+
+// GradU16 is Grad for bf16/fp16 contexts: the raw 16-bit values.
+func (u *Unit) GradU16(i int) ([]uint16, error) {
+	p, err := u.raw(i, true, true)
+	if err != nil || p == nil {
+		return nil, err
+	}
+	return unsafe.Slice((*uint16)(p), u.params[i].Numel()), nil
+}
+
+// Gather (collective) returns a copy of param i's full fp32 master values.
+// Only while no unit is in use.
+func (u *Unit) Gather(i int) ([]float32, error) {
+	if err := u.checkIndex("fsdp_gather_param", i); err != nil {
+		return nil, err
+	}
+	n := u.params[i].Numel()
+	out := make([]float32, n+1) // +1: &out[0] exists for n == 0
+	err := call("fsdp_gather_param", func() C.fsdp_status_t {
+		return C.fsdp_gather_param(u.ptr, C.size_t(i), (*C.float)(unsafe.Pointer(&out[0])), C.size_t(n))
+	})
+	if err != nil {
+		return nil, err
+	}
+	return out[:n], nil
+}
+
+// ShardInfo is this rank's flat fp32 master shard of the unit: its offset in
+// the unit's flat buffer and a slice over it (library memory, valid while the
+// Context lives).
+func (u *Unit) ShardInfo() (offset int, shard []float32, err error) {
+	var p *C.float
+	var off, n C.size_t
+	if err = u.simple("fsdp_shard_info", func() C.fsdp_status_t { return C.fsdp_shard_info(u.ptr, &p, &off, &n) }); err != nil {
+		return 0, nil, err
+	}
+	if p != nil && n > 0 {
+		shard = unsafe.Slice((*float32)(unsafe.Pointer(p)), int(n))
+	}
+	return int(off), shard, nil
+}
+
+// FlatRange is where param i lies in the unit's flat buffer.
+func (u *Unit) FlatRange(i int) (offset, numel int, err error) {
+	if err = u.checkIndex("fsdp_param_flat_range", i); err != nil {
+		return 0, 0, err
+	}
+	var off, n C.size_t
+	err = call("fsdp_param_flat_range", func() C.fsdp_status_t {
+		return C.fsdp_param_flat_range(u.ptr, C.size_t(i), &off, &n)
+	})
+	return int(off), int(n), err
+}
