@@ -9,6 +9,10 @@ command -v make >/dev/null || missing+=(make)
 command -v nm >/dev/null || missing+=(binutils)
 command -v pkg-config >/dev/null || missing+=(pkg-config)
 command -v python3 >/dev/null || missing+=(python3)
+# The Python binding's tests run in a venv (numpy and pytest from PyPI).
+python3 -c "import venv, ensurepip" 2>/dev/null || missing+=(python3-venv)
+# The Go binding (cgo, standard library only).
+command -v go >/dev/null || missing+=(golang-go)
 [ -f /usr/include/gtest/gtest.h ] || missing+=(libgtest-dev)
 [ -d /usr/include/benchmark ] || missing+=(libbenchmark-dev)
 # Checkpoints: JSON metadata and safetensors headers, CRC-32 checksums.

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Every test: builds libfsdp with its tests (default preset) and runs CTest.
-# With --asan or --tsan, runs the suite under that sanitizer preset instead.
+# Every test: builds libfsdp with its tests (default preset), runs CTest, then
+# the Python binding's tests (tools/test_python.sh) and the Go binding's
+# (tools/test_go.sh) against the library just built. With --asan or --tsan,
+# runs the C++ suite under that sanitizer preset instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 preset=default
@@ -15,3 +17,7 @@ tools/deps.sh
 cmake --preset "$preset" -DFSDP_BUILD_TESTS=ON >/dev/null
 cmake --build --preset "$preset" -j"$(nproc)"
 ctest --preset "$preset" -j"$(nproc)"
+if [ "$preset" = default ]; then
+  tools/test_python.sh "build/default/src/libfsdp.so"
+  tools/test_go.sh build/default
+fi

@@ -1,0 +1,154 @@
+# _lib.py - loads libfsdp with ctypes, declares its C prototypes and maps status codes to exceptions.
+import ctypes
+import ctypes.util
+import os
+
+c_int, c_size_t, c_double, c_char_p, c_void_p = ctypes.c_int, ctypes.c_size_t, ctypes.c_double, ctypes.c_char_p, ctypes.c_void_p
+P = ctypes.POINTER
+
+LOG_FN = ctypes.CFUNCTYPE(None, c_int, c_int, c_char_p, c_void_p)
+
+
+class MemoryStatsC(ctypes.Structure):
+    _fields_ = [(n, c_size_t) for n in (
+        "struct_size", "sharded_params_nbytes", "sharded_grads_nbytes", "optimizer_state_nbytes",
+        "gathered_params_nbytes", "gathered_params_peak_nbytes", "unsharded_grads_nbytes",
+        "unsharded_grads_peak_nbytes", "total_nbytes", "total_peak_nbytes", "device_nbytes",
+        "device_peak_nbytes", "host_nbytes", "host_peak_nbytes")]
+
+
+# name: (restype, argtypes); restype None means fsdp_status_t (c_int).
+_PROTOTYPES = {
+    "fsdp_status_name": (c_char_p, [c_int]),
+    "fsdp_last_error": (c_char_p, []),
+    "fsdp_log_set_level": (None, [c_int]),
+    "fsdp_log_set_callback": (None, [LOG_FN, c_void_p]),
+    "fsdp_version": (c_int, []),
+    "fsdp_build_info": (c_char_p, []),
+    "fsdp_config_create": (None, [P(c_void_p)]),
+    "fsdp_config_destroy": (type(None), [c_void_p]),
+    "fsdp_config_set": (None, [c_void_p, c_char_p, c_char_p]),
+    "fsdp_config_get": (None, [c_void_p, c_char_p, c_char_p, c_size_t, P(c_size_t)]),
+    "fsdp_config_from_env": (None, [c_void_p]),
+    "fsdp_local_group_create": (None, [c_int, P(c_void_p)]),
+    "fsdp_local_group_destroy": (type(None), [c_void_p]),
+    "fsdp_ctx_create": (None, [c_void_p, c_void_p, c_int, P(c_void_p)]),
+    "fsdp_ctx_finalize": (None, [c_void_p]),
+    "fsdp_ctx_destroy": (type(None), [c_void_p]),
+    "fsdp_ctx_rank": (None, [c_void_p, P(c_int)]),
+    "fsdp_ctx_world_size": (None, [c_void_p, P(c_int)]),
+    "fsdp_ctx_param_dtype": (None, [c_void_p, P(c_int)]),
+    "fsdp_ctx_async_error": (None, [c_void_p]),
+    "fsdp_unit_register": (None, [c_void_p, c_char_p, c_size_t, P(c_char_p), P(ctypes.c_int32),
+                                  P(ctypes.c_int64), P(c_void_p)]),
+    "fsdp_param_set_values": (None, [c_void_p, c_size_t, c_void_p, c_size_t]),
+    "fsdp_param_set_weight_decay": (None, [c_void_p, c_size_t, c_double]),
+    "fsdp_forward_begin": (None, [c_void_p, c_void_p]),
+    "fsdp_forward_end": (None, [c_void_p, c_void_p]),
+    "fsdp_backward_begin": (None, [c_void_p, c_void_p]),
+    "fsdp_backward_end": (None, [c_void_p, c_void_p]),
+    "fsdp_param_ptr": (None, [c_void_p, c_size_t, P(c_void_p)]),
+    "fsdp_grad_ptr": (None, [c_void_p, c_size_t, P(c_void_p)]),
+    "fsdp_step": (None, [c_void_p, c_void_p]),
+    "fsdp_set_grad_sync": (None, [c_void_p, c_int]),
+    "fsdp_set_lr": (None, [c_void_p, c_double]),
+    "fsdp_loss_scale": (None, [c_void_p, P(c_double), P(ctypes.c_uint64)]),
+    "fsdp_last_grad_norm": (None, [c_void_p, P(c_double)]),
+    "fsdp_gather_param": (None, [c_void_p, c_size_t, c_void_p, c_size_t]),
+    "fsdp_shard_info": (None, [c_void_p, P(c_void_p), P(c_size_t), P(c_size_t)]),
+    "fsdp_param_flat_range": (None, [c_void_p, c_size_t, P(c_size_t), P(c_size_t)]),
+    "fsdp_save": (None, [c_void_p, c_char_p, c_char_p]),
+    "fsdp_load": (None, [c_void_p, c_char_p]),
+    "fsdp_memory_stats": (None, [c_void_p, P(MemoryStatsC)]),
+    "fsdp_memory_stats_reset_peak": (None, [c_void_p]),
+    "fsdp_trace_begin": (None, [c_void_p]),
+    "fsdp_trace_write": (None, [c_void_p, c_char_p]),
+}
+
+
+def _candidates():
+    """(path, explicit) pairs in the order they are tried."""
+    env = os.environ.get("FSDP_LIBRARY")
+    if env:
+        return [(env, True)]
+    here = os.path.dirname(os.path.abspath(__file__))
+    out = [(os.path.join(here, n), False) for n in ("libfsdp.so", "libfsdp.so.0", "libfsdp.dylib")]
+    found = ctypes.util.find_library("fsdp")
+    if found:
+        out.append((found, False))
+    out.append(("libfsdp.so.0", False))
+    return out
+
+
+def load():
+    tried = []
+    for path, explicit in _candidates():
+        if os.sep in path and not os.path.exists(path) and not explicit:
+            tried.append(f"{path} (no such file)")
+            continue
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError as e:
+            tried.append(f"{path} ({e})")
+            if explicit:
+                break
+            continue
+        for name, (res, args) in _PROTOTYPES.items():
+            f = getattr(lib, name)
+            f.restype = c_int if res is None else (None if res is type(None) else res)
+            f.argtypes = args
+        return lib, path
+    raise ImportError("fsdp: could not load libfsdp; tried: " + "; ".join(tried) +
+                      ". Set FSDP_LIBRARY to the path of libfsdp.so (e.g. build/default/src/libfsdp.so).")
+
+
+LIB, LIB_PATH = load()
+
+# ---- errors ---------------------------------------------------------------
+
+
+class FsdpError(Exception):
+    """A libfsdp call failed: .status (int), .status_name and .message (fsdp_last_error())."""
+    status = None
+
+    def __init__(self, status, message, call=""):
+        self.status = status
+        self.message = message
+        self.call = call
+        self.status_name = _status_name(status)
+        super().__init__(f"{self.status_name}: {message}" if message else self.status_name)
+
+
+class InvalidArgument(FsdpError, ValueError): pass
+class InvalidState(FsdpError): pass
+class Unsupported(FsdpError): pass
+class OutOfMemory(FsdpError, MemoryError): pass
+class Timeout(FsdpError, TimeoutError): pass
+class Mismatch(FsdpError): pass
+class CommError(FsdpError): pass
+class Corrupt(FsdpError): pass
+class FsdpIOError(FsdpError): pass
+class Internal(FsdpError): pass
+
+
+_CLASSES = {1: InvalidArgument, 2: InvalidState, 3: Unsupported, 4: OutOfMemory, 5: Timeout, 6: Mismatch,
+            7: CommError, 8: Corrupt, 9: FsdpIOError, 10: Internal}
+
+
+def _status_name(status):
+    try:
+        return LIB.fsdp_status_name(status).decode()
+    except Exception:  # interpreter teardown
+        return f"status {status}"
+
+
+def check(status, call=""):
+    """Raises the FsdpError subclass for a failed status, with this thread's fsdp_last_error()."""
+    if status != 0:
+        msg = LIB.fsdp_last_error().decode(errors="replace")
+        raise _CLASSES.get(status, FsdpError)(status, msg, call)
+
+
+def error(cls, status, message):
+    """An error raised by the binding itself (for example use after close)."""
+    return cls(status, message)

@@ -1,0 +1,448 @@
+# core.py - Config, LocalGroup, Context and Unit: thin Python objects over the libfsdp C handles.
+import contextlib
+import ctypes
+import dataclasses
+import os
+
+import numpy as np
+
+from . import _lib
+from ._lib import LIB, check, InvalidState, InvalidArgument, Unsupported
+
+_DTYPES = {0: ("fp32", np.float32, ctypes.c_float), 1: ("bf16", np.uint16, ctypes.c_uint16),
+           2: ("fp16", np.float16, ctypes.c_uint16)}
+
+
+def bf16_to_f32(bits):
+    """float32 values of bf16 raw bits (a uint16 array)."""
+    return (np.asarray(bits, np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def f32_to_bf16(values):
+    """bf16 raw bits (uint16) of float32 values, rounded to nearest even (nan stays nan)."""
+    u = np.ascontiguousarray(values, np.float32).view(np.uint32)
+    r = ((u + np.uint32(0x7FFF) + ((u >> 16) & np.uint32(1))) >> 16).astype(np.uint16)
+    return np.where(np.isnan(np.asarray(values, np.float32)), np.uint16(0x7FC0), r)
+
+
+def _closed(what):
+    return InvalidState(2, f"{what} is closed (close() was called); create a new one")
+
+
+def _value_str(v):
+    if isinstance(v, bool):
+        return "1" if v else "0"
+    return str(v)
+
+
+def launcher_world():
+    """(rank, size) from an mpirun launcher's environment, or None when not started by one."""
+    size = os.environ.get("OMPI_COMM_WORLD_SIZE") or os.environ.get("PMI_SIZE")
+    if not size:
+        return None
+    rank = os.environ.get("OMPI_COMM_WORLD_RANK") or os.environ.get("PMI_RANK") or "0"
+    return int(rank), int(size)
+
+
+class Config:
+    """Key/value options (docs/configuration.md). Config(sharding="FULL_SHARD", lr=1e-3, ...)."""
+
+    def __init__(self, _from_env=False, **options):
+        h = ctypes.c_void_p()
+        check(LIB.fsdp_config_create(ctypes.byref(h)), "fsdp_config_create")
+        self._h = h.value
+        self._destroy = LIB.fsdp_config_destroy  # kept so __del__ works during interpreter teardown
+        if _from_env:
+            self.from_env()
+        for k, v in options.items():
+            self.set(k, v)
+
+    def _handle(self):
+        if not self._h:
+            raise _closed("Config")
+        return self._h
+
+    def set(self, key, value):
+        check(LIB.fsdp_config_set(self._handle(), str(key).encode(), _value_str(value).encode()), "fsdp_config_set")
+        return self
+
+    def get(self, key):
+        n = ctypes.c_size_t()
+        buf = ctypes.create_string_buffer(256)
+        st = LIB.fsdp_config_get(self._handle(), str(key).encode(), buf, 256, ctypes.byref(n))
+        if st == 1 and n.value >= 256:
+            buf = ctypes.create_string_buffer(n.value + 1)
+            st = LIB.fsdp_config_get(self._handle(), str(key).encode(), buf, n.value + 1, ctypes.byref(n))
+        check(st, "fsdp_config_get")
+        return buf.value.decode()
+
+    def from_env(self):
+        check(LIB.fsdp_config_from_env(self._handle()), "fsdp_config_from_env")
+        return self
+
+    def close(self):
+        h, self._h = getattr(self, "_h", None), None
+        if h:
+            self._destroy(h)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class LocalGroup:
+    """fsdp_local_group_t: `world_size` ranks that are threads of this process."""
+
+    def __init__(self, world_size):
+        h = ctypes.c_void_p()
+        check(LIB.fsdp_local_group_create(int(world_size), ctypes.byref(h)), "fsdp_local_group_create")
+        self._h = h.value
+        self.world_size = int(world_size)
+        self._destroy = LIB.fsdp_local_group_destroy
+
+    def _handle(self):
+        if not self._h:
+            raise _closed("LocalGroup")
+        return self._h
+
+    def close(self):
+        """Safe while contexts still use the group: its memory lives until the last one is destroyed."""
+        h, self._h = getattr(self, "_h", None), None
+        if h:
+            self._destroy(h)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def local_group(n):
+    """A LocalGroup of n thread-ranks, usable as a context manager."""
+    return LocalGroup(n)
+
+
+@dataclasses.dataclass
+class MemoryStats:
+    """fsdp_memory_stats_t: bytes this rank holds, by category and by pool."""
+    sharded_params_nbytes: int
+    sharded_grads_nbytes: int
+    optimizer_state_nbytes: int
+    gathered_params_nbytes: int
+    gathered_params_peak_nbytes: int
+    unsharded_grads_nbytes: int
+    unsharded_grads_peak_nbytes: int
+    total_nbytes: int
+    total_peak_nbytes: int
+    device_nbytes: int
+    device_peak_nbytes: int
+    host_nbytes: int
+    host_peak_nbytes: int
+
+
+class Context:
+    """One rank's view of the job. Context(config, group=None, rank=None).
+
+    rank None: the group's rank must then be given explicitly; without a group it is 0, or -1 (the
+    launcher's rank) when the process was started by mpirun."""
+
+    def __init__(self, config=None, group=None, rank=None, **options):
+        own = None
+        if config is None or isinstance(config, dict):
+            config = own = Config(**dict(config or {}, **options))
+        elif options:
+            for k, v in options.items():
+                config.set(k, v)
+        if rank is None:
+            if group is not None:
+                raise InvalidArgument(1, "Context: a group was given without its rank; pass rank=0..world_size-1")
+            rank = -1 if launcher_world() is not None else 0
+        h = ctypes.c_void_p()
+        try:
+            self.device = config.get("device")
+            check(LIB.fsdp_ctx_create(config._handle(), group._handle() if group is not None else None, int(rank),
+                                      ctypes.byref(h)), "fsdp_ctx_create")
+        finally:
+            if own is not None:
+                own.close()
+        self._h = h.value
+        self._destroy = LIB.fsdp_ctx_destroy
+        self._group = group  # keep the Python object alive as long as the context
+        self.units = []
+        v = ctypes.c_int()
+        check(LIB.fsdp_ctx_rank(self._h, ctypes.byref(v)))
+        self.rank = v.value
+        check(LIB.fsdp_ctx_world_size(self._h, ctypes.byref(v)))
+        self.world_size = v.value
+        check(LIB.fsdp_ctx_param_dtype(self._h, ctypes.byref(v)))
+        self.param_dtype, self.np_dtype, self._ctype = _DTYPES[v.value]
+
+    def _handle(self):
+        if not self._h:
+            raise _closed("Context")
+        return self._h
+
+    # ---- units ----
+    def register_unit(self, name, params):
+        """Collective. params: {name: shape} or [(name, shape), ...]; returns the Unit."""
+        items = list(params.items()) if isinstance(params, dict) else [tuple(p) for p in params]
+        names = [str(n) for n, _ in items]
+        shapes = [tuple(int(d) for d in (s if hasattr(s, "__len__") else (s,))) for _, s in items]
+        n = len(items)
+        c_names = (ctypes.c_char_p * max(n, 1))(*[s.encode() for s in names])
+        c_ndims = (ctypes.c_int32 * max(n, 1))(*[len(s) for s in shapes])
+        flat = [d for s in shapes for d in s]
+        c_dims = (ctypes.c_int64 * max(len(flat), 1))(*flat)
+        h = ctypes.c_void_p()
+        check(LIB.fsdp_unit_register(self._handle(), str(name).encode(), n, c_names, c_ndims, c_dims,
+                                     ctypes.byref(h)), "fsdp_unit_register")
+        unit = Unit(self, h.value, str(name), names, shapes)
+        self.units.append(unit)
+        return unit
+
+    # ---- the step ----
+    def step(self):
+        """Collective: reduce waits, unscale, clip, optimizer on this rank's shards."""
+        check(LIB.fsdp_step(self._handle(), None), "fsdp_step")
+
+    def set_lr(self, lr):
+        check(LIB.fsdp_set_lr(self._handle(), float(lr)), "fsdp_set_lr")
+
+    def set_grad_sync(self, enabled):
+        check(LIB.fsdp_set_grad_sync(self._handle(), 1 if enabled else 0), "fsdp_set_grad_sync")
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes inside accumulate grads locally; sync is switched back on at exit."""
+        self.set_grad_sync(False)
+        try:
+            yield self
+        finally:
+            if self._h:
+                self.set_grad_sync(True)
+
+    @property
+    def last_grad_norm(self):
+        v = ctypes.c_double()
+        check(LIB.fsdp_last_grad_norm(self._handle(), ctypes.byref(v)), "fsdp_last_grad_norm")
+        return v.value
+
+    def _loss_scale(self):
+        s, k = ctypes.c_double(), ctypes.c_uint64()
+        check(LIB.fsdp_loss_scale(self._handle(), ctypes.byref(s), ctypes.byref(k)), "fsdp_loss_scale")
+        return s.value, k.value
+
+    @property
+    def loss_scale(self):
+        return self._loss_scale()[0]
+
+    @property
+    def skipped_steps(self):
+        return self._loss_scale()[1]
+
+    def check_async_error(self):
+        """Raises the failure a collective reported after its call returned, if any."""
+        check(LIB.fsdp_ctx_async_error(self._handle()), "fsdp_ctx_async_error")
+
+    # ---- observe ----
+    def memory_stats(self):
+        s = _lib.MemoryStatsC()
+        s.struct_size = ctypes.sizeof(_lib.MemoryStatsC)
+        check(LIB.fsdp_memory_stats(self._handle(), ctypes.byref(s)), "fsdp_memory_stats")
+        return MemoryStats(**{f.name: getattr(s, f.name) for f in dataclasses.fields(MemoryStats)})
+
+    def reset_peak_memory(self):
+        check(LIB.fsdp_memory_stats_reset_peak(self._handle()), "fsdp_memory_stats_reset_peak")
+
+    def trace_begin(self):
+        check(LIB.fsdp_trace_begin(self._handle()), "fsdp_trace_begin")
+
+    def trace_write(self, path):
+        check(LIB.fsdp_trace_write(self._handle(), os.fsencode(path)), "fsdp_trace_write")
+
+    # ---- checkpoints ----
+    def save(self, dir, kind="sharded"):
+        """Collective. kind "sharded" (one file per rank) or "full" (model.safetensors by rank 0)."""
+        check(LIB.fsdp_save(self._handle(), os.fsencode(dir), str(kind).encode()), "fsdp_save")
+
+    def load(self, dir):
+        """Collective. Loads a checkpoint of either kind, any world size; all or nothing."""
+        check(LIB.fsdp_load(self._handle(), os.fsencode(dir)), "fsdp_load")
+
+    # ---- lifetime ----
+    def finalize(self):
+        """Collective. Afterwards every call but close() raises InvalidState."""
+        check(LIB.fsdp_ctx_finalize(self._handle()), "fsdp_ctx_finalize")
+
+    def close(self):
+        """Local: frees the context and its units. Idempotent."""
+        h, self._h = getattr(self, "_h", None), None
+        if h:
+            self._destroy(h)
+
+    @property
+    def closed(self):
+        return not self._h
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class Unit:
+    """A registered unit: a group of params gathered and freed together. Owned by its Context."""
+
+    def __init__(self, ctx, handle, name, names, shapes):
+        self.ctx, self._h, self.name = ctx, handle, name
+        self.names, self.shapes = list(names), list(shapes)
+        self._index = {n: i for i, n in enumerate(self.names)}
+
+    def __repr__(self):
+        return f"Unit({self.name!r}, {dict(zip(self.names, self.shapes))})"
+
+    def _handle(self):
+        self.ctx._handle()  # raises if the context was closed (the unit died with it)
+        return self._h
+
+    def index(self, i_or_name):
+        if isinstance(i_or_name, str):
+            if i_or_name not in self._index:
+                raise KeyError(f"unit {self.name!r} has no param {i_or_name!r}; it has {self.names}")
+            return self._index[i_or_name]
+        return int(i_or_name)
+
+    def numel(self, i):
+        i = self.index(i)
+        return int(np.prod(self.shapes[i], dtype=np.int64)) if 0 <= i < len(self.shapes) else 0
+
+    def set_values(self, i, values):
+        """Sets a param from a full fp32 array (converted); this rank keeps its slice.
+        values None: only with sync_module_states=1 on ranks other than 0."""
+        i = self.index(i)
+        if values is None:
+            check(LIB.fsdp_param_set_values(self._handle(), i, None, self.numel(i)),
+                  "fsdp_param_set_values")
+            return
+        a = np.ascontiguousarray(values, dtype=np.float32)
+        check(LIB.fsdp_param_set_values(self._handle(), i, a.ctypes.data, a.size), "fsdp_param_set_values")
+
+    def set_weight_decay(self, i, wd):
+        check(LIB.fsdp_param_set_weight_decay(self._handle(), self.index(i), float(wd)),
+              "fsdp_param_set_weight_decay")
+
+    # ---- the pass ----
+    def forward_begin(self):
+        check(LIB.fsdp_forward_begin(self._handle(), None), "fsdp_forward_begin")
+
+    def forward_end(self):
+        check(LIB.fsdp_forward_end(self._handle(), None), "fsdp_forward_end")
+
+    def backward_begin(self):
+        check(LIB.fsdp_backward_begin(self._handle(), None), "fsdp_backward_begin")
+
+    def backward_end(self):
+        check(LIB.fsdp_backward_end(self._handle(), None), "fsdp_backward_end")
+
+    @contextlib.contextmanager
+    def forward(self):
+        """forward_begin; the block; forward_end only if the block did not raise (the other ranks
+        would wait in a collective for a rank that failed anyway; the error propagates unchanged)."""
+        self.forward_begin()
+        yield self
+        self.forward_end()
+
+    @contextlib.contextmanager
+    def backward(self):
+        """backward_begin; the block (add grads into grad(i)); backward_end only if the block did not raise."""
+        self.backward_begin()
+        yield self
+        self.backward_end()
+
+    def _view(self, fn, i, what):
+        if self.ctx.device != "cpu":
+            raise Unsupported(3, f"Unit.{what}: zero-copy numpy views need device=cpu; this context is on "
+                                 f"{self.ctx.device} (no __cuda_array_interface__ support yet)")
+        i = self.index(i)
+        p = ctypes.c_void_p()
+        check(fn(self._handle(), i, ctypes.byref(p)), "fsdp_" + what + "_ptr")
+        n = self.numel(i)
+        if n == 0 or not p.value:
+            return np.zeros(self.shapes[i], dtype=self.ctx.np_dtype)
+        buf = (self.ctx._ctype * n).from_address(p.value)
+        return np.frombuffer(buf, dtype=self.ctx.np_dtype).reshape(self.shapes[i])
+
+    def param(self, i):
+        """Zero-copy read-only view of the full param (param dtype; bf16 as raw uint16 bits).
+        Valid only inside forward()/backward() of this unit."""
+        a = self._view(LIB.fsdp_param_ptr, i, "param")
+        a.flags.writeable = False
+        return a
+
+    def grad(self, i):
+        """Zero-copy writable view of the full grad buffer: ADD grads into it (g += ...).
+        Valid only inside backward() of this unit."""
+        return self._view(LIB.fsdp_grad_ptr, i, "grad")
+
+    def param_f32(self, i):
+        """A float32 copy of param(i) (converts bf16 bits / fp16); a view when the dtype is fp32."""
+        a = self.param(i)
+        return bf16_to_f32(a) if a.dtype == np.uint16 else a.astype(np.float32, copy=False)
+
+    def add_grad(self, i, g):
+        """grad(i) += g, with g in float32 converted to the param dtype (bf16 rounded to nearest even)."""
+        view = self.grad(i)
+        if view.dtype == np.uint16:
+            view[...] = f32_to_bf16(bf16_to_f32(view) + np.asarray(g, np.float32))
+        else:
+            view += np.asarray(g).astype(view.dtype, copy=False)
+
+    def params(self):
+        return {n: self.param(k) for k, n in enumerate(self.names)}
+
+    def grads(self):
+        return {n: self.grad(k) for k, n in enumerate(self.names)}
+
+    def gather(self, i):
+        """Collective. A new float32 array with the param's full fp32 master values."""
+        i = self.index(i)
+        out = np.empty(self.shapes[i], dtype=np.float32)
+        check(LIB.fsdp_gather_param(self._handle(), i, out.ctypes.data, out.size), "fsdp_gather_param")
+        return out
+
+    def shard_info(self):
+        """(copy of this rank's flat fp32 master shard, its offset in the unit's flat buffer)."""
+        p, off, n = ctypes.c_void_p(), ctypes.c_size_t(), ctypes.c_size_t()
+        check(LIB.fsdp_shard_info(self._handle(), ctypes.byref(p), ctypes.byref(off), ctypes.byref(n)),
+              "fsdp_shard_info")
+        if n.value == 0 or not p.value:
+            return np.zeros(0, np.float32), off.value
+        return np.frombuffer((ctypes.c_float * n.value).from_address(p.value), np.float32).copy(), off.value
+
+    def flat_range(self, i):
+        off, n = ctypes.c_size_t(), ctypes.c_size_t()
+        check(LIB.fsdp_param_flat_range(self._handle(), self.index(i), ctypes.byref(off), ctypes.byref(n)),
+              "fsdp_param_flat_range")
+        return off.value, n.value

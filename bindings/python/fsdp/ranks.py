@@ -1,0 +1,35 @@
+# ranks.py - run_ranks: N ranks as threads of this process (or one rank per process under mpirun).
+import threading
+
+from .core import LocalGroup, launcher_world
+
+
+def run_ranks(n, fn):
+    """Calls fn(rank, group) for rank 0..n-1, each in its own thread on one LocalGroup, and returns
+    the results by rank. ctypes releases the GIL during libfsdp calls, so ranks run in parallel.
+    If a rank raises, the other threads are still joined (set a small timeout_s so that ranks
+    waiting in a collective for the failed one give up) and the first exception is re-raised.
+
+    Under mpirun (OMPI_COMM_WORLD_SIZE / PMI_SIZE set) this process is one rank: fn(launcher rank,
+    None) is called once, and a Context created with group None takes its rank from the launcher."""
+    lw = launcher_world()
+    if lw is not None:
+        return [fn(lw[0], None)]
+    results, errors = [None] * n, []
+    lock = threading.Lock()
+    with LocalGroup(n) as group:
+        def body(rank):
+            try:
+                results[rank] = fn(rank, group)
+            except BaseException as e:  # noqa: B902 - re-raised in the caller's thread
+                with lock:
+                    errors.append(e)
+
+        threads = [threading.Thread(target=body, args=(r,), name=f"fsdp-rank{r}", daemon=True) for r in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    if errors:
+        raise errors[0]
+    return results

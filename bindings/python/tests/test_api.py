@@ -1,0 +1,219 @@
+# test_api.py - zero-copy views, dtypes, no_sync, checkpoints, memory stats, traces, config and wrap() grouping.
+import json
+import os
+
+import numpy as np
+import pytest
+
+import fsdp
+from mlp_ref import OPTS, init_params, lib_pass, make_data, register_mlp
+
+SGD = dict(optimizer="sgd", lr=1.0, timeout_s=20)  # param -= grad: the step shows exactly what was reduced
+
+
+def test_grad_view_is_zero_copy(tmp_path):
+    """Each rank writes rank+1 through the grad view; the reduced (averaged) grad is the mean."""
+    init = np.linspace(-1, 1, 10, dtype=np.float32)
+
+    def fn(rank, group):
+        with fsdp.Context(fsdp.Config(sharding="FULL_SHARD", **SGD), group, rank) as ctx:
+            u = ctx.register_unit("u", [("w", (2, 5))])
+            u.set_values("w", init.reshape(2, 5))
+            with u.forward():
+                pass
+            with u.backward():
+                g = u.grad(0)
+                assert g.shape == (2, 5) and g.dtype == np.float32 and np.all(g == 0)
+                assert np.shares_memory(g, u.grad(0)) and g.flags.writeable
+                g += rank + 1
+            ctx.step()
+            assert ctx.last_grad_norm == pytest.approx(np.sqrt(10) * 2.5, rel=1e-6)
+            return u.gather(0)
+
+    for got in fsdp.run_ranks(4, fn):
+        np.testing.assert_allclose(got.ravel(), init - 2.5, rtol=1e-6)
+
+
+def test_param_view_reflects_set_values():
+    with fsdp.Context(fsdp.Config(sharding="NO_SHARD")) as ctx:
+        u = ctx.register_unit("u", {"w": (3,), "s": ()})
+        u.set_values(0, [1, 2, 3])
+        u.set_values("s", 7)
+        with u.forward():
+            p = u.param(0)
+            np.testing.assert_array_equal(p, [1, 2, 3])
+            assert not p.flags.writeable and u.param("s").shape == () and u.param("s") == 7
+        u.set_values(0, [4, 5, 6])
+        with u.forward():
+            np.testing.assert_array_equal(u.param(0), [4, 5, 6])
+
+
+@pytest.mark.parametrize("mp,dtype", [("bf16", np.uint16), ("fp16", np.float16), ("fp32", np.float32)])
+def test_param_dtypes(mp, dtype):
+    vals = np.array([1.0, -2.5, 0.333333], dtype=np.float32)
+    with fsdp.Context(fsdp.Config(param_dtype=mp)) as ctx:
+        assert ctx.param_dtype == mp and ctx.np_dtype == dtype
+        u = ctx.register_unit("u", {"w": (3,)})
+        u.set_values(0, vals)
+        with u.forward():
+            p = u.param(0)
+            assert p.dtype == dtype
+            if mp == "bf16":  # raw bits: the top half of the fp32 pattern, rounded to nearest even
+                as_f32 = (p.astype(np.uint32) << 16).view(np.float32)
+                np.testing.assert_allclose(as_f32, vals, rtol=2 ** -8)
+            else:
+                np.testing.assert_array_equal(p, vals.astype(dtype))
+        np.testing.assert_array_equal(u.gather(0), vals)  # the fp32 master is exact
+
+
+def test_no_sync_accumulates():
+    def fn(rank, group):
+        with fsdp.Context(fsdp.Config(sharding="SHARD_GRAD_OP", **SGD), group, rank) as ctx:
+            u = ctx.register_unit("u", {"w": (6,)})
+            u.set_values(0, np.zeros(6))
+            for k, sync in ((1, False), (2, True)):  # micro-batch 1 accumulates locally, 2 reduces
+                ctx.set_grad_sync(sync)
+                with u.forward():
+                    pass
+                with u.backward():
+                    u.grad(0)[...] += k * (rank + 1)
+            ctx.step()
+            with ctx.no_sync():
+                pass
+            return u.gather(0)
+
+    for got in fsdp.run_ranks(2, fn):
+        np.testing.assert_allclose(got, -3 * 1.5)  # (1 + 2) * mean(rank + 1)
+
+
+def _train(ctx, units, steps):
+    x, t = make_data()
+    for _ in range(steps):
+        lib_pass(units, x, t)
+        ctx.step()
+    return {n: u.gather(n) for u in units for n in u.names}
+
+
+@pytest.mark.parametrize("kind", ["sharded", "full"])
+def test_save_load_round_trip(tmp_path, kind):
+    params = init_params()
+    ck = str(tmp_path / "ck")
+
+    def fn(rank, group):
+        with fsdp.Context(fsdp.Config(sharding="FULL_SHARD", **OPTS), group, rank) as ctx:
+            units = register_mlp(ctx, params)
+            saved = _train(ctx, units, 2)
+            ctx.save(ck, kind=kind)
+            after3 = _train(ctx, units, 1)
+            ctx.load(ck)
+            loaded = {n: u.gather(n) for u in units for n in u.names}
+            again3 = _train(ctx, units, 1)  # the optimizer state and step were restored too
+            return saved, loaded, after3, again3
+
+    for saved, loaded, after3, again3 in fsdp.run_ranks(2, fn):
+        for k in saved:
+            np.testing.assert_array_equal(loaded[k], saved[k])
+            np.testing.assert_array_equal(again3[k], after3[k])
+    assert os.path.exists(os.path.join(ck, "model.safetensors" if kind == "full" else "fsdp_checkpoint.json"))
+
+    with fsdp.Context(fsdp.Config(**OPTS)) as ctx:  # a different world size reads it as well
+        units = register_mlp(ctx, {k: np.zeros_like(v) for k, v in params.items()})
+        ctx.load(ck)
+        for u in units:
+            for n in u.names:
+                np.testing.assert_array_equal(u.gather(n), saved[n])
+
+
+def test_memory_stats_and_trace(tmp_path):
+    params = init_params()
+
+    def fn(rank, group):
+        with fsdp.Context(fsdp.Config(sharding="FULL_SHARD", **OPTS), group, rank) as ctx:
+            units = register_mlp(ctx, params)
+            ctx.trace_begin()
+            m0 = ctx.memory_stats()
+            with units[0].forward():
+                during = ctx.memory_stats()
+            _train(ctx, units, 1)
+            m1 = ctx.memory_stats()
+            ctx.trace_write(tmp_path / f"trace{rank}.json")
+            ctx.reset_peak_memory()
+            return m0, during, m1, ctx.memory_stats()
+
+    n_params = sum(v.size for v in params.values())
+    for rank, (m0, during, m1, m2) in enumerate(fsdp.run_ranks(2, fn)):
+        assert isinstance(m0, fsdp.MemoryStats)
+        assert m0.gathered_params_nbytes == 0 and m0.host_nbytes == 0
+        assert 0 < m0.sharded_params_nbytes < 4 * n_params  # half the model (+ padding) as master + fp32
+        assert during.gathered_params_nbytes >= 4 * params["layer0.weight"].size
+        assert m1.optimizer_state_nbytes > 0 and m1.unsharded_grads_peak_nbytes > 0
+        assert m1.total_peak_nbytes >= m1.total_nbytes >= m1.sharded_params_nbytes + m1.optimizer_state_nbytes
+        assert m1.device_nbytes == m1.total_nbytes
+        assert m2.total_peak_nbytes == m2.total_nbytes
+        trace = json.load(open(tmp_path / f"trace{rank}.json"))
+        assert trace  # Chrome trace JSON
+
+
+def test_config_values_and_scalars():
+    cfg = fsdp.Config(shard_strat="SHARD_GRAD", forward_prefetch=True, lr=0.5)
+    assert cfg.get("sharding") == "SHARD_GRAD_OP" and cfg.get("forward_prefetch") in ("1", "true")
+    assert float(cfg.get("lr")) == 0.5
+    with fsdp.Context(cfg) as ctx:
+        cfg.set("lr", 0.1)  # the context keeps its copy
+        assert ctx.rank == 0 and ctx.world_size == 1
+        assert ctx.loss_scale == 1.0 and ctx.skipped_steps == 0
+        ctx.set_lr(0.25)
+    cfg.close()
+    assert fsdp.version() >= 100 and "libfsdp" in fsdp.build_info()
+
+
+def test_group_params():
+    shapes = {"embed.w": (4, 2), "layers.0.w": (2, 2), "layers.0.b": (2,), "layers.1.w": (2, 2),
+              "layers.1.b": (2,), "head.w": (2, 3), "head.b": (3,)}
+    params = {k: np.zeros(s, np.float32) for k, s in shapes.items()}
+    assert fsdp.group_params(params, block="layers") == [
+        ("embed", ["embed.w"]), ("layers.0", ["layers.0.w", "layers.0.b"]),
+        ("layers.1", ["layers.1.w", "layers.1.b"]), ("head", ["head.w", "head.b"])]
+    assert fsdp.group_params(params, min_num_params=6) == [
+        ("unit0", ["embed.w"]), ("unit1", ["layers.0.w", "layers.0.b"]),
+        ("unit2", ["layers.1.w", "layers.1.b"]), ("unit3", ["head.w"]), ("unit4", ["head.b"])]
+    assert fsdp.group_params(params) == [("root", list(shapes))]
+    with pytest.raises(ValueError):
+        fsdp.group_params(params, auto_wrap="block")
+
+
+@pytest.mark.parametrize("mp", ["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("strat", ["FULL_SHARD", "SHARD_GRAD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"])
+def test_wrap_options(mp, strat):
+    params = {"layers.0.w": np.ones((2, 3)), "layers.0.b": np.arange(2.0), "head.w": np.full(3, 2.0)}
+    with fsdp.wrap(params, mp=mp, shard_strat=strat, block="layers", lr=0.1) as w:
+        assert [u.name for u in w.units] == ["layers.0", "head"] and w.ctx.param_dtype == mp
+        assert w.unit_of("layers.0.b") is w.units[0]
+        with w.units[0].forward():
+            assert set(w.params("layers.0")) == {"layers.0.w", "layers.0.b"}
+        g = w.gather()
+        np.testing.assert_array_equal(g["layers.0.b"], [0, 1])
+    with pytest.raises(fsdp.InvalidArgument, match="param_dtype"):
+        fsdp.wrap(params, mp="int8")
+
+
+@pytest.mark.parametrize("mp", ["bf16", "fp16"])
+def test_add_grad_low_precision(mp):
+    """add_grad converts fp32 grads to the param dtype (bf16 bits rounded to nearest even)."""
+    assert fsdp.f32_to_bf16(np.float32([1.0, 1.00390625, 1.01171875])).tolist() == [0x3F80, 0x3F80, 0x3F82]
+    np.testing.assert_array_equal(fsdp.bf16_to_f32(fsdp.f32_to_bf16([0.5, -3.0])), [0.5, -3.0])
+
+    def fn(rank, group):
+        with fsdp.Context(fsdp.Config(param_dtype=mp, loss_scale="off", **SGD), group, rank) as ctx:
+            u = ctx.register_unit("u", {"w": (4,)})
+            u.set_values(0, [1, 2, 3, 4])
+            with u.forward():
+                np.testing.assert_array_equal(u.param_f32(0), [1, 2, 3, 4])
+            with u.backward():
+                u.add_grad(0, np.full(4, rank + 1.0))
+                u.add_grad(0, np.full(4, 0.5))
+            ctx.step()
+            return u.gather(0)
+
+    for got in fsdp.run_ranks(2, fn):
+        np.testing.assert_array_equal(got, np.float32([1, 2, 3, 4]) - 2.0)  # mean(1, 2) + 0.5
