@@ -8,9 +8,11 @@ import numpy as np
 
 from . import _lib
 from ._lib import LIB, check, InvalidState, InvalidArgument, Unsupported
+from .dlpack import DeviceArray
 
 _DTYPES = {0: ("fp32", np.float32, ctypes.c_float), 1: ("bf16", np.uint16, ctypes.c_uint16),
            2: ("fp16", np.float16, ctypes.c_uint16)}
+_ARRAY_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # DeviceArray dtype names
 
 
 def bf16_to_f32(bits):
@@ -191,6 +193,9 @@ class Context:
         self.world_size = v.value
         check(LIB.fsdp_ctx_param_dtype(self._h, ctypes.byref(v)))
         self.param_dtype, self.np_dtype, self._ctype = _DTYPES[v.value]
+        kind, _, idx = self.device.partition(":")
+        self.device_kind = "cuda" if kind == "cuda" else "cpu"
+        self.device_id = int(idx) if idx.isdigit() else 0
 
     def _handle(self):
         if not self._h:
@@ -216,9 +221,18 @@ class Context:
         return unit
 
     # ---- the step ----
-    def step(self):
+    def _stream(self, stream, what):
+        """The void* stream argument: None (NULL) on CPU; on CUDA a cudaStream_t as an int (None: NULL)."""
+        if stream is None:
+            return None
+        if self.device_kind != "cuda":
+            raise InvalidArgument(1, f"{what}: stream={stream!r} given on a {self.device} context; streams are "
+                                     f"CUDA only (pass None)")
+        return int(stream)
+
+    def step(self, stream=None):
         """Collective: reduce waits, unscale, clip, optimizer on this rank's shards."""
-        check(LIB.fsdp_step(self._handle(), None), "fsdp_step")
+        check(LIB.fsdp_step(self._handle(), self._stream(stream, "Context.step")), "fsdp_step")
 
     def set_lr(self, lr):
         check(LIB.fsdp_set_lr(self._handle(), float(lr)), "fsdp_set_lr")
@@ -319,6 +333,7 @@ class Unit:
         self.ctx, self._h, self.name = ctx, handle, name
         self.names, self.shapes = list(names), list(shapes)
         self._index = {n: i for i, n in enumerate(self.names)}
+        self._last_stream = None  # the stream of the last forward_begin/backward_begin (CUDA)
 
     def __repr__(self):
         return f"Unit({self.name!r}, {dict(zip(self.names, self.shapes))})"
@@ -354,65 +369,102 @@ class Unit:
               "fsdp_param_set_weight_decay")
 
     # ---- the pass ----
-    def forward_begin(self):
-        check(LIB.fsdp_forward_begin(self._handle(), None), "fsdp_forward_begin")
+    # stream (CUDA only): a cudaStream_t as an int; None passes NULL. The stream of the last *_begin is the
+    # one DeviceArrays report (NULL is reported as 1, the legacy default stream).
+    def forward_begin(self, stream=None):
+        s = self.ctx._stream(stream, "Unit.forward_begin")
+        check(LIB.fsdp_forward_begin(self._handle(), s), "fsdp_forward_begin")
+        self._last_stream = s
 
-    def forward_end(self):
-        check(LIB.fsdp_forward_end(self._handle(), None), "fsdp_forward_end")
+    def forward_end(self, stream=None):
+        check(LIB.fsdp_forward_end(self._handle(), self.ctx._stream(stream, "Unit.forward_end")), "fsdp_forward_end")
 
-    def backward_begin(self):
-        check(LIB.fsdp_backward_begin(self._handle(), None), "fsdp_backward_begin")
+    def backward_begin(self, stream=None):
+        s = self.ctx._stream(stream, "Unit.backward_begin")
+        check(LIB.fsdp_backward_begin(self._handle(), s), "fsdp_backward_begin")
+        self._last_stream = s
 
-    def backward_end(self):
-        check(LIB.fsdp_backward_end(self._handle(), None), "fsdp_backward_end")
+    def backward_end(self, stream=None):
+        check(LIB.fsdp_backward_end(self._handle(), self.ctx._stream(stream, "Unit.backward_end")),
+              "fsdp_backward_end")
 
     @contextlib.contextmanager
-    def forward(self):
+    def forward(self, stream=None):
         """forward_begin; the block; forward_end only if the block did not raise (the other ranks
         would wait in a collective for a rank that failed anyway; the error propagates unchanged)."""
-        self.forward_begin()
+        self.forward_begin(stream)
         yield self
-        self.forward_end()
+        self.forward_end(stream)
 
     @contextlib.contextmanager
-    def backward(self):
+    def backward(self, stream=None):
         """backward_begin; the block (add grads into grad(i)); backward_end only if the block did not raise."""
-        self.backward_begin()
+        self.backward_begin(stream)
         yield self
-        self.backward_end()
+        self.backward_end(stream)
 
-    def _view(self, fn, i, what):
-        if self.ctx.device != "cpu":
-            raise Unsupported(3, f"Unit.{what}: zero-copy numpy views need device=cpu; this context is on "
-                                 f"{self.ctx.device} (no __cuda_array_interface__ support yet)")
+    def _ptr(self, fn, i, what):
         i = self.index(i)
         p = ctypes.c_void_p()
         check(fn(self._handle(), i, ctypes.byref(p)), "fsdp_" + what + "_ptr")
+        return i, p.value or 0
+
+    def _array(self, fn, i, what, readonly):
+        i, p = self._ptr(fn, i, what)
+        ctx = self.ctx
+        cuda = ctx.device_kind == "cuda"
+        stream = (self._last_stream or 1) if cuda else None  # NULL stream = the legacy default stream (1)
+        return DeviceArray(p, self.shapes[i], _ARRAY_DTYPES[ctx.param_dtype], device=ctx.device_kind,
+                           device_id=ctx.device_id, stream=stream, owner=self, readonly=readonly)
+
+    def param_array(self, i):
+        """param(i) as a DeviceArray (any device): DLPack (numpy/torch/cupy/jax .from_dlpack) and, on CUDA,
+        __cuda_array_interface__; read only (the DLPack 1.x read-only flag is set). bf16 has its real dtype
+        (DLPack kDLBfloat). Valid only inside forward()/backward() of this unit."""
+        return self._array(LIB.fsdp_param_ptr, i, "param", True)
+
+    def grad_array(self, i):
+        """grad(i) as a writable DeviceArray (any device). Valid only inside backward() of this unit."""
+        return self._array(LIB.fsdp_grad_ptr, i, "grad", False)
+
+    def _view(self, fn, i, what):
+        i, p = self._ptr(fn, i, what)
         n = self.numel(i)
-        if n == 0 or not p.value:
+        if n == 0 or not p:
             return np.zeros(self.shapes[i], dtype=self.ctx.np_dtype)
-        buf = (self.ctx._ctype * n).from_address(p.value)
+        buf = (self.ctx._ctype * n).from_address(p)
         return np.frombuffer(buf, dtype=self.ctx.np_dtype).reshape(self.shapes[i])
 
     def param(self, i):
         """Zero-copy read-only view of the full param (param dtype; bf16 as raw uint16 bits).
-        Valid only inside forward()/backward() of this unit."""
+        Valid only inside forward()/backward() of this unit. On a CUDA context: param_array(i)."""
+        if self.ctx.device_kind == "cuda":
+            return self.param_array(i)
         a = self._view(LIB.fsdp_param_ptr, i, "param")
         a.flags.writeable = False
         return a
 
     def grad(self, i):
         """Zero-copy writable view of the full grad buffer: ADD grads into it (g += ...).
-        Valid only inside backward() of this unit."""
+        Valid only inside backward() of this unit. On a CUDA context: grad_array(i)."""
+        if self.ctx.device_kind == "cuda":
+            return self.grad_array(i)
         return self._view(LIB.fsdp_grad_ptr, i, "grad")
+
+    def _numpy_only(self, what):
+        if self.ctx.device_kind != "cpu":
+            raise Unsupported(3, f"Unit.{what} computes with numpy and needs device=cpu; on {self.ctx.device} use "
+                                 f"param_array()/grad_array() with a GPU array library")
 
     def param_f32(self, i):
         """A float32 copy of param(i) (converts bf16 bits / fp16); a view when the dtype is fp32."""
+        self._numpy_only("param_f32")
         a = self.param(i)
         return bf16_to_f32(a) if a.dtype == np.uint16 else a.astype(np.float32, copy=False)
 
     def add_grad(self, i, g):
         """grad(i) += g, with g in float32 converted to the param dtype (bf16 rounded to nearest even)."""
+        self._numpy_only("add_grad")
         view = self.grad(i)
         if view.dtype == np.uint16:
             view[...] = f32_to_bf16(bf16_to_f32(view) + np.asarray(g, np.float32))
