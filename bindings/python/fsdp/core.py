@@ -46,7 +46,42 @@ def launcher_world():
     return int(rank), int(size)
 
 
-class Config:
+class _Handle:
+    """An owned library handle: close() frees it once (idempotent), also from `with` and __del__. A
+    subclass sets self._h and self._destroy (kept on the object so that __del__ works during
+    interpreter teardown, after the module's globals are gone)."""
+
+    _h = None
+
+    def _handle(self):
+        if not self._h:
+            raise _closed(type(self).__name__)
+        return self._h
+
+    def close(self):
+        """Local: frees the handle. Idempotent."""
+        h, self._h = self._h, None
+        if h:
+            self._destroy(h)
+
+    @property
+    def closed(self):
+        return not self._h
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class Config(_Handle):
     """Key/value options (docs/configuration.md). Config(sharding="FULL_SHARD", lr=1e-3, ...)."""
 
     def __init__(self, _from_env=False, **options):
@@ -58,11 +93,6 @@ class Config:
             self.from_env()
         for k, v in options.items():
             self.set(k, v)
-
-    def _handle(self):
-        if not self._h:
-            raise _closed("Config")
-        return self._h
 
     def set(self, key, value):
         check(LIB.fsdp_config_set(self._handle(), str(key).encode(), _value_str(value).encode()), "fsdp_config_set")
@@ -82,25 +112,7 @@ class Config:
         check(LIB.fsdp_config_from_env(self._handle()), "fsdp_config_from_env")
         return self
 
-    def close(self):
-        h, self._h = getattr(self, "_h", None), None
-        if h:
-            self._destroy(h)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
-
-
-class LocalGroup:
+class LocalGroup(_Handle):
     """fsdp_local_group_t: `world_size` ranks that are threads of this process."""
 
     def __init__(self, world_size):
@@ -110,28 +122,7 @@ class LocalGroup:
         self.world_size = int(world_size)
         self._destroy = LIB.fsdp_local_group_destroy
 
-    def _handle(self):
-        if not self._h:
-            raise _closed("LocalGroup")
-        return self._h
-
-    def close(self):
-        """Safe while contexts still use the group: its memory lives until the last one is destroyed."""
-        h, self._h = getattr(self, "_h", None), None
-        if h:
-            self._destroy(h)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
+    # close() is safe while contexts still use the group: its memory lives until the last one is destroyed.
 
 
 def local_group(n):
@@ -157,7 +148,7 @@ class MemoryStats:
     host_peak_nbytes: int
 
 
-class Context:
+class Context(_Handle):
     """One rank's view of the job. Context(config, group=None, rank=None).
 
     rank None: the group's rank must then be given explicitly; without a group it is 0, or -1 (the
@@ -196,11 +187,6 @@ class Context:
         kind, _, idx = self.device.partition(":")
         self.device_kind = "cuda" if kind == "cuda" else "cpu"
         self.device_id = int(idx) if idx.isdigit() else 0
-
-    def _handle(self):
-        if not self._h:
-            raise _closed("Context")
-        return self._h
 
     # ---- units ----
     def register_unit(self, name, params):
@@ -303,27 +289,7 @@ class Context:
         """Collective. Afterwards every call but close() raises InvalidState."""
         check(LIB.fsdp_ctx_finalize(self._handle()), "fsdp_ctx_finalize")
 
-    def close(self):
-        """Local: frees the context and its units. Idempotent."""
-        h, self._h = getattr(self, "_h", None), None
-        if h:
-            self._destroy(h)
-
-    @property
-    def closed(self):
-        return not self._h
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
+    # close() (from _Handle) is local: it frees the context and its units.
 
 
 class Unit:
