@@ -3,8 +3,8 @@
 // C++ exception ever crosses into the host language.
 #pragma once
 
-#include <new>
 #include <string>
+#include <utility>
 
 #include "../core/error.h"
 #include "fsdp.h"
@@ -15,22 +15,9 @@ void set_last_error(const std::string& message);
 
 template <typename F>
 fsdp_status_t guard(F&& body) noexcept {
-  try {
-    body();
-    return FSDP_OK;
-  } catch (const Error& e) {
-    set_last_error(e.what());
-    return e.status();
-  } catch (const std::bad_alloc&) {
-    set_last_error("out of host memory");
-    return FSDP_ERR_OUT_OF_MEMORY;
-  } catch (const std::exception& e) {
-    set_last_error(std::string("internal error (please report): ") + e.what());
-    return FSDP_ERR_INTERNAL;
-  } catch (...) {
-    set_last_error("internal error (please report): unknown exception");
-    return FSDP_ERR_INTERNAL;
-  }
+  Outcome o = capture(std::forward<F>(body));
+  if (!o.ok()) set_last_error(o.message);
+  return o.status;
 }
 
 // Throws INVALID_ARGUMENT "<call>: <what> is NULL" when `p` is null.

@@ -15,6 +15,7 @@
 #include <string>
 
 #include "../core/error.h"
+#include "meta.h"
 
 namespace fsdp::ckpt {
 namespace {
@@ -203,6 +204,32 @@ bool is_empty_dir(const std::string& path) {
 }
 
 std::string aside_dir(const std::string& dir) { return staging_dir(dir) + ".old"; }
+
+void check_replaceable(const std::string& dir, const std::string& who) {
+  if (path_exists(dir) && !is_dir(dir))
+    fail(FSDP_ERR_INVALID_ARGUMENT, who + ": '" + dir + "' exists and is not a directory");
+  if (is_dir(dir) && !is_empty_dir(dir) && !path_exists(join(dir, kMetaFile))) {
+    fail(FSDP_ERR_INVALID_ARGUMENT,
+         who + ": refusing to replace '" + dir +
+             "': it is not empty and holds no fsdp_checkpoint.json (not a libfsdp checkpoint)");
+  }
+}
+
+std::string prepare_staging(const std::string& dir, const std::string& who) {
+  std::string note;
+  std::string aside = aside_dir(dir);
+  if (!path_exists(dir) && is_dir(aside)) {
+    commit_dir(aside, dir);
+    note = "moved the previous checkpoint back from '" + aside + "' to '" + dir + "'";
+  }
+  check_replaceable(dir, who);
+  std::string staged = staging_dir(dir);
+  make_dirs(parent_dir(staged));
+  remove_tree(staged);
+  remove_tree(aside);
+  make_dirs(staged);
+  return note;
+}
 
 std::string commit_dir(const std::string& staged, const std::string& dir) {
   std::string target = dir;

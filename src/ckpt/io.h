@@ -50,6 +50,14 @@ std::string join(const std::string& dir, const std::string& name);
 // a hidden sibling, so that the rename stays on one file system.
 std::string staging_dir(const std::string& dir);
 bool is_empty_dir(const std::string& path);
+// Refuses (FSDP_ERR_INVALID_ARGUMENT, naming `who` and `dir`) a `dir` that a
+// new checkpoint must not replace: a file, or a non-empty directory that is
+// not a checkpoint (it would be deleted whole).
+void check_replaceable(const std::string& dir, const std::string& who);
+// Readies staging_dir(dir) for a new checkpoint of `dir`: moves back a
+// previous checkpoint left aside by a crash between commit_dir's two renames,
+// checks `dir` is replaceable, and starts the staging directory afresh (one
+// left by a crash is stale). Returns a note when it moved one back, else "".
 // Where commit_dir keeps the previous checkpoint while it renames the new one
 // into place on a file system without atomic exchange.
 std::string aside_dir(const std::string& dir);
@@ -61,6 +69,7 @@ std::string aside_dir(const std::string& dir);
 // checkpoint is in place; what fails after that (removing the old one, the
 // last fsync) is returned as a warning instead.
 std::string commit_dir(const std::string& staged, const std::string& dir);
+std::string prepare_staging(const std::string& dir, const std::string& who);
 
 // Test-only fault injection, read from FSDP_CKPT_FAULT (key=value, comma-separated):
 //   crash_after_files=N  the process exits (_exit(86), no clean-up) once N

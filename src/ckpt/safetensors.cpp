@@ -188,15 +188,6 @@ void Writer::write(const void* data, size_t n) {
   put(p, n);
 }
 
-void Writer::write_zeros(size_t n) {
-  static const std::vector<char> zeros(1u << 20, 0);
-  while (n > 0) {
-    size_t k = std::min(n, zeros.size());
-    write(zeros.data(), k);
-    n -= k;
-  }
-}
-
 void Writer::put(const char* p, size_t n) {
   if (buf_used_ + n > buf_.size()) flush();
   if (n >= buf_.size()) {

@@ -73,7 +73,6 @@ class Writer {
          const std::map<std::string, std::string>& metadata, uint64_t chunk_bytes);
   // The next `n` bytes of data, which may span tensors.
   void write(const void* data, size_t n);
-  void write_zeros(size_t n);
   // Checks that every tensor was written, fsyncs and closes.
   FileRecord finish();
 

@@ -45,30 +45,6 @@ void write_from(ckpt::Writer& w, device::Device* dev, const void* src, size_t nb
   }
 }
 
-struct Outcome {
-  fsdp_status_t status = FSDP_OK;
-  std::string message;
-  bool ok() const { return status == FSDP_OK; }
-};
-
-template <typename F>
-Outcome attempt(F&& body) {
-  Outcome o;
-  try {
-    body();
-  } catch (const Error& e) {
-    o.status = e.status();
-    o.message = e.what();
-  } catch (const std::bad_alloc&) {
-    o.status = FSDP_ERR_OUT_OF_MEMORY;
-    o.message = "out of host memory";
-  } catch (const std::exception& e) {
-    o.status = FSDP_ERR_INTERNAL;
-    o.message = std::string("internal error (please report): ") + e.what();
-  }
-  return o;
-}
-
 }  // namespace
 
 ckpt::Meta Context::checkpoint_meta(const std::string& kind) const {
@@ -152,7 +128,7 @@ std::vector<ckpt::FileRecord> Context::write_full_files(const std::string& stage
   // it stops writing, keeps gathering, and reports at the end.
   Outcome io;
   auto on_root = [&](auto&& body) {
-    if (root && io.ok()) io = attempt(body);
+    if (root && io.ok()) io = capture(body);
   };
   on_root([&] {
     std::vector<ckpt::Writer::Entry> params;
@@ -246,40 +222,21 @@ void Context::save(const std::string& dir, const std::string& kind) {
   ckpt::Meta meta = checkpoint_meta(kind);
   std::string staged = ckpt::staging_dir(dir);
   bool root = rt_.rank == 0;
-  Outcome prep = attempt([&] {
+  Outcome prep = capture([&] {
     if (!root) return;
-    // A crash between the two renames of a file system without atomic
-    // exchange left the previous checkpoint aside: it goes back first.
-    std::string aside = ckpt::aside_dir(dir);
-    if (!ckpt::path_exists(dir) && ckpt::is_dir(aside)) {
-      ckpt::commit_dir(aside, dir);
-      log(FSDP_LOG_WARN, rt_.rank,
-          "fsdp_save: moved the previous checkpoint back from '" + aside + "' to '" + dir + "'");
-    }
-    // `dir` is replaced whole: never a directory that is not a checkpoint.
-    if (ckpt::path_exists(dir) && !ckpt::is_dir(dir)) {
-      fail(FSDP_ERR_INVALID_ARGUMENT, "fsdp_save: '" + dir + "' exists and is not a directory");
-    }
-    if (ckpt::is_dir(dir) && !ckpt::is_empty_dir(dir) && !ckpt::path_exists(ckpt::join(dir, ckpt::kMetaFile))) {
-      fail(FSDP_ERR_INVALID_ARGUMENT, "fsdp_save: refusing to replace '" + dir + "': it is not empty and holds no " +
-                                          ckpt::kMetaFile + " (not a libfsdp checkpoint)");
-    }
-    // A staging directory left by a crashed save is stale: start afresh.
-    ckpt::make_dirs(ckpt::parent_dir(staged));
-    ckpt::remove_tree(staged);
-    ckpt::remove_tree(aside);
-    ckpt::make_dirs(staged);
+    std::string note = ckpt::prepare_staging(dir, "fsdp_save");
+    if (!note.empty()) log(FSDP_LOG_WARN, rt_.rank, "fsdp_save: " + note);
   });
   check_outcomes(*rt_.comm, what + " (preparing " + staged + ")", prep.status, prep.message);
 
   std::vector<ckpt::FileRecord> mine;
   Outcome wrote =
-      attempt([&] { mine = kind == "sharded" ? write_shard_file(staged, meta) : write_full_files(staged, meta); });
+      capture([&] { mine = kind == "sharded" ? write_shard_file(staged, meta) : write_full_files(staged, meta); });
   Outcome commit;
   try {
     check_outcomes(*rt_.comm, what, wrote.status, wrote.message);
     std::vector<std::string> recs = gather_strings(*rt_.comm, ckpt::files_to_json(mine), what + " (file records)");
-    commit = attempt([&] {
+    commit = capture([&] {
       if (!root) return;
       for (const std::string& r : recs) {
         for (ckpt::FileRecord& f : ckpt::files_from_json(r)) meta.files.push_back(std::move(f));
@@ -291,7 +248,7 @@ void Context::save(const std::string& dir, const std::string& kind) {
     check_outcomes(*rt_.comm, what + " (commit)", commit.status, commit.message);
   } catch (const Error&) {
     // The previous checkpoint at `dir` is untouched; the partial one goes.
-    if (root) attempt([&] { ckpt::remove_tree(staged); });
+    if (root) capture([&] { ckpt::remove_tree(staged); });
     throw;
   }
 }
@@ -347,7 +304,7 @@ void Context::load(const std::string& dir) {
   std::vector<Buffer> masters;
   std::vector<std::vector<Buffer>> states;
   ckpt::Meta meta;
-  Outcome read = attempt([&] {
+  Outcome read = capture([&] {
     for (const auto& u : units_) {
       if (u->grads_pending()) {
         fail(FSDP_ERR_INVALID_STATE, "fsdp_load (" + rt_.where() + "): unit '" + u->name() +

@@ -63,12 +63,7 @@ void check_destination(const std::string& src, const std::string& dst) {
   fs::path d = resolved(dst);
   if (within(d, s)) throw UsageError("DST '" + dst + "' is SRC '" + src + "' or inside it");
   if (within(s, d)) throw UsageError("DST '" + dst + "' contains SRC '" + src + "'");
-  std::error_code ec;
-  if (!fs::exists(d, ec)) return;
-  if (!fs::is_directory(d, ec)) fail(FSDP_ERR_IO, "cannot write a checkpoint to '" + dst + "': it is not a directory");
-  if (fs::exists(d / ckpt::kMetaFile, ec) || fs::is_empty(d, ec)) return;
-  fail(FSDP_ERR_IO, "refusing to replace '" + dst +
-                        "': it is a non-empty directory that holds no libfsdp checkpoint (" + ckpt::kMetaFile + ")");
+  ckpt::check_replaceable(dst, "fsdp-ckpt");
 }
 
 // The hidden sibling directory where DST is assembled; removed unless
@@ -76,9 +71,8 @@ void check_destination(const std::string& src, const std::string& dst) {
 class Staging {
  public:
   explicit Staging(const std::string& dst) : dst_(dst), dir_(ckpt::staging_dir(dst)) {
-    ckpt::make_dirs(ckpt::parent_dir(dir_));
-    ckpt::remove_tree(dir_);  // left by a crashed run: stale
-    ckpt::make_dirs(dir_);
+    std::string note = ckpt::prepare_staging(dst, "fsdp-ckpt");
+    if (!note.empty()) std::fprintf(stderr, "fsdp-ckpt: warning: %s\n", note.c_str());
   }
   ~Staging() {
     if (done_) return;
