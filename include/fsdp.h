@@ -126,6 +126,14 @@ FSDP_API fsdp_status_t fsdp_local_group_create(int world_size, fsdp_local_group_
 /* Accepts NULL. The group's memory lives until its last context is
  * destroyed, so the order of destroy calls does not matter. */
 FSDP_API void fsdp_local_group_destroy(fsdp_local_group_t* group);
+/* For when one thread-rank fails and the others must not wait out timeout_s
+ * for it. Every collective of every context on the group (its HYBRID_SHARD
+ * sub-groups included), in progress or to come, fails at once with
+ * FSDP_ERR_COMM and a message that carries `reason` (NULL is allowed), and
+ * fsdp_ctx_create on the group fails from then on. Contexts can still be
+ * destroyed. The group cannot be used again. Local: callable from any thread,
+ * while other threads wait in collectives; a second call changes nothing. */
+FSDP_API fsdp_status_t fsdp_local_group_abort(fsdp_local_group_t* group, const char* reason);
 
 /* ---- context ------------------------------------------------------------ */
 

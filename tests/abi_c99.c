@@ -132,6 +132,7 @@ int main(void) {
   fsdp_ctx_destroy(NULL);
   fsdp_config_destroy(NULL);
   fsdp_local_group_destroy(NULL);
+  CHECK_STATUS(FSDP_ERR_INVALID_ARGUMENT, fsdp_local_group_abort(NULL, "reason"));
 
   if (failures != 0) {
     fprintf(stderr, "%d check(s) failed\n", failures);

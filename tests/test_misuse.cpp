@@ -686,6 +686,89 @@ TEST(Timeout, ARankThatNeverCreatesItsContextIsNamed) {
   }
 }
 
+// ---- aborting a local group -------------------------------------------------
+
+// One rank fails in user code and aborts the group. The others, waiting in (or
+// later entering) collectives with a timeout far longer than the watchdog,
+// must fail with FSDP_ERR_COMM carrying the reason instead of waiting it out.
+// FULL_SHARD's collectives run on the world group itself. With HYBRID_SHARD
+// (shard_group_size 2 of 4) the rank that shares the aborting rank's shard
+// group waits in a collective of a sub-group split from the world, which the
+// abort must reach too (without that, this test hangs until the watchdog).
+void expect_abort_releases_waiting_ranks(int world, const std::map<std::string, std::string>& opts) {
+  const int aborter = world - 1;
+  const size_t n = size_t(world);
+  std::vector<fsdp_status_t> fwd(n, FSDP_OK), step(n, FSDP_OK), async(n, FSDP_OK);
+  std::vector<std::string> msgs(n);
+  auto all_opts = opts;
+  all_opts["timeout_s"] = "600";
+  run_ranks(
+      world,
+      [&](int rank, fsdp_local_group_t* group) {
+        ConfigPtr cfg = make_config(all_opts);
+        ASSERT_TRUE(cfg);
+        fsdp_ctx_t* raw = nullptr;
+        ASSERT_OK(fsdp_ctx_create(cfg.get(), group, rank, &raw));
+        CtxPtr ctx(raw);
+        fsdp_unit_t* u = nullptr;
+        ASSERT_OK(register_unit(raw, "u", kParams, &u));
+        const size_t r = size_t(rank);
+        if (rank == aborter) {
+          // Give the others time to be waiting in a collective (arriving later is covered too).
+          std::this_thread::sleep_for(std::chrono::milliseconds(200));
+          EXPECT_OK(fsdp_local_group_abort(group, "rank 3 ran out of memory in its own code"));
+          return;  // destroys its context without finalize, as a failing rank does
+        }
+        // Forward and backward run their collectives; the last rank never joins them.
+        fwd[r] = fsdp_forward_begin(u, nullptr);
+        if (fwd[r] == FSDP_OK) fwd[r] = fsdp_forward_end(u, nullptr);
+        if (fwd[r] == FSDP_OK) fwd[r] = fsdp_backward_begin(u, nullptr);
+        if (fwd[r] == FSDP_OK) fwd[r] = fsdp_backward_end(u, nullptr);
+        if (fwd[r] == FSDP_OK) fwd[r] = fsdp_step(raw, nullptr);
+        msgs[r] = last_error_str();
+        step[r] = fsdp_step(raw, nullptr);
+        async[r] = fsdp_ctx_async_error(raw);
+      },
+      60);
+  for (size_t r = 0; r < size_t(aborter); ++r) {
+    EXPECT_EQ(fwd[r], FSDP_ERR_COMM) << "rank " << r << ": " << msgs[r];
+    EXPECT_TRUE(contains(msgs[r], "aborted by the application")) << "rank " << r << ": " << msgs[r];
+    EXPECT_TRUE(contains(msgs[r], "rank 3 ran out of memory in its own code")) << "rank " << r << ": " << msgs[r];
+    EXPECT_NE(step[r], FSDP_OK) << "rank " << r << ": the next collective must fail too";
+    EXPECT_EQ(async[r], FSDP_ERR_COMM) << "rank " << r;
+  }
+}
+
+TEST(Abort, RanksWaitingInAFullShardCollectiveFailAtOnceWithTheReason) {
+  expect_abort_releases_waiting_ranks(4, {{"sharding", "FULL_SHARD"}});
+}
+
+TEST(Abort, RanksWaitingInAHybridShardSubGroupFailAtOnceWithTheReason) {
+  expect_abort_releases_waiting_ranks(4, {{"sharding", "HYBRID_SHARD"}, {"shard_group_size", "2"}});
+}
+
+TEST(Abort, AnAbortedGroupRefusesNewContextsAndKeepsTheFirstReason) {
+  fsdp_local_group_t* group = nullptr;
+  ASSERT_OK(fsdp_local_group_create(2, &group));
+  EXPECT_STATUS(FSDP_ERR_INVALID_ARGUMENT, fsdp_local_group_abort(nullptr, "x"));
+  EXPECT_TRUE(contains(last_error_str(), "group")) << last_error_str();
+  EXPECT_OK(fsdp_local_group_abort(group, "the first reason"));
+  EXPECT_OK(fsdp_local_group_abort(group, nullptr));  // a second call changes nothing
+  ConfigPtr cfg = make_config({{"timeout_s", "600"}});
+  ASSERT_TRUE(cfg);
+  fsdp_ctx_t* raw = nullptr;
+  EXPECT_STATUS(FSDP_ERR_COMM, fsdp_ctx_create(cfg.get(), group, 0, &raw));
+  EXPECT_TRUE(contains(last_error_str(), "the first reason")) << last_error_str();
+  EXPECT_EQ(raw, nullptr);
+  fsdp_local_group_destroy(group);
+  // NULL reason on a fresh group.
+  ASSERT_OK(fsdp_local_group_create(1, &group));
+  EXPECT_OK(fsdp_local_group_abort(group, nullptr));
+  EXPECT_STATUS(FSDP_ERR_COMM, fsdp_ctx_create(cfg.get(), group, 0, &raw));
+  EXPECT_TRUE(contains(last_error_str(), "no reason given")) << last_error_str();
+  fsdp_local_group_destroy(group);
+}
+
 }  // namespace
 
 // ---- HYBRID_SHARD groups ----------------------------------------------------

@@ -9,7 +9,9 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
+	"time"
 )
 
 func TestConfigErrors(t *testing.T) {
@@ -154,6 +156,62 @@ func TestMismatch(t *testing.T) {
 	})
 	if err != nil {
 		t.Fatal(err)
+	}
+}
+
+// A rank that fails makes RunRanks abort the group: the ranks waiting for it in
+// a collective get ErrComm naming it at once. timeout_s is 60, so without the
+// abort they would fail with ErrTimeout instead.
+func TestFailingRankAbortsTheGroup(t *testing.T) {
+	errBatch := errors.New("bad batch")
+	var mu sync.Mutex
+	seen := map[int]error{}
+	err := RunRanks(3, func(rank int, g *Group) error {
+		ctx, err := newRankContext(g, rank, map[string]string{"timeout_s": "60"})
+		if err != nil {
+			return err
+		}
+		defer ctx.Close()
+		u, err := ctx.RegisterUnit("u", []Param{{Name: "w", Shape: []int64{8}}})
+		if err != nil {
+			return err
+		}
+		if rank == 2 {
+			time.Sleep(200 * time.Millisecond) // the others wait in the forward all-gather by now
+			return errBatch
+		}
+		err = u.ForwardBegin()
+		if err == nil {
+			err = ctx.Step()
+		}
+		mu.Lock()
+		seen[rank] = err
+		mu.Unlock()
+		return err
+	})
+	if !errors.Is(err, errBatch) || !strings.Contains(err.Error(), "rank 2") {
+		t.Fatalf("RunRanks returned %v, want rank 2's own error", err)
+	}
+	for rank := 0; rank < 2; rank++ {
+		e := seen[rank]
+		if !errors.Is(e, ErrComm) || !strings.Contains(errString(e), "rank 2 failed: bad batch") {
+			t.Errorf("rank %d got %v, want ErrComm naming rank 2 and its error", rank, e)
+		}
+	}
+	g, err := LocalGroup(1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer g.Close()
+	if err := g.Abort("stop"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := newRankContext(g, 0, nil); !errors.Is(err, ErrComm) || !strings.Contains(err.Error(), "stop") {
+		t.Errorf("NewContext on an aborted group = %v, want ErrComm with the reason", err)
+	}
+	g.Close()
+	if err := g.Abort("again"); !errors.Is(err, ErrInvalidState) {
+		t.Errorf("Abort on a closed group = %v, want ErrInvalidState", err)
 	}
 }
 

@@ -43,10 +43,26 @@ func (g *Group) Close() {
 	}
 }
 
+// Abort fails every collective of every Context on the group, in progress or
+// to come, at once with ErrComm and a message carrying reason, and no new
+// Context can join the group. It is for when one rank fails and the others
+// must not wait out timeout_s; RunRanks calls it. Abort may be called from any
+// goroutine while others wait in collectives; a second call changes nothing.
+func (g *Group) Abort(reason string) error {
+	if g == nil || g.ptr == nil {
+		return closedError("Group")
+	}
+	cs := C.CString(reason)
+	defer C.free(unsafe.Pointer(cs))
+	return call("fsdp_local_group_abort", func() C.fsdp_status_t { return C.fsdp_local_group_abort(g.ptr, cs) })
+}
+
 // RunRanks runs fn for ranks 0..n-1 of a new local Group, each on its own
 // goroutine locked to its own OS thread, waits for all, closes the group and
-// returns the first error (a panic in fn becomes an error). If a rank fails
-// the others may wait in a collective until the context's timeout_s.
+// returns the first error (a panic in fn becomes an error). When a rank fails
+// it aborts the group, so the other ranks' collectives fail at once with
+// ErrComm naming that rank and its error instead of waiting out timeout_s;
+// the error returned is the failed rank's own.
 func RunRanks(n int, fn func(rank int, g *Group) error) error {
 	g, err := LocalGroup(n)
 	if err != nil {
@@ -73,7 +89,11 @@ func RunRanks(n int, fn func(rank int, g *Group) error) error {
 				return fn(rank, g)
 			}()
 			if err != nil {
-				once.Do(func() { first = fmt.Errorf("rank %d: %w", rank, err) })
+				once.Do(func() {
+					first = fmt.Errorf("rank %d: %w", rank, err)
+					// The group is still open: it is closed after wg.Wait.
+					_ = g.Abort(fmt.Sprintf("rank %d failed: %v", rank, err))
+				})
 			}
 		}(r)
 	}

@@ -155,6 +155,16 @@ fsdp_status_t fsdp_local_group_create(int world_size, fsdp_local_group_t** out) 
 
 void fsdp_local_group_destroy(fsdp_local_group_t* group) { delete group; }
 
+fsdp_status_t fsdp_local_group_abort(fsdp_local_group_t* group, const char* reason) {
+  return guard([&] {
+    require(group, "fsdp_local_group_abort", "group");
+    group->group->abort(FSDP_ERR_COMM,
+                        std::string("the local group was aborted by the application: ") +
+                            (reason != nullptr && *reason != '\0' ? reason : "(no reason given)"),
+                        true);
+  });
+}
+
 fsdp_status_t fsdp_ctx_create(const fsdp_config_t* cfg, fsdp_local_group_t* group, int rank, fsdp_ctx_t** out) {
   return guard([&] {
     require(cfg, "fsdp_ctx_create", "cfg");

@@ -32,6 +32,7 @@ _PROTOTYPES = {
     "fsdp_config_from_env": (None, [c_void_p]),
     "fsdp_local_group_create": (None, [c_int, P(c_void_p)]),
     "fsdp_local_group_destroy": (type(None), [c_void_p]),
+    "fsdp_local_group_abort": (None, [c_void_p, c_char_p]),
     "fsdp_ctx_create": (None, [c_void_p, c_void_p, c_int, P(c_void_p)]),
     "fsdp_ctx_finalize": (None, [c_void_p]),
     "fsdp_ctx_destroy": (type(None), [c_void_p]),

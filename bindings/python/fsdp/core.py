@@ -124,6 +124,13 @@ class LocalGroup(_Handle):
 
     # close() is safe while contexts still use the group: its memory lives until the last one is destroyed.
 
+    def abort(self, reason=None):
+        """Local, callable from any thread: every collective of every context on the group, in progress
+        or to come, fails at once with CommError carrying `reason`, and no new Context can join. For
+        when one thread-rank fails and the others must not wait out timeout_s; run_ranks does it."""
+        check(LIB.fsdp_local_group_abort(self._handle(), None if reason is None else str(reason).encode()),
+              "fsdp_local_group_abort")
+
 
 def local_group(n):
     """A LocalGroup of n thread-ranks, usable as a context manager."""

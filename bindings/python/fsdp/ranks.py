@@ -7,8 +7,9 @@ from .core import LocalGroup, launcher_world
 def run_ranks(n, fn):
     """Calls fn(rank, group) for rank 0..n-1, each in its own thread on one LocalGroup, and returns
     the results by rank. ctypes releases the GIL during libfsdp calls, so ranks run in parallel.
-    If a rank raises, the other threads are still joined (set a small timeout_s so that ranks
-    waiting in a collective for the failed one give up) and the first exception is re-raised.
+    If a rank raises, the group is aborted so that the other ranks' collectives fail at once with
+    CommError (naming the failed rank and its exception) instead of waiting out timeout_s; all
+    threads are joined and the first exception, the failed rank's own, is re-raised.
 
     Under mpirun (OMPI_COMM_WORLD_SIZE / PMI_SIZE set) this process is one rank: fn(launcher rank,
     None) is called once, and a Context created with group None takes its rank from the launcher."""
@@ -24,6 +25,9 @@ def run_ranks(n, fn):
             except BaseException as e:  # noqa: B902 - re-raised in the caller's thread
                 with lock:
                     errors.append(e)
+                    first = len(errors) == 1
+                if first:
+                    group.abort(f"rank {rank} raised {type(e).__name__}: {e}")
 
         threads = [threading.Thread(target=body, args=(r,), name=f"fsdp-rank{r}", daemon=True) for r in range(n)]
         for t in threads:

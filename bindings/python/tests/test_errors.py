@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -178,6 +179,42 @@ def test_run_ranks_reraises_first_exception():
     with pytest.raises(ZeroDivisionError, match="rank 1"):
         fsdp.run_ranks(3, fn)
     assert fsdp.run_ranks(3, lambda r, g: r * 10) == [0, 10, 20]
+
+
+def test_a_failing_rank_aborts_the_group_so_the_others_do_not_wait():
+    # timeout_s is long: without the abort, ranks 0 and 1 would fail with Timeout after it, not CommError.
+    seen = {}
+
+    def fn(rank, group):
+        with fsdp.Context(fsdp.Config(timeout_s=60), group, rank) as ctx:
+            u = ctx.register_unit("u", {"w": (8,)})
+            if rank == 2:
+                time.sleep(0.2)  # the others are waiting in forward's all-gather by now (or arrive later)
+                raise KeyError("bad batch")
+            try:
+                with u.forward():
+                    pass
+                ctx.step()
+            except fsdp.FsdpError as e:
+                seen[rank] = e
+                raise
+
+    with pytest.raises(KeyError, match="bad batch"):
+        fsdp.run_ranks(3, fn)
+    assert sorted(seen) == [0, 1], seen
+    for rank, e in seen.items():
+        assert isinstance(e, fsdp.CommError), (rank, e)
+        assert "rank 2 raised KeyError" in e.message and "bad batch" in e.message, (rank, e.message)
+
+
+def test_group_abort_refuses_new_contexts():
+    with fsdp.LocalGroup(2) as g:
+        g.abort("stop here")
+        g.abort()  # a second call changes nothing
+        with pytest.raises(fsdp.CommError, match="stop here"):
+            fsdp.Context(fsdp.Config(), g, 0)
+    with pytest.raises(fsdp.InvalidState):
+        g.abort("closed")
 
 
 def _python(code, **env):

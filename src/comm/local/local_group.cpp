@@ -20,9 +20,20 @@ LocalGroup::LocalGroup(std::vector<int> world_ranks)
       claimed_(world_ranks_.size(), false) {}
 
 std::shared_ptr<LocalGroup> LocalGroup::child(uint64_t split_id, int color, const std::vector<int>& members) {
-  std::lock_guard<std::mutex> lock(mu_);
-  auto& g = children_[{split_id, color}];
-  if (!g) g = std::make_shared<LocalGroup>(members);
+  std::shared_ptr<LocalGroup> g;
+  fsdp_status_t status = FSDP_OK;
+  std::string reason;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto& slot = children_[{split_id, color}];
+    if (!slot) slot = std::make_shared<LocalGroup>(members);
+    g = slot;
+    if (abort_children_) {
+      status = abort_status_;
+      reason = abort_reason_;
+    }
+  }
+  if (status != FSDP_OK) g->abort(status, reason, true);
   return g;
 }
 
@@ -44,15 +55,22 @@ void LocalGroup::release(int rank) noexcept {
   claimed_[static_cast<size_t>(rank)] = false;
 }
 
-void LocalGroup::abort(fsdp_status_t status, const std::string& reason) {
+void LocalGroup::abort(fsdp_status_t status, const std::string& reason, bool with_children) {
+  std::vector<std::shared_ptr<LocalGroup>> children;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (aborted_) return;
-    aborted_ = true;
-    abort_status_ = status;
-    abort_reason_ = reason;
+    if (!aborted_) {
+      aborted_ = true;
+      abort_status_ = status;
+      abort_reason_ = reason;
+    }
+    if (with_children && !abort_children_) {
+      abort_children_ = true;
+      for (auto& kv : children_) children.push_back(kv.second);
+    }
   }
   cv_.notify_all();
+  for (auto& c : children) c->abort(status, reason, true);
 }
 
 void LocalGroup::arrive_and_wait(int rank, double timeout_s, const std::string& what) {

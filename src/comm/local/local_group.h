@@ -60,8 +60,10 @@ class LocalGroup {
   // status the group was aborted with. Publishing a slot before this call makes
   // it visible to every rank after it.
   void arrive_and_wait(int rank, double timeout_s, const std::string& what);
-  // Fails every current and future collective of the group.
-  void abort(fsdp_status_t status, const std::string& reason);
+  // Fails every current and future collective of the group; with
+  // `with_children`, also of every sub-group split from it, including those
+  // split after this call.
+  void abort(fsdp_status_t status, const std::string& reason, bool with_children = false);
 
  private:
   int world_size_;
@@ -73,6 +75,7 @@ class LocalGroup {
   std::vector<Slot> slots_;
   std::vector<bool> claimed_;
   bool aborted_ = false;
+  bool abort_children_ = false;
   fsdp_status_t abort_status_ = FSDP_OK;
   std::string abort_reason_;
 };
