@@ -18,17 +18,18 @@ using Call = std::pair<const char*, std::function<fsdp_status_t()>>;
 
 const std::vector<ParamSpec> kParams = {{"w", {4, 3}}, {"b", {4}}};
 
-// A world-of-one context (group NULL) with one registered unit.
+// A context with one registered unit: by default a world of one (group NULL).
 struct Single {
   CtxPtr ctx;
   fsdp_unit_t* unit = nullptr;
 };
 
-void make_single(Single& s, const std::map<std::string, std::string>& opts = {}) {
+void make_single(Single& s, const std::map<std::string, std::string>& opts = {}, fsdp_local_group_t* group = nullptr,
+                 int rank = 0) {
   ConfigPtr cfg = make_config(opts);
   ASSERT_TRUE(cfg);
   fsdp_ctx_t* raw = nullptr;
-  ASSERT_OK(fsdp_ctx_create(cfg.get(), nullptr, 0, &raw));
+  ASSERT_OK(fsdp_ctx_create(cfg.get(), group, rank, &raw));
   s.ctx.reset(raw);
   ASSERT_OK(register_unit(raw, "u", kParams, &s.unit));
 }
@@ -558,13 +559,11 @@ TEST(Finalize, EveryCallAfterFinalizeIsInvalidStateExceptDestroy) {
   run_ranks(
       2,
       [](int rank, fsdp_local_group_t* group) {
-        ConfigPtr cfg = make_config({{"timeout_s", "10"}});
-        ASSERT_TRUE(cfg);
-        fsdp_ctx_t* raw = nullptr;
-        ASSERT_OK(fsdp_ctx_create(cfg.get(), group, rank, &raw));
-        CtxPtr ctx(raw);
-        fsdp_unit_t* u = nullptr;
-        ASSERT_OK(register_unit(raw, "u", kParams, &u));
+        Single s;
+        make_single(s, {{"timeout_s", "10"}}, group, rank);
+        if (HasFatalFailure()) return;
+        fsdp_ctx_t* raw = s.ctx.get();
+        fsdp_unit_t* u = s.unit;
         ASSERT_OK(fsdp_ctx_finalize(raw));
         float f[12] = {0};
         float* fp = nullptr;
@@ -705,13 +704,11 @@ void expect_abort_releases_waiting_ranks(int world, const std::map<std::string, 
   run_ranks(
       world,
       [&](int rank, fsdp_local_group_t* group) {
-        ConfigPtr cfg = make_config(all_opts);
-        ASSERT_TRUE(cfg);
-        fsdp_ctx_t* raw = nullptr;
-        ASSERT_OK(fsdp_ctx_create(cfg.get(), group, rank, &raw));
-        CtxPtr ctx(raw);
-        fsdp_unit_t* u = nullptr;
-        ASSERT_OK(register_unit(raw, "u", kParams, &u));
+        Single s;
+        make_single(s, all_opts, group, rank);
+        if (::testing::Test::HasFatalFailure()) return;
+        fsdp_ctx_t* raw = s.ctx.get();
+        fsdp_unit_t* u = s.unit;
         const size_t r = size_t(rank);
         if (rank == aborter) {
           // Give the others time to be waiting in a collective (arriving later is covered too).
