@@ -57,6 +57,8 @@ void LocalGroup::release(int rank) noexcept {
 
 void LocalGroup::abort(fsdp_status_t status, const std::string& reason, bool with_children) {
   std::vector<std::shared_ptr<LocalGroup>> children;
+  fsdp_status_t first_status;
+  std::string first_reason;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!aborted_) {
@@ -68,9 +70,12 @@ void LocalGroup::abort(fsdp_status_t status, const std::string& reason, bool wit
       abort_children_ = true;
       for (auto& kv : children_) children.push_back(kv.second);
     }
+    first_status = abort_status_;
+    first_reason = abort_reason_;
   }
   cv_.notify_all();
-  for (auto& c : children) c->abort(status, reason, true);
+  // Children share this group's first reason, as those split later do (child()).
+  for (auto& c : children) c->abort(first_status, first_reason, true);
 }
 
 void LocalGroup::arrive_and_wait(int rank, double timeout_s, const std::string& what) {
