@@ -18,18 +18,6 @@
 namespace fsdp::core {
 namespace {
 
-const char* optimizer_name(OptimizerKind k) {
-  switch (k) {
-    case OptimizerKind::kAdamW:
-      return "adamw";
-    case OptimizerKind::kAdam:
-      return "adam";
-    case OptimizerKind::kSgd:
-      return "sgd";
-  }
-  return "?";
-}
-
 // Streams `nbytes` of `dev` memory into the writer (staged through the host
 // when the device's memory is not host-visible).
 void write_from(ckpt::Writer& w, device::Device* dev, const void* src, size_t nbytes) {

@@ -165,7 +165,7 @@ const std::vector<Entry>& table() {
       {"optimizer",
        {},
        [](Options& o, const std::string& v) { o.optimizer = parse_choice("optimizer", v, kOptimizers); },
-       [](const Options& o) { return choice_name(o.optimizer, kOptimizers); }},
+       [](const Options& o) { return optimizer_name(o.optimizer); }},
       {"lr",
        {"learning_rate"},
        [](Options& o, const std::string& v) { o.lr = parse_double("lr", v, 0, 1e9, "a number >= 0"); },
@@ -410,6 +410,8 @@ const char* sharding_name(Sharding s) {
   }
   return "?";
 }
+
+std::string optimizer_name(OptimizerKind k) { return choice_name(k, kOptimizers); }
 
 void Config::set(const std::string& key, const std::string& value) {
   const Entry& e = find_or_fail(key);

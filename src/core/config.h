@@ -19,6 +19,8 @@ enum class CommKind { kAuto, kLocal, kMpi };
 enum class MpiAlgorithm { kAuto, kRing, kNative };
 
 const char* sharding_name(Sharding s);
+// The canonical name ("adamw", "adam", "sgd"), as fsdp_config_get spells it.
+std::string optimizer_name(OptimizerKind k);
 
 struct Options {
   Sharding sharding = Sharding::kFullShard;
