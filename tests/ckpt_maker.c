@@ -8,6 +8,7 @@
  *            --optimizer K adamw (default), adam or sgd
  *            --momentum M  sgd momentum (default 0: no state)
  *            --dup-names   unit "head" reuses the name "block.bias" (sharded only)
+ *            --reserved-name  unit "head" names a param "__metadata__" (sharded only)
  *            --skip-last   (make) the last step's grads hold inf, so it is skipped
  *
  * Output (rank 0): one line per param, "<name> <numel> <hex bits>...". */
@@ -166,7 +167,7 @@ static int usage(void) {
   fprintf(stderr,
           "usage: ckpt_maker make SHARDED_DIR FULL_DIR [options]\n"
           "       ckpt_maker load DIR WORLD [options]\n"
-          "options: --step --optimizer K --momentum M --dup-names --skip-last\n");
+          "options: --step --optimizer K --momentum M --dup-names --reserved-name --skip-last\n");
   return 2;
 }
 
@@ -197,6 +198,8 @@ int main(int argc, char** argv) {
       g.skip_last = 1;
     } else if (strcmp(argv[a], "--dup-names") == 0) {
       g_units[2].names[1] = "block.bias";
+    } else if (strcmp(argv[a], "--reserved-name") == 0) {
+      g_units[2].names[1] = "__metadata__";
     } else if (strcmp(argv[a], "--optimizer") == 0 && a + 1 < argc) {
       g.optimizer = argv[++a];
     } else if (strcmp(argv[a], "--momentum") == 0 && a + 1 < argc) {

@@ -793,7 +793,26 @@ TEST(Checkpoint, FullSaveNeedsUniqueParamNames) {
     fsdp_status_t st = fsdp_save(raw, (tmp / "full").c_str(), "full");
     std::string msg = last_error_str();
     EXPECT_EQ(st, FSDP_ERR_INVALID_ARGUMENT);
-    EXPECT_NE(msg.find("'weight'"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("'weight' is used twice (units 'a' and 'b')"), std::string::npos) << msg;
+    EXPECT_OK(fsdp_save(raw, (tmp / "sharded").c_str(), "sharded"));
+  });
+  EXPECT_FALSE(std::filesystem::exists(tmp / "full"));
+  EXPECT_TRUE(std::filesystem::exists(tmp / "sharded/fsdp_checkpoint.json"));
+}
+
+// "__metadata__" is the safetensors header's own key: no tensor may take it.
+TEST(Checkpoint, FullSaveRefusesTheSafetensorsMetadataName) {
+  TempDir tmp;
+  run_ranks(2, [&](int rank, fsdp_local_group_t* group) {
+    ConfigPtr cfg = make_config(base_options("FULL_SHARD"));
+    fsdp_ctx_t* raw = nullptr;
+    ASSERT_OK(fsdp_ctx_create(cfg.get(), group, rank, &raw));
+    CtxPtr ctx(raw);
+    fsdp_unit_t* u = nullptr;
+    ASSERT_OK(register_unit(raw, "a", {{"__metadata__", {4, 3}}}, &u));
+    EXPECT_STATUS(FSDP_ERR_INVALID_ARGUMENT, fsdp_save(raw, (tmp / "full").c_str(), "full"));
+    std::string msg = last_error_str();
+    EXPECT_NE(msg.find("'__metadata__' (unit 'a') is reserved by safetensors"), std::string::npos) << msg;
     EXPECT_OK(fsdp_save(raw, (tmp / "sharded").c_str(), "sharded"));
   });
   EXPECT_FALSE(std::filesystem::exists(tmp / "full"));

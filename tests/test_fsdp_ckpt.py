@@ -464,6 +464,16 @@ class Consolidate(Base):
         self.assertIn("'block.bias' is used twice", r.stderr)
         self.assertNoDir(dst)
 
+    def test_a_param_named_like_the_safetensors_metadata_is_refused(self):
+        # A full checkpoint names tensors by param name, and "__metadata__" is the header's own key.
+        src = self.path("reserved_sharded")
+        maker("make", src, "-", "--reserved-name")
+        dst = self.path("reserved_full")
+        r = tool("consolidate", src, dst)
+        self.assertRc(r, 3)
+        self.assertIn("'__metadata__' (unit 'head') is reserved by safetensors", r.stderr)
+        self.assertNoDir(dst)
+
     def test_sgd_without_state_writes_only_the_model(self):
         src, dst = self.path("sgd_sharded"), self.path("sgd_full")
         gathered = maker("make", src, "-", "--optimizer", "sgd")

@@ -179,6 +179,23 @@ std::string shard_file(int shard, int shard_world) {
   return buf;
 }
 
+std::vector<std::string> tensor_kinds(const OptimizerMeta& o) {
+  std::vector<std::string> kinds = {"param"};
+  kinds.insert(kinds.end(), o.state.begin(), o.state.end());
+  return kinds;
+}
+
+const char* full_file(const std::string& kind) { return kind == "param" ? kModelFile : kOptimizerFile; }
+
+std::string full_tensor(const std::string& param, const std::string& kind) {
+  return kind == "param" ? param : param + "." + kind;
+}
+
+std::string library_name() {
+  return "libfsdp " + std::to_string(FSDP_VERSION_MAJOR) + "." + std::to_string(FSDP_VERSION_MINOR) + "." +
+         std::to_string(FSDP_VERSION_PATCH);
+}
+
 std::string to_json(const Meta& m) {
   json j;
   j["format"] = kFormatName;
@@ -334,19 +351,18 @@ Meta parse_meta(const std::string& file, const std::string& text) {
     }
   };
   size_t expected_files = 0;
+  const std::vector<std::string> kinds = tensor_kinds(o);
   if (m.sharded()) {
     for (int s = 0; s < m.shard_world; ++s) {
       for (size_t u = 0; u < m.units.size(); ++u) {
-        expect_tensor(shard_file(s, m.shard_world), shard_tensor(u, "param"));
-        for (const std::string& st : o.state) expect_tensor(shard_file(s, m.shard_world), shard_tensor(u, st));
+        for (const std::string& k : kinds) expect_tensor(shard_file(s, m.shard_world), shard_tensor(u, k));
       }
     }
     expected_files = static_cast<size_t>(m.shard_world);
   } else {
     for (const UnitMeta& u : m.units) {
       for (const ParamMeta& p : u.params) {
-        expect_tensor(kModelFile, p.name);
-        for (const std::string& st : o.state) expect_tensor(kOptimizerFile, p.name + "." + st);
+        for (const std::string& k : kinds) expect_tensor(full_file(k), full_tensor(p.name, k));
       }
     }
     expected_files = o.state.empty() ? 1 : 2;

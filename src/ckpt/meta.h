@@ -78,6 +78,14 @@ std::string shard_tensor(size_t unit, const std::string& kind);
 std::string shard_file(int shard, int shard_world);
 constexpr const char* kModelFile = "model.safetensors";
 constexpr const char* kOptimizerFile = "optimizer.safetensors";
+// The kinds of tensor kept per unit (sharded) or per param (full): "param",
+// then each optimizer state.
+std::vector<std::string> tensor_kinds(const OptimizerMeta& o);
+// Full checkpoints: the file that holds a param's `kind`, and its tensor name.
+const char* full_file(const std::string& kind);
+std::string full_tensor(const std::string& param, const std::string& kind);
+// The "library" field this build writes: "libfsdp MAJOR.MINOR.PATCH".
+std::string library_name();
 
 // "[3, 4]": a shape as messages and fsdp-ckpt print it.
 std::string shape_string(const std::vector<int64_t>& shape);

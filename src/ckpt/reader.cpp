@@ -44,10 +44,9 @@ const Reader& CheckpointReader::file(const std::string& name) {
   auto r = std::make_unique<Reader>(join(dir_, name), &meta_.file(name), meta_.chunk_bytes);
   // Every tensor must have the size the layout gives it, so that no read can
   // pass its end.
+  const std::vector<std::string> kinds = tensor_kinds(meta_.optimizer);
   for (size_t u = 0; u < meta_.units.size(); ++u) {
     const UnitMeta& um = meta_.units[u];
-    std::vector<std::string> kinds = {"param"};
-    kinds.insert(kinds.end(), meta_.optimizer.state.begin(), meta_.optimizer.state.end());
     for (const std::string& k : kinds) {
       if (meta_.sharded()) {
         const TensorInfo& t = r->tensor(shard_tensor(u, k));
@@ -58,10 +57,9 @@ const Reader& CheckpointReader::file(const std::string& name) {
         }
         continue;
       }
-      bool model = k == "param";
-      if ((name == kModelFile) != model) continue;
+      if (name != full_file(k)) continue;
       for (const ParamMeta& p : um.params) {
-        const TensorInfo& t = r->tensor(model ? p.name : p.name + "." + k);
+        const TensorInfo& t = r->tensor(full_tensor(p.name, k));
         if (t.nbytes() != p.numel * 4 || t.shape != p.shape) {
           fail(FSDP_ERR_CORRUPT, "checkpoint file '" + r->path() + "': tensor '" + t.name +
                                      "' does not have the shape the checkpoint metadata gives it");
@@ -76,8 +74,7 @@ void CheckpointReader::read_param(size_t u, size_t p, const std::string& kind, u
   const ParamMeta& pm = meta_.units.at(u).params.at(p);
   if (a > b || b > pm.numel) fail(FSDP_ERR_INTERNAL, "checkpoint read outside param '" + pm.name + "'");
   if (!meta_.sharded()) {
-    bool model = kind == "param";
-    file(model ? kModelFile : kOptimizerFile).read(model ? pm.name : pm.name + "." + kind, a * 4, (b - a) * 4, out);
+    file(full_file(kind)).read(full_tensor(pm.name, kind), a * 4, (b - a) * 4, out);
     return;
   }
   uint64_t shard_numel = meta_.units[u].shard_numel(meta_.shard_world);

@@ -6,8 +6,8 @@
 // file format itself is src/ckpt/.
 #include <algorithm>
 #include <cstring>
-#include <set>
 
+#include "../ckpt/files.h"
 #include "../ckpt/io.h"
 #include "../ckpt/reader.h"
 #include "consensus.h"
@@ -39,8 +39,7 @@ ckpt::Meta Context::checkpoint_meta(const std::string& kind) const {
   const Options& o = rt_.opts;
   ckpt::Meta m;
   m.kind = kind;
-  m.library = "libfsdp " + std::to_string(FSDP_VERSION_MAJOR) + "." + std::to_string(FSDP_VERSION_MINOR) + "." +
-              std::to_string(FSDP_VERSION_PATCH);
+  m.library = ckpt::library_name();
   m.world_size = rt_.world;
   m.sharding = sharding_name(o.sharding);
   m.shard_world = kind == "sharded" ? rt_.shard_world() : 1;
@@ -80,65 +79,34 @@ std::vector<ckpt::FileRecord> Context::write_shard_file(const std::string& stage
     fail(FSDP_ERR_IO, "cannot write '" + ckpt::join(staged, ckpt::shard_file(rt_.shard_rank(), meta.shard_world)) +
                           "': injected by FSDP_CKPT_FAULT");
   }
-  std::vector<std::string> kinds = {"param"};
-  kinds.insert(kinds.end(), meta.optimizer.state.begin(), meta.optimizer.state.end());
-  std::vector<ckpt::Writer::Entry> entries;
-  for (size_t k = 0; k < units_.size(); ++k) {
-    for (const std::string& kind : kinds) {
-      entries.push_back({ckpt::shard_tensor(k, kind), {static_cast<int64_t>(units_[k]->shard_numel())}});
-    }
-  }
-  std::string name = ckpt::shard_file(rt_.shard_rank(), meta.shard_world);
-  ckpt::Writer w(ckpt::join(staged, name), name, std::move(entries),
-                 {{"format", ckpt::kFormatName},
-                  {"shard", std::to_string(rt_.shard_rank())},
-                  {"shard_world", std::to_string(meta.shard_world)}},
-                 meta.chunk_bytes);
+  std::unique_ptr<ckpt::Writer> w = ckpt::create_shard_file(staged, meta, rt_.shard_rank());
   for (size_t k = 0; k < units_.size(); ++k) {
     size_t nbytes = units_[k]->shard_numel() * sizeof(float);
-    write_from(w, rt_.state_dev, units_[k]->master(), nbytes);
+    write_from(*w, rt_.state_dev, units_[k]->master(), nbytes);
     for (size_t i = 0; i < meta.optimizer.state.size(); ++i) {
-      write_from(w, rt_.state_dev, optimizer_.state(k, i).data(), nbytes);
+      write_from(*w, rt_.state_dev, optimizer_.state(k, i).data(), nbytes);
     }
   }
-  return {w.finish()};
+  return {w->finish()};
 }
 
-std::vector<ckpt::FileRecord> Context::write_full_files(const std::string& staged, const ckpt::Meta& meta) {
+std::vector<ckpt::FileRecord> Context::write_full_files(const std::string& staged, const ckpt::Meta& meta,
+                                                        ckpt::FullEntries entries) {
   // Shard group 0 gathers one unit at a time; rank 0 writes it. The other
   // groups hold the same values and have nothing to do.
   if (rt_.rank >= rt_.shard_world()) return {};
   bool root = rt_.rank == 0;
   const std::vector<std::string>& states = meta.optimizer.state;
-  std::unique_ptr<ckpt::Writer> model;
-  std::unique_ptr<ckpt::Writer> optim;
+  ckpt::FullWriters files;
   // An I/O failure on rank 0 must not leave the others waiting in a gather:
   // it stops writing, keeps gathering, and reports at the end.
   Outcome io;
   auto on_root = [&](auto&& body) {
     if (root && io.ok()) io = capture(body);
   };
-  on_root([&] {
-    std::vector<ckpt::Writer::Entry> params;
-    std::vector<ckpt::Writer::Entry> moments;
-    // In the order the loop below writes them: unit by unit, and within a
-    // unit one state at a time.
-    for (const auto& u : units_) {
-      const FlatLayout& lay = u->layout();
-      for (size_t i = 0; i < lay.n_params(); ++i) params.push_back({lay.param(i).name, lay.param(i).shape});
-      for (const std::string& s : states) {
-        for (size_t i = 0; i < lay.n_params(); ++i)
-          moments.push_back({lay.param(i).name + "." + s, lay.param(i).shape});
-      }
-    }
-    std::map<std::string, std::string> md = {{"format", "pt"}, {"written_by", meta.library}};
-    model = std::make_unique<ckpt::Writer>(ckpt::join(staged, ckpt::kModelFile), ckpt::kModelFile, std::move(params),
-                                           md, meta.chunk_bytes);
-    if (!states.empty()) {
-      optim = std::make_unique<ckpt::Writer>(ckpt::join(staged, ckpt::kOptimizerFile), ckpt::kOptimizerFile,
-                                             std::move(moments), md, meta.chunk_bytes);
-    }
-  });
+  // The loop below writes in the entries' order: unit by unit, and within a
+  // unit one state at a time.
+  on_root([&] { files = ckpt::create_full_files(staged, meta, std::move(entries)); });
   bool gather = rt_.shard_world() > 1;
   for (size_t k = 0; k < units_.size(); ++k) {
     Unit& u = *units_[k];
@@ -168,7 +136,7 @@ std::vector<ckpt::FileRecord> Context::write_full_files(const std::string& stage
         where = rt_.dev;
       }
       on_root([&] {
-        ckpt::Writer& w = s == 0 ? *model : *optim;
+        ckpt::Writer& w = s == 0 ? *files.model : *files.optimizer;
         for (size_t i = 0; i < lay.n_params(); ++i) {
           write_from(w, where, flat + lay.param_offset(i), lay.param(i).numel * sizeof(float));
         }
@@ -177,8 +145,8 @@ std::vector<ckpt::FileRecord> Context::write_full_files(const std::string& stage
   }
   std::vector<ckpt::FileRecord> recs;
   on_root([&] {
-    recs.push_back(model->finish());
-    if (optim) recs.push_back(optim->finish());
+    recs.push_back(files.model->finish());
+    if (files.optimizer) recs.push_back(files.optimizer->finish());
   });
   if (!io.ok()) fail(io.status, io.message);
   return recs;
@@ -191,23 +159,12 @@ void Context::save(const std::string& dir, const std::string& kind) {
     fail(FSDP_ERR_INVALID_ARGUMENT, "fsdp_save: kind must be \"sharded\" or \"full\", not \"" + kind + "\"");
   }
   if (dir.empty()) fail(FSDP_ERR_INVALID_ARGUMENT, "fsdp_save: dir is empty");
-  if (kind == "full") {
-    std::set<std::string> names;
-    for (const auto& u : units_) {
-      for (size_t i = 0; i < u->layout().n_params(); ++i) {
-        const std::string& n = u->layout().param(i).name;
-        if (!names.insert(n).second || n == "__metadata__") {
-          fail(FSDP_ERR_INVALID_ARGUMENT, "fsdp_save: a full checkpoint names tensors by param name, and '" + n +
-                                              "' (unit '" + u->name() +
-                                              "') is used twice or reserved; register unique names "
-                                              "(e.g. 'layers.3.weight') or save \"sharded\"");
-        }
-      }
-    }
-  }
+  ckpt::Meta meta = checkpoint_meta(kind);
+  // Every rank checks the names, so that all fail together before any file.
+  ckpt::FullEntries full;
+  if (kind == "full") full = ckpt::full_entries(meta, "fsdp_save");
   TraceScope scope(rt_.trace, "save");
   const std::string what = "fsdp_save to '" + dir + "'";
-  ckpt::Meta meta = checkpoint_meta(kind);
   std::string staged = ckpt::staging_dir(dir);
   bool root = rt_.rank == 0;
   Outcome prep = capture([&] {
@@ -218,8 +175,9 @@ void Context::save(const std::string& dir, const std::string& kind) {
   check_outcomes(*rt_.comm, what + " (preparing " + staged + ")", prep.status, prep.message);
 
   std::vector<ckpt::FileRecord> mine;
-  Outcome wrote =
-      capture([&] { mine = kind == "sharded" ? write_shard_file(staged, meta) : write_full_files(staged, meta); });
+  Outcome wrote = capture([&] {
+    mine = kind == "sharded" ? write_shard_file(staged, meta) : write_full_files(staged, meta, std::move(full));
+  });
   Outcome commit;
   try {
     check_outcomes(*rt_.comm, what, wrote.status, wrote.message);

@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "../ckpt/meta.h"
+#include "../ckpt/files.h"
 #include "../comm/communicator.h"
 #include "comm_stream.h"
 #include "optimizer.h"
@@ -63,7 +63,8 @@ class Context {
   // rank writes into the staging directory.
   ckpt::Meta checkpoint_meta(const std::string& kind) const;
   std::vector<ckpt::FileRecord> write_shard_file(const std::string& staged, const ckpt::Meta& meta);
-  std::vector<ckpt::FileRecord> write_full_files(const std::string& staged, const ckpt::Meta& meta);
+  std::vector<ckpt::FileRecord> write_full_files(const std::string& staged, const ckpt::Meta& meta,
+                                                 ckpt::FullEntries entries);
   void check_loadable(const ckpt::Meta& meta, const std::string& file) const;
 
   Runtime rt_;

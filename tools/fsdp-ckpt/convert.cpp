@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "args.h"
+#include "ckpt/files.h"
 #include "ckpt/io.h"
 #include "ckpt/reader.h"
 #include "core/error.h"
@@ -26,13 +27,6 @@ using fsdp::fail;
 // Elements read per call: large enough to amortise, small enough that a huge
 // param does not need a buffer of its size.
 constexpr uint64_t kMaxBufferElems = uint64_t{4} << 20;
-
-// The "library" field as Context::checkpoint_meta writes it: the tool writes
-// with this build of the library.
-std::string library_name() {
-  return "libfsdp " + std::to_string(FSDP_VERSION_MAJOR) + "." + std::to_string(FSDP_VERSION_MINOR) + "." +
-         std::to_string(FSDP_VERSION_PATCH);
-}
 
 fs::path resolved(const std::string& p) {
   std::string s = p;
@@ -85,7 +79,7 @@ class Staging {
   Staging(const Staging&) = delete;
   Staging& operator=(const Staging&) = delete;
 
-  std::string path(const std::string& name) const { return ckpt::join(dir_, name); }
+  const std::string& dir() const { return dir_; }
   // Metadata last, then the atomic rename: DST is the old or the new
   // checkpoint at every instant.
   void commit(const ckpt::Meta& m) {
@@ -101,12 +95,6 @@ class Staging {
   std::string dir_;
   bool done_ = false;
 };
-
-std::vector<std::string> kinds_of(const ckpt::Meta& m) {
-  std::vector<std::string> kinds = {"param"};
-  kinds.insert(kinds.end(), m.optimizer.state.begin(), m.optimizer.state.end());
-  return kinds;
-}
 
 // Streams elements of one param (or one of its optimizer states) from the
 // source into the writer, through `buf`.
@@ -130,56 +118,35 @@ int run_consolidate(const Args& a) {
   const ckpt::Meta& in = r.meta();
   const std::vector<std::string>& states = in.optimizer.state;
 
-  // A full checkpoint names tensors by param name.
-  std::map<std::string, std::string> owner;
-  uint64_t largest = 1;
-  std::vector<ckpt::Writer::Entry> params;
-  std::vector<ckpt::Writer::Entry> moments;
-  for (const ckpt::UnitMeta& u : in.units) {
-    for (const ckpt::ParamMeta& p : u.params) {
-      auto [it, fresh] = owner.emplace(p.name, u.name);
-      if (!fresh) {
-        fail(FSDP_ERR_INVALID_ARGUMENT, "cannot consolidate '" + src + "': param name '" + p.name +
-                                            "' is used twice (units '" + it->second + "' and '" + u.name +
-                                            "'), and a full checkpoint names tensors by param name");
-      }
-      largest = std::max(largest, p.numel);
-      params.push_back({p.name, p.shape});
-    }
-    // Unit by unit, and within a unit one state at a time.
-    for (const std::string& s : states) {
-      for (const ckpt::ParamMeta& p : u.params) moments.push_back({p.name + "." + s, p.shape});
-    }
-  }
-
   ckpt::Meta out = in;
   out.kind = "full";
   out.shard_world = 1;
-  out.library = library_name();
+  out.library = ckpt::library_name();
   out.files.clear();
+  // Before the destination is touched: the param names must suit a full checkpoint.
+  ckpt::FullEntries entries = ckpt::full_entries(out, "cannot consolidate '" + src + "'");
+  const size_t n_params = entries.model.size();
+  uint64_t largest = 1;
+  for (const ckpt::UnitMeta& u : in.units) {
+    for (const ckpt::ParamMeta& p : u.params) largest = std::max(largest, p.numel);
+  }
 
   Staging staging(dst);
-  // Tensor order, names and metadata as Context::write_full_files writes them.
-  std::map<std::string, std::string> md = {{"format", "pt"}, {"written_by", out.library}};
-  ckpt::Writer model(staging.path(ckpt::kModelFile), ckpt::kModelFile, std::move(params), md, out.chunk_bytes);
-  std::unique_ptr<ckpt::Writer> optim;
-  if (!states.empty()) {
-    optim = std::make_unique<ckpt::Writer>(staging.path(ckpt::kOptimizerFile), ckpt::kOptimizerFile, std::move(moments),
-                                           md, out.chunk_bytes);
-  }
+  // In the entries' order, as Context::write_full_files writes them.
+  ckpt::FullWriters w = ckpt::create_full_files(staging.dir(), out, std::move(entries));
   std::vector<float> buf(static_cast<size_t>(std::min(largest, kMaxBufferElems)));
   for (size_t u = 0; u < in.units.size(); ++u) {
     size_t n = in.units[u].params.size();
-    for (size_t p = 0; p < n; ++p) copy_param(r, u, p, "param", buf, model);
+    for (size_t p = 0; p < n; ++p) copy_param(r, u, p, "param", buf, *w.model);
     for (const std::string& s : states) {
-      for (size_t p = 0; p < n; ++p) copy_param(r, u, p, s, buf, *optim);
+      for (size_t p = 0; p < n; ++p) copy_param(r, u, p, s, buf, *w.optimizer);
     }
   }
-  out.files.push_back(model.finish());
-  if (optim) out.files.push_back(optim->finish());
+  out.files.push_back(w.model->finish());
+  if (w.optimizer) out.files.push_back(w.optimizer->finish());
   staging.commit(out);
   std::printf("consolidated %s (%s, shard world %d) into %s: %zu units, %zu params\n", src.c_str(), in.kind.c_str(),
-              in.shard_world, dst.c_str(), in.units.size(), owner.size());
+              in.shard_world, dst.c_str(), in.units.size(), n_params);
   return 0;
 }
 
@@ -197,7 +164,7 @@ int run_reshard(const Args& a) {
   out.world_size = world;
   out.shard_world = world;
   if (!in.sharded()) out.sharding = "FULL_SHARD";
-  out.library = library_name();
+  out.library = ckpt::library_name();
   out.files.clear();
   // Each unit laid out as an N-rank job with the source's alignment lays it out.
   std::vector<fsdp::core::FlatLayout> layouts;
@@ -211,30 +178,20 @@ int run_reshard(const Args& a) {
     for (size_t i = 0; i < u.params.size(); ++i) u.params[i].offset = lay.param_offset(i);
     largest = std::max(largest, lay.shard_numel());
   }
-  std::vector<std::string> kinds = kinds_of(in);
+  const std::vector<std::string> kinds = ckpt::tensor_kinds(in.optimizer);
 
   Staging staging(dst);
   std::vector<float> buf(largest);
   for (int s = 0; s < world; ++s) {
-    std::vector<ckpt::Writer::Entry> entries;
-    for (size_t u = 0; u < layouts.size(); ++u) {
-      for (const std::string& k : kinds) {
-        entries.push_back({ckpt::shard_tensor(u, k), {static_cast<int64_t>(layouts[u].shard_numel())}});
-      }
-    }
-    // Names and metadata as Context::write_shard_file writes them.
-    std::string name = ckpt::shard_file(s, world);
-    ckpt::Writer w(
-        staging.path(name), name, std::move(entries),
-        {{"format", ckpt::kFormatName}, {"shard", std::to_string(s)}, {"shard_world", std::to_string(world)}},
-        out.chunk_bytes);
+    // As Context::write_shard_file writes it.
+    std::unique_ptr<ckpt::Writer> w = ckpt::create_shard_file(staging.dir(), out, s);
     for (size_t u = 0; u < layouts.size(); ++u) {
       for (const std::string& k : kinds) {
         r.read_shard(u, k, layouts[u], s, buf.data());
-        w.write(buf.data(), layouts[u].shard_numel() * sizeof(float));
+        w->write(buf.data(), layouts[u].shard_numel() * sizeof(float));
       }
     }
-    out.files.push_back(w.finish());
+    out.files.push_back(w->finish());
   }
   staging.commit(out);
   std::printf("resharded %s (%s, shard world %d) into %s: %d shard files\n", src.c_str(), in.kind.c_str(),

@@ -1,0 +1,62 @@
+// src/ckpt/files.cpp - see files.h.
+#include "files.h"
+
+#include <map>
+
+#include "../core/error.h"
+#include "io.h"
+
+namespace fsdp::ckpt {
+
+std::unique_ptr<Writer> create_shard_file(const std::string& dir, const Meta& m, int shard) {
+  std::vector<Writer::Entry> entries;
+  const std::vector<std::string> kinds = tensor_kinds(m.optimizer);
+  for (size_t u = 0; u < m.units.size(); ++u) {
+    for (const std::string& k : kinds) {
+      entries.push_back({shard_tensor(u, k), {static_cast<int64_t>(m.units[u].shard_numel(m.shard_world))}});
+    }
+  }
+  std::string name = shard_file(shard, m.shard_world);
+  return std::make_unique<Writer>(
+      join(dir, name), name, std::move(entries),
+      std::map<std::string, std::string>{
+          {"format", kFormatName}, {"shard", std::to_string(shard)}, {"shard_world", std::to_string(m.shard_world)}},
+      m.chunk_bytes);
+}
+
+FullEntries full_entries(const Meta& m, const std::string& what) {
+  FullEntries e;
+  std::map<std::string, std::string> unit_of;  // param name -> its unit
+  for (const UnitMeta& u : m.units) {
+    for (const ParamMeta& p : u.params) {
+      auto [it, fresh] = unit_of.emplace(p.name, u.name);
+      if (!fresh || p.name == "__metadata__") {
+        fail(FSDP_ERR_INVALID_ARGUMENT,
+             what + ": param name '" + p.name + "' " +
+                 (fresh ? "(unit '" + u.name + "') is reserved by safetensors"
+                        : "is used twice (units '" + it->second + "' and '" + u.name + "')") +
+                 "; a full checkpoint names tensors by param name, so they must be unique (e.g. "
+                 "'layers.3.weight'); a sharded checkpoint has no such limit");
+      }
+      e.model.push_back({p.name, p.shape});
+    }
+    for (const std::string& s : m.optimizer.state) {
+      for (const ParamMeta& p : u.params) e.optimizer.push_back({full_tensor(p.name, s), p.shape});
+    }
+  }
+  return e;
+}
+
+FullWriters create_full_files(const std::string& dir, const Meta& m, FullEntries entries) {
+  // "format": "pt" is the mark Hugging Face's libraries check for.
+  std::map<std::string, std::string> md = {{"format", "pt"}, {"written_by", m.library}};
+  FullWriters w;
+  w.model = std::make_unique<Writer>(join(dir, kModelFile), kModelFile, std::move(entries.model), md, m.chunk_bytes);
+  if (!m.optimizer.state.empty()) {
+    w.optimizer = std::make_unique<Writer>(join(dir, kOptimizerFile), kOptimizerFile, std::move(entries.optimizer), md,
+                                           m.chunk_bytes);
+  }
+  return w;
+}
+
+}  // namespace fsdp::ckpt
