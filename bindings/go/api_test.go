@@ -412,6 +412,45 @@ func TestHalfConversions(t *testing.T) {
 			t.Errorf("fp16 round trip %v -> %v", f, g)
 		}
 	}
+	// Bit patterns from IEEE 754 binary16 and bfloat16 (the top half of a
+	// float32), with ties rounded to even: not from the converters themselves.
+	inf := float32(math.Inf(1))
+	type pattern struct {
+		f     float32
+		bits  uint16
+		exact bool // f is representable: the bits decode back to it
+	}
+	fp16 := []pattern{
+		{1, 0x3C00, true}, {-2, 0xC000, true}, {0.333251953125, 0x3555, true}, {65504, 0x7BFF, true},
+		{inf, 0x7C00, true}, {float32(math.Ldexp(1, -14)), 0x0400, true}, {float32(math.Ldexp(1, -24)), 0x0001, true},
+		{65520, 0x7C00, false}, {1 + float32(math.Ldexp(1, -11)), 0x3C00, false},
+		{1 + 3*float32(math.Ldexp(1, -11)), 0x3C02, false},
+	}
+	for _, c := range fp16 {
+		if got := Float32ToFP16(c.f); got != c.bits {
+			t.Errorf("Float32ToFP16(%v) = %#04x, want %#04x", c.f, got, c.bits)
+		}
+		if got := FP16ToFloat32(c.bits); c.exact && got != c.f {
+			t.Errorf("FP16ToFloat32(%#04x) = %v, want %v", c.bits, got, c.f)
+		}
+	}
+	bf16 := []pattern{{1, 0x3F80, true}, {-2, 0xC000, true}, {inf, 0x7F80, true}, {1.00390625, 0x3F80, false},
+		{1.01171875, 0x3F82, false}}
+	for _, c := range bf16 {
+		if got := Float32ToBF16(c.f); got != c.bits {
+			t.Errorf("Float32ToBF16(%v) = %#04x, want %#04x", c.f, got, c.bits)
+		}
+		if got := BF16ToFloat32(c.bits); c.exact && got != c.f {
+			t.Errorf("BF16ToFloat32(%#04x) = %v, want %v", c.bits, got, c.f)
+		}
+	}
+	nan := float32(math.NaN())
+	if g := FP16ToFloat32(Float32ToFP16(nan)); g == g {
+		t.Errorf("fp16 NaN became %v", g)
+	}
+	if g := BF16ToFloat32(Float32ToBF16(nan)); g == g {
+		t.Errorf("bf16 NaN became %v", g)
+	}
 }
 
 // A bf16 context serves 16-bit buffers through ParamU16/GradU16 only.

@@ -148,8 +148,3 @@ def check(status, call=""):
     if status != 0:
         msg = LIB.fsdp_last_error().decode(errors="replace")
         raise _CLASSES.get(status, FsdpError)(status, msg, call)
-
-
-def error(cls, status, message):
-    """An error raised by the binding itself (for example use after close)."""
-    return cls(status, message)

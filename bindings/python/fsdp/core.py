@@ -403,8 +403,10 @@ class Unit:
     def _view(self, fn, i, what):
         i, p = self._ptr(fn, i, what)
         n = self.numel(i)
-        if n == 0 or not p:
+        if n == 0:
             return np.zeros(self.shapes[i], dtype=self.ctx.np_dtype)
+        if not p:
+            raise _lib.Internal(10, f"fsdp_{what}_ptr returned NULL for a param of {n} elements")
         buf = (self.ctx._ctype * n).from_address(p)
         return np.frombuffer(buf, dtype=self.ctx.np_dtype).reshape(self.shapes[i])
 
@@ -436,13 +438,17 @@ class Unit:
         return bf16_to_f32(a) if a.dtype == np.uint16 else a.astype(np.float32, copy=False)
 
     def add_grad(self, i, g):
-        """grad(i) += g, with g in float32 converted to the param dtype (bf16 rounded to nearest even)."""
+        """grad(i) += g: the sum is taken in float32 and rounded once to the param dtype (bf16 and fp16
+        to nearest even)."""
         self._numpy_only("add_grad")
         view = self.grad(i)
+        g = np.asarray(g, np.float32)
         if view.dtype == np.uint16:
-            view[...] = f32_to_bf16(bf16_to_f32(view) + np.asarray(g, np.float32))
+            view[...] = f32_to_bf16(bf16_to_f32(view) + g)
+        elif view.dtype == np.float16:
+            view[...] = (view.astype(np.float32) + g).astype(np.float16)
         else:
-            view += np.asarray(g).astype(view.dtype, copy=False)
+            view += g
 
     def params(self):
         return {n: self.param(k) for k, n in enumerate(self.names)}

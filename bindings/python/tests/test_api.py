@@ -217,3 +217,17 @@ def test_add_grad_low_precision(mp):
 
     for got in fsdp.run_ranks(2, fn):
         np.testing.assert_array_equal(got, np.float32([1, 2, 3, 4]) - 2.0)  # mean(1, 2) + 0.5
+
+
+def test_add_grad_fp16_rounds_once():
+    # 1 + (2^-11 + 2^-22) lies just above the midpoint of 1 and the next fp16, 1 + 2^-10. Rounding g to
+    # fp16 first gives 2^-11 (a tie, to even), and then 1 + 2^-11 is a tie that rounds down to 1.
+    g = np.float32(2.0 ** -11 + 2.0 ** -22)
+    once = np.float16(1.0 + float(g))
+    assert once == np.float16(1.0 + 2.0 ** -10) and np.float16(1.0) + np.float16(g) == np.float16(1.0)
+    with fsdp.Context(fsdp.Config(param_dtype="fp16", loss_scale="off", **SGD)) as ctx:
+        u = ctx.register_unit("u", {"w": (1,)})
+        with u.backward():
+            u.add_grad(0, [1.0])
+            u.add_grad(0, [g])
+            assert u.grad(0)[0] == once
