@@ -87,7 +87,11 @@ int main(int argc, char** argv) {
     return 2;
   }
   const std::string dir = argv[1];
-  const size_t params = static_cast<size_t>(argc > 2 ? std::atof(argv[2]) : 64) << 20;
+  const size_t params = static_cast<size_t>((argc > 2 ? std::atof(argv[2]) : 64) * 1048576.0);
+  if (params < 1024) {
+    std::fprintf(stderr, "%s: M params must be at least 0.001 (got '%s')\n", argv[0], argv[2]);
+    return 2;
+  }
   const int reps = argc > 3 ? std::atoi(argv[3]) : 3;
   std::filesystem::create_directories(dir);
   const std::string ckpt = dir + "/bench_ckpt";

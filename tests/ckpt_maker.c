@@ -10,6 +10,7 @@
  *            --dup-names   unit "head" reuses the name "block.bias" (sharded only)
  *            --reserved-name  unit "head" names a param "__metadata__" (sharded only)
  *            --skip-last   (make) the last step's grads hold inf, so it is skipped
+ *            --sharding S  the strategy (default FULL_SHARD)
  *
  * Output (rank 0): one line per param, "<name> <numel> <hex bits>...". */
 #include <math.h>
@@ -48,6 +49,7 @@ static struct {
   int skip_last;
   const char* optimizer;
   const char* momentum;
+  const char* sharding;
   fsdp_local_group_t* group;
   int failed;
   pthread_mutex_t lock;
@@ -124,7 +126,7 @@ static void* rank_main(void* arg) {
   fsdp_unit_t* units[N_UNITS] = {NULL, NULL, NULL};
   size_t u, p, i;
   int ok = check(fsdp_config_create(&cfg), "fsdp_config_create", rank);
-  ok = ok && check(fsdp_config_set(cfg, "sharding", "FULL_SHARD"), "fsdp_config_set sharding", rank);
+  ok = ok && check(fsdp_config_set(cfg, "sharding", g.sharding), "fsdp_config_set sharding", rank);
   ok = ok && check(fsdp_config_set(cfg, "optimizer", g.optimizer), "fsdp_config_set optimizer", rank);
   ok = ok && check(fsdp_config_set(cfg, "momentum", g.momentum), "fsdp_config_set momentum", rank);
   ok = ok && check(fsdp_config_set(cfg, "lr", "0.01"), "fsdp_config_set lr", rank);
@@ -143,6 +145,11 @@ static void* rank_main(void* arg) {
       for (p = 0; ok && p < g_units[u].n; ++p) {
         size_t n = param_numel(&g_units[u], p);
         float* v = (float*)malloc(n * sizeof(float));
+        if (v == NULL) {
+          fprintf(stderr, "ckpt_maker rank %d: out of memory\n", rank);
+          ok = 0;
+          break;
+        }
         for (i = 0; i < n; ++i) v[i] = (float)((long)((i * 37 + u * 11 + p * 5) % 101) - 50) / 64.0f;
         ok = check(fsdp_param_set_values(units[u], p, v, n), "fsdp_param_set_values", rank);
         free(v);
@@ -167,7 +174,7 @@ static int usage(void) {
   fprintf(stderr,
           "usage: ckpt_maker make SHARDED_DIR FULL_DIR [options]\n"
           "       ckpt_maker load DIR WORLD [options]\n"
-          "options: --step --optimizer K --momentum M --dup-names --reserved-name --skip-last\n");
+          "options: --step --optimizer K --momentum M --dup-names --reserved-name --skip-last --sharding S\n");
   return 2;
 }
 
@@ -179,6 +186,7 @@ int main(int argc, char** argv) {
   pthread_mutex_init(&g.lock, NULL);
   g.optimizer = "adamw";
   g.momentum = "0";
+  g.sharding = "FULL_SHARD";
   if (strcmp(argv[1], "make") == 0) {
     g.make = 1;
     g.dirs[0] = argv[2];
@@ -202,6 +210,8 @@ int main(int argc, char** argv) {
       g_units[2].names[1] = "__metadata__";
     } else if (strcmp(argv[a], "--optimizer") == 0 && a + 1 < argc) {
       g.optimizer = argv[++a];
+    } else if (strcmp(argv[a], "--sharding") == 0 && a + 1 < argc) {
+      g.sharding = argv[++a];
     } else if (strcmp(argv[a], "--momentum") == 0 && a + 1 < argc) {
       g.momentum = argv[++a];
     } else {
@@ -209,7 +219,12 @@ int main(int argc, char** argv) {
     }
   }
   if (!check(fsdp_local_group_create(g.world, &g.group), "fsdp_local_group_create", -1)) return 1;
-  for (r = 0; r < g.world; ++r) pthread_create(&threads[r], NULL, rank_main, (void*)(intptr_t)r);
+  for (r = 0; r < g.world; ++r) {
+    if (pthread_create(&threads[r], NULL, rank_main, (void*)(intptr_t)r) != 0) {
+      fprintf(stderr, "ckpt_maker: cannot start rank %d's thread\n", r);
+      abort(); /* the started ranks would wait in a collective for it */
+    }
+  }
   for (r = 0; r < g.world; ++r) pthread_join(threads[r], NULL);
   fsdp_local_group_destroy(g.group);
   fflush(stdout);

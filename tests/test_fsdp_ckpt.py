@@ -362,10 +362,10 @@ class Verify(Base):
         # A step skipped for inf grads leaves last_grad_norm = inf, which JSON writes as null: the checkpoint
         # must still verify and load.
         s, f = self.path("skipped_sharded"), self.path("skipped_full")
-        maker("make", s, f, "--skip-last")
+        gathered = maker("make", s, f, "--skip-last")
         for d in (s, f):
             self.assertRc(tool("verify", d), 0)
-            maker("load", d, "2")
+            self.assertLoads(d, 2, gathered)
 
 
 class Consolidate(Base):
@@ -499,6 +499,17 @@ class Reshard(Base):
         src = read_meta(self.sharded)
         for key in ("optimizer", "loss_scaler", "align_elems", "checksum"):
             self.assertEqual(m[key], src[key], key)
+
+    def test_a_no_shard_source_becomes_a_full_shard_layout(self):
+        # A NO_SHARD job saves one shard file; resharded to 3 files, the metadata must describe the
+        # 3-shard FULL_SHARD layout the tool wrote, not the source's strategy.
+        src, dst = self.path("no_shard"), self.path("no_shard_world3")
+        gathered = maker("make", src, "-", "--sharding", "NO_SHARD")
+        self.assertEqual((read_meta(src)["shard_world"], read_meta(src)["sharding"]), (1, "NO_SHARD"))
+        self.assertRc(tool("reshard", "--world", "3", src, dst), 0)
+        m = read_meta(dst)
+        self.assertEqual((m["world_size"], m["shard_world"], m["sharding"]), (3, 3, "FULL_SHARD"))
+        self.assertLoads(dst, 3, gathered)
 
     def test_loads_at_world_3_and_1(self):
         self.assertLoads(self.out, 3, self.gathered)

@@ -20,6 +20,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     if (fsdp::ckpt::to_json(again) != fsdp::ckpt::to_json(m)) __builtin_trap();
   } catch (const fsdp::Error&) {
   }
+  try {
+    fsdp::ckpt::files_from_json(std::string(text, size));
+  } catch (const fsdp::Error&) {
+  }
   if (size >= 8) {
     uint64_t n = 0;
     for (int i = 7; i >= 0; --i) n = (n << 8) | data[i];

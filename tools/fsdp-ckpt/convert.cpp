@@ -163,7 +163,7 @@ int run_reshard(const Args& a) {
   out.kind = "sharded";
   out.world_size = world;
   out.shard_world = world;
-  if (!in.sharded()) out.sharding = "FULL_SHARD";
+  out.sharding = "FULL_SHARD";  // the layout written below, whatever the source's strategy
   out.library = ckpt::library_name();
   out.files.clear();
   // Each unit laid out as an N-rank job with the source's alignment lays it out.
