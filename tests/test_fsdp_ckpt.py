@@ -455,24 +455,21 @@ class Consolidate(Base):
         self.assertIn(dst, r.stderr)
         self.assertEqual(os.listdir(dst), ["keep.txt"])
 
-    def test_duplicate_param_names_are_refused(self):
-        src = self.path("dup_sharded")
-        maker("make", src, "-", "--dup-names")
-        dst = self.path("dup_full")
+    def consolidate_refuses(self, option, why):
+        name = option.strip("-")
+        src, dst = self.path(name + "_sharded"), self.path(name + "_full")
+        maker("make", src, "-", option)
         r = tool("consolidate", src, dst)
         self.assertRc(r, 3)
-        self.assertIn("'block.bias' is used twice", r.stderr)
+        self.assertIn(why, r.stderr)
         self.assertNoDir(dst)
+
+    def test_duplicate_param_names_are_refused(self):
+        self.consolidate_refuses("--dup-names", "'block.bias' is used twice")
 
     def test_a_param_named_like_the_safetensors_metadata_is_refused(self):
         # A full checkpoint names tensors by param name, and "__metadata__" is the header's own key.
-        src = self.path("reserved_sharded")
-        maker("make", src, "-", "--reserved-name")
-        dst = self.path("reserved_full")
-        r = tool("consolidate", src, dst)
-        self.assertRc(r, 3)
-        self.assertIn("'__metadata__' (unit 'head') is reserved by safetensors", r.stderr)
-        self.assertNoDir(dst)
+        self.consolidate_refuses("--reserved-name", "'__metadata__' (unit 'head') is reserved by safetensors")
 
     def test_sgd_without_state_writes_only_the_model(self):
         src, dst = self.path("sgd_sharded"), self.path("sgd_full")
