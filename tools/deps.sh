@@ -22,6 +22,8 @@ command -v go >/dev/null || missing+=(golang-go)
 # Open MPI: the mpi communicator and its tests (mpirun -np 2 and 4).
 command -v mpirun >/dev/null || missing+=(openmpi-bin)
 command -v mpicc >/dev/null || missing+=(libopenmpi-dev)
+# The locale tests build a decimal-comma locale (de_DE) with localedef.
+[ -f /usr/share/i18n/locales/de_DE ] || missing+=(locales)
 if [ ${#missing[@]} -gt 0 ]; then
   echo "installing: ${missing[*]}"
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
