@@ -221,6 +221,22 @@ FSDP_API fsdp_status_t fsdp_loss_scale(const fsdp_ctx_t* ctx, double* scale, uin
  * inf or nan if that step was skipped. */
 FSDP_API fsdp_status_t fsdp_last_grad_norm(const fsdp_ctx_t* ctx, double* norm);
 
+/* How fsdp_metrics_reduce combines the ranks' values. */
+typedef enum fsdp_reduce_op {
+  FSDP_REDUCE_SUM = 0,
+  FSDP_REDUCE_AVG = 1,
+  FSDP_REDUCE_MAX = 2,
+  FSDP_REDUCE_MIN = 3
+} fsdp_reduce_op_t;
+/* Collective over every rank of the context. Replaces `values[0..count)` on
+ * each rank by the sum, mean, maximum or minimum over the ranks, combined in
+ * rank order so that every rank gets the same bits. For the host's metrics
+ * (the mean loss of a step, token counts, each rank's memory figures for rank
+ * 0 to print), not for tensors: it runs after the context's collectives in
+ * flight and blocks until done. `count` is at most 2^20 and must be the same
+ * on every rank; values may be NULL when count is 0. */
+FSDP_API fsdp_status_t fsdp_metrics_reduce(fsdp_ctx_t* ctx, double* values, size_t count, fsdp_reduce_op_t op);
+
 /* ---- access -------------------------------------------------------------- */
 
 /* Collective. Copies param `param_index`'s full fp32 master values into

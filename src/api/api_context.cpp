@@ -3,6 +3,7 @@
 #include <memory>
 #include <string>
 
+#include "../base/text.h"
 #include "../comm/launch.h"
 #include "../comm/local/local_group.h"
 #include "../core/config.h"
@@ -14,6 +15,7 @@ struct fsdp_local_group {
   std::shared_ptr<fsdp::comm::LocalGroup> group;
 };
 
+namespace base = fsdp::base;
 using fsdp::fail;
 using fsdp::api::guard;
 using fsdp::api::require;
@@ -124,7 +126,7 @@ fsdp_status_t fsdp_config_get(const fsdp_config_t* cfg, const char* key, char* v
     if (value_len != nullptr) *value_len = v.size();
     if (value == nullptr || value_nbytes < v.size() + 1) {
       fail(FSDP_ERR_INVALID_ARGUMENT,
-           "fsdp_config_get: the value of '" + std::string(key) + "' needs " + std::to_string(v.size() + 1) +
+           "fsdp_config_get: the value of " + base::quote(std::string(key)) + " needs " + std::to_string(v.size() + 1) +
                " bytes, the buffer " +
                (value == nullptr ? std::string("is NULL") : "has " + std::to_string(value_nbytes)));
     }

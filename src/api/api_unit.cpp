@@ -6,9 +6,11 @@
 #include <string>
 #include <vector>
 
+#include "../base/text.h"
 #include "../core/context.h"
 #include "guard.h"
 
+namespace base = fsdp::base;
 using fsdp::fail;
 using fsdp::api::guard;
 using fsdp::api::require;
@@ -45,6 +47,7 @@ fsdp_status_t phase_call(fsdp_unit_t* unit, void* stream, const char* call, void
 std::string read_params(const char* name, size_t n_params, const char* const* names, const int32_t* ndims,
                         const int64_t* dims, const fsdp_unit_t* const* out, std::vector<ParamSpec>& params) {
   if (name == nullptr || name[0] == '\0') return "the unit name is NULL or empty";
+  if (std::string why = base::name_problem(name); !why.empty()) return "the unit name " + why;
   if (out == nullptr) return "out is NULL";
   if (n_params == 0) return "n_params is 0; a unit needs at least one param";
   if (names == nullptr) return "names is NULL";
@@ -52,8 +55,11 @@ std::string read_params(const char* name, size_t n_params, const char* const* na
   size_t dim_pos = 0;
   for (size_t i = 0; i < n_params; ++i) {
     if (names[i] == nullptr || names[i][0] == '\0') return "names[" + std::to_string(i) + "] is NULL or empty";
+    if (std::string why = base::name_problem(names[i]); !why.empty()) {
+      return "names[" + std::to_string(i) + "] " + base::quote(names[i]) + " " + why;
+    }
     if (ndims[i] < 0 || ndims[i] > 16) {
-      return "param '" + std::string(names[i]) + "' has ndims " + std::to_string(ndims[i]) + "; expected 0 to 16";
+      return "param " + base::quote(std::string(names[i])) + " has ndims " + std::to_string(ndims[i]) + "; expected 0 to 16";
     }
     if (ndims[i] > 0 && dims == nullptr) return "dims is NULL";
     ParamSpec p;
@@ -62,10 +68,10 @@ std::string read_params(const char* name, size_t n_params, const char* const* na
     for (int32_t d = 0; d < ndims[i]; ++d) {
       int64_t extent = dims[dim_pos++];
       if (extent < 0) {
-        return "param '" + p.name + "' has a negative dimension (" + std::to_string(extent) + ")";
+        return "param " + base::quote(p.name) + " has a negative dimension (" + std::to_string(extent) + ")";
       }
       if (extent != 0 && p.numel > (std::numeric_limits<size_t>::max() >> 8) / static_cast<size_t>(extent)) {
-        return "param '" + p.name + "' is too large";
+        return "param " + base::quote(p.name) + " is too large";
       }
       p.shape.push_back(extent);
       p.numel *= static_cast<size_t>(extent);
@@ -165,6 +171,15 @@ fsdp_status_t fsdp_last_grad_norm(const fsdp_ctx_t* ctx, double* norm) {
   });
 }
 
+fsdp_status_t fsdp_metrics_reduce(fsdp_ctx_t* ctx, double* values, size_t count, fsdp_reduce_op_t op) {
+  return guard([&] {
+    require(ctx, "fsdp_metrics_reduce", "ctx");
+    if (count > 0) require(values, "fsdp_metrics_reduce", "values");
+    ctx_of(ctx)->check_live("fsdp_metrics_reduce");
+    ctx_of(ctx)->metrics_reduce(values, count, op);
+  });
+}
+
 fsdp_status_t fsdp_loss_scale(const fsdp_ctx_t* ctx, double* scale, uint64_t* skipped_steps) {
   return guard([&] {
     require(ctx, "fsdp_loss_scale", "ctx");
@@ -202,7 +217,7 @@ fsdp_status_t fsdp_param_flat_range(fsdp_unit_t* unit, size_t param_index, size_
     require(offset, "fsdp_param_flat_range", "offset");
     require(numel, "fsdp_param_flat_range", "numel");
     if (param_index >= u.layout().n_params()) {
-      fail(FSDP_ERR_INVALID_ARGUMENT, "fsdp_param_flat_range: unit '" + u.name() + "' has " +
+      fail(FSDP_ERR_INVALID_ARGUMENT, "fsdp_param_flat_range: unit " + base::quote(u.name()) + " has " +
                                           std::to_string(u.layout().n_params()) + " params; index " +
                                           std::to_string(param_index) + " is out of range");
     }

@@ -3,6 +3,7 @@
 
 #include <map>
 
+#include "../base/text.h"
 #include "../core/error.h"
 #include "io.h"
 
@@ -32,9 +33,9 @@ FullEntries full_entries(const Meta& m, const std::string& what) {
       auto [it, fresh] = unit_of.emplace(p.name, u.name);
       if (!fresh || p.name == "__metadata__") {
         fail(FSDP_ERR_INVALID_ARGUMENT,
-             what + ": param name '" + p.name + "' " +
-                 (fresh ? "(unit '" + u.name + "') is reserved by safetensors"
-                        : "is used twice (units '" + it->second + "' and '" + u.name + "')") +
+             what + ": param name " + base::quote(p.name) + " " +
+                 (fresh ? "(unit " + base::quote(u.name) + ") is reserved by safetensors"
+                        : "is used twice (units " + base::quote(it->second) + " and " + base::quote(u.name) + ")") +
                  "; a full checkpoint names tensors by param name, so they must be unique (e.g. "
                  "'layers.3.weight'); a sharded checkpoint has no such limit");
       }

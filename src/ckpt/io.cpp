@@ -14,6 +14,7 @@
 #include <cstring>
 #include <string>
 
+#include "../base/text.h"
 #include "../core/error.h"
 #include "meta.h"
 
@@ -21,7 +22,7 @@ namespace fsdp::ckpt {
 namespace {
 
 [[noreturn]] void io_fail(const std::string& what, const std::string& path, int err) {
-  fail(FSDP_ERR_IO, what + " '" + path + "': " + std::strerror(err));
+  fail(FSDP_ERR_IO, what + " " + base::quote_path(path) + ": " + std::strerror(err));
 }
 
 // The value of `key=` in FSDP_CKPT_FAULT (comma-separated key=value), or -1.
@@ -64,7 +65,7 @@ File File::open_read(const std::string& path) {
   f.fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (f.fd_ < 0) {
     int err = errno;
-    if (err == ENOENT) fail(FSDP_ERR_CORRUPT, "checkpoint file '" + path + "' is missing");
+    if (err == ENOENT) fail(FSDP_ERR_CORRUPT, "checkpoint file " + base::quote_path(path) + " is missing");
     io_fail("cannot open", path, err);
   }
   return f;
@@ -94,7 +95,7 @@ void File::pread_exact(uint64_t offset, void* buf, size_t n) const {
     }
     if (got == 0) {
       fail(FSDP_ERR_CORRUPT,
-           "checkpoint file '" + path_ + "' is truncated: it ends before byte " + std::to_string(offset + n));
+           "checkpoint file " + base::quote_path(path_) + " is truncated: it ends before byte " + std::to_string(offset + n));
     }
     p += got;
     n -= static_cast<size_t>(got);
@@ -207,11 +208,11 @@ std::string aside_dir(const std::string& dir) { return staging_dir(dir) + ".old"
 
 void check_replaceable(const std::string& dir, const std::string& who) {
   if (path_exists(dir) && !is_dir(dir))
-    fail(FSDP_ERR_INVALID_ARGUMENT, who + ": '" + dir + "' exists and is not a directory");
+    fail(FSDP_ERR_INVALID_ARGUMENT, who + ": " + base::quote_path(dir) + " exists and is not a directory");
   if (is_dir(dir) && !is_empty_dir(dir) && !path_exists(join(dir, kMetaFile))) {
     fail(FSDP_ERR_INVALID_ARGUMENT,
-         who + ": refusing to replace '" + dir +
-             "': it is not empty and holds no fsdp_checkpoint.json (not a libfsdp checkpoint)");
+         who + ": refusing to replace " + base::quote_path(dir) +
+             ": it is not empty and holds no fsdp_checkpoint.json (not a libfsdp checkpoint)");
   }
 }
 
@@ -220,7 +221,7 @@ std::string prepare_staging(const std::string& dir, const std::string& who) {
   std::string aside = aside_dir(dir);
   if (!path_exists(dir) && is_dir(aside)) {
     commit_dir(aside, dir);
-    note = "moved the previous checkpoint back from '" + aside + "' to '" + dir + "'";
+    note = "moved the previous checkpoint back from " + base::quote_path(aside) + " to " + base::quote_path(dir);
   }
   check_replaceable(dir, who);
   std::string staged = staging_dir(dir);
@@ -237,7 +238,7 @@ std::string commit_dir(const std::string& staged, const std::string& dir) {
   sync_dir(staged);
   std::string old;  // the previous checkpoint once the new one is in place
   if (!path_exists(target)) {
-    if (::rename(staged.c_str(), target.c_str()) != 0) io_fail("cannot rename '" + staged + "' to", target, errno);
+    if (::rename(staged.c_str(), target.c_str()) != 0) io_fail("cannot rename " + base::quote_path(staged) + " to", target, errno);
   } else {
     long rc = -1;
     int err = EINVAL;  // what a file system without exchange answers
@@ -250,7 +251,7 @@ std::string commit_dir(const std::string& staged, const std::string& dir) {
     if (rc == 0) {
       old = staged;
     } else {
-      if (err != EINVAL && err != ENOSYS) io_fail("cannot exchange '" + staged + "' with", target, err);
+      if (err != EINVAL && err != ENOSYS) io_fail("cannot exchange " + base::quote_path(staged) + " with", target, err);
       // No atomic exchange on this file system: the old checkpoint moves
       // aside first. A crash between the two renames leaves it whole there;
       // the next save moves it back (docs/checkpoints.md).
@@ -261,7 +262,7 @@ std::string commit_dir(const std::string& staged, const std::string& dir) {
       if (::rename(staged.c_str(), target.c_str()) != 0) {
         int e = errno;
         ::rename(aside.c_str(), target.c_str());  // put the old one back
-        io_fail("cannot rename '" + staged + "' to", target, e);
+        io_fail("cannot rename " + base::quote_path(staged) + " to", target, e);
       }
       old = aside;
     }

@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 #include <set>
 
+#include "../base/text.h"
 #include "../core/error.h"
 
 namespace fsdp::ckpt {
@@ -23,7 +24,7 @@ class Fields {
   }
   [[noreturn]] void bad(const std::string& msg) const {
     fail(FSDP_ERR_CORRUPT,
-         "checkpoint metadata '" + file_ + "': " + (path_.empty() ? "the document" : path_) + " " + msg);
+         "checkpoint metadata " + base::quote_path(file_) + ": " + (path_.empty() ? "the document" : path_) + " " + msg);
   }
   const json& get(const char* key) const {
     auto it = j_.find(key);
@@ -126,7 +127,7 @@ std::vector<FileRecord> parse_files(const std::string& file, const Fields& root)
     FileRecord f;
     f.name = ff.str("name");
     if (!safe_file_name(f.name)) ff.at("name").bad("is not a plain file name");
-    if (!file_names.insert(f.name).second) ff.at("name").bad("repeats '" + f.name + "'");
+    if (!file_names.insert(f.name).second) ff.at("name").bad("repeats " + base::quote(f.name));
     f.size = ff.u64("size");
     f.header_bytes = ff.u64("header_bytes");
     f.header_crc32 = static_cast<uint32_t>(ff.u64("header_crc32", UINT32_MAX));
@@ -162,7 +163,7 @@ const FileRecord& Meta::file(const std::string& name) const {
   for (const FileRecord& f : files) {
     if (f.name == name) return f;
   }
-  fail(FSDP_ERR_CORRUPT, "checkpoint metadata lists no file '" + name + "'");
+  fail(FSDP_ERR_CORRUPT, "checkpoint metadata lists no file " + base::quote(name));
 }
 
 std::string shape_string(const std::vector<int64_t>& shape) {
@@ -240,7 +241,7 @@ std::string to_json(const Meta& m) {
 
 Meta parse_meta(const std::string& file, const std::string& text) {
   json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
-  if (j.is_discarded()) fail(FSDP_ERR_CORRUPT, "checkpoint metadata '" + file + "' is not valid JSON");
+  if (j.is_discarded()) fail(FSDP_ERR_CORRUPT, "checkpoint metadata " + base::quote_path(file) + " is not valid JSON");
   Fields root(file, j, "");
   if (root.str("format") != kFormatName) root.at("format").bad("is not \"" + std::string(kFormatName) + "\"");
   uint64_t version = root.u64("format_version");
@@ -271,7 +272,7 @@ Meta parse_meta(const std::string& file, const std::string& text) {
   if (o.kind == "adamw" || o.kind == "adam") {
     want = {"exp_avg", "exp_avg_sq"};
   } else if (o.kind != "sgd") {
-    of.at("kind").bad("is \"" + o.kind + "\", not adamw, adam or sgd");
+    of.at("kind").bad("is " + base::quote(o.kind) + ", not adamw, adam or sgd");
   }
   for (const json& s : of.array("state")) {
     if (!s.is_string()) of.at("state").bad("holds a non-string");
@@ -345,9 +346,9 @@ Meta parse_meta(const std::string& file, const std::string& text) {
   for (const FileRecord& f : m.files) by_name[f.name] = &f;
   auto expect_tensor = [&](const std::string& fname, const std::string& tname) {
     auto it = by_name.find(fname);
-    if (it == by_name.end()) root.at("files").bad("does not list '" + fname + "'");
+    if (it == by_name.end()) root.at("files").bad("does not list " + base::quote(fname));
     if (it->second->tensors.count(tname) == 0) {
-      root.at("files").bad("does not list tensor '" + tname + "' of '" + fname + "'");
+      root.at("files").bad("does not list tensor " + base::quote(tname) + " of " + base::quote(fname));
     }
   };
   size_t expected_files = 0;

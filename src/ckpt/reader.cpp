@@ -6,17 +6,18 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "../base/text.h"
 #include "../core/error.h"
 
 namespace fsdp::ckpt {
 
 CheckpointReader::CheckpointReader(std::string dir) : dir_(std::move(dir)) {
   std::string path = join(dir_, kMetaFile);
-  if (!path_exists(dir_)) fail(FSDP_ERR_INVALID_ARGUMENT, "checkpoint directory '" + dir_ + "' does not exist");
-  if (!is_dir(dir_)) fail(FSDP_ERR_INVALID_ARGUMENT, "'" + dir_ + "' is not a checkpoint directory (it is a file)");
+  if (!path_exists(dir_)) fail(FSDP_ERR_INVALID_ARGUMENT, "checkpoint directory " + base::quote_path(dir_) + " does not exist");
+  if (!is_dir(dir_)) fail(FSDP_ERR_INVALID_ARGUMENT, base::quote_path(dir_) + " is not a checkpoint directory (it is a file)");
   File f = File::open_read(path);
   uint64_t size = f.size();
-  if (size > (uint64_t{1} << 30)) fail(FSDP_ERR_CORRUPT, "checkpoint metadata '" + path + "' is over 1 GiB");
+  if (size > (uint64_t{1} << 30)) fail(FSDP_ERR_CORRUPT, "checkpoint metadata " + base::quote_path(path) + " is over 1 GiB");
   std::string text(size, '\0');
   f.pread_exact(0, text.data(), size);
   File c = File::open_read(join(dir_, kMetaCrcFile));
@@ -26,11 +27,11 @@ CheckpointReader::CheckpointReader(std::string dir) : dir_(std::move(dir)) {
   char* end = nullptr;
   unsigned long want = std::strtoul(hex, &end, 16);
   if (!(n == 9 && end == hex + 8 && hex[8] == '\n')) {
-    fail(FSDP_ERR_CORRUPT, "checkpoint file '" + c.path() + "' does not hold a CRC-32 (8 hex digits and a newline)");
+    fail(FSDP_ERR_CORRUPT, "checkpoint file " + base::quote_path(c.path()) + " does not hold a CRC-32 (8 hex digits and a newline)");
   }
   if (crc32_of(text.data(), text.size()) != want) {
     fail(FSDP_ERR_CORRUPT,
-         "checkpoint metadata '" + path + "' fails its checksum (" + kMetaCrcFile + "): it was changed or damaged");
+         "checkpoint metadata " + base::quote_path(path) + " fails its checksum (" + kMetaCrcFile + "): it was changed or damaged");
   }
   meta_ = parse_meta(path, text);
 }
@@ -51,7 +52,7 @@ const Reader& CheckpointReader::file(const std::string& name) {
       if (meta_.sharded()) {
         const TensorInfo& t = r->tensor(shard_tensor(u, k));
         if (t.nbytes() != um.shard_numel(meta_.shard_world) * 4) {
-          fail(FSDP_ERR_CORRUPT, "checkpoint file '" + r->path() + "': tensor '" + t.name + "' has " +
+          fail(FSDP_ERR_CORRUPT, "checkpoint file " + base::quote_path(r->path()) + ": tensor " + base::quote(t.name) + " has " +
                                      std::to_string(t.nbytes()) + " bytes, the layout needs " +
                                      std::to_string(um.shard_numel(meta_.shard_world) * 4));
         }
@@ -61,8 +62,8 @@ const Reader& CheckpointReader::file(const std::string& name) {
       for (const ParamMeta& p : um.params) {
         const TensorInfo& t = r->tensor(full_tensor(p.name, k));
         if (t.nbytes() != p.numel * 4 || t.shape != p.shape) {
-          fail(FSDP_ERR_CORRUPT, "checkpoint file '" + r->path() + "': tensor '" + t.name +
-                                     "' does not have the shape the checkpoint metadata gives it");
+          fail(FSDP_ERR_CORRUPT, "checkpoint file " + base::quote_path(r->path()) + ": tensor " + base::quote(t.name) +
+                                     " does not have the shape the checkpoint metadata gives it");
         }
       }
     }
@@ -72,7 +73,7 @@ const Reader& CheckpointReader::file(const std::string& name) {
 
 void CheckpointReader::read_param(size_t u, size_t p, const std::string& kind, uint64_t a, uint64_t b, float* out) {
   const ParamMeta& pm = meta_.units.at(u).params.at(p);
-  if (a > b || b > pm.numel) fail(FSDP_ERR_INTERNAL, "checkpoint read outside param '" + pm.name + "'");
+  if (a > b || b > pm.numel) fail(FSDP_ERR_INTERNAL, "checkpoint read outside param " + base::quote(pm.name));
   if (!meta_.sharded()) {
     file(full_file(kind)).read(full_tensor(pm.name, kind), a * 4, (b - a) * 4, out);
     return;

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <nlohmann/json.hpp>
 
+#include "../base/text.h"
 #include "../core/error.h"
 
 namespace fsdp::ckpt {
@@ -16,7 +17,7 @@ namespace {
 using nlohmann::json;
 
 [[noreturn]] void corrupt(const std::string& file, const std::string& msg) {
-  fail(FSDP_ERR_CORRUPT, "checkpoint file '" + file + "': " + msg);
+  fail(FSDP_ERR_CORRUPT, "checkpoint file " + base::quote_path(file) + ": " + msg);
 }
 
 constexpr size_t kWriteBuffer = 4u << 20;
@@ -78,12 +79,12 @@ Header parse_header(const std::string& file, const char* text, size_t n, uint64_
     if (name == "__metadata__") {
       if (!v.is_object()) corrupt(file, "__metadata__ is not an object");
       for (auto m = v.begin(); m != v.end(); ++m) {
-        if (!m.value().is_string()) corrupt(file, "__metadata__ value '" + m.key() + "' is not a string");
+        if (!m.value().is_string()) corrupt(file, "__metadata__ value " + base::quote(m.key()) + " is not a string");
         h.metadata[m.key()] = m.value().get<std::string>();
       }
       continue;
     }
-    std::string where = "tensor '" + name + "'";
+    std::string where = "tensor " + base::quote(name);
     if (!v.is_object()) corrupt(file, where + " is not described by an object");
     auto dt = v.find("dtype");
     auto sh = v.find("shape");
@@ -95,7 +96,7 @@ Header parse_header(const std::string& file, const char* text, size_t n, uint64_
     t.name = name;
     t.dtype = dt->get<std::string>();
     size_t es = dtype_bytes(t.dtype);
-    if (es == 0) corrupt(file, where + " has unknown dtype '" + t.dtype + "'");
+    if (es == 0) corrupt(file, where + " has unknown dtype " + base::quote(t.dtype));
     uint64_t nbytes = es;
     for (const json& d : *sh) {
       uint64_t dim = 0;
@@ -119,7 +120,7 @@ Header parse_header(const std::string& file, const char* text, size_t n, uint64_
   uint64_t pos = 0;
   for (const TensorInfo& t : h.tensors) {
     if (t.begin != pos) {
-      corrupt(file, "tensor '" + t.name + "' starts at data byte " + std::to_string(t.begin) + ", expected " +
+      corrupt(file, "tensor " + base::quote(t.name) + " starts at data byte " + std::to_string(t.begin) + ", expected " +
                         std::to_string(pos) + " (tensors must tile the data section without gaps or overlaps)");
     }
     pos = t.end;
@@ -209,8 +210,8 @@ FileRecord Writer::finish() {
     in_cur_ = 0;
   }
   if (cur_ != entries_.size()) {
-    fail(FSDP_ERR_INTERNAL, "checkpoint writer: tensor '" + entries_[cur_].name + "' of '" + file_.path() +
-                                "' was not completely written");
+    fail(FSDP_ERR_INTERNAL, "checkpoint writer: tensor " + base::quote(entries_[cur_].name) + " of " + base::quote_path(file_.path()) +
+                                " was not completely written");
   }
   flush();
   file_.sync();
@@ -247,7 +248,7 @@ Reader::Reader(const std::string& path, const FileRecord* expect, uint64_t chunk
     const TensorInfo& t = tensor(name);
     uint64_t chunks = (t.nbytes() + chunk_bytes_ - 1) / chunk_bytes_;
     if (t.dtype != "F32" || sums.chunks.size() != chunks) {
-      corrupt(path, "tensor '" + name + "' does not match the checkpoint metadata (dtype or checksum count)");
+      corrupt(path, "tensor " + base::quote(name) + " does not match the checkpoint metadata (dtype or checksum count)");
     }
   }
   if (header_.tensors.size() != expect_->tensors.size()) {
@@ -258,14 +259,14 @@ Reader::Reader(const std::string& path, const FileRecord* expect, uint64_t chunk
 
 const TensorInfo& Reader::tensor(const std::string& name) const {
   const TensorInfo* t = header_.find(name);
-  if (t == nullptr) corrupt(path(), "tensor '" + name + "' is missing");
+  if (t == nullptr) corrupt(path(), "tensor " + base::quote(name) + " is missing");
   return *t;
 }
 
 void Reader::check_chunk(const TensorInfo& t, uint64_t chunk, const char* data, uint64_t n) const {
   if (crc32_of(data, n) != expect_->tensors.at(t.name).chunks[chunk]) {
     uint64_t b = chunk * chunk_bytes_;
-    corrupt(path(), "tensor '" + t.name + "' fails its checksum in bytes [" + std::to_string(b) + ", " +
+    corrupt(path(), "tensor " + base::quote(t.name) + " fails its checksum in bytes [" + std::to_string(b) + ", " +
                         std::to_string(b + n) + ")");
   }
 }
@@ -273,7 +274,7 @@ void Reader::check_chunk(const TensorInfo& t, uint64_t chunk, const char* data, 
 void Reader::read(const std::string& name, uint64_t offset, uint64_t n, void* out) const {
   const TensorInfo& t = tensor(name);
   if (offset > t.nbytes() || n > t.nbytes() - offset) {
-    fail(FSDP_ERR_INTERNAL, "checkpoint read past the end of tensor '" + name + "' in '" + path() + "'");
+    fail(FSDP_ERR_INTERNAL, "checkpoint read past the end of tensor " + base::quote(name) + " in " + base::quote_path(path()));
   }
   if (n == 0) return;
   uint64_t base = header_.data_start() + t.begin;
@@ -316,14 +317,14 @@ std::string Reader::verify_all() const {
       file_.pread_exact(header_.data_start() + t.begin + k * chunk_bytes_, buf.data(), len);
       uint32_t crc = crc32_of(buf.data(), len);
       if (crc != sums.chunks[k] && chunk_ok) {
-        problems += "checkpoint file '" + path() + "': tensor '" + t.name + "' fails its checksum in bytes [" +
+        problems += "checkpoint file " + base::quote_path(path()) + ": tensor " + base::quote(t.name) + " fails its checksum in bytes [" +
                     std::to_string(k * chunk_bytes_) + ", " + std::to_string(k * chunk_bytes_ + len) + ")\n";
         chunk_ok = false;
       }
       whole = static_cast<uint32_t>(::crc32_combine(whole, crc, static_cast<z_off_t>(len)));
     }
     if (chunk_ok && whole != sums.crc32) {
-      problems += "checkpoint file '" + path() + "': tensor '" + t.name + "' fails its whole-tensor checksum\n";
+      problems += "checkpoint file " + base::quote_path(path()) + ": tensor " + base::quote(t.name) + " fails its whole-tensor checksum\n";
     }
   }
   return problems;

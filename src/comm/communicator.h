@@ -13,7 +13,7 @@
 
 namespace fsdp::comm {
 
-enum class RedOp { kSum, kAvg, kMax };
+enum class RedOp { kSum, kAvg, kMax, kMin };
 
 class Communicator {
  public:

@@ -1,9 +1,9 @@
 // src/comm/launch.cpp - see launch.h.
 #include "launch.h"
 
-#include <cerrno>
 #include <cstdlib>
 
+#include "../base/text.h"
 #include "../core/error.h"
 #include "local/local_comm.h"
 #ifdef FSDP_HAVE_MPI
@@ -17,12 +17,10 @@ namespace {
 int env_int(const char* name, int lo, int fallback) {
   const char* v = std::getenv(name);  // NOLINT(concurrency-mt-unsafe): read before any rank thread starts
   if (v == nullptr) return fallback;
-  char* end = nullptr;
-  errno = 0;
-  long n = std::strtol(v, &end, 10);
-  if (*v == '\0' || *end != '\0' || errno != 0 || n < lo || n > (1L << 30)) {
-    fail(FSDP_ERR_INVALID_ARGUMENT, std::string("environment variable ") + name + "='" + v +
-                                        "' is not an integer >= " + std::to_string(lo) +
+  long n = 0;
+  if (!base::parse_long(v, &n) || n < lo || n > (1L << 30)) {
+    fail(FSDP_ERR_INVALID_ARGUMENT, std::string("environment variable ") + name + "=" + base::quote(v) +
+                                        " is not an integer >= " + std::to_string(lo) +
                                         "; it is set by the launcher (mpirun): do not set it by hand");
   }
   return static_cast<int>(n);

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "../base/text.h"
 #include "../ckpt/files.h"
 #include "../ckpt/io.h"
 #include "../ckpt/reader.h"
@@ -76,8 +77,8 @@ std::vector<ckpt::FileRecord> Context::write_shard_file(const std::string& stage
   // groups, NO_SHARD's other ranks) hold the same shards and write nothing.
   if (rt_.rank >= rt_.shard_world()) return {};
   if (ckpt::inject_io_error(rt_.rank)) {
-    fail(FSDP_ERR_IO, "cannot write '" + ckpt::join(staged, ckpt::shard_file(rt_.shard_rank(), meta.shard_world)) +
-                          "': injected by FSDP_CKPT_FAULT");
+    fail(FSDP_ERR_IO, "cannot write " + base::quote_path(ckpt::join(staged, ckpt::shard_file(rt_.shard_rank(), meta.shard_world))) +
+                          ": injected by FSDP_CKPT_FAULT");
   }
   std::unique_ptr<ckpt::Writer> w = ckpt::create_shard_file(staged, meta, rt_.shard_rank());
   for (size_t k = 0; k < units_.size(); ++k) {
@@ -131,7 +132,7 @@ std::vector<ckpt::FileRecord> Context::write_full_files(const std::string& stage
           shard = staged_shard.as<float>();
         }
         rt_.shard_sync->all_gather(shard, full.data(), u.shard_numel() * sizeof(float),
-                                   "fsdp_save gather of unit '" + u.name() + "'");
+                                   "fsdp_save gather of unit " + base::quote(u.name()));
         flat = full.as<float>();
         where = rt_.dev;
       }
@@ -156,7 +157,7 @@ void Context::save(const std::string& dir, const std::string& kind) {
   check_no_unit_in_use("fsdp_save");
   agree(*rt_.comm, "fsdp_save", "kind=" + kind + "\ndir=" + dir);
   if (kind != "sharded" && kind != "full") {
-    fail(FSDP_ERR_INVALID_ARGUMENT, "fsdp_save: kind must be \"sharded\" or \"full\", not \"" + kind + "\"");
+    fail(FSDP_ERR_INVALID_ARGUMENT, "fsdp_save: kind must be \"sharded\" or \"full\", not " + base::quote(kind));
   }
   if (dir.empty()) fail(FSDP_ERR_INVALID_ARGUMENT, "fsdp_save: dir is empty");
   ckpt::Meta meta = checkpoint_meta(kind);
@@ -164,7 +165,7 @@ void Context::save(const std::string& dir, const std::string& kind) {
   ckpt::FullEntries full;
   if (kind == "full") full = ckpt::full_entries(meta, "fsdp_save");
   TraceScope scope(rt_.trace, "save");
-  const std::string what = "fsdp_save to '" + dir + "'";
+  const std::string what = "fsdp_save to " + base::quote_path(dir);
   std::string staged = ckpt::staging_dir(dir);
   bool root = rt_.rank == 0;
   Outcome prep = capture([&] {
@@ -189,7 +190,7 @@ void Context::save(const std::string& dir, const std::string& kind) {
       }
       ckpt::write_meta(staged, meta);
       std::string warning = ckpt::commit_dir(staged, dir);
-      if (!warning.empty()) log(FSDP_LOG_WARN, rt_.rank, "fsdp_save to '" + dir + "' succeeded, but " + warning);
+      if (!warning.empty()) log(FSDP_LOG_WARN, rt_.rank, "fsdp_save to " + base::quote_path(dir) + " succeeded, but " + warning);
     });
     check_outcomes(*rt_.comm, what + " (commit)", commit.status, commit.message);
   } catch (const Error&) {
@@ -201,7 +202,7 @@ void Context::save(const std::string& dir, const std::string& kind) {
 
 void Context::check_loadable(const ckpt::Meta& m, const std::string& file) const {
   auto bad = [&](const std::string& msg) {
-    fail(FSDP_ERR_INVALID_ARGUMENT, "fsdp_load: checkpoint '" + file + "' does not fit this context: " + msg);
+    fail(FSDP_ERR_INVALID_ARGUMENT, "fsdp_load: checkpoint " + base::quote_path(file) + " does not fit this context: " + msg);
   };
   if (m.units.size() != units_.size()) {
     bad("it holds " + std::to_string(m.units.size()) + " units, this context registered " +
@@ -210,8 +211,8 @@ void Context::check_loadable(const ckpt::Meta& m, const std::string& file) const
   for (size_t k = 0; k < units_.size(); ++k) {
     const ckpt::UnitMeta& cu = m.units[k];
     const FlatLayout& lay = units_[k]->layout();
-    std::string where = "unit #" + std::to_string(k) + " '" + units_[k]->name() + "'";
-    if (cu.name != units_[k]->name()) bad(where + " is '" + cu.name + "' in the checkpoint");
+    std::string where = "unit #" + std::to_string(k) + " " + base::quote(units_[k]->name());
+    if (cu.name != units_[k]->name()) bad(where + " is " + base::quote(cu.name) + " in the checkpoint");
     if (cu.params.size() != lay.n_params()) {
       bad(where + " has " + std::to_string(cu.params.size()) + " params in the checkpoint, " +
           std::to_string(lay.n_params()) + " here");
@@ -220,9 +221,9 @@ void Context::check_loadable(const ckpt::Meta& m, const std::string& file) const
       const ckpt::ParamMeta& cp = cu.params[i];
       const ParamSpec& p = lay.param(i);
       if (cp.name != p.name)
-        bad(where + " param " + std::to_string(i) + " is '" + cp.name + "', here '" + p.name + "'");
+        bad(where + " param " + std::to_string(i) + " is " + base::quote(cp.name) + ", here " + base::quote(p.name));
       if (cp.shape != p.shape) {
-        bad("tensor '" + p.name + "' of " + where + " has shape " + ckpt::shape_string(cp.shape) + ", registered " +
+        bad("tensor " + base::quote(p.name) + " of " + where + " has shape " + ckpt::shape_string(cp.shape) + ", registered " +
             ckpt::shape_string(p.shape));
       }
     }
@@ -234,7 +235,7 @@ void Context::check_loadable(const ckpt::Meta& m, const std::string& file) const
       for (const auto& x : v) s += (s.empty() ? "" : ", ") + x;
       return "[" + s + "]";
     };
-    bad("its optimizer '" + m.optimizer.kind + "' keeps state " + list(m.optimizer.state) + ", this context's '" +
+    bad("its optimizer " + base::quote(m.optimizer.kind) + " keeps state " + list(m.optimizer.state) + ", this context's '" +
         optimizer_name(rt_.opts.optimizer) + "' keeps " + list(states));
   }
 }
@@ -243,7 +244,7 @@ void Context::load(const std::string& dir) {
   check_no_unit_in_use("fsdp_load");
   agree(*rt_.comm, "fsdp_load", "dir=" + dir);
   TraceScope scope(rt_.trace, "load");
-  const std::string what = "fsdp_load from '" + dir + "'";
+  const std::string what = "fsdp_load from " + base::quote_path(dir);
   // Gathered params would be stale after the load; queued reductions write
   // the grads that the load resets.
   settle_units();
@@ -253,8 +254,8 @@ void Context::load(const std::string& dir) {
   Outcome read = capture([&] {
     for (const auto& u : units_) {
       if (u->grads_pending()) {
-        fail(FSDP_ERR_INVALID_STATE, "fsdp_load (" + rt_.where() + "): unit '" + u->name() +
-                                         "' holds grads accumulated with grad sync off; run fsdp_step first");
+        fail(FSDP_ERR_INVALID_STATE, "fsdp_load (" + rt_.where() + "): unit " + base::quote(u->name()) +
+                                         " holds grads accumulated with grad sync off; run fsdp_step first");
       }
     }
     ckpt::CheckpointReader r(dir);

@@ -4,12 +4,12 @@
 
 #include <algorithm>
 #include <cctype>
-#include <cerrno>
 #include <cmath>
 #include <cstdlib>
 #include <functional>
 #include <sstream>
 
+#include "../base/text.h"
 #include "error.h"
 
 namespace fsdp::core {
@@ -30,27 +30,59 @@ std::string trim(const std::string& s) {
 }
 
 [[noreturn]] void bad_value(const std::string& key, const std::string& value, const std::string& valid) {
-  fail(FSDP_ERR_INVALID_ARGUMENT, "config: '" + value + "' is not a valid value for '" + key + "'; valid: " + valid);
+  fail(FSDP_ERR_INVALID_ARGUMENT,
+       "config: " + base::quote(value) + " is not a valid value for " + base::quote(key) + "; valid: " + valid);
 }
 
-double parse_double(const std::string& key, const std::string& value, double lo, double hi, const std::string& range) {
-  std::string v = trim(value);
-  char* end = nullptr;
-  errno = 0;
-  double d = std::strtod(v.c_str(), &end);
-  if (v.empty() || end != v.c_str() + v.size() || errno != 0 || !std::isfinite(d) || d < lo || d > hi) {
-    bad_value(key, value, range);
+// The values a numeric option takes: [lo, hi], or [lo, hi) with hi_open.
+// The message and docs/configuration.md say it in the same words
+// (range_text), so the check, the message and the docs cannot drift apart.
+struct Range {
+  double lo, hi;
+  bool hi_open = false;
+};
+
+// 1e9 rather than 1e+09.
+std::string bound_text(double v) {
+  std::string s = base::format_double(v);
+  size_t e = s.find('e');
+  if (e == std::string::npos) return s;
+  std::string exp = s.substr(e + 1);
+  bool neg = exp[0] == '-';
+  if (exp[0] == '+' || exp[0] == '-') exp.erase(0, 1);
+  while (exp.size() > 1 && exp[0] == '0') exp.erase(0, 1);
+  return s.substr(0, e) + "e" + (neg ? "-" : "") + exp;
+}
+
+std::string range_text(const Range& r) {
+  return "[" + bound_text(r.lo) + ", " + bound_text(r.hi) + (r.hi_open ? ")" : "]");
+}
+
+const Range kLrRange{0, 1e9};
+const Range kWeightDecayRange{0, 1e9};
+
+void check_range(double v, Range r, const std::string& what) {
+  if (!(v >= r.lo && v <= r.hi) || (r.hi_open && v == r.hi)) {
+    fail(FSDP_ERR_INVALID_ARGUMENT, what + " must be a number in " + range_text(r) + ", not " + base::format_double(v));
+  }
+}
+
+// Numbers are decimal in the C locale's syntax whatever the host's locale
+// ("0.002", "1e-3", "+2"); spaces and tabs around them are ignored; hex,
+// inf, nan and a decimal comma are refused.
+double parse_double(const std::string& key, const std::string& value, Range r, const std::string& what = "a number",
+                    const std::string& note = "") {
+  double d = 0.0;
+  if (!base::parse_double(trim(value), &d) || !std::isfinite(d) || d < r.lo || d > r.hi || (r.hi_open && d == r.hi)) {
+    bad_value(key, value, what + " in " + range_text(r) + note);
   }
   return d;
 }
 
-long parse_int(const std::string& key, const std::string& value, long lo, long hi) {
-  std::string v = trim(value);
-  char* end = nullptr;
-  errno = 0;
-  long n = std::strtol(v.c_str(), &end, 10);
-  if (v.empty() || end != v.c_str() + v.size() || errno != 0 || n < lo || n > hi) {
-    bad_value(key, value, "an integer from " + std::to_string(lo) + " to " + std::to_string(hi));
+long parse_int(const std::string& key, const std::string& value, long lo, long hi, const std::string& what = "an integer") {
+  long n = 0;
+  if (!base::parse_long(trim(value), &n) || n < lo || n > hi) {
+    bad_value(key, value, what + " in " + range_text({double(lo), double(hi)}));
   }
   return n;
 }
@@ -70,12 +102,7 @@ DType parse_dtype(const std::string& key, const std::string& value) {
   bad_value(key, value, "fp32, bf16, fp16 (or float32, bfloat16, float16)");
 }
 
-std::string fmt(double d) {
-  std::ostringstream os;
-  os.precision(17);
-  os << d;
-  return os.str();
-}
+std::string fmt(double d) { return base::format_double(d); }
 
 // A keyword option: canonical names (first in each list), aliases, values.
 template <typename E>
@@ -168,33 +195,33 @@ const std::vector<Entry>& table() {
        [](const Options& o) { return optimizer_name(o.optimizer); }},
       {"lr",
        {"learning_rate"},
-       [](Options& o, const std::string& v) { o.lr = parse_double("lr", v, 0, 1e9, "a number >= 0"); },
+       [](Options& o, const std::string& v) { o.lr = parse_double("lr", v, kLrRange); },
        [](const Options& o) { return fmt(o.lr); }},
       {"beta1",
        {},
        [](Options& o, const std::string& v) {
-         o.beta1 = parse_double("beta1", v, 0, 0.999999999, "a number in [0, 1)");
+         o.beta1 = parse_double("beta1", v, {0, 1, true});
        },
        [](const Options& o) { return fmt(o.beta1); }},
       {"beta2",
        {},
        [](Options& o, const std::string& v) {
-         o.beta2 = parse_double("beta2", v, 0, 0.999999999, "a number in [0, 1)");
+         o.beta2 = parse_double("beta2", v, {0, 1, true});
        },
        [](const Options& o) { return fmt(o.beta2); }},
       {"eps",
        {},
-       [](Options& o, const std::string& v) { o.eps = parse_double("eps", v, 0, 1, "a number in [0, 1]"); },
+       [](Options& o, const std::string& v) { o.eps = parse_double("eps", v, {0, 1}); },
        [](const Options& o) { return fmt(o.eps); }},
       {"weight_decay",
        {},
        [](Options& o, const std::string& v) {
-         o.weight_decay = parse_double("weight_decay", v, 0, 1e9, "a number >= 0");
+         o.weight_decay = parse_double("weight_decay", v, kWeightDecayRange);
        },
        [](const Options& o) { return fmt(o.weight_decay); }},
       {"momentum",
        {},
-       [](Options& o, const std::string& v) { o.momentum = parse_double("momentum", v, 0, 1, "a number in [0, 1]"); },
+       [](Options& o, const std::string& v) { o.momentum = parse_double("momentum", v, {0, 1}); },
        [](const Options& o) { return fmt(o.momentum); }},
       {"nesterov",
        {},
@@ -203,7 +230,7 @@ const std::vector<Entry>& table() {
       {"max_grad_norm",
        {"clip_grad_norm"},
        [](Options& o, const std::string& v) {
-         o.max_grad_norm = parse_double("max_grad_norm", v, 0, 1e30, "a number >= 0 (0 = no clipping)");
+         o.max_grad_norm = parse_double("max_grad_norm", v, {0, 1e30}, "a number", " (0 = no clipping)");
        },
        [](const Options& o) { return fmt(o.max_grad_norm); }},
       {"no_weight_decay",
@@ -226,15 +253,15 @@ const std::vector<Entry>& table() {
       {"align_bytes",
        {},
        [](Options& o, const std::string& v) {
-         long n = parse_int("align_bytes", v, 4, 4096);
-         if ((n & (n - 1)) != 0) bad_value("align_bytes", v, "a power of two from 4 to 4096");
+         long n = parse_int("align_bytes", v, 4, 4096, "a power of two");
+         if ((n & (n - 1)) != 0) bad_value("align_bytes", v, "a power of two in [4, 4096]");
          o.align_bytes = static_cast<size_t>(n);
        },
        [](const Options& o) { return std::to_string(o.align_bytes); }},
       {"timeout_s",
        {"timeout"},
        [](Options& o, const std::string& v) {
-         o.timeout_s = parse_double("timeout_s", v, 0.001, 1e7, "seconds, from 0.001 to 1e7");
+         o.timeout_s = parse_double("timeout_s", v, {0.001, 1e7}, "seconds");
        },
        [](const Options& o) { return fmt(o.timeout_s); }},
       {"threads",
@@ -247,8 +274,8 @@ const std::vector<Entry>& table() {
          std::string l = lower(trim(v));
          if (l == "cpu") return;
          if (l == "cuda" || l == "gpu") {
-           fail(FSDP_ERR_UNSUPPORTED, "config: device '" + v +
-                                          "' needs the CUDA device, which this build does not "
+           fail(FSDP_ERR_UNSUPPORTED, "config: device " + base::quote(v) +
+                                          " needs the CUDA device, which this build does not "
                                           "have (see fsdp_build_info()); use cpu");
          }
          bad_value("device", v, "cpu");
@@ -323,7 +350,7 @@ const std::vector<Entry>& table() {
            o.loss_scale_mode = LossScaleMode::kOff;
          } else {
            o.loss_scale_static =
-               parse_double("loss_scale", v, 1e-30, 1e30, "auto, dynamic, off, or a static scale > 0");
+               parse_double("loss_scale", v, {1e-30, 1e30}, "auto, dynamic, off, or a static scale");
            o.loss_scale_mode = LossScaleMode::kStatic;
          }
        },
@@ -343,19 +370,19 @@ const std::vector<Entry>& table() {
       {"loss_scale_init",
        {"init_scale"},
        [](Options& o, const std::string& v) {
-         o.loss_scale_init = parse_double("loss_scale_init", v, 1e-30, 1e30, "a number > 0");
+         o.loss_scale_init = parse_double("loss_scale_init", v, {1e-30, 1e30});
        },
        [](const Options& o) { return fmt(o.loss_scale_init); }},
       {"loss_scale_growth",
        {"growth_factor"},
        [](Options& o, const std::string& v) {
-         o.loss_scale_growth = parse_double("loss_scale_growth", v, 1.0, 1e6, "a number >= 1");
+         o.loss_scale_growth = parse_double("loss_scale_growth", v, {1, 1e6});
        },
        [](const Options& o) { return fmt(o.loss_scale_growth); }},
       {"loss_scale_backoff",
        {"backoff_factor"},
        [](Options& o, const std::string& v) {
-         o.loss_scale_backoff = parse_double("loss_scale_backoff", v, 1e-6, 1.0, "a number in (0, 1]");
+         o.loss_scale_backoff = parse_double("loss_scale_backoff", v, {1e-6, 1});
        },
        [](const Options& o) { return fmt(o.loss_scale_backoff); }},
       {"loss_scale_growth_interval",
@@ -388,7 +415,7 @@ const Entry& find_or_fail(const std::string& key) {
   if (e == nullptr) {
     std::string keys;
     for (const Entry& x : table()) keys += (keys.empty() ? "" : ", ") + std::string(x.key);
-    fail(FSDP_ERR_INVALID_ARGUMENT, "config: unknown key '" + key + "'; valid keys: " + keys);
+    fail(FSDP_ERR_INVALID_ARGUMENT, "config: unknown key " + base::quote(key) + "; valid keys: " + keys);
   }
   return *e;
 }
@@ -412,6 +439,12 @@ const char* sharding_name(Sharding s) {
 }
 
 std::string optimizer_name(OptimizerKind k) { return choice_name(k, kOptimizers); }
+
+void check_lr(double lr, const char* call) { check_range(lr, kLrRange, std::string(call) + ": the learning rate"); }
+
+void check_weight_decay(double weight_decay, const char* call) {
+  check_range(weight_decay, kWeightDecayRange, std::string(call) + ": the weight decay");
+}
 
 void Config::set(const std::string& key, const std::string& value) {
   const Entry& e = find_or_fail(key);

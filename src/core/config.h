@@ -21,6 +21,11 @@ enum class MpiAlgorithm { kAuto, kRing, kNative };
 const char* sharding_name(Sharding s);
 // The canonical name ("adamw", "adam", "sgd"), as fsdp_config_get spells it.
 std::string optimizer_name(OptimizerKind k);
+// The learning rate and a weight decay as fsdp_set_lr and
+// fsdp_param_set_weight_decay take them: the same range as the lr and
+// weight_decay options, or FSDP_ERR_INVALID_ARGUMENT naming `call`.
+void check_lr(double lr, const char* call);
+void check_weight_decay(double weight_decay, const char* call);
 
 struct Options {
   Sharding sharding = Sharding::kFullShard;

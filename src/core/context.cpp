@@ -1,9 +1,11 @@
 // src/core/context.cpp - see context.h.
 #include "context.h"
 
+#include <locale>
 #include <set>
 #include <sstream>
 
+#include "../base/text.h"
 #include "../device/cpu/cpu_device.h"
 #include "consensus.h"
 #include "error.h"
@@ -14,6 +16,7 @@ namespace {
 // The options every rank must share, one per line (threads may differ).
 std::string describe(const Options& o) {
   std::ostringstream os;
+  os.imbue(std::locale::classic());  // ranks on hosts with other locales must write the same text
   os.precision(17);
   os << "sharding=" << sharding_name(o.sharding) << "\nparam_dtype=" << dtype_name(o.param_dtype)
      << "\nreduce_dtype=" << dtype_name(o.reduce_dtype()) << "\nreduce_op=" << static_cast<int>(o.reduce_op)
@@ -32,6 +35,7 @@ std::string describe(const Options& o) {
 
 std::string describe(size_t index, const std::string& name, const std::vector<ParamSpec>& params) {
   std::ostringstream os;
+  os.imbue(std::locale::classic());
   os << "unit #" << index << " '" << name << "' with " << params.size() << " params\n";
   for (size_t i = 0; i < params.size(); ++i) {
     os << "param " << i << " '" << params[i].name << "' shape [";
@@ -130,7 +134,7 @@ Unit& Context::register_unit(const std::string& name, std::vector<ParamSpec> par
   std::string what = "fsdp_unit_register of unit #" + std::to_string(index);
   std::set<std::string> seen;
   for (const ParamSpec& p : params) {
-    if (problem.empty() && !seen.insert(p.name).second) problem = "param name '" + p.name + "' appears twice";
+    if (problem.empty() && !seen.insert(p.name).second) problem = "param name " + base::quote(p.name) + " appears twice";
   }
   std::string text = problem.empty() ? describe(index, name, params) : "invalid registration: " + problem;
   try {
@@ -138,11 +142,11 @@ Unit& Context::register_unit(const std::string& name, std::vector<ParamSpec> par
   } catch (const Error& e) {
     // The rank with bad arguments reports them; the others report the mismatch.
     if (!problem.empty() && e.status() == FSDP_ERR_MISMATCH) {
-      fail(FSDP_ERR_INVALID_ARGUMENT, what + " '" + name + "': " + problem);
+      fail(FSDP_ERR_INVALID_ARGUMENT, what + " " + base::quote(name) + ": " + problem);
     }
     throw;
   }
-  if (!problem.empty()) fail(FSDP_ERR_INVALID_ARGUMENT, what + " '" + name + "': " + problem);
+  if (!problem.empty()) fail(FSDP_ERR_INVALID_ARGUMENT, what + " " + base::quote(name) + ": " + problem);
   auto unit = std::make_unique<Unit>(rt_, index, name, std::move(params));
   optimizer_.add_unit(*unit);
   units_.push_back(std::move(unit));
@@ -152,8 +156,8 @@ Unit& Context::register_unit(const std::string& name, std::vector<ParamSpec> par
 void Context::check_no_unit_in_use(const char* call) const {
   for (const auto& u : units_) {
     if (u->in_use()) {
-      fail(FSDP_ERR_INVALID_STATE, std::string(call) + " (rank " + std::to_string(rt_.rank) + "): unit '" + u->name() +
-                                       "' is " + unit_state_name(u->state()) + "; call its *_end first");
+      fail(FSDP_ERR_INVALID_STATE, std::string(call) + " (rank " + std::to_string(rt_.rank) + "): unit " + base::quote(u->name()) +
+                                       " is " + unit_state_name(u->state()) + "; call its *_end first");
     }
   }
 }
@@ -168,8 +172,8 @@ void Context::step() {
   check_no_unit_in_use("fsdp_step");
   for (const auto& u : units_) {
     if (u->grads_pending() && !rt_.grad_sync) {
-      fail(FSDP_ERR_INVALID_STATE, "fsdp_step (rank " + std::to_string(rt_.rank) + "): unit '" + u->name() +
-                                       "' holds grads accumulated with grad sync off; call "
+      fail(FSDP_ERR_INVALID_STATE, "fsdp_step (rank " + std::to_string(rt_.rank) + "): unit " + base::quote(u->name()) +
+                                       " holds grads accumulated with grad sync off; call "
                                        "fsdp_set_grad_sync(ctx, 1) and run the last backward pass first");
     }
   }
@@ -181,17 +185,44 @@ void Context::step() {
 }
 
 void Context::set_lr(double lr) {
-  if (!(lr >= 0.0 && lr < 1e9)) {
-    fail(FSDP_ERR_INVALID_ARGUMENT, "fsdp_set_lr: the learning rate must be a number >= 0, not " + std::to_string(lr));
-  }
+  check_lr(lr, "fsdp_set_lr");
   optimizer_.set_lr(lr);
 }
 
 double Context::last_grad_norm() const {
-  if (optimizer_.step_count() == 0) {
+  // A skipped step (inf/nan grads) ran too: its norm is the inf or nan.
+  if (optimizer_.steps_run() == 0) {
     fail(FSDP_ERR_INVALID_STATE, "fsdp_last_grad_norm: no fsdp_step has run yet on this context");
   }
   return optimizer_.last_grad_norm();
+}
+
+void Context::metrics_reduce(double* values, size_t count, fsdp_reduce_op_t op) {
+  constexpr size_t kMaxCount = size_t(1) << 20;
+  if (count > kMaxCount) {
+    fail(FSDP_ERR_INVALID_ARGUMENT, "fsdp_metrics_reduce: count is " + std::to_string(count) + "; at most " +
+                                        std::to_string(kMaxCount) + " values (it is for metrics, not tensors)");
+  }
+  comm::RedOp red;
+  switch (op) {
+    case FSDP_REDUCE_SUM:
+      red = comm::RedOp::kSum;
+      break;
+    case FSDP_REDUCE_AVG:
+      red = comm::RedOp::kAvg;
+      break;
+    case FSDP_REDUCE_MAX:
+      red = comm::RedOp::kMax;
+      break;
+    case FSDP_REDUCE_MIN:
+      red = comm::RedOp::kMin;
+      break;
+    default:
+      fail(FSDP_ERR_INVALID_ARGUMENT, "fsdp_metrics_reduce: op is " + std::to_string(static_cast<int>(op)) +
+                                          "; expected FSDP_REDUCE_SUM, _AVG, _MAX or _MIN (0 to 3)");
+  }
+  double none = 0.0;  // count 0 still joins the other ranks, so that a mismatch is found
+  rt_.comm->all_reduce_f64(count > 0 ? values : &none, count, red, "fsdp_metrics_reduce");
 }
 
 void Context::finalize() {

@@ -27,7 +27,10 @@ class Optimizer {
   void step(const std::vector<std::unique_ptr<Unit>>& units);
   const LossScaler& loss_scaler() const { return scaler_; }
   double last_grad_norm() const { return last_grad_norm_; }
+  // Updates applied (Adam's bias-correction step), and fsdp_step calls that
+  // ran, skipped ones included (also across a checkpoint load).
   long step_count() const { return step_; }
+  uint64_t steps_run() const { return static_cast<uint64_t>(step_) + scaler_.skipped_steps(); }
   void set_lr(double lr) { rt_.opts.lr = lr; }
 
   // Checkpoints: the per-element state tensors by name ({"exp_avg",

@@ -3,7 +3,9 @@
 
 #include <cstdio>
 #include <fstream>
+#include <locale>
 
+#include "../base/text.h"
 #include "error.h"
 
 namespace fsdp::core {
@@ -56,7 +58,8 @@ std::vector<Trace::Record> Trace::records() const {
 void Trace::write(const std::string& path, int rank) const {
   std::vector<Record> recs = records();
   std::ofstream out(path, std::ios::trunc);
-  if (!out) fail(FSDP_ERR_IO, "fsdp_trace_write: cannot open '" + path + "' for writing");
+  if (!out) fail(FSDP_ERR_IO, "fsdp_trace_write: cannot open " + base::quote(path) + " for writing");
+  out.imbue(std::locale::classic());  // JSON numbers, whatever the host's C++ global locale
   out << "{\"traceEvents\": [\n";
   out << "{\"name\": \"process_name\", \"ph\": \"M\", \"pid\": " << rank << ", \"args\": {\"name\": \"rank " << rank
       << "\"}},\n";
@@ -67,8 +70,7 @@ void Trace::write(const std::string& path, int rank) const {
   out << "{\"name\": \"thread_name\", \"ph\": \"M\", \"pid\": " << rank
       << ", \"tid\": 2, \"args\": {\"name\": \"copy streams (offload)\"}}";
   for (const Record& r : recs) {
-    char ts[32];
-    std::snprintf(ts, sizeof ts, "%.3f", r.ts_us);
+    std::string ts = base::format_fixed(r.ts_us, 3);  // not printf: LC_NUMERIC may say ','
     out << ",\n{\"name\": \"" << escape(r.name) << "\", \"ph\": \"" << r.phase << "\", \"pid\": " << rank
         << ", \"tid\": " << static_cast<int>(r.track) << ", \"ts\": " << ts;
     if (r.phase == 'i') out << ", \"s\": \"t\"";
@@ -76,7 +78,7 @@ void Trace::write(const std::string& path, int rank) const {
   }
   out << "\n]}\n";
   out.flush();
-  if (!out) fail(FSDP_ERR_IO, "fsdp_trace_write: writing '" + path + "' failed");
+  if (!out) fail(FSDP_ERR_IO, "fsdp_trace_write: writing " + base::quote(path) + " failed");
 }
 
 }  // namespace fsdp::core

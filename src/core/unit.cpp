@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "../base/text.h"
 #include "error.h"
 #include "scheduler.h"
 
@@ -49,20 +50,20 @@ Unit::Unit(Runtime& rt, size_t index, std::string name, std::vector<ParamSpec> p
   if (!rt_.gathers()) state_ = UnitState::kGathered;  // NO_SHARD params are always full
 }
 
-std::string Unit::unit_tag() const { return "'" + name_ + "' (#" + std::to_string(index_) + ")"; }
+std::string Unit::unit_tag() const { return base::quote(name_) + " (#" + std::to_string(index_) + ")"; }
 
 std::string Unit::label(const char* what) const { return std::string(what) + " of unit " + unit_tag(); }
 
 void Unit::check_param_index(size_t param_index, const char* call) const {
   if (param_index >= layout_.n_params()) {
-    fail(FSDP_ERR_INVALID_ARGUMENT, std::string(call) + ": unit '" + name_ + "' has " +
+    fail(FSDP_ERR_INVALID_ARGUMENT, std::string(call) + ": unit " + base::quote(name_) + " has " +
                                         std::to_string(layout_.n_params()) + " params; index " +
                                         std::to_string(param_index) + " is out of range");
   }
 }
 
 void Unit::bad_state(const char* call, const char* expected) const {
-  fail(FSDP_ERR_INVALID_STATE, std::string(call) + " on unit '" + name_ + "' (" + rt_.where() + "): expected " +
+  fail(FSDP_ERR_INVALID_STATE, std::string(call) + " on unit " + base::quote(name_) + " (" + rt_.where() + "): expected " +
                                    expected + ", but the unit is " + unit_state_name(state_));
 }
 
@@ -80,7 +81,7 @@ void Unit::set_values(size_t param_index, const float* values, size_t numel) {
     problem = "index " + std::to_string(param_index) + " is out of range (unit has " +
               std::to_string(layout_.n_params()) + " params)";
   } else if (numel != layout_.param(param_index).numel) {
-    problem = "param '" + layout_.param(param_index).name + "' has " +
+    problem = "param " + base::quote(layout_.param(param_index).name) + " has " +
               std::to_string(layout_.param(param_index).numel) + " elements, not " + std::to_string(numel);
   } else if (values == nullptr && !(sync && rt_.rank != 0)) {
     problem = "values is NULL";
@@ -94,13 +95,13 @@ void Unit::set_values(size_t param_index, const float* values, size_t numel) {
     double bad = status == FSDP_OK ? 0.0 : 1.0;
     rt_.comm->all_reduce_f64(&bad, 1, comm::RedOp::kMax, label("fsdp_param_set_values check"));
     if (bad != 0.0 && status == FSDP_OK) {
-      fail(FSDP_ERR_INVALID_ARGUMENT, "fsdp_param_set_values on unit '" + name_ + "' (" + rt_.where() +
+      fail(FSDP_ERR_INVALID_ARGUMENT, "fsdp_param_set_values on unit " + base::quote(name_) + " (" + rt_.where() +
                                           "): another rank passed a bad argument (see its error); "
                                           "nothing was changed");
     }
   }
   if (status != FSDP_OK) {
-    fail(status, "fsdp_param_set_values on unit '" + name_ + "' (" + rt_.where() + "): " + problem);
+    fail(status, "fsdp_param_set_values on unit " + base::quote(name_) + " (" + rt_.where() + "): " + problem);
   }
   std::vector<float> from_root;
   if (sync) {
@@ -128,7 +129,7 @@ void Unit::set_values(size_t param_index, const float* values, size_t numel) {
 
 void Unit::load_master(Buffer master) {
   if (in_use() || holds_gathered() || master.numel() != shard_numel()) {
-    fail(FSDP_ERR_INTERNAL, "load_master on unit '" + name_ + "' in state " + unit_state_name(state_));
+    fail(FSDP_ERR_INTERNAL, "load_master on unit " + base::quote(name_) + " in state " + unit_state_name(state_));
   }
   master_ = std::move(master);
   if (!lowp_.empty()) rt_.state_dev->cast(lowp_.data(), lowp_.dtype(), master_.data(), DType::kFp32, shard_numel());
@@ -138,16 +139,13 @@ void Unit::load_master(Buffer master) {
 
 void Unit::set_weight_decay(size_t param_index, double weight_decay) {
   check_param_index(param_index, "fsdp_param_set_weight_decay");
-  if (!(weight_decay >= 0.0 && weight_decay < 1e9)) {
-    fail(FSDP_ERR_INVALID_ARGUMENT,
-         "fsdp_param_set_weight_decay: weight decay must be a number >= 0, not " + std::to_string(weight_decay));
-  }
+  check_weight_decay(weight_decay, "fsdp_param_set_weight_decay");
   weight_decay_[param_index] = weight_decay;
 }
 
 void Unit::issue_gather(bool prefetch) {
   if (!can_gather())
-    fail(FSDP_ERR_INTERNAL, "issue_gather on unit '" + name_ + "' in state " + unit_state_name(state_));
+    fail(FSDP_ERR_INTERNAL, "issue_gather on unit " + base::quote(name_) + " in state " + unit_state_name(state_));
   size_t es = dtype_size(rt_.opts.param_dtype);
   gathered_ = Buffer(rt_.dev, &rt_.mem, MemCategory::kGatheredParams, rt_.opts.param_dtype, layout_.padded_numel(),
                      /*zeroed=*/false);
@@ -374,7 +372,7 @@ void* Unit::grad_ptr(size_t param_index) {
 void Unit::gather_param(size_t param_index, float* out, size_t numel) {
   check_param_index(param_index, "fsdp_gather_param");
   if (numel != layout_.param(param_index).numel) {
-    fail(FSDP_ERR_INVALID_ARGUMENT, "fsdp_gather_param: param '" + layout_.param(param_index).name + "' has " +
+    fail(FSDP_ERR_INVALID_ARGUMENT, "fsdp_gather_param: param " + base::quote(layout_.param(param_index).name) + " has " +
                                         std::to_string(layout_.param(param_index).numel) + " elements, not " +
                                         std::to_string(numel));
   }

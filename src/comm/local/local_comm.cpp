@@ -16,7 +16,7 @@ namespace {
 // Reduces element range [first, first + numel) of every rank's `send` into
 // `out` (pointing at that range of the output).
 void reduce_range(LocalGroup& g, void* out, size_t first, size_t numel, DType dtype, RedOp op) {
-  if (op == RedOp::kMax) fail(FSDP_ERR_INTERNAL, "local comm: max reduction of tensors is not used");
+  if (op == RedOp::kMax || op == RedOp::kMin) fail(FSDP_ERR_INTERNAL, "local comm: max/min of tensors is not used");
   int world = g.world_size();
   float scale = op == RedOp::kAvg ? 1.0f / static_cast<float>(world) : 1.0f;
   std::vector<const void*> ins(static_cast<size_t>(world));
@@ -132,14 +132,8 @@ void LocalComm::all_reduce_f64(double* values, size_t n, RedOp op, const std::st
   CollectiveDesc d{"all_reduce_f64", n, -1, static_cast<int>(op), -1, label};
   std::vector<double> in(values, values + n);
   run(d, in.data(), values, [&] {
-    for (size_t i = 0; i < n; ++i) {
-      double acc = static_cast<const double*>(group_->slot(0).send)[i];
-      for (int r = 1; r < world_size(); ++r) {
-        double x = static_cast<const double*>(group_->slot(r).send)[i];
-        acc = op == RedOp::kMax ? std::max(acc, x) : acc + x;
-      }
-      values[i] = op == RedOp::kAvg ? acc / world_size() : acc;
-    }
+    reduce_f64(values, n, world_size(), op,
+               [&](int r) { return static_cast<const double*>(group_->slot(r).send); });
   });
 }
 

@@ -2,8 +2,9 @@
 #include "local_group.h"
 
 #include <chrono>
-#include <sstream>
+#include <string>
 
+#include "../../base/text.h"
 #include "../../core/error.h"
 
 namespace fsdp::comm {
@@ -97,21 +98,23 @@ void LocalGroup::arrive_and_wait(int rank, double timeout_s, const std::string& 
                                                          std::chrono::duration<double>(timeout_s));
   while (!aborted_ && !all_here()) {
     if (cv_.wait_until(lock, deadline) == std::cv_status::timeout && !aborted_ && !all_here()) {
-      std::ostringstream missing;
+      std::string missing;
       int n_missing = 0;
       for (int r = 0; r < world_size_; ++r) {
-        if (phase_[static_cast<size_t>(r)] < target) missing << (n_missing++ ? ", " : "") << world_rank(r);
+        if (phase_[static_cast<size_t>(r)] < target) {
+          missing += (n_missing++ ? ", " : "") + std::to_string(world_rank(r));
+        }
       }
-      std::ostringstream msg;
-      msg << what << ": timed out after " << timeout_s << " s waiting for rank" << (n_missing > 1 ? "s " : " ")
-          << missing.str() << " (seen from rank " << world_rank(rank)
-          << "; the missing rank may have failed, hung, or called a different collective)";
+      std::string msg = what + ": timed out after " + base::format_double(timeout_s) + " s waiting for rank" +
+                        (n_missing > 1 ? "s " : " ") + missing + " (seen from rank " +
+                        std::to_string(world_rank(rank)) +
+                        "; the missing rank may have failed, hung, or called a different collective)";
       aborted_ = true;
       abort_status_ = FSDP_ERR_TIMEOUT;
-      abort_reason_ = msg.str();
+      abort_reason_ = msg;
       lock.unlock();
       cv_.notify_all();
-      fail(FSDP_ERR_TIMEOUT, msg.str());
+      fail(FSDP_ERR_TIMEOUT, msg);
     }
   }
   if (aborted_) {

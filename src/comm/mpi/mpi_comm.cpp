@@ -5,9 +5,9 @@
 #include <climits>
 #include <cstring>
 #include <functional>
-#include <sstream>
 #include <thread>
 
+#include "../../base/text.h"
 #include "../../core/error.h"
 #include "../launch.h"
 #include "../reduce.h"
@@ -83,11 +83,7 @@ std::chrono::steady_clock::time_point after(double seconds) {
          std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(seconds));
 }
 
-std::string seconds(double s) {
-  std::ostringstream os;
-  os << s;
-  return os.str();
-}
+std::string seconds(double s) { return base::format_double(s); }
 
 }  // namespace
 
@@ -412,7 +408,7 @@ void MpiComm::all_gather(const void* send, void* recv, size_t nbytes_per_rank, c
 
 void MpiComm::reduce_scatter(const void* send, void* recv, size_t numel_per_rank, DType dtype, RedOp op,
                              const std::string& label) {
-  if (op == RedOp::kMax) fail(FSDP_ERR_INTERNAL, "mpi comm: max reduction of tensors is not used");
+  if (op == RedOp::kMax || op == RedOp::kMin) fail(FSDP_ERR_INTERNAL, "mpi comm: max/min of tensors is not used");
   const size_t es = dtype_size(dtype);
   const float scale = op == RedOp::kAvg ? 1.0f / static_cast<float>(world_) : 1.0f;
   collective("reduce_scatter", numel_per_rank, static_cast<int>(dtype), static_cast<int>(op), -1, label, [&] {
@@ -436,7 +432,7 @@ void MpiComm::reduce_scatter(const void* send, void* recv, size_t numel_per_rank
 }
 
 void MpiComm::all_reduce(const void* send, void* recv, size_t numel, DType dtype, RedOp op, const std::string& label) {
-  if (op == RedOp::kMax) fail(FSDP_ERR_INTERNAL, "mpi comm: max reduction of tensors is not used");
+  if (op == RedOp::kMax || op == RedOp::kMin) fail(FSDP_ERR_INTERNAL, "mpi comm: max/min of tensors is not used");
   const size_t es = dtype_size(dtype);
   const float scale = op == RedOp::kAvg ? 1.0f / static_cast<float>(world_) : 1.0f;
   collective("all_reduce", numel, static_cast<int>(dtype), static_cast<int>(op), -1, label, [&] {
@@ -472,14 +468,7 @@ void MpiComm::all_reduce_f64(double* values, size_t n, RedOp op, const std::stri
       MPI_Iallgather(values, as_count(n), MPI_DOUBLE, all.data(), as_count(n), MPI_DOUBLE, comm_, &req);
     }
     wait_native(req);
-    for (size_t i = 0; i < n; ++i) {
-      double acc = all[i];
-      for (size_t r = 1; r < static_cast<size_t>(world_); ++r) {
-        double x = all[r * n + i];
-        acc = op == RedOp::kMax ? std::max(acc, x) : acc + x;
-      }
-      values[i] = op == RedOp::kAvg ? acc / world_ : acc;
-    }
+    reduce_f64(values, n, world_, op, [&](int r) { return all.data() + static_cast<size_t>(r) * n; });
   });
 }
 
