@@ -7,6 +7,9 @@
 //   mismatch     the last rank gathers another unit than the others: every
 //                rank fails with FSDP_ERR_MISMATCH, without waiting for a timeout
 //   wrong_rank   every rank passes a rank argument that is not its own
+//   exit_before_create  the last rank exits with status 0 before
+//                fsdp_ctx_create (before MPI is initialised); the others
+//                must fail fsdp_ctx_create with FSDP_ERR_TIMEOUT
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -43,6 +46,10 @@ int main(int argc, char** argv) {
   }
   const int me = std::atoi(env_rank), world = std::atoi(env_size);
 
+  if (scenario == "exit_before_create" && me == world - 1) {
+    std::printf("rank %d: exiting before fsdp_ctx_create\n", me);
+    return 0;
+  }
   fsdp_config_t* cfg = nullptr;
   fsdp_config_create(&cfg);
   fsdp_config_set(cfg, "comm", "mpi");
@@ -51,6 +58,7 @@ int main(int argc, char** argv) {
   fsdp_status_t st = fsdp_ctx_create(cfg, nullptr, scenario == "wrong_rank" ? (me + 1) % world : -1, &ctx);
   fsdp_config_destroy(cfg);
   if (scenario == "wrong_rank") return report(me, st, FSDP_ERR_INVALID_ARGUMENT);
+  if (scenario == "exit_before_create") return report(me, st, FSDP_ERR_TIMEOUT);
   if (st != FSDP_OK) {
     report(me, st, FSDP_OK);
     return 1;

@@ -17,7 +17,13 @@ EXPECT = {
     "early_exit": ("FSDP_ERR_TIMEOUT", r"rank {last}\b", 60),
     "mismatch": ("FSDP_ERR_MISMATCH", r"unit 'b'", 30),
     "wrong_rank": ("FSDP_ERR_INVALID_ARGUMENT", r"pass -1", 30),
+    # The others wait in MPI_Init (bounded by timeout_s: the message cannot name the rank, MPI is not up), or
+    # pass it and wait for the context's first collective (which names it).
+    "exit_before_create": ("FSDP_ERR_TIMEOUT", r"MPI initialisation did not finish|rank {last}\b", 60),
 }
+# When the rank that never initialises exits after the others entered MPI_Init, Open MPI's mpirun may end the
+# job itself, before libfsdp's timeout: also an end, not a hang (docs/launching.md).
+LAUNCHER_ENDS = {"exit_before_create": r'did not call "init" before exiting'}
 
 
 def main():
@@ -39,7 +45,10 @@ def main():
     print(run.stdout)
     reports = {int(m.group(1)): (m.group(2), m.group(3))
                for m in re.finditer(r"^rank (\d+): (FSDP_\w+): (.*)$", run.stdout, re.M)}
-    expected_ranks = range(np_ - 1) if scenario == "early_exit" else range(np_)
+    expected_ranks = range(np_ - 1) if scenario in ("early_exit", "exit_before_create") else range(np_)
+    if scenario in LAUNCHER_ENDS and not reports and re.search(LAUNCHER_ENDS[scenario], run.stdout + run.stderr):
+        print(f"mpirun ended the job itself (exit code {run.returncode}) after {took:.1f} s")
+        return 0 if run.returncode != 0 else 1
     ok = True
     for r in expected_ranks:
         if r not in reports:

@@ -515,7 +515,7 @@ std::unique_ptr<Communicator> MpiComm::split(int color, int key, const std::stri
 }
 
 std::unique_ptr<Communicator> make_mpi_world(const core::Options& opts, int expected_rank) {
-  mpi::ensure_initialized();
+  mpi::ensure_initialized(opts.timeout_s);
   mpi::note_timeout(opts.timeout_s);
   LaunchEnv env = read_launch_env();
   int rank = 0, world = 1;

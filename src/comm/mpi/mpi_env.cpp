@@ -3,10 +3,12 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdlib>
 #include <thread>
 
 #include "../../../kernels/cast.h"
+#include "../../base/text.h"
 #include "../../core/error.h"
 #include "../../core/log.h"
 
@@ -14,6 +16,21 @@ namespace fsdp::comm::mpi {
 namespace {
 
 std::mutex g_init_mu;
+// MPI_Init_thread runs on a thread of its own, so that a rank waiting in it
+// for a process of the job that will never initialise (it exited, or hangs
+// before fsdp_ctx_create) gives up after timeout_s instead of hanging. Under
+// g_init_mu; never destroyed, as that thread may outlive a failed caller.
+struct InitState {
+  std::condition_variable cv;
+  bool started = false;
+  bool done = false;
+  int rc = MPI_SUCCESS;
+  int provided = MPI_THREAD_SINGLE;
+};
+InitState& init_state() {
+  static InitState* s = new InitState;  // NOLINT: leaked on purpose (see above)
+  return *s;
+}
 std::mutex g_call_mu;
 bool g_we_initialized = false;
 std::atomic<bool> g_serialize{false};
@@ -82,21 +99,47 @@ const char* level_name(int level) {
 
 }  // namespace
 
-void ensure_initialized() {
-  std::lock_guard<std::mutex> guard(g_init_mu);
+void ensure_initialized(double timeout_s) {
+  std::unique_lock<std::mutex> guard(g_init_mu);
   if (g_bf16_sum != MPI_OP_NULL) return;
-  int initialized = 0, finalized = 0;
-  MPI_Initialized(&initialized);
-  MPI_Finalized(&finalized);
-  if (finalized) fail(FSDP_ERR_COMM, "fsdp_ctx_create: MPI was already finalized in this process");
+  InitState& init = init_state();
   int provided = MPI_THREAD_SINGLE;
-  if (!initialized) {
-    int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
-    if (rc != MPI_SUCCESS) fail(FSDP_ERR_COMM, "fsdp_ctx_create: MPI_Init_thread failed: " + error_string(rc));
-    g_we_initialized = true;
-  } else {
-    MPI_Query_thread(&provided);
+  if (!init.started) {
+    int initialized = 0, finalized = 0;
+    MPI_Initialized(&initialized);
+    MPI_Finalized(&finalized);
+    if (finalized) fail(FSDP_ERR_COMM, "fsdp_ctx_create: MPI was already finalized in this process");
+    if (initialized) {
+      init.started = init.done = true;
+      MPI_Query_thread(&init.provided);
+    } else {
+      init.started = true;
+      g_we_initialized = true;
+      std::thread([&init] {
+        int got = MPI_THREAD_SINGLE;
+        int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &got);
+        std::lock_guard<std::mutex> lock(g_init_mu);
+        init.rc = rc;
+        init.provided = got;
+        init.done = true;
+        init.cv.notify_all();
+      }).detach();
+    }
   }
+  auto deadline = std::chrono::steady_clock::now() +
+                  std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(timeout_s));
+  if (!init.cv.wait_until(guard, deadline, [&init] { return init.done; })) {
+    const char* world = std::getenv("OMPI_COMM_WORLD_SIZE");  // NOLINT(concurrency-mt-unsafe): read only
+    if (world == nullptr) world = std::getenv("PMI_SIZE");     // NOLINT(concurrency-mt-unsafe)
+    fail(FSDP_ERR_TIMEOUT,
+         "fsdp_ctx_create: MPI initialisation did not finish within timeout_s (" + base::format_double(timeout_s) +
+             " s). MPI_Init waits for every process of the job" +
+             (world != nullptr ? " (" + std::string(world) + " processes)" : std::string()) +
+             ", so one of them probably exited or hangs before fsdp_ctx_create; MPI cannot say which before it is "
+             "initialised (look for a process that ended early in the launcher's output)");
+  }
+  if (init.rc != MPI_SUCCESS) fail(FSDP_ERR_COMM, "fsdp_ctx_create: MPI_Init_thread failed: " + error_string(init.rc));
+  provided = init.provided;
   if (provided < MPI_THREAD_SERIALIZED) {
     fail(FSDP_ERR_UNSUPPORTED, std::string("fsdp_ctx_create: MPI runs at ") + level_name(provided) +
                                    ", but libfsdp calls MPI from its comm thread, which needs "

@@ -14,9 +14,12 @@
 namespace fsdp::comm::mpi {
 
 // Initialises MPI if nobody has (MPI_THREAD_MULTIPLE asked) and registers the
-// exit handler. Throws Error(COMM) if MPI was finalised already, or
-// Error(UNSUPPORTED) if its thread level cannot serve a comm thread.
-void ensure_initialized();
+// exit handler. Throws Error(COMM) if MPI was finalised already,
+// Error(UNSUPPORTED) if its thread level cannot serve a comm thread, or
+// Error(TIMEOUT) if MPI_Init_thread has not returned after `timeout_s` (it
+// waits for every process of the job; a later call waits for the same
+// initialisation again).
+void ensure_initialized(double timeout_s);
 
 // Held around every MPI call: a real lock below MPI_THREAD_MULTIPLE, none above.
 std::unique_lock<std::mutex> lock();
