@@ -55,6 +55,7 @@ _PROTOTYPES = {
     "fsdp_set_lr": (None, [c_void_p, c_double]),
     "fsdp_loss_scale": (None, [c_void_p, P(c_double), P(ctypes.c_uint64)]),
     "fsdp_last_grad_norm": (None, [c_void_p, P(c_double)]),
+    "fsdp_metrics_reduce": (None, [c_void_p, P(c_double), c_size_t, c_int]),
     "fsdp_gather_param": (None, [c_void_p, c_size_t, c_void_p, c_size_t]),
     "fsdp_shard_info": (None, [c_void_p, P(c_void_p), P(c_size_t), P(c_size_t)]),
     "fsdp_param_flat_range": (None, [c_void_p, c_size_t, P(c_size_t), P(c_size_t)]),
@@ -94,13 +95,29 @@ def load():
             if explicit:
                 break
             continue
+        if not hasattr(lib, "fsdp_version"):
+            tried.append(f"{path} (loaded, but it is not libfsdp: no fsdp_version)")
+            if explicit:
+                break
+            continue
         for name, (res, args) in _PROTOTYPES.items():
+            if not hasattr(lib, name):  # an older libfsdp (FSDP_LIBRARY): fail when the call is used
+                setattr(lib, name, _missing(name, path))
+                continue
             f = getattr(lib, name)
             f.restype = c_int if res is None else (None if res is type(None) else res)
             f.argtypes = args
         return lib, path
     raise ImportError("fsdp: could not load libfsdp; tried: " + "; ".join(tried) +
-                      ". Set FSDP_LIBRARY to the path of libfsdp.so (e.g. build/default/src/libfsdp.so).")
+                      ". `pip install ./bindings/python` (in a libfsdp checkout) builds it into the package; "
+                      "FSDP_LIBRARY=/path/to/libfsdp.so uses one built elsewhere.")
+
+
+def _missing(name, path):
+    def call(*args):
+        raise Unsupported(3, f"{name} is not in the libfsdp loaded from {path}: that library is older than this "
+                             f"binding; rebuild it, or unset FSDP_LIBRARY to use the one inside the package")
+    return call
 
 
 LIB, LIB_PATH = load()

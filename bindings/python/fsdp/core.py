@@ -13,6 +13,7 @@ from .dlpack import DeviceArray
 _DTYPES = {0: ("fp32", np.float32, ctypes.c_float), 1: ("bf16", np.uint16, ctypes.c_uint16),
            2: ("fp16", np.float16, ctypes.c_uint16)}
 _ARRAY_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # DeviceArray dtype names
+_REDUCE_OPS = {"sum": 0, "avg": 1, "max": 2, "min": 3}  # fsdp_reduce_op_t
 
 
 def bf16_to_f32(bits):
@@ -261,6 +262,19 @@ class Context(_Handle):
     @property
     def skipped_steps(self):
         return self._loss_scale()[1]
+
+    def metrics_reduce(self, values, op="sum"):
+        """Collective: every rank passes the same number of values and gets back, as a new float64 array of
+        the same shape, their sum, mean ("avg"), maximum or minimum over the ranks, the same bits on every
+        rank. For metrics (the step's mean loss, each rank's memory figures in its own slot of a
+        world-sized vector summed for rank 0 to print), not tensors: at most 2^20 values."""
+        code = _REDUCE_OPS.get(op) if isinstance(op, str) else None
+        if code is None:
+            raise InvalidArgument(1, f"metrics_reduce: op must be one of {', '.join(_REDUCE_OPS)}, not {op!r}")
+        a = np.array(values, dtype=np.float64, order="C")  # a copy: the caller's array is left as it was
+        check(LIB.fsdp_metrics_reduce(self._handle(), a.ctypes.data_as(ctypes.POINTER(ctypes.c_double)), a.size,
+                                      code), "fsdp_metrics_reduce")
+        return a
 
     def check_async_error(self):
         """Raises the failure a collective reported after its call returned, if any."""

@@ -48,9 +48,15 @@ def group_params(params, auto_wrap=None, block=None, min_num_params=None):
 class Wrapped:
     """The result of wrap(): .ctx, .units (forward order), .unit_of(param), .params(unit), .step()..."""
 
-    def __init__(self, ctx, units):
+    def __init__(self, ctx, units, sharding):
         self.ctx, self.units = ctx, units
+        self.sharding = sharding  # the library's name of the strategy in effect (FULL_SHARD, ...)
         self._unit_of = {n: u for u in units for n in u.names}
+
+    def __repr__(self):
+        where = f"rank {self.ctx.rank} of {self.ctx.world_size}" if not self.ctx.closed else "closed"
+        return (f"Wrapped({self.sharding}, param_dtype={self.ctx.param_dtype}, {where}, "
+                f"units={[u.name for u in self.units]})")
 
     def unit_of(self, param_name):
         return self._unit_of[param_name]
@@ -107,16 +113,18 @@ class Wrapped:
         self.close()
 
 
-def wrap(params, auto_wrap=None, mp="fp32", shard_strat="NO_SHARD", block=None, min_num_params=None,
+def wrap(params, auto_wrap=None, mp="fp32", shard_strat="FULL_SHARD", block=None, min_num_params=None,
          group=None, rank=None, **config):
     """Creates a Context (param_dtype=mp, sharding=shard_strat, plus any other option as a keyword),
     registers the units of group_params(...) and sets every param's values from `params`
-    ({name: array}, in forward order). mp: fp32|bf16|fp16; shard_strat: FULL_SHARD, SHARD_GRAD_OP
-    (alias SHARD_GRAD), NO_SHARD, HYBRID_SHARD (and the library's other names)."""
+    ({name: array}, in forward order). mp: fp32|bf16|fp16; shard_strat: FULL_SHARD (the default, as
+    the library's; Zeta's fsdp() defaults to NO_SHARD), SHARD_GRAD_OP (alias SHARD_GRAD), NO_SHARD,
+    HYBRID_SHARD (and the library's other names)."""
     groups = group_params(params, auto_wrap, block, min_num_params)
     options = dict(param_dtype=mp, sharding=shard_strat)
     options.update(config)  # an explicit sharding=/param_dtype= keyword wins over shard_strat/mp
     with Config(**options) as cfg:
+        sharding = cfg.get("sharding")
         ctx = Context(cfg, group, rank)
     try:
         units = []
@@ -128,4 +136,4 @@ def wrap(params, auto_wrap=None, mp="fp32", shard_strat="NO_SHARD", block=None, 
     except BaseException:
         ctx.close()
         raise
-    return Wrapped(ctx, units)
+    return Wrapped(ctx, units, sharding)

@@ -68,14 +68,20 @@ def reference_train(params, x, t, steps=STEPS):
     for step in range(1, steps + 1):
         loss, g = grads(p, x, t)
         losses.append(loss)
-        bc1, bc2_sqrt = np.float32(1 - BETA1 ** step), np.float32(np.sqrt(1 - BETA2 ** step))
-        for k in p:
-            wd = 0.0 if k.endswith("bias") else WD
-            p[k] *= np.float32(1 - LR * wd)
-            m[k] = np.float32(BETA1) * m[k] + np.float32(1 - BETA1) * g[k]
-            v[k] = np.float32(BETA2) * v[k] + np.float32(1 - BETA2) * g[k] * g[k]
-            p[k] -= np.float32(LR) / bc1 * m[k] / (np.sqrt(v[k]) / bc2_sqrt + np.float32(EPS))
+        adamw_update(p, g, m, v, step)
     return p, losses
+
+
+def adamw_update(p, g, m, v, step):
+    """One step of PyTorch's AdamW (OPTS: LR, betas, EPS, WD; params named *bias: no decay) on the dicts
+    p (params), m, v (moments, zeros before step 1) in place; step counts from 1."""
+    bc1, bc2_sqrt = np.float32(1 - BETA1 ** step), np.float32(np.sqrt(1 - BETA2 ** step))
+    for k in p:
+        wd = 0.0 if k.endswith("bias") else WD
+        p[k] *= np.float32(1 - LR * wd)
+        m[k] = np.float32(BETA1) * m[k] + np.float32(1 - BETA1) * g[k]
+        v[k] = np.float32(BETA2) * v[k] + np.float32(1 - BETA2) * g[k] * g[k]
+        p[k] -= np.float32(LR) / bc1 * m[k] / (np.sqrt(v[k]) / bc2_sqrt + np.float32(EPS))
 
 
 def lib_pass(units, x, t, grad_hook=None):

@@ -1,4 +1,5 @@
-# test_api.py - zero-copy views, dtypes, no_sync, checkpoints, memory stats, traces, config and wrap() grouping.
+# test_api.py - zero-copy views, dtypes, no_sync, backward without forward, checkpoints, memory stats, traces,
+# metrics_reduce, config, wrap() grouping and its default strategy.
 import json
 import os
 
@@ -6,7 +7,7 @@ import numpy as np
 import pytest
 
 import fsdp
-from mlp_ref import OPTS, init_params, lib_pass, make_data, register_mlp
+from mlp_ref import OPTS, adamw_update, init_params, lib_pass, make_data, register_mlp
 
 SGD = dict(optimizer="sgd", lr=1.0, timeout_s=20)  # param -= grad: the step shows exactly what was reduced
 
@@ -84,6 +85,113 @@ def test_no_sync_accumulates():
 
     for got in fsdp.run_ranks(2, fn):
         np.testing.assert_allclose(got, -3 * 1.5)  # (1 + 2) * mean(rank + 1)
+
+
+def test_backward_without_forward():
+    """Units may start a step with backward_begin (one gather per step, for hosts that differentiate a whole
+    function at once): backward_begin on every unit gathers its params, the host reads them all and adds the
+    grads, backward_end on every unit (reverse order) reduces, step updates. 2 ranks, FULL_SHARD, AdamW,
+    against the numpy AdamW of the same mean grads."""
+    rng = np.random.default_rng(3)
+    shapes = {"a": {"a.weight": (5, 3), "a.bias": (5,)}, "b": {"b.weight": (2, 5)}}
+    init = {n: rng.uniform(-1, 1, s).astype(np.float32) for unit in shapes.values() for n, s in unit.items()}
+
+    def grad_of(p, rank):  # each rank's grad depends on the gathered params, so a wrong gather shows
+        return {k: (np.float32(rank + 1) * p[k] + np.float32(0.25 * (rank - 0.5))).astype(np.float32) for k in p}
+
+    def fn(rank, group):
+        with fsdp.Context(fsdp.Config(sharding="FULL_SHARD", **OPTS), group, rank) as ctx:
+            units = [ctx.register_unit(name, unit) for name, unit in shapes.items()]
+            for u in units:
+                for k in u.names:
+                    u.set_values(k, init[k])
+            seen = []
+            for _ in range(3):
+                for u in units:  # no forward in this step
+                    u.backward_begin()
+                p = {k: u.param(k).copy() for u in units for k in u.names}
+                seen.append(p)
+                g = grad_of(p, rank)
+                for u in units:
+                    for k in u.names:
+                        u.grad(k)[...] += g[k]
+                for u in reversed(units):
+                    u.backward_end()
+                ctx.step()
+            return seen, {k: u.gather(k) for u in units for k in u.names}
+
+    p = {k: v.copy() for k, v in init.items()}
+    m = {k: np.zeros_like(v) for k, v in p.items()}
+    v = {k: np.zeros_like(a) for k, a in p.items()}
+    ref_seen = []
+    for step in range(1, 4):
+        ref_seen.append({k: a.copy() for k, a in p.items()})
+        g0, g1 = grad_of(p, 0), grad_of(p, 1)
+        adamw_update(p, {k: (g0[k] + g1[k]) / np.float32(2) for k in p}, m, v, step)
+    for seen, final in fsdp.run_ranks(2, fn):
+        for got, ref in zip(seen, ref_seen):  # what backward_begin gathered, step by step
+            for k in ref:
+                np.testing.assert_allclose(got[k], ref[k], rtol=1e-6, atol=1e-7)
+        for k in p:
+            np.testing.assert_allclose(final[k], p[k], rtol=1e-6, atol=1e-7)
+            assert not np.allclose(final[k], init[k])  # the steps did move the params
+
+
+def test_metrics_reduce():
+    """3 ranks: sum/avg/max/min against numpy, the same bits on every rank; rank r's slot of a world-sized
+    vector summed gives rank 0 every rank's numbers; a bad op is a ValueError before any collective."""
+    def fn(rank, group):
+        with fsdp.Context(fsdp.Config(timeout_s=20), group, rank) as ctx:
+            vals = np.array([rank + 0.1, -2.0 * rank, 1e-3 / (rank + 1), 7.0, rank * 1e300])
+            before = vals.copy()
+            out = {op: ctx.metrics_reduce(vals, op) for op in ("sum", "avg", "max", "min")}
+            np.testing.assert_array_equal(vals, before)  # the input is not changed
+            slots = np.zeros((3, 2))
+            slots[rank] = [10.0 * rank, rank + 0.5]
+            table = ctx.metrics_reduce(slots, op="sum")
+            scalar = ctx.metrics_reduce(rank + 1, "max")
+            empty = ctx.metrics_reduce([], "min")
+            with pytest.raises(ValueError, match="op must be one of sum, avg, max, min, not 'mean'"):
+                ctx.metrics_reduce(vals, "mean")
+            return vals, out, table, scalar, empty
+
+    res = fsdp.run_ranks(3, fn)
+    stack = np.stack([r[0] for r in res])
+    ref = {"sum": stack[0] + stack[1] + stack[2], "avg": (stack[0] + stack[1] + stack[2]) / 3,
+           "max": stack.max(0), "min": stack.min(0)}
+    for vals, out, table, scalar, empty in res:
+        for op, want in ref.items():
+            assert out[op].dtype == np.float64 and out[op].shape == (5,)
+            np.testing.assert_allclose(out[op], want, rtol=1e-15, err_msg=op)
+            assert out[op].tobytes() == res[0][1][op].tobytes()  # same bits everywhere
+        np.testing.assert_array_equal(table, [[0.0, 0.5], [10.0, 1.5], [20.0, 2.5]])
+        assert scalar.shape == () and scalar == 3.0
+        assert empty.shape == (0,)
+
+
+def test_wrap_defaults_to_full_shard():
+    """wrap() without shard_strat shards like the library's default: at 2 ranks each holds about half of a
+    unit, and its repr says FULL_SHARD; NO_SHARD, asked for, holds all of it."""
+    params = {"layers.0.weight": np.ones((64, 32), np.float32), "layers.0.bias": np.zeros(64, np.float32)}
+    n = 64 * 32 + 64
+
+    def fn(rank, group, **kw):
+        with fsdp.wrap(params, block="layers", group=group, rank=rank, timeout_s=20, **kw) as w:
+            shard, off = w.units[0].shard_info()
+            return repr(w), w.sharding, shard.size, off
+
+    res = fsdp.run_ranks(2, fn)
+    for rank, (text, sharding, size, off) in enumerate(res):
+        assert sharding == "FULL_SHARD"
+        assert text.startswith("Wrapped(FULL_SHARD, param_dtype=fp32, rank %d of 2" % rank), text
+        assert n / 2 <= size <= n / 2 + 64, size  # half the unit, plus at most alignment padding
+    assert res[0][3] == 0 and res[1][3] == res[0][2]
+    for text, sharding, size, _ in fsdp.run_ranks(2, lambda r, g: fn(r, g, shard_strat="NO_SHARD")):
+        assert sharding == "NO_SHARD" and "NO_SHARD" in text and size >= n
+    w = fsdp.wrap(params, shard_strat="SHARD_GRAD")  # the canonical name, as the library reports it
+    assert w.sharding == "SHARD_GRAD_OP" and repr(w).startswith("Wrapped(SHARD_GRAD_OP,")
+    w.close()
+    assert repr(w).endswith("closed, units=['root'])")
 
 
 def _train(ctx, units, steps):
