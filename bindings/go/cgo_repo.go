@@ -1,12 +1,16 @@
 // cgo_repo.go - build flags for a libfsdp source checkout (the default): the
-// header from ../../include, the library from CGO_LDFLAGS (tools/test_go.sh
-// sets -L<build>/src -Wl,-rpath,<build>/src). Build with -tags fsdp_pkgconfig
-// to use an installed libfsdp through pkg-config instead (cgo_pkgconfig.go).
+// header from ../../include and the library from ../../build/default/src (what
+// ./tools/demo.sh or `cmake --build --preset default` builds), linked with an
+// rpath to that directory, so the program finds libfsdp.so at run time without
+// LD_LIBRARY_PATH. CGO_LDFLAGS comes first on the link line, so
+// CGO_LDFLAGS="-L<dir> -Wl,-rpath,<dir>" picks another build (tools/test_go.sh
+// does this for its BUILD_DIR). Build with -tags fsdp_pkgconfig to use an
+// installed libfsdp through pkg-config instead (cgo_pkgconfig.go).
 
 //go:build !fsdp_pkgconfig
 
 package fsdp
 
 // #cgo CFLAGS: -I${SRCDIR}/../../include
-// #cgo LDFLAGS: -lfsdp
+// #cgo LDFLAGS: -L${SRCDIR}/../../build/default/src -Wl,-rpath,${SRCDIR}/../../build/default/src -lfsdp
 import "C"

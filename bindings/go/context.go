@@ -239,6 +239,50 @@ func (c *Context) LastGradNorm() (float64, error) {
 	return float64(v), err
 }
 
+// ReduceOp is how MetricsReduce combines the ranks' values.
+type ReduceOp int
+
+// The ops of fsdp_reduce_op_t.
+const (
+	ReduceSum ReduceOp = C.FSDP_REDUCE_SUM
+	ReduceAvg ReduceOp = C.FSDP_REDUCE_AVG
+	ReduceMax ReduceOp = C.FSDP_REDUCE_MAX
+	ReduceMin ReduceOp = C.FSDP_REDUCE_MIN
+)
+
+func (op ReduceOp) String() string {
+	switch op {
+	case ReduceSum:
+		return "sum"
+	case ReduceAvg:
+		return "avg"
+	case ReduceMax:
+		return "max"
+	case ReduceMin:
+		return "min"
+	}
+	return fmt.Sprintf("ReduceOp(%d)", int(op))
+}
+
+// MetricsReduce (collective) replaces values, on every rank, by their sum,
+// mean, maximum or minimum over the ranks, combined in rank order so that
+// every rank gets the same bits. It is for the host's metrics (a step's mean
+// loss, token counts), not tensors: at most 2^20 values, and len(values) must
+// be the same on every rank (nil or empty is fine: the ranks still meet). The
+// library does not keep the slice after the call.
+func (c *Context) MetricsReduce(values []float64, op ReduceOp) error {
+	if err := c.live("fsdp_metrics_reduce"); err != nil {
+		return err
+	}
+	var p *C.double
+	if len(values) > 0 {
+		p = (*C.double)(unsafe.Pointer(&values[0]))
+	}
+	return call("fsdp_metrics_reduce", func() C.fsdp_status_t {
+		return C.fsdp_metrics_reduce(c.ptr, p, C.size_t(len(values)), C.fsdp_reduce_op_t(op))
+	})
+}
+
 // MemoryStats are the bytes this rank holds, by category (fsdp_memory_stats_t).
 type MemoryStats struct {
 	ShardedParams, ShardedGrads, OptimizerState          uint64

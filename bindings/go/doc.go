@@ -31,12 +31,16 @@
 // Every handle has an idempotent Close; calls on a closed handle return an
 // error with status ErrInvalidState, never crash.
 //
-// Building: cgo needs the header and the library. From a source checkout,
-// after the C++ build (build/default):
+// Building: cgo needs the header and the library (see README.md). From a
+// source checkout, once libfsdp is built in build/default (./tools/demo.sh
+// does it), nothing needs setting: cgo_repo.go links
+// build/default/src/libfsdp.so with an rpath to it, and
 //
-//	CGO_LDFLAGS="-L$PWD/build/default/src -Wl,-rpath,$PWD/build/default/src" go test ./...
+//	cd bindings/go && go test ./...
 //
-// (tools/test_go.sh does this). With an installed libfsdp use pkg-config:
+// just works. CGO_LDFLAGS="-L<dir> -Wl,-rpath,<dir>" links another build
+// (its flags come first). With an installed libfsdp use pkg-config, and an
+// rpath (or LD_LIBRARY_PATH) so the program finds libfsdp.so.0 at run time:
 //
-//	PKG_CONFIG_PATH=<prefix>/lib/pkgconfig go build -tags fsdp_pkgconfig ./...
+//	PKG_CONFIG_PATH=<prefix>/lib/pkgconfig CGO_LDFLAGS=-Wl,-rpath,<prefix>/lib go build -tags fsdp_pkgconfig ./...
 package fsdp

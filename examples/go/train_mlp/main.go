@@ -2,18 +2,28 @@
 // are goroutines of this process (FULL_SHARD by default), printing the loss
 // and each rank's memory. The model code (forward and backward of Linear+tanh
 // layers by hand) is the host's; libfsdp owns params, grads, optimizer state
-// and collectives.
+// and collectives (the loss of a step is averaged over the ranks with
+// MetricsReduce).
 //
-//	go run ./train_mlp [-ranks 4] [-steps 40] [-dtype fp32|bf16|fp16] [-sharding FULL_SHARD] [-check]
+//	go run ./train_mlp [--ranks 4] [--steps 40] [--dtype fp32|bf16|fp16] [--sharding FULL_SHARD]
+//	                   [--save DIR] [--resume DIR] [--check]
 //
-// FSDP_* environment variables override options (e.g. FSDP_SHARDING=NO_SHARD).
+// --save DIR writes a sharded checkpoint after the last step; --resume DIR
+// loads one (saved at any rank count) before the first step, and the steps go
+// on from the checkpoint's optimizer step. --check exits with status 1 unless
+// the loss fell at least 4x. The last line, "summary: first_step=.. first_loss=..
+// last_step=.. last_loss=..", is for scripts (tools/test_go.sh).
+// Go's flag package takes -x as well as --x. FSDP_* environment variables
+// override options (e.g. FSDP_SHARDING=NO_SHARD).
 package main
 
 import (
+	"encoding/json"
 	"flag"
 	"fmt"
 	"math"
 	"os"
+	"path/filepath"
 
 	fsdp "github.com/libfsdp/fsdp-go"
 )
@@ -93,11 +103,16 @@ func addGrad(u *fsdp.Unit, i int, dt fsdp.Dtype, g []float32) error {
 }
 
 type options struct {
-	ranks, steps    int
-	dtype, sharding string
+	ranks, steps                  int
+	dtype, sharding, save, resume string
+	check                         bool
 }
 
-// train runs one rank; it returns its loss per step and its final memory.
+// effective is the sharding and dtype in effect, read by rank 0.
+var effective struct{ sharding, dtype string }
+
+// train runs one rank; it returns the loss per step (over all ranks' rows)
+// and this rank's final memory.
 func train(o options, rank int, g *fsdp.Group, x, y []float32) ([]float64, fsdp.MemoryStats, error) {
 	var mem fsdp.MemoryStats
 	cfg, err := fsdp.NewConfig()
@@ -112,6 +127,14 @@ func train(o options, rank int, g *fsdp.Group, x, y []float32) ([]float64, fsdp.
 	}
 	if err := cfg.FromEnv(); err != nil {
 		return nil, mem, err
+	}
+	if rank == 0 { // what is in effect, FSDP_* variables included
+		if effective.sharding, err = cfg.Get("sharding"); err != nil {
+			return nil, mem, err
+		}
+		if effective.dtype, err = cfg.Get("param_dtype"); err != nil {
+			return nil, mem, err
+		}
 	}
 	ctx, err := fsdp.NewContext(cfg, g, rank)
 	if err != nil {
@@ -138,6 +161,11 @@ func train(o options, rank int, g *fsdp.Group, x, y []float32) ([]float64, fsdp.
 			return nil, mem, err
 		}
 		if err := units[l].SetValues(1, make([]float32, out)); err != nil {
+			return nil, mem, err
+		}
+	}
+	if o.resume != "" { // after registering (and initializing) the units
+		if err := ctx.Load(o.resume); err != nil {
 			return nil, mem, err
 		}
 	}
@@ -222,6 +250,17 @@ func train(o options, rank int, g *fsdp.Group, x, y []float32) ([]float64, fsdp.
 		if err := ctx.Step(); err != nil {
 			return nil, mem, err
 		}
+		// The loss over the global batch: the mean of the ranks' losses (each
+		// rank has as many rows), the same bits on every rank.
+		mean := losses[step : step+1]
+		if err := ctx.MetricsReduce(mean, fsdp.ReduceAvg); err != nil {
+			return nil, mem, err
+		}
+	}
+	if o.save != "" {
+		if err := ctx.Save(o.save, "sharded"); err != nil {
+			return nil, mem, err
+		}
 	}
 	if mem, err = ctx.MemoryStats(); err != nil {
 		return nil, mem, err
@@ -231,48 +270,94 @@ func train(o options, rank int, g *fsdp.Group, x, y []float32) ([]float64, fsdp.
 
 func mib(n uint64) float64 { return float64(n) / (1 << 20) }
 
+// checkpointStep is the optimizer step saved in dir (optimizer.step of
+// fsdp_checkpoint.json, docs/checkpoints.md): libfsdp has no call for it.
+func checkpointStep(dir string) (int, error) {
+	b, err := os.ReadFile(filepath.Join(dir, "fsdp_checkpoint.json"))
+	if err != nil {
+		return 0, err
+	}
+	var meta struct {
+		Optimizer struct {
+			Step *int `json:"step"`
+		} `json:"optimizer"`
+	}
+	if err := json.Unmarshal(b, &meta); err != nil {
+		return 0, fmt.Errorf("%s: %v", filepath.Join(dir, "fsdp_checkpoint.json"), err)
+	}
+	if meta.Optimizer.Step == nil {
+		return 0, fmt.Errorf("%s: no optimizer.step", filepath.Join(dir, "fsdp_checkpoint.json"))
+	}
+	return *meta.Optimizer.Step, nil
+}
+
+func fail(format string, a ...interface{}) {
+	fmt.Fprintf(os.Stderr, "train_mlp: "+format+"\n", a...)
+	os.Exit(1)
+}
+
 func main() {
 	var o options
-	check := flag.Bool("check", false, "exit 1 unless the loss fell at least 4x")
 	flag.IntVar(&o.ranks, "ranks", 4, "goroutine-ranks (must divide 64)")
 	flag.IntVar(&o.steps, "steps", 40, "training steps")
 	flag.StringVar(&o.dtype, "dtype", "fp32", "param_dtype: fp32, bf16, fp16")
-	flag.StringVar(&o.sharding, "sharding", "FULL_SHARD", "FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD, ...")
+	flag.StringVar(&o.sharding, "sharding", "FULL_SHARD", "FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD, HYBRID_SHARD_ZERO2")
+	flag.StringVar(&o.save, "save", "", "after the last step, save a sharded checkpoint into `DIR`")
+	flag.StringVar(&o.resume, "resume", "", "before the first step, load the checkpoint in `DIR` (any rank count)")
+	flag.BoolVar(&o.check, "check", false, "exit 1 unless the loss fell at least 4x")
 	flag.Parse()
-	if o.ranks < 1 || batch%o.ranks != 0 || o.steps < 1 {
-		fmt.Fprintln(os.Stderr, "ranks must divide 64 and steps be >= 1")
+	if flag.NArg() > 0 || o.ranks < 1 || batch%o.ranks != 0 || o.steps < 1 {
+		fmt.Fprintf(os.Stderr, "train_mlp: --ranks must divide %d, --steps be >= 1, and no other arguments\n", batch)
+		flag.Usage()
 		os.Exit(2)
 	}
+	// step0: the optimizer steps taken before this run. Read now, before --save
+	// may replace the checkpoint; an error waits for Load's own message first.
+	step0, stepErr := 0, error(nil)
+	if o.resume != "" {
+		step0, stepErr = checkpointStep(o.resume)
+	}
 	x, y := data()
-	losses := make([][]float64, o.ranks)
+	losses := make([][]float64, o.ranks) // every rank has the same
 	mems := make([]fsdp.MemoryStats, o.ranks)
 	err := fsdp.RunRanks(o.ranks, func(rank int, g *fsdp.Group) (err error) {
 		losses[rank], mems[rank], err = train(o, rank, g, x, y)
 		return err
 	})
 	if err != nil {
-		fmt.Fprintln(os.Stderr, "train_mlp:", err)
-		os.Exit(1)
+		fail("%v", err)
 	}
-	fmt.Printf("%s\nMLP %v, %d units, global batch %d over %d goroutine-ranks, %s, param_dtype %s, AdamW\n\n",
-		fsdp.BuildInfo(), dims, len(dims)-1, batch, o.ranks, o.sharding, o.dtype)
+	if stepErr != nil {
+		fail("--resume: %v", stepErr)
+	}
+	fmt.Printf("%s\nMLP %v, %d units, global batch %d over %d goroutine-ranks, %s, param_dtype %s, AdamW\n",
+		fsdp.BuildInfo(), dims, len(dims)-1, batch, o.ranks, effective.sharding, effective.dtype)
+	if o.resume != "" {
+		fmt.Printf("resumed from %s (optimizer step %d)\n", o.resume, step0)
+	}
+	fmt.Printf("\nstep: optimizer step; loss: 0.5 * squared error summed over the %d outputs, mean over the %d rows,\n"+
+		"in the step's forward (before its update)\n", dims[len(dims)-1], batch)
 	fmt.Printf("%6s  %10s\n", "step", "loss")
-	loss := make([]float64, o.steps)
+	loss := losses[0]
 	for s := range loss {
-		for r := range losses { // every rank's rows weigh the same
-			loss[s] += losses[r][s] / float64(o.ranks)
-		}
 		if s%10 == 0 || s == o.steps-1 {
-			fmt.Printf("%6d  %10.6f\n", s+1, loss[s])
+			fmt.Printf("%6d  %10.6f\n", step0+s+1, loss[s])
 		}
 	}
-	fmt.Printf("\nper-rank memory (MiB)  params   grads   optim  gathered-peak  total-peak\n")
-	for r, m := range mems {
-		fmt.Printf("  rank %d of %d      %7.3f %7.3f %7.3f  %13.3f  %10.3f\n", r, o.ranks, mib(m.ShardedParams),
-			mib(m.ShardedGrads), mib(m.OptimizerState), mib(m.GatheredParamsPeak), mib(m.TotalPeak))
+	if o.save != "" {
+		fmt.Printf("saved a sharded checkpoint to %s after step %d\n", o.save, step0+o.steps)
 	}
-	if *check && !(loss[o.steps-1]*4 < loss[0]) {
-		fmt.Fprintf(os.Stderr, "check failed: loss %g -> %g\n", loss[0], loss[o.steps-1])
-		os.Exit(1)
+	fmt.Printf("\nper-rank memory in MiB: params = this rank's param shard (fp32 master + param_dtype copy);\n" +
+		"grads = its fp32 grad shard; optim = its AdamW state (m, v); gathered-peak = the most held by full\n" +
+		"params gathered for forward and backward; total-peak = the most this rank held at once, all included\n")
+	fmt.Printf("%-16s  %7s %7s %7s  %13s  %10s\n", "", "params", "grads", "optim", "gathered-peak", "total-peak")
+	for r, m := range mems {
+		fmt.Printf("%-16s  %7.3f %7.3f %7.3f  %13.3f  %10.3f\n", fmt.Sprintf("  rank %d of %d", r, o.ranks),
+			mib(m.ShardedParams), mib(m.ShardedGrads), mib(m.OptimizerState), mib(m.GatheredParamsPeak), mib(m.TotalPeak))
+	}
+	fmt.Printf("\nsummary: first_step=%d first_loss=%.7g last_step=%d last_loss=%.7g\n",
+		step0+1, loss[0], step0+o.steps, loss[o.steps-1])
+	if o.check && !(loss[o.steps-1]*4 < loss[0]) {
+		fail("check failed: loss %g -> %g did not fall 4x", loss[0], loss[o.steps-1])
 	}
 }
