@@ -24,6 +24,8 @@ command -v mpirun >/dev/null || missing+=(openmpi-bin)
 command -v mpicc >/dev/null || missing+=(libopenmpi-dev)
 # The locale tests build a decimal-comma locale (de_DE) with localedef.
 [ -f /usr/share/i18n/locales/de_DE ] || missing+=(locales)
+# The ABI check (tools/check_abi.sh, docs/abi.md): libabigail's abidw and abidiff.
+command -v abidiff >/dev/null || missing+=(abigail-tools)
 if [ ${#missing[@]} -gt 0 ]; then
   echo "installing: ${missing[*]}"
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
