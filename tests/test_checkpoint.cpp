@@ -630,6 +630,45 @@ TEST(Checkpoint, WriteErrorOnOneRankFailsEveryRankAndKeepsThePrevious) {
   EXPECT_TRUE(bitwise_equal(load_world(dir, 4), previous));
 }
 
+namespace {
+std::mutex g_warn_mu;
+std::vector<std::string> g_warnings;
+void keep_warnings(fsdp_log_level_t level, int, const char* message, void*) {
+  std::lock_guard<std::mutex> lock(g_warn_mu);
+  if (level == FSDP_LOG_WARN) g_warnings.emplace_back(message);
+}
+}  // namespace
+
+// A failed save whose staging directory cannot be removed (its parent became
+// read-only, say: simulated, since root ignores permissions) leaves it behind
+// with a warning naming it; the save still fails with the first error, and
+// the next save clears the stale directory.
+TEST(Checkpoint, AFailedSaveThatCannotRemoveItsStagingDirectoryWarnsNamingIt) {
+  TempDir tmp;
+  const std::string dir = tmp / "ck";
+  const State previous = save_world4(dir, 10, 1);
+  g_warnings.clear();
+  ASSERT_OK(fsdp_log_set_callback(keep_warnings, nullptr));
+  setenv("FSDP_CKPT_FAULT", "io_error_rank=2,cleanup_error=1", 1);
+  run_ranks(4, [&](int rank, fsdp_local_group_t* group) {
+    Job job;
+    open_job(job, kNet, base_options("FULL_SHARD"), rank, group);
+    EXPECT_STATUS(FSDP_ERR_IO, fsdp_save(job.ctx.get(), dir.c_str(), "sharded"));
+    EXPECT_NE(last_error_str().find("shard-00002-of-00004"), std::string::npos) << last_error_str();
+  });
+  unsetenv("FSDP_CKPT_FAULT");
+  ASSERT_OK(fsdp_log_set_callback(nullptr, nullptr));
+  const std::string staged = tmp / ".ck.fsdp-staging";
+  EXPECT_TRUE(std::filesystem::exists(staged));
+  ASSERT_EQ(g_warnings.size(), 1u) << "rank 0, which removes it, warns once";
+  EXPECT_NE(g_warnings[0].find("'" + staged + "' was left behind"), std::string::npos) << g_warnings[0];
+  EXPECT_NE(g_warnings[0].find("remove it by hand"), std::string::npos) << g_warnings[0];
+  EXPECT_TRUE(bitwise_equal(load_world(dir, 4), previous));
+  const State next = save_world4(dir, 11, 1);
+  EXPECT_FALSE(std::filesystem::exists(staged));
+  EXPECT_TRUE(bitwise_equal(load_world(dir, 4), next));
+}
+
 // ---- memory ------------------------------------------------------------------------
 
 // Rank 0 writes model.safetensors gathering one unit at a time: its peak

@@ -232,6 +232,16 @@ std::string prepare_staging(const std::string& dir, const std::string& who) {
   return note;
 }
 
+std::string remove_failed_staging(const std::string& staged) {
+  Outcome removed = capture([&] {
+    if (fault_value("cleanup_error") == 1) io_fail("cannot remove", staged, EACCES);
+    remove_tree(staged);
+  });
+  if (removed.ok()) return "";
+  return "its staging directory " + base::quote_path(staged) + " was left behind (" + removed.message +
+         "); remove it by hand (the next save to the same directory also removes it)";
+}
+
 std::string commit_dir(const std::string& staged, const std::string& dir) {
   std::string target = dir;
   while (target.size() > 1 && target.back() == '/') target.pop_back();

@@ -70,6 +70,10 @@ std::string aside_dir(const std::string& dir);
 // last fsync) is returned as a warning instead.
 std::string commit_dir(const std::string& staged, const std::string& dir);
 std::string prepare_staging(const std::string& dir, const std::string& who);
+// Removes the staging directory of a save that failed. Never throws: returns
+// "" or, when it cannot (the parent became read-only, say), a warning naming
+// the directory left behind, for the caller to log.
+std::string remove_failed_staging(const std::string& staged);
 
 // Test-only fault injection, read from FSDP_CKPT_FAULT (key=value, comma-separated):
 //   crash_after_files=N  the process exits (_exit(86), no clean-up) once N
@@ -78,7 +82,10 @@ std::string prepare_staging(const std::string& dir, const std::string& who);
 //   io_error_rank=R      rank R's shard write fails with FSDP_ERR_IO;
 //   no_exchange=1        commit_dir acts as on a file system without
 //                        RENAME_EXCHANGE (two renames);
-//   crash_after_aside=1  with no_exchange, the process exits between them.
+//   crash_after_aside=1  with no_exchange, the process exits between them;
+//   cleanup_error=1      remove_failed_staging cannot remove the directory
+//                        (as when its parent became read-only; root ignores
+//                        permissions, so tests cannot make that happen).
 // Unset in production: each check is one getenv.
 void after_file_written();
 bool inject_io_error(int rank);

@@ -195,7 +195,10 @@ void Context::save(const std::string& dir, const std::string& kind) {
     check_outcomes(*rt_.comm, what + " (commit)", commit.status, commit.message);
   } catch (const Error&) {
     // The previous checkpoint at `dir` is untouched; the partial one goes.
-    if (root) capture([&] { ckpt::remove_tree(staged); });
+    if (root) {
+      std::string warning = ckpt::remove_failed_staging(staged);
+      if (!warning.empty()) log(FSDP_LOG_WARN, rt_.rank, what + " failed, and " + warning);
+    }
     throw;
   }
 }

@@ -70,11 +70,8 @@ class Staging {
   }
   ~Staging() {
     if (done_) return;
-    try {
-      ckpt::remove_tree(dir_);
-    } catch (const std::exception& e) {
-      std::fprintf(stderr, "fsdp-ckpt: %s\n", e.what());
-    }
+    std::string warning = ckpt::remove_failed_staging(dir_);
+    if (!warning.empty()) std::fprintf(stderr, "fsdp-ckpt: warning: %s\n", warning.c_str());
   }
   Staging(const Staging&) = delete;
   Staging& operator=(const Staging&) = delete;
