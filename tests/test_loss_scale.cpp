@@ -189,3 +189,40 @@ TEST(LossScale, DefaultIsOffOutsideFp16AndNullArgumentsAreRejected) {
     EXPECT_OK(fsdp_ctx_finalize(s.ctx.get()));
   });
 }
+
+TEST(LossScale, ASkippedFirstStepIsAStepThatRanForTheGradNorm) {
+  // A nan in a grad at step 1 (fp32, loss scaling off): fsdp_last_grad_norm
+  // reports the nan, as fsdp.h promises, and not "no step has run yet" (which
+  // stays the answer before any step, and survives a checkpoint of it).
+  const std::string dir = ::testing::TempDir() + "fsdp_skipped_first_step";
+  run_ranks(2, [&](int rank, fsdp_local_group_t* group) {
+    Rank s;
+    make(s, {{"sharding", "FULL_SHARD"}}, group, rank);
+    if (::testing::Test::HasFatalFailure()) return;
+    double norm = 0;
+    EXPECT_STATUS(FSDP_ERR_INVALID_STATE, fsdp_last_grad_norm(s.ctx.get(), &norm));
+    ASSERT_OK(fsdp_forward_begin(s.unit, nullptr));
+    ASSERT_OK(fsdp_forward_end(s.unit, nullptr));
+    ASSERT_OK(fsdp_backward_begin(s.unit, nullptr));
+    void* g = nullptr;
+    ASSERT_OK(fsdp_grad_ptr(s.unit, 0, &g));
+    if (rank == 1) static_cast<float*>(g)[5] = std::numeric_limits<float>::quiet_NaN();
+    ASSERT_OK(fsdp_backward_end(s.unit, nullptr));
+    const auto before = params(s);
+    ASSERT_OK(fsdp_step(s.ctx.get(), nullptr));
+    EXPECT_EQ(params(s), before) << "the step was not skipped";
+    norm = 0;
+    ASSERT_OK(fsdp_last_grad_norm(s.ctx.get(), &norm));
+    EXPECT_TRUE(std::isnan(norm)) << norm;
+    ASSERT_OK(fsdp_save(s.ctx.get(), dir.c_str(), "sharded"));
+    s.ctx.reset();
+    Rank t;
+    make(t, {{"sharding", "FULL_SHARD"}}, group, rank);
+    if (::testing::Test::HasFatalFailure()) return;
+    EXPECT_STATUS(FSDP_ERR_INVALID_STATE, fsdp_last_grad_norm(t.ctx.get(), &norm));
+    ASSERT_OK(fsdp_load(t.ctx.get(), dir.c_str()));
+    norm = 0;
+    ASSERT_OK(fsdp_last_grad_norm(t.ctx.get(), &norm));
+    EXPECT_TRUE(std::isnan(norm)) << "after loading a checkpoint of a skipped first step: " << norm;
+  });
+}

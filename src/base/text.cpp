@@ -78,7 +78,20 @@ std::string format_double(double v) {
   if (std::isinf(v)) return v < 0 ? "-inf" : "inf";
   char buf[64];
   auto [end, ec] = std::to_chars(buf, buf + sizeof buf, v);
-  return ec == std::errc() ? std::string(buf, end) : std::string("?");
+  if (ec != std::errc()) return "?";
+  // to_chars writes exponents as printf does ("3e-04", "1e+30"): drop the
+  // '+' and the leading zeros ("3e-4", "1e30"), still valid JSON and C.
+  std::string s(buf, end);
+  size_t e = s.find('e');
+  if (e == std::string::npos) return s;
+  size_t digits = e + 1;
+  if (s[digits] == '+') {
+    s.erase(digits, 1);
+  } else if (s[digits] == '-') {
+    ++digits;
+  }
+  while (s.size() > digits + 1 && s[digits] == '0') s.erase(digits, 1);
+  return s;
 }
 
 std::string format_fixed(double v, int decimals) {

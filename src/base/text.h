@@ -20,8 +20,8 @@ bool parse_double(std::string_view s, double* out);
 // The whole of `s` as a decimal integer (optional sign); false otherwise or
 // on overflow.
 bool parse_long(std::string_view s, long* out);
-// The shortest text that reads back as the same double ("0.002", "1e+30",
-// "inf", "nan"), with '.' as the decimal point.
+// The shortest text that reads back as the same double ("0.002", "3e-4",
+// "1e30", "inf", "nan"), with '.' as the decimal point.
 std::string format_double(double v);
 // `v` with exactly `decimals` digits after a '.' ("2.575").
 std::string format_fixed(double v, int decimals);

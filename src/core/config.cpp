@@ -42,20 +42,8 @@ struct Range {
   bool hi_open = false;
 };
 
-// 1e9 rather than 1e+09.
-std::string bound_text(double v) {
-  std::string s = base::format_double(v);
-  size_t e = s.find('e');
-  if (e == std::string::npos) return s;
-  std::string exp = s.substr(e + 1);
-  bool neg = exp[0] == '-';
-  if (exp[0] == '+' || exp[0] == '-') exp.erase(0, 1);
-  while (exp.size() > 1 && exp[0] == '0') exp.erase(0, 1);
-  return s.substr(0, e) + "e" + (neg ? "-" : "") + exp;
-}
-
 std::string range_text(const Range& r) {
-  return "[" + bound_text(r.lo) + ", " + bound_text(r.hi) + (r.hi_open ? ")" : "]");
+  return "[" + base::format_double(r.lo) + ", " + base::format_double(r.hi) + (r.hi_open ? ")" : "]");
 }
 
 const Range kLrRange{0, 1e9};

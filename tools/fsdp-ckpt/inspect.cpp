@@ -3,10 +3,10 @@
 #include <cinttypes>
 #include <cstdio>
 #include <nlohmann/json.hpp>
-#include <sstream>
 #include <string>
 
 #include "args.h"
+#include "base/text.h"
 #include "ckpt/reader.h"
 
 namespace fsdp_ckpt {
@@ -21,19 +21,9 @@ std::string list_str(const std::vector<std::string>& v) {
   return "[" + s + "]";
 }
 
-// The shortest text that reads back as the same double (0.9, not 0.90000000000000002).
-std::string num(double v) {
-  for (int digits = 6; digits < 17; ++digits) {
-    std::ostringstream os;
-    os.precision(digits);
-    os << v;
-    if (std::stod(os.str()) == v) return os.str();
-  }
-  std::ostringstream os;
-  os.precision(17);
-  os << v;
-  return os.str();
-}
+// The shortest text that reads back as the same double (0.9, not
+// 0.90000000000000002), with '.' whatever the locale.
+std::string num(double v) { return fsdp::base::format_double(v); }
 
 uint64_t total_bytes(const Meta& m) {
   uint64_t t = 0;
