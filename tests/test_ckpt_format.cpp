@@ -6,11 +6,15 @@
 
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
 #include <numeric>
+#include <sstream>
 #include <string>
 #include <vector>
 
 #include "ckpt/io.h"
+#include "ckpt/meta.h"
 #include "ckpt/reader.h"
 #include "ckpt/safetensors.h"
 #include "core/error.h"
@@ -150,3 +154,38 @@ TEST(CheckpointFormat, ReshardReadsOnlyTheOverlappingSourceFiles) {
 }
 
 }  // namespace
+
+// Every refusal of a metadata document names the field it is about (its path,
+// "optimizer.lr", "units[0].params[1].shape"), never just "the document":
+// each leaf of real metadata is replaced in turn by values of the wrong type
+// or range.
+TEST(CheckpointFormat, EveryMetadataErrorNamesTheFieldPath) {
+  for (const char* name : {"meta_sharded_adamw.json", "meta_full_adamw.json", "meta_sharded_sgd.json"}) {
+    SCOPED_TRACE(name);
+    std::ifstream in(std::string(FSDP_FUZZ_CORPUS) + "/" + name);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    const nlohmann::json doc = nlohmann::json::parse(ss.str());
+    ASSERT_NO_THROW(parse_meta(name, doc.dump())) << "the seed must be valid";
+    const nlohmann::json flat = doc.flatten();
+    size_t refused = 0;
+    for (const auto& leaf : flat.items()) {
+      for (const nlohmann::json& bad : {nlohmann::json(0), nlohmann::json(-1), nlohmann::json("x"), nlohmann::json(),
+                                        nlohmann::json(1e300), nlohmann::json(true)}) {
+        nlohmann::json edited = flat;
+        edited[leaf.key()] = bad;
+        std::string text = edited.unflatten().dump();
+        try {
+          parse_meta(name, text);
+        } catch (const fsdp::Error& e) {
+          ++refused;
+          const std::string msg = e.what();
+          EXPECT_EQ(e.status(), FSDP_ERR_CORRUPT) << msg;
+          EXPECT_EQ(msg.find(": the document "), std::string::npos)
+              << leaf.key() << " = " << bad.dump() << " is refused without naming a field: " << msg;
+        }
+      }
+    }
+    EXPECT_GT(refused, flat.size()) << "too few edits were refused for the test to mean anything";
+  }
+}

@@ -89,12 +89,13 @@ class Fields {
   std::string path_;
 };
 
-std::vector<uint32_t> u32_list(const Fields& f, const json& arr, const std::string& what) {
+std::vector<uint32_t> u32_list(const Fields& f, const char* key) {
+  const json& arr = f.get(key);
   std::vector<uint32_t> out;
-  if (!arr.is_array()) f.bad(what + " is not an array");
+  if (!arr.is_array()) f.at(key).bad("is not an array");
   out.reserve(arr.size());
   for (const json& v : arr) {
-    if (!v.is_number_unsigned() || v.get<uint64_t>() > UINT32_MAX) f.bad(what + " holds a value that is not a CRC-32");
+    if (!v.is_number_unsigned() || v.get<uint64_t>() > UINT32_MAX) f.at(key).bad("holds a value that is not a CRC-32");
     out.push_back(static_cast<uint32_t>(v.get<uint64_t>()));
   }
   return out;
@@ -137,7 +138,7 @@ std::vector<FileRecord> parse_files(const std::string& file, const Fields& root)
       Fields tf(file, it.value(), ff.sub("tensors") + "." + it.key());
       TensorSums s;
       s.crc32 = static_cast<uint32_t>(tf.u64("crc32", UINT32_MAX));
-      s.chunks = u32_list(tf, tf.get("chunk_crc32"), "chunk_crc32");
+      s.chunks = u32_list(tf, "chunk_crc32");
       f.tensors[it.key()] = std::move(s);
     }
     out.push_back(std::move(f));
@@ -256,7 +257,8 @@ Meta parse_meta(const std::string& file, const std::string& text) {
   m.world_size = static_cast<int>(root.u64("world_size", 1u << 20));
   m.sharding = root.str("sharding");
   m.shard_world = static_cast<int>(root.u64("shard_world", 1u << 20));
-  if (m.world_size < 1 || m.shard_world < 1) root.bad("has a world size of 0");
+  if (m.world_size < 1) root.at("world_size").bad("is 0; a job has at least one rank");
+  if (m.shard_world < 1) root.at("shard_world").bad("is 0; a checkpoint has at least one shard");
   if (!m.sharded() && m.shard_world != 1) root.at("shard_world").bad("must be 1 in a full checkpoint");
   m.align_elems = root.u64("align_elems", 1u << 20);
   if (m.align_elems < 1) root.at("align_elems").bad("is 0");
