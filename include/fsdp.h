@@ -186,10 +186,18 @@ FSDP_API fsdp_status_t fsdp_param_set_weight_decay(fsdp_unit_t* unit, size_t par
  * unit's full params usable through fsdp_param_ptr. `stream` is a
  * cudaStream_t on CUDA, NULL on CPU. */
 FSDP_API fsdp_status_t fsdp_forward_begin(fsdp_unit_t* unit, void* stream);
-/* FULL_SHARD frees the full params; SHARD_GRAD_OP and NO_SHARD keep them. */
+/* FULL_SHARD frees the full params; SHARD_GRAD_OP and NO_SHARD keep them.
+ * The host's own work on the unit's buffers must be finished when it calls
+ * *_end (on the CPU device every call is synchronous): a host that queues
+ * work asynchronously (JAX, PyTorch on a GPU) must block on its results
+ * first, since *_end may free or reuse the memory at once. */
 FSDP_API fsdp_status_t fsdp_forward_end(fsdp_unit_t* unit, void* stream);
 /* Collective (unless gathered). Full params usable, grad buffers zeroed (not
- * zeroed while gradient sync is off and grads are being accumulated). */
+ * zeroed while gradient sync is off and grads are being accumulated). A unit
+ * need not have run forward this step: backward_begin then gathers the params
+ * itself (one gather per unit per step, for hosts that differentiate a whole
+ * function at once: backward_begin on every unit, compute, add the grads,
+ * backward_end in reverse order). */
 FSDP_API fsdp_status_t fsdp_backward_begin(fsdp_unit_t* unit, void* stream);
 /* Collective. Reduces the unit's grads into this rank's sharded grad (unless
  * gradient sync is off) and frees the full params and grads. */

@@ -630,6 +630,40 @@ TEST(Checkpoint, WriteErrorOnOneRankFailsEveryRankAndKeepsThePrevious) {
   EXPECT_TRUE(bitwise_equal(load_world(dir, 4), previous));
 }
 
+// A check that fails before fsdp_save's first collective (a unit in use)
+// fails on that rank alone; the others wait in the call. The failing rank's
+// next collective then decides: another call fails every rank at once with
+// FSDP_ERR_MISMATCH naming both calls (not a timeout: timeout_s is 30 here),
+// and fsdp_save again, in a valid state, joins the others' save.
+TEST(Checkpoint, ACheckThatFailsOnOneRankBeforeTheFirstCollectiveIsSettledByItsNextCollective) {
+  TempDir tmp;
+  for (bool retry_save : {false, true}) {
+    SCOPED_TRACE(retry_save ? "rank 0 then saves again" : "rank 0 then gathers a param");
+    const std::string dir = tmp / (retry_save ? "retried" : "mismatched");
+    run_ranks(2, [&](int rank, fsdp_local_group_t* group) {
+      Job job;
+      open_job(job, kNet, base_options("FULL_SHARD"), rank, group);
+      ASSERT_OK(fsdp_forward_begin(job.units[0], nullptr));
+      if (rank == 1) {
+        ASSERT_OK(fsdp_forward_end(job.units[0], nullptr));
+        EXPECT_STATUS(retry_save ? FSDP_OK : FSDP_ERR_MISMATCH, fsdp_save(job.ctx.get(), dir.c_str(), "sharded"));
+        if (!retry_save) {
+          EXPECT_NE(last_error_str().find("fsdp_save"), std::string::npos) << last_error_str();
+        }
+        return;
+      }
+      EXPECT_STATUS(FSDP_ERR_INVALID_STATE, fsdp_save(job.ctx.get(), dir.c_str(), "sharded"));
+      ASSERT_OK(fsdp_forward_end(job.units[0], nullptr));
+      if (retry_save) {
+        EXPECT_OK(fsdp_save(job.ctx.get(), dir.c_str(), "sharded"));
+      } else {
+        std::vector<float> w(numel_of(kNet.units[0][0].shape));
+        EXPECT_STATUS(FSDP_ERR_MISMATCH, fsdp_gather_param(job.units[0], 0, w.data(), w.size()));
+      }
+    });
+  }
+}
+
 namespace {
 std::mutex g_warn_mu;
 std::vector<std::string> g_warnings;

@@ -269,6 +269,10 @@ struct Case {
   bool sync_module_states = false;
   bool offload = false;              // offload=cpu
   bool rank_dependent_init = false;  // ranks other than 0 set init + rank (sync_module_states must undo it)
+  // No fsdp_forward_begin: every unit's backward_begin gathers its params,
+  // the host computes forward and backward at once (as jax.value_and_grad
+  // does), then backward_end in reverse order. One gather per unit per step.
+  bool backward_only = false;
 };
 
 void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
@@ -290,6 +294,40 @@ UnitParams fetch_params(const Model& m, size_t u, fsdp_unit_t* unit, fsdp_dtype_
     p.push_back(std::move(t));
   }
   return p;
+}
+
+// Adds grads `g` of unit u into its grad buffers.
+void add_grads(fsdp_unit_t* unit, const UnitParams& g, fsdp_dtype_t dt) {
+  for (size_t i = 0; i < g.size(); ++i) {
+    void* gp = nullptr;
+    ASSERT_OK(fsdp_grad_ptr(unit, i, &gp));
+    ASSERT_NE(gp, nullptr);
+    for (size_t k = 0; k < g[i].size(); ++k) add_elem(gp, k, dt, g[i][k]);
+  }
+}
+
+// The same pass with no forward calls: backward_begin on every unit first.
+void lib_pass_backward_only(const Model& m, const std::vector<fsdp_unit_t*>& units, fsdp_dtype_t dt, const Data& d,
+                            int row0, int rows, float scale, const Params* expect) {
+  Params p(m.n_units());
+  for (size_t u = 0; u < m.n_units(); ++u) {
+    ASSERT_OK(fsdp_backward_begin(units[u], nullptr));
+    p[u] = fetch_params(m, u, units[u], dt);
+    if (expect) {
+      EXPECT_EQ(p[u], (*expect)[u]) << "backward gather of unit " << u;
+    }
+  }
+  std::vector<Tensor> acts(m.n_units() + 1);
+  acts[0] = rows_of(d.x, m.in_dim(), row0, rows);
+  for (size_t u = 0; u < m.n_units(); ++u) unit_forward(m, u, p[u], acts[u], rows, acts[u + 1]);
+  Tensor dh = loss_grad(acts.back(), d, row0, scale), dx;
+  for (size_t u = m.n_units(); u-- > 0;) {
+    UnitParams g;
+    unit_backward(m, u, p[u], acts[u], acts[u + 1], dh, rows, g, dx);
+    add_grads(units[u], g, dt);
+    ASSERT_OK(fsdp_backward_end(units[u], nullptr));
+    dh.swap(dx);
+  }
 }
 
 // One forward + backward pass over rows [row0, row0+rows) through libfsdp.
@@ -316,12 +354,7 @@ void lib_pass(const Model& m, const std::vector<fsdp_unit_t*>& units, fsdp_dtype
     }
     UnitParams g;
     unit_backward(m, u, p, acts[u], acts[u + 1], dh, rows, g, dx);
-    for (size_t i = 0; i < g.size(); ++i) {
-      void* gp = nullptr;
-      ASSERT_OK(fsdp_grad_ptr(units[u], i, &gp));
-      ASSERT_NE(gp, nullptr);
-      for (size_t k = 0; k < g[i].size(); ++k) add_elem(gp, k, dt, g[i][k]);
-    }
+    add_grads(units[u], g, dt);
     ASSERT_OK(fsdp_backward_end(units[u], nullptr));
     dh.swap(dx);
   }
@@ -372,8 +405,9 @@ LibResult lib_train(const Case& c, const Model& m, const Params& init, const Dat
     for (int step = 0; step < kSteps; ++step) {
       for (int k = 0; k < c.micro; ++k) {
         if (c.no_sync) ASSERT_OK(fsdp_set_grad_sync(ctx.get(), k + 1 == c.micro ? 1 : 0));
-        lib_pass(m, units, dt, d, rank * rows + k * micro_rows, micro_rows, 1.f / float(c.micro),
-                 step == 0 && init_known ? &init_rounded : nullptr);
+        (c.backward_only ? lib_pass_backward_only : lib_pass)(m, units, dt, d, rank * rows + k * micro_rows,
+                                                              micro_rows, 1.f / float(c.micro),
+                                                              step == 0 && init_known ? &init_rounded : nullptr);
         if (::testing::Test::HasFatalFailure()) return;
       }
       ASSERT_OK(fsdp_step(ctx.get(), nullptr));
@@ -613,6 +647,22 @@ std::vector<Case> variant_cases() {
     one_group.name = "HybridOneGroup";
     add(one_group, 4, h);  // default group size: the local world (all 4 threads)
   }
+  // Backward without forward (one gather per unit per step), with prefetch
+  // left at its default (backward_prefetch=pre) and grad accumulation.
+  Case bwd;
+  bwd.name = "BackwardOnly";
+  bwd.backward_only = true;
+  for (int w : {1, 2, 3}) add(bwd, w, "FULL_SHARD");
+  add(bwd, 4, "SHARD_GRAD_OP");
+  add(bwd, 2, "NO_SHARD");
+  Case bwd_accum = bwd;
+  bwd_accum.name = "BackwardOnlyGradAccumulation";
+  bwd_accum.micro = 2;
+  add(bwd_accum, 2, "FULL_SHARD");
+  Case bwd_hybrid = bwd;
+  bwd_hybrid.name = "BackwardOnlyHybrid2x2";
+  bwd_hybrid.shard_group_size = 2;
+  add(bwd_hybrid, 4, "HYBRID_SHARD");
   Case uneven_bf16 = bf16;
   uneven_bf16.name = "UnevenPaddingBf16";
   uneven_bf16.uneven = true;

@@ -7,12 +7,15 @@
 #include <sstream>
 #include <vector>
 
+#include "../base/text.h"
 #include "error.h"
 
 namespace fsdp::core {
 namespace {
 
-constexpr size_t kMsgBytes = 512;
+// Two quoted lines (base::quote: at most 200 input bytes each, 4 output bytes
+// per escaped byte) and the words around them.
+constexpr size_t kMsgBytes = 2048;
 
 std::vector<std::string> lines(const std::string& s) {
   std::vector<std::string> out;
@@ -28,7 +31,7 @@ std::string first_difference(const std::string& root, const std::string& mine, i
   for (size_t i = 0; i < std::max(a.size(), b.size()); ++i) {
     std::string x = i < a.size() ? a[i] : "(nothing)";
     std::string y = i < b.size() ? b[i] : "(nothing)";
-    if (x != y) return "rank 0 has \"" + x + "\" where rank " + std::to_string(rank) + " has \"" + y + "\"";
+    if (x != y) return "rank 0 has " + base::quote(x) + " where rank " + std::to_string(rank) + " has " + base::quote(y);
   }
   return "";
 }
