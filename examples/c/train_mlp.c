@@ -2,18 +2,26 @@
  * threads of this process, FULL_SHARD with bf16 params, printing the loss and
  * each rank's memory, beside the loss of the same training run on 1 rank.
  *
- *   train_mlp [--ranks N] [--steps S] [--dtype bf16|fp16|fp32] [--sharding S] [--check 1]
- *             [--trace PREFIX]   (writes PREFIX.rankR.json, Chrome trace, of the last 2 steps)
+ *   train_mlp [--ranks N] [--steps S] [--dtype bf16|fp16|fp32] [--sharding S]
+ *             [--save DIR] [--resume DIR] [--check] [--trace PREFIX]
+ *
+ * --save DIR writes a sharded checkpoint of the N-rank run after its last step;
+ * --resume DIR loads one (written at any rank count) into both runs before
+ * their first step, so the N-rank and the 1-rank run go on from it; steps are
+ * numbered on from the checkpoint's. --trace PREFIX writes PREFIX.rankR.json
+ * (Chrome trace) of the last 2 steps.
  *
  * Started by mpirun instead, each process is one rank (comm=auto picks mpi):
  *
  *   mpirun -np 4 train_mlp [--steps S] ...   (FSDP_* variables set options, e.g. -x FSDP_OFFLOAD=cpu)
  *
- * and rank 0 prints the loss on its own rows; every rank prints its memory.
+ * and rank 0 prints everything: the loss of the whole batch and every rank's
+ * memory, which it gets with fsdp_metrics_reduce, so output lines never mix.
  *
- * With --check 1 it exits with status 1 unless the loss fell at least 4x and the
- * N-rank loss stays within 20% of the 1-rank loss (bf16 rounds each rank's
- * grads separately, so the two runs are close, not identical).
+ * With --check it exits with status 1 unless the loss fell at least 4x (after
+ * --resume: did not rise) and the N-rank loss stays within 20% of the 1-rank
+ * loss (bf16 rounds each rank's grads separately, so the two runs are close,
+ * not identical).
  *
  * The model code below is what a host framework provides: forward and backward
  * of Linear+tanh layers by hand. libfsdp owns the parameters, gradients,
@@ -34,23 +42,25 @@ static const int kDims[N_LAYERS + 1] = {32, 256, 256, 256, 8};
 
 typedef struct {
   int ranks, steps, print_every, check;
-  const char *dtype, *sharding, *trace;
+  const char *dtype, *sharding, *trace, *save, *resume;
 } options_t;
+
+/* What every rank reports to rank 0 (through fsdp_metrics_reduce). */
+enum { MEM_PARAMS, MEM_GRADS, MEM_OPTIM, MEM_GATHERED_PEAK, MEM_TOTAL_PEAK, MEM_DEVICE_PEAK, MEM_HOST_PEAK, N_MEM };
 
 typedef struct {
   options_t opt;
   int world, rank; /* rank -1: this process is one rank of an mpirun job (group NULL) */
-  int slot;        /* this rank's index in the arrays below */
   fsdp_local_group_t* group;
-  pthread_barrier_t* barrier;
-  double* losses;           /* [steps] global loss, written by rank 0 */
-  double* rank_loss;        /* [world] this step's loss per rank */
-  fsdp_memory_stats_t* mem; /* [world] final memory per rank */
+  double* losses; /* [steps] loss of the whole batch, written by rank 0 */
+  double* mem;    /* [world][N_MEM] every rank's memory in bytes, written by rank 0 */
   int failed;
 } job_t;
 
-/* The strategy and dtype in effect (FSDP_* variables may override the flags). */
+/* The strategy and dtype in effect (FSDP_* variables may override the flags),
+ * and the step the runs started from (after --resume: the checkpoint's). */
 static char g_sharding[32], g_dtype[16];
+static long g_first_step;
 
 #define CHECK(call)                                                                                                \
   do {                                                                                                             \
@@ -105,6 +115,22 @@ static void add_to(void* p, size_t i, float v, fsdp_dtype_t t) {
     ((uint16_t*)p)[i] = f32_to_half(load(p, i, t) + v, t);
 }
 
+/* The optimizer step a checkpoint was saved at: "step" in the "optimizer"
+ * object of DIR/fsdp_checkpoint.json (docs/checkpoints.md). A C host without
+ * a JSON parser can find it with strstr; -1 if it cannot. */
+static long checkpoint_step(const char* dir) {
+  char path[1024], text[65536], *opt, *step;
+  size_t n;
+  FILE* f;
+  snprintf(path, sizeof path, "%s/fsdp_checkpoint.json", dir);
+  if (!(f = fopen(path, "rb"))) return -1;
+  n = fread(text, 1, sizeof text - 1, f);
+  fclose(f);
+  text[n] = '\0';
+  if (!(opt = strstr(text, "\"optimizer\"")) || !(step = strstr(opt, "\"step\":"))) return -1;
+  return strtol(step + 7, NULL, 10);
+}
+
 /* ---- deterministic data: inputs and targets from a fixed teacher ---- */
 static float uniform(uint64_t* state) { /* splitmix64 -> [-1, 1) */
   uint64_t z = (*state += 0x9e3779b97f4a7c15ull);
@@ -133,7 +159,9 @@ static void* train(void* arg) {
   fsdp_ctx_t* ctx = NULL;
   fsdp_unit_t* units[N_LAYERS];
   fsdp_dtype_t dt;
-  int l, step, rows, row0;
+  int l, step, rows, row0, is_root;
+  double* mem_all;
+  fsdp_memory_stats_t m;
   float *act[N_LAYERS + 1], *dact[N_LAYERS + 1];
 
   CHECK(fsdp_config_create(&cfg));
@@ -146,15 +174,17 @@ static void* train(void* arg) {
   CHECK(fsdp_config_set(cfg, "no_weight_decay", "*bias"));
   CHECK(fsdp_config_set(cfg, "max_grad_norm", "1.0"));
   CHECK(fsdp_config_from_env(cfg)); /* FSDP_* variables override the above */
-  if (job->slot == 0) {
+  if (job->rank <= 0) {
     CHECK(fsdp_config_get(cfg, "sharding", g_sharding, sizeof g_sharding, NULL));
     CHECK(fsdp_config_get(cfg, "param_dtype", g_dtype, sizeof g_dtype, NULL));
   }
   CHECK(fsdp_ctx_create(cfg, job->group, job->rank, &ctx));
   fsdp_config_destroy(cfg);
+  is_root = job->rank <= 0; /* thread-rank 0, or rank 0's process (checked below) */
   CHECK(fsdp_ctx_param_dtype(ctx, &dt));
   CHECK(fsdp_ctx_rank(ctx, &job->rank));
   CHECK(fsdp_ctx_world_size(ctx, &job->world));
+  is_root = job->rank == 0;
   if (GLOBAL_BATCH % job->world) {
     fprintf(stderr, "rank %d: the world size %d must divide the batch of %d\n", job->rank, job->world, GLOBAL_BATCH);
     job->failed = 1;
@@ -183,6 +213,7 @@ static void* train(void* arg) {
     free(w);
     free(b);
   }
+  if (job->opt.resume) CHECK(fsdp_load(ctx, job->opt.resume)); /* any rank count; params, AdamW state, step */
   for (l = 0; l <= N_LAYERS; ++l) {
     act[l] = calloc((size_t)(rows * kDims[l]), sizeof(float));
     dact[l] = calloc((size_t)(rows * kDims[l]), sizeof(float));
@@ -242,23 +273,34 @@ static void* train(void* arg) {
       CHECK(fsdp_backward_end(units[l], NULL));
     }
     CHECK(fsdp_step(ctx, NULL));
-    job->rank_loss[job->slot] = loss;
-    pthread_barrier_wait(job->barrier);
-    if (job->slot == 0) { /* every rank's rows weigh the same (one process of mpirun: its own rows) */
-      int n = job->group == NULL ? 1 : job->world;
-      double s = 0.0;
-      for (r = 0; r < n; ++r) s += job->rank_loss[r];
-      job->losses[step] = s / n;
-    }
-    pthread_barrier_wait(job->barrier);
+    /* Every rank's rows weigh the same: the batch's loss is the mean of the ranks'. */
+    CHECK(fsdp_metrics_reduce(ctx, &loss, 1, FSDP_REDUCE_AVG));
+    if (is_root) job->losses[step] = loss;
   }
   if (job->opt.trace) {
     char path[512];
     snprintf(path, sizeof path, "%s.rank%d.json", job->opt.trace, job->rank);
     CHECK(fsdp_trace_write(ctx, path));
   }
-  job->mem[job->slot].struct_size = sizeof(fsdp_memory_stats_t);
-  CHECK(fsdp_memory_stats(ctx, &job->mem[job->slot]));
+  if (job->opt.save) CHECK(fsdp_save(ctx, job->opt.save, "sharded"));
+  /* Rank 0 learns every rank's memory: each fills its own row, the sum fills all. */
+  memset(&m, 0, sizeof m);
+  m.struct_size = sizeof m;
+  CHECK(fsdp_memory_stats(ctx, &m));
+  mem_all = calloc((size_t)job->world * N_MEM, sizeof(double));
+  {
+    double* mine = mem_all + (size_t)job->rank * N_MEM;
+    mine[MEM_PARAMS] = (double)m.sharded_params_nbytes;
+    mine[MEM_GRADS] = (double)m.sharded_grads_nbytes;
+    mine[MEM_OPTIM] = (double)m.optimizer_state_nbytes;
+    mine[MEM_GATHERED_PEAK] = (double)m.gathered_params_peak_nbytes;
+    mine[MEM_TOTAL_PEAK] = (double)m.total_peak_nbytes;
+    mine[MEM_DEVICE_PEAK] = (double)m.device_peak_nbytes;
+    mine[MEM_HOST_PEAK] = (double)m.host_peak_nbytes;
+  }
+  CHECK(fsdp_metrics_reduce(ctx, mem_all, (size_t)job->world * N_MEM, FSDP_REDUCE_SUM));
+  if (is_root) memcpy(job->mem, mem_all, sizeof(double) * (size_t)job->world * N_MEM);
+  free(mem_all);
   CHECK(fsdp_ctx_finalize(ctx));
   fsdp_ctx_destroy(ctx);
   for (l = 0; l <= N_LAYERS; ++l) {
@@ -268,43 +310,36 @@ static void* train(void* arg) {
   return NULL;
 }
 
-/* Runs the job on `world` thread-ranks (world 0: one rank of an mpirun job);
- * returns 0 on success. */
-static int run(const options_t* opt, int world, double* losses, fsdp_memory_stats_t* mem) {
+/* Runs the job on `world` thread-ranks (world 0: this process is one rank of
+ * an mpirun job); rank 0 fills losses[steps] and mem[world][N_MEM]. Returns 0
+ * on success. */
+static int run(const options_t* opt, int world, double* losses, double* mem) {
   int launched = world == 0;
   pthread_t threads[MAX_RANKS];
   job_t jobs[MAX_RANKS];
-  double rank_loss[MAX_RANKS];
-  pthread_barrier_t barrier;
   fsdp_local_group_t* group = NULL;
-  int r, failed = 0;
-  if (launched) {
-    world = 1; /* one thread here */
-  } else if (fsdp_local_group_create(world, &group) != FSDP_OK) {
+  int r, n = launched ? 1 : world, failed = 0;
+  if (!launched && fsdp_local_group_create(world, &group) != FSDP_OK) {
     fprintf(stderr, "fsdp_local_group_create: %s\n", fsdp_last_error());
     return 1;
   }
-  pthread_barrier_init(&barrier, NULL, (unsigned)world);
-  for (r = 0; r < world; ++r) {
-    job_t j;
-    memset(&j, 0, sizeof j);
-    j.opt = *opt;
-    j.world = world;
-    j.rank = launched ? -1 : r;
-    j.slot = r;
-    j.group = group;
-    j.barrier = &barrier;
-    j.losses = losses;
-    j.rank_loss = rank_loss;
-    j.mem = mem;
-    jobs[r] = j;
-    pthread_create(&threads[r], NULL, train, &jobs[r]);
+  for (r = 0; r < n; ++r) {
+    memset(&jobs[r], 0, sizeof jobs[r]);
+    jobs[r].opt = *opt;
+    jobs[r].world = world;
+    jobs[r].rank = launched ? -1 : r;
+    jobs[r].group = group;
+    jobs[r].losses = losses;
+    jobs[r].mem = mem;
+    if (pthread_create(&threads[r], NULL, train, &jobs[r]) != 0) {
+      fprintf(stderr, "pthread_create failed\n");
+      return 1;
+    }
   }
-  for (r = 0; r < world; ++r) {
+  for (r = 0; r < n; ++r) {
     pthread_join(threads[r], NULL);
     failed |= jobs[r].failed;
   }
-  pthread_barrier_destroy(&barrier);
   fsdp_local_group_destroy(group);
   return failed;
 }
@@ -318,99 +353,144 @@ static int launcher_world(void) {
   return v == NULL ? 0 : atoi(v);
 }
 
-static void print_memory_header(void) {
-  printf("\nper-rank memory (MiB)        params   grads   optim  gathered-peak  total-peak  (device / host)\n");
+static void print_loss_legend(void) {
+  printf("step: optimizer step (after --resume: numbered on from the checkpoint's); loss: 0.5 * squared error\n"
+         "summed over the 8 outputs, mean over the %d rows, in the step's forward (before its update)\n",
+         GLOBAL_BATCH);
 }
-static void print_memory(const char* who, const fsdp_memory_stats_t* m) {
-  printf("  %-24s %7.3f %7.3f %7.3f  %13.3f  %10.3f  (%.3f / %.3f)\n", who, mib(m->sharded_params_nbytes),
-         mib(m->sharded_grads_nbytes), mib(m->optimizer_state_nbytes), mib(m->gathered_params_peak_nbytes),
-         mib(m->total_peak_nbytes), mib(m->device_peak_nbytes), mib(m->host_peak_nbytes));
+static void print_memory_header(void) {
+  printf("\nper-rank memory in MiB: params = this rank's param shard (fp32 master + param_dtype copy);\n"
+         "grads = its fp32 grad shard; optim = its AdamW state (m, v); gathered-peak = the most held by full\n"
+         "params gathered for forward and backward; total-peak = the most this rank held at once, all included,\n"
+         "split into device / host peaks (host memory only with offload=cpu)\n");
+  printf("%-26s %7s %7s %7s  %13s  %10s  %s\n", "", "params", "grads", "optim", "gathered-peak", "total-peak",
+         "(device / host)");
+}
+static void print_memory(const char* who, const double* m) {
+  printf("  %-24s %7.3f %7.3f %7.3f  %13.3f  %10.3f  (%.3f / %.3f)\n", who, mib((size_t)m[MEM_PARAMS]),
+         mib((size_t)m[MEM_GRADS]), mib((size_t)m[MEM_OPTIM]), mib((size_t)m[MEM_GATHERED_PEAK]),
+         mib((size_t)m[MEM_TOTAL_PEAK]), mib((size_t)m[MEM_DEVICE_PEAK]), mib((size_t)m[MEM_HOST_PEAK]));
 }
 
-/* One rank of an mpirun job: rank 0 prints the loss on its rows. */
+/* --check: the loss fell at least 4x (after --resume: it did not rise). */
+static int loss_fell(const options_t* opt, const double* losses) {
+  double first = losses[0], last = losses[opt->steps - 1];
+  return opt->resume ? !(last > first) : last * 4.0 < first;
+}
+
+/* One rank of an mpirun job: rank 0 prints everything, the others nothing. */
 static int run_launched(const options_t* opt, int world) {
   double* losses = calloc((size_t)opt->steps, sizeof(double));
-  fsdp_memory_stats_t mem[1];
+  double* mem = calloc((size_t)world * N_MEM, sizeof(double));
   const char* r_env = getenv("OMPI_COMM_WORLD_RANK") ? getenv("OMPI_COMM_WORLD_RANK") : getenv("PMI_RANK");
-  int rank = r_env ? atoi(r_env) : 0, s;
-  char who[64];
+  int rank = r_env ? atoi(r_env) : 0, s, r, rc = 0;
   if (run(opt, 0, losses, mem)) return 1;
   if (rank == 0) {
-    printf("%s\nMLP %d-%d-%d-%d-%d, %d units, global batch %d over %d processes (mpirun), %s, param_dtype %s\n\n",
+    printf("%s\nMLP %d-%d-%d-%d-%d, %d units, global batch %d over %d processes (mpirun), %s, param_dtype %s, AdamW\n",
            fsdp_build_info(), kDims[0], kDims[1], kDims[2], kDims[3], kDims[4], N_LAYERS, GLOBAL_BATCH, world,
            g_sharding, g_dtype);
-    printf("%6s  %18s\n", "step", "loss (rank 0 rows)");
+    if (opt->resume) printf("resumed from %s at step %ld\n", opt->resume, g_first_step);
+    printf("\n");
+    print_loss_legend();
+    printf("%6s  %12s\n", "step", "loss");
     for (s = 0; s < opt->steps; ++s)
-      if (s % opt->print_every == 0 || s == opt->steps - 1) printf("%6d  %18.6f\n", s + 1, losses[s]);
+      if (s % opt->print_every == 0 || s == opt->steps - 1) printf("%6ld  %12.6f\n", g_first_step + s + 1, losses[s]);
     print_memory_header();
-  }
-  fflush(stdout);
-  snprintf(who, sizeof who, "rank %d of %d", rank, world);
-  print_memory(who, &mem[0]);
-  fflush(stdout);
-  s = opt->steps - 1;
-  if (opt->check && !(losses[s] * 4.0 < losses[0])) {
-    fprintf(stderr, "rank %d: check failed: loss %g -> %g\n", rank, losses[0], losses[s]);
-    return 1;
+    for (r = 0; r < world; ++r) {
+      char who[64];
+      snprintf(who, sizeof who, "rank %d of %d", r, world);
+      print_memory(who, mem + (size_t)r * N_MEM);
+    }
+    if (opt->save) printf("\nsaved a sharded checkpoint of step %ld to %s\n", g_first_step + opt->steps, opt->save);
+    fflush(stdout);
+    if (opt->check && !loss_fell(opt, losses)) {
+      fprintf(stderr, "check failed: loss %g -> %g\n", losses[0], losses[opt->steps - 1]);
+      rc = 1;
+    }
   }
   free(losses);
-  return 0;
+  free(mem);
+  return rc;
 }
 
 int main(int argc, char** argv) {
-  options_t opt = {4, 60, 10, 0, "bf16", "FULL_SHARD", NULL};
-  double *loss_n, *loss_1;
-  fsdp_memory_stats_t mem_n[MAX_RANKS], mem_1[1];
-  int a, s, r;
-  for (a = 1; a + 1 < argc; a += 2) {
-    if (!strcmp(argv[a], "--ranks"))
-      opt.ranks = atoi(argv[a + 1]);
-    else if (!strcmp(argv[a], "--steps"))
-      opt.steps = atoi(argv[a + 1]);
-    else if (!strcmp(argv[a], "--dtype"))
-      opt.dtype = argv[a + 1];
-    else if (!strcmp(argv[a], "--sharding"))
-      opt.sharding = argv[a + 1];
-    else if (!strcmp(argv[a], "--check"))
-      opt.check = atoi(argv[a + 1]);
-    else if (!strcmp(argv[a], "--trace"))
-      opt.trace = argv[a + 1];
-    else
-      break;
+  options_t opt = {4, 60, 10, 0, "bf16", "FULL_SHARD", NULL, NULL, NULL}, one;
+  double *loss_n, *loss_1, *mem_n, *mem_1;
+  int a, s, r, bad = 0;
+  for (a = 1; a < argc && !bad; ++a) {
+    const char* v = a + 1 < argc ? argv[a + 1] : NULL;
+    if (!strcmp(argv[a], "--check")) {
+      opt.check = 1;
+      continue;
+    }
+    if (v == NULL) {
+      bad = 1;
+    } else if (!strcmp(argv[a], "--ranks")) {
+      opt.ranks = atoi(v);
+    } else if (!strcmp(argv[a], "--steps")) {
+      opt.steps = atoi(v);
+    } else if (!strcmp(argv[a], "--dtype")) {
+      opt.dtype = v;
+    } else if (!strcmp(argv[a], "--sharding")) {
+      opt.sharding = v;
+    } else if (!strcmp(argv[a], "--save")) {
+      opt.save = v;
+    } else if (!strcmp(argv[a], "--resume")) {
+      opt.resume = v;
+    } else if (!strcmp(argv[a], "--trace")) {
+      opt.trace = v;
+    } else {
+      bad = 1;
+    }
+    ++a; /* the value */
   }
-  if (a < argc || opt.ranks < 1 || opt.ranks > MAX_RANKS || GLOBAL_BATCH % opt.ranks || opt.steps < 1) {
+  if (bad || opt.ranks < 1 || opt.ranks > MAX_RANKS || GLOBAL_BATCH % opt.ranks || opt.steps < 1) {
     fprintf(stderr,
-            "usage: %s [--ranks N (divides %d, <= %d)] [--steps S] [--dtype bf16|fp16|fp32] "
-            "[--sharding FULL_SHARD|SHARD_GRAD_OP|NO_SHARD|HYBRID_SHARD|HYBRID_SHARD_ZERO2] [--check 1] "
-            "[--trace PREFIX]\n",
+            "usage: %s [--ranks N (divides %d, <= %d)] [--steps S] [--dtype bf16|fp16|fp32]\n"
+            "       [--sharding FULL_SHARD|SHARD_GRAD_OP|NO_SHARD|HYBRID_SHARD|HYBRID_SHARD_ZERO2]\n"
+            "       [--save DIR] [--resume DIR] [--check] [--trace PREFIX]\n",
             argv[0], GLOBAL_BATCH, MAX_RANKS);
     return 2;
   }
   make_data();
+  if (opt.resume) g_first_step = checkpoint_step(opt.resume) > 0 ? checkpoint_step(opt.resume) : 0;
   if (launcher_world() > 1) return run_launched(&opt, launcher_world());
   loss_n = calloc((size_t)opt.steps, sizeof(double));
   loss_1 = calloc((size_t)opt.steps, sizeof(double));
-  if (run(&opt, opt.ranks, loss_n, mem_n) || run(&opt, 1, loss_1, mem_1)) return 1;
-  printf("%s\nMLP %d-%d-%d-%d-%d, %d units, global batch %d, %s, param_dtype %s, AdamW\n\n", fsdp_build_info(),
+  mem_n = calloc((size_t)opt.ranks * N_MEM, sizeof(double));
+  mem_1 = calloc(N_MEM, sizeof(double));
+  one = opt; /* the 1-rank run beside it: same data, same start, writes nothing */
+  one.save = NULL;
+  one.trace = NULL;
+  if (run(&opt, opt.ranks, loss_n, mem_n) || run(&one, 1, loss_1, mem_1)) return 1;
+  printf("%s\nMLP %d-%d-%d-%d-%d, %d units, global batch %d, %s, param_dtype %s, AdamW\n", fsdp_build_info(),
          kDims[0], kDims[1], kDims[2], kDims[3], kDims[4], N_LAYERS, GLOBAL_BATCH, g_sharding, g_dtype);
-
+  if (opt.resume) printf("both runs resumed from %s at step %ld\n", opt.resume, g_first_step);
+  printf("\n");
+  print_loss_legend();
+  printf("loss (N ranks): %d thread-ranks, each on %d rows; loss (1 rank): the same training unsharded on one rank\n",
+         opt.ranks, GLOBAL_BATCH / opt.ranks);
   printf("%6s  %14s  %14s\n", "step", "loss (N ranks)", "loss (1 rank)");
   for (s = 0; s < opt.steps; ++s)
-    if (s % opt.print_every == 0 || s == opt.steps - 1) printf("%6d  %14.6f  %14.6f\n", s + 1, loss_n[s], loss_1[s]);
+    if (s % opt.print_every == 0 || s == opt.steps - 1)
+      printf("%6ld  %14.6f  %14.6f\n", g_first_step + s + 1, loss_n[s], loss_1[s]);
   print_memory_header();
   for (r = 0; r < opt.ranks; ++r) {
     char who[64];
     snprintf(who, sizeof who, "rank %d of %d", r, opt.ranks);
-    print_memory(who, &mem_n[r]);
+    print_memory(who, mem_n + (size_t)r * N_MEM);
   }
-  print_memory("1-rank run", &mem_1[0]);
+  print_memory("1-rank run", mem_1);
+  if (opt.save) printf("\nsaved a sharded checkpoint of step %ld to %s\n", g_first_step + opt.steps, opt.save);
   s = opt.steps - 1;
-  if (opt.check && (!(loss_n[s] * 4.0 < loss_n[0]) || fabs(loss_n[s] - loss_1[s]) > 0.2 * loss_1[s])) {
+  if (opt.check && (!loss_fell(&opt, loss_n) || fabs(loss_n[s] - loss_1[s]) > 0.2 * loss_1[s])) {
     fprintf(stderr, "check failed: loss %g -> %g on %d ranks, %g on 1 rank\n", loss_n[0], loss_n[s], opt.ranks,
             loss_1[s]);
     return 1;
   }
   free(loss_n);
   free(loss_1);
+  free(mem_n);
+  free(mem_1);
   return 0;
 }
