@@ -9,7 +9,7 @@ command -v make >/dev/null || missing+=(make)
 command -v nm >/dev/null || missing+=(binutils)
 command -v pkg-config >/dev/null || missing+=(pkg-config)
 command -v python3 >/dev/null || missing+=(python3)
-# The Python binding's tests run in a venv (numpy and pytest from PyPI).
+# The Python binding's tests run in a venv (numpy, pytest and scikit-build-core from PyPI).
 python3 -c "import venv, ensurepip" 2>/dev/null || missing+=(python3-venv)
 # The Go binding (cgo, standard library only).
 command -v go >/dev/null || missing+=(golang-go)

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Every test: builds libfsdp with its tests (default preset), runs CTest, then
-# the Python binding's tests (tools/test_python.sh) and the Go binding's
-# (tools/test_go.sh) against the library just built. With --asan or --tsan,
+# the Python binding's tests (tools/test_python.sh: a fresh venv and
+# `pip install ./bindings/python`, which builds its own libfsdp into the
+# package) and the Go binding's (tools/test_go.sh) against the library just
+# built. With --asan or --tsan,
 # runs the C++ suite under that sanitizer preset instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,6 +20,6 @@ cmake --preset "$preset" -DFSDP_BUILD_TESTS=ON >/dev/null
 cmake --build --preset "$preset" -j"$(nproc)"
 ctest --preset "$preset" -j"$(nproc)"
 if [ "$preset" = default ]; then
-  tools/test_python.sh "build/default/src/libfsdp.so"
+  tools/test_python.sh
   tools/test_go.sh build/default
 fi
