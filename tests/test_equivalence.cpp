@@ -405,8 +405,8 @@ LibResult lib_train(const Case& c, const Model& m, const Params& init, const Dat
     for (int step = 0; step < kSteps; ++step) {
       for (int k = 0; k < c.micro; ++k) {
         if (c.no_sync) ASSERT_OK(fsdp_set_grad_sync(ctx.get(), k + 1 == c.micro ? 1 : 0));
-        (c.backward_only ? lib_pass_backward_only : lib_pass)(m, units, dt, d, rank * rows + k * micro_rows,
-                                                              micro_rows, 1.f / float(c.micro),
+        (c.backward_only ? lib_pass_backward_only : lib_pass)(m, units, dt, d, rank * rows + k * micro_rows, micro_rows,
+                                                              1.f / float(c.micro),
                                                               step == 0 && init_known ? &init_rounded : nullptr);
         if (::testing::Test::HasFatalFailure()) return;
       }

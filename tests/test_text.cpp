@@ -4,6 +4,8 @@
 // a decimal comma (de_DE); unit and param names that a checkpoint or another
 // language could not hold are refused at registration; user strings in
 // messages are escaped and cut, so a 1 MiB key does not make a 1 MiB message.
+#include <sys/stat.h>
+#include <unistd.h>
 #include <clocale>
 #include <cmath>
 #include <cstdio>
@@ -15,8 +17,6 @@
 #include <regex>
 #include <sstream>
 #include <string>
-#include <sys/stat.h>
-#include <unistd.h>
 #include <vector>
 
 #include "rank_runner.h"
@@ -232,10 +232,10 @@ TEST(Names, NamesThatAreNotUtf8OrHoldControlCharactersAreRefusedAtRegistration) 
   };
   const std::vector<Bad> bad = {
       {"\xff\xfe", "w", "the unit name is not valid UTF-8 (\\xff at byte 0)"},
-      {"u", "w\xc3", "names[1] 'w\\xc3' is not valid UTF-8 (\\xc3 at byte 1)"},            // cut sequence
-      {"u", "\xc0\xaf", "names[1] '\\xc0\\xaf' is not valid UTF-8"},                        // overlong '/'
-      {"u", "\xed\xa0\x80", "names[1] '\\xed\\xa0\\x80' is not valid UTF-8"},               // a surrogate
-      {"u", "a\tb", "names[1] 'a\\x09b' holds a control character (\\x09 at byte 1)"},      // tab
+      {"u", "w\xc3", "names[1] 'w\\xc3' is not valid UTF-8 (\\xc3 at byte 1)"},           // cut sequence
+      {"u", "\xc0\xaf", "names[1] '\\xc0\\xaf' is not valid UTF-8"},                      // overlong '/'
+      {"u", "\xed\xa0\x80", "names[1] '\\xed\\xa0\\x80' is not valid UTF-8"},             // a surrogate
+      {"u", "a\tb", "names[1] 'a\\x09b' holds a control character (\\x09 at byte 1)"},    // tab
       {"line\nbreak", "w", "the unit name holds a control character (\\x0a at byte 4)"},  // newline
       {"u", "del\x7f", "names[1] 'del\\x7f' holds a control character"}};
   const std::string dir = ::testing::TempDir() + "fsdp_names_ckpt";
@@ -361,10 +361,23 @@ std::string c_number(double v) {
 }  // namespace
 
 TEST(Config, EveryNumericRangeInAMessageIsTheOneCheckedAndTheOneDocumented) {
-  const std::vector<std::string> keys = {"lr", "beta1", "beta2", "eps", "weight_decay", "momentum",
-                                         "max_grad_norm", "timeout_s", "loss_scale", "loss_scale_init",
-                                         "loss_scale_growth", "loss_scale_backoff", "align_bytes", "threads",
-                                         "shard_group_size", "limit_all_gathers", "loss_scale_growth_interval"};
+  const std::vector<std::string> keys = {"lr",
+                                         "beta1",
+                                         "beta2",
+                                         "eps",
+                                         "weight_decay",
+                                         "momentum",
+                                         "max_grad_norm",
+                                         "timeout_s",
+                                         "loss_scale",
+                                         "loss_scale_init",
+                                         "loss_scale_growth",
+                                         "loss_scale_backoff",
+                                         "align_bytes",
+                                         "threads",
+                                         "shard_group_size",
+                                         "limit_all_gathers",
+                                         "loss_scale_growth_interval"};
   const std::regex range(R"(in ([\[(])([-+0-9.e]+), ([-+0-9.e]+)([\])]))");
   for (const std::string& key : keys) {
     SCOPED_TRACE(key);

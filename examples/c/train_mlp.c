@@ -354,15 +354,17 @@ static int launcher_world(void) {
 }
 
 static void print_loss_legend(void) {
-  printf("step: optimizer step (after --resume: numbered on from the checkpoint's); loss: 0.5 * squared error\n"
-         "summed over the 8 outputs, mean over the %d rows, in the step's forward (before its update)\n",
-         GLOBAL_BATCH);
+  printf(
+      "step: optimizer step (after --resume: numbered on from the checkpoint's); loss: 0.5 * squared error\n"
+      "summed over the 8 outputs, mean over the %d rows, in the step's forward (before its update)\n",
+      GLOBAL_BATCH);
 }
 static void print_memory_header(void) {
-  printf("\nper-rank memory in MiB: params = this rank's param shard (fp32 master + param_dtype copy);\n"
-         "grads = its fp32 grad shard; optim = its AdamW state (m, v); gathered-peak = the most held by full\n"
-         "params gathered for forward and backward; total-peak = the most this rank held at once, all included,\n"
-         "split into device / host peaks (host memory only with offload=cpu)\n");
+  printf(
+      "\nper-rank memory in MiB: params = this rank's param shard (fp32 master + param_dtype copy);\n"
+      "grads = its fp32 grad shard; optim = its AdamW state (m, v); gathered-peak = the most held by full\n"
+      "params gathered for forward and backward; total-peak = the most this rank held at once, all included,\n"
+      "split into device / host peaks (host memory only with offload=cpu)\n");
   printf("%-26s %7s %7s %7s  %13s  %10s  %s\n", "", "params", "grads", "optim", "gathered-peak", "total-peak",
          "(device / host)");
 }
@@ -463,8 +465,8 @@ int main(int argc, char** argv) {
   one.save = NULL;
   one.trace = NULL;
   if (run(&opt, opt.ranks, loss_n, mem_n) || run(&one, 1, loss_1, mem_1)) return 1;
-  printf("%s\nMLP %d-%d-%d-%d-%d, %d units, global batch %d, %s, param_dtype %s, AdamW\n", fsdp_build_info(),
-         kDims[0], kDims[1], kDims[2], kDims[3], kDims[4], N_LAYERS, GLOBAL_BATCH, g_sharding, g_dtype);
+  printf("%s\nMLP %d-%d-%d-%d-%d, %d units, global batch %d, %s, param_dtype %s, AdamW\n", fsdp_build_info(), kDims[0],
+         kDims[1], kDims[2], kDims[3], kDims[4], N_LAYERS, GLOBAL_BATCH, g_sharding, g_dtype);
   if (opt.resume) printf("both runs resumed from %s at step %ld\n", opt.resume, g_first_step);
   printf("\n");
   print_loss_legend();

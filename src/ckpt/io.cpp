@@ -94,8 +94,8 @@ void File::pread_exact(uint64_t offset, void* buf, size_t n) const {
       io_fail("cannot read", path_, errno);
     }
     if (got == 0) {
-      fail(FSDP_ERR_CORRUPT,
-           "checkpoint file " + base::quote_path(path_) + " is truncated: it ends before byte " + std::to_string(offset + n));
+      fail(FSDP_ERR_CORRUPT, "checkpoint file " + base::quote_path(path_) + " is truncated: it ends before byte " +
+                                 std::to_string(offset + n));
     }
     p += got;
     n -= static_cast<size_t>(got);
@@ -248,7 +248,8 @@ std::string commit_dir(const std::string& staged, const std::string& dir) {
   sync_dir(staged);
   std::string old;  // the previous checkpoint once the new one is in place
   if (!path_exists(target)) {
-    if (::rename(staged.c_str(), target.c_str()) != 0) io_fail("cannot rename " + base::quote_path(staged) + " to", target, errno);
+    if (::rename(staged.c_str(), target.c_str()) != 0)
+      io_fail("cannot rename " + base::quote_path(staged) + " to", target, errno);
   } else {
     long rc = -1;
     int err = EINVAL;  // what a file system without exchange answers

@@ -23,8 +23,8 @@ class Fields {
     if (!j_.is_object()) bad("is not an object");
   }
   [[noreturn]] void bad(const std::string& msg) const {
-    fail(FSDP_ERR_CORRUPT,
-         "checkpoint metadata " + base::quote_path(file_) + ": " + (path_.empty() ? "the document" : path_) + " " + msg);
+    fail(FSDP_ERR_CORRUPT, "checkpoint metadata " + base::quote_path(file_) + ": " +
+                               (path_.empty() ? "the document" : path_) + " " + msg);
   }
   const json& get(const char* key) const {
     auto it = j_.find(key);

@@ -13,11 +13,14 @@ namespace fsdp::ckpt {
 
 CheckpointReader::CheckpointReader(std::string dir) : dir_(std::move(dir)) {
   std::string path = join(dir_, kMetaFile);
-  if (!path_exists(dir_)) fail(FSDP_ERR_INVALID_ARGUMENT, "checkpoint directory " + base::quote_path(dir_) + " does not exist");
-  if (!is_dir(dir_)) fail(FSDP_ERR_INVALID_ARGUMENT, base::quote_path(dir_) + " is not a checkpoint directory (it is a file)");
+  if (!path_exists(dir_))
+    fail(FSDP_ERR_INVALID_ARGUMENT, "checkpoint directory " + base::quote_path(dir_) + " does not exist");
+  if (!is_dir(dir_))
+    fail(FSDP_ERR_INVALID_ARGUMENT, base::quote_path(dir_) + " is not a checkpoint directory (it is a file)");
   File f = File::open_read(path);
   uint64_t size = f.size();
-  if (size > (uint64_t{1} << 30)) fail(FSDP_ERR_CORRUPT, "checkpoint metadata " + base::quote_path(path) + " is over 1 GiB");
+  if (size > (uint64_t{1} << 30))
+    fail(FSDP_ERR_CORRUPT, "checkpoint metadata " + base::quote_path(path) + " is over 1 GiB");
   std::string text(size, '\0');
   f.pread_exact(0, text.data(), size);
   File c = File::open_read(join(dir_, kMetaCrcFile));
@@ -27,11 +30,12 @@ CheckpointReader::CheckpointReader(std::string dir) : dir_(std::move(dir)) {
   char* end = nullptr;
   unsigned long want = std::strtoul(hex, &end, 16);
   if (!(n == 9 && end == hex + 8 && hex[8] == '\n')) {
-    fail(FSDP_ERR_CORRUPT, "checkpoint file " + base::quote_path(c.path()) + " does not hold a CRC-32 (8 hex digits and a newline)");
+    fail(FSDP_ERR_CORRUPT,
+         "checkpoint file " + base::quote_path(c.path()) + " does not hold a CRC-32 (8 hex digits and a newline)");
   }
   if (crc32_of(text.data(), text.size()) != want) {
-    fail(FSDP_ERR_CORRUPT,
-         "checkpoint metadata " + base::quote_path(path) + " fails its checksum (" + kMetaCrcFile + "): it was changed or damaged");
+    fail(FSDP_ERR_CORRUPT, "checkpoint metadata " + base::quote_path(path) + " fails its checksum (" + kMetaCrcFile +
+                               "): it was changed or damaged");
   }
   meta_ = parse_meta(path, text);
 }
@@ -52,8 +56,8 @@ const Reader& CheckpointReader::file(const std::string& name) {
       if (meta_.sharded()) {
         const TensorInfo& t = r->tensor(shard_tensor(u, k));
         if (t.nbytes() != um.shard_numel(meta_.shard_world) * 4) {
-          fail(FSDP_ERR_CORRUPT, "checkpoint file " + base::quote_path(r->path()) + ": tensor " + base::quote(t.name) + " has " +
-                                     std::to_string(t.nbytes()) + " bytes, the layout needs " +
+          fail(FSDP_ERR_CORRUPT, "checkpoint file " + base::quote_path(r->path()) + ": tensor " + base::quote(t.name) +
+                                     " has " + std::to_string(t.nbytes()) + " bytes, the layout needs " +
                                      std::to_string(um.shard_numel(meta_.shard_world) * 4));
         }
         continue;

@@ -120,8 +120,9 @@ Header parse_header(const std::string& file, const char* text, size_t n, uint64_
   uint64_t pos = 0;
   for (const TensorInfo& t : h.tensors) {
     if (t.begin != pos) {
-      corrupt(file, "tensor " + base::quote(t.name) + " starts at data byte " + std::to_string(t.begin) + ", expected " +
-                        std::to_string(pos) + " (tensors must tile the data section without gaps or overlaps)");
+      corrupt(file, "tensor " + base::quote(t.name) + " starts at data byte " + std::to_string(t.begin) +
+                        ", expected " + std::to_string(pos) +
+                        " (tensors must tile the data section without gaps or overlaps)");
     }
     pos = t.end;
   }
@@ -210,8 +211,8 @@ FileRecord Writer::finish() {
     in_cur_ = 0;
   }
   if (cur_ != entries_.size()) {
-    fail(FSDP_ERR_INTERNAL, "checkpoint writer: tensor " + base::quote(entries_[cur_].name) + " of " + base::quote_path(file_.path()) +
-                                " was not completely written");
+    fail(FSDP_ERR_INTERNAL, "checkpoint writer: tensor " + base::quote(entries_[cur_].name) + " of " +
+                                base::quote_path(file_.path()) + " was not completely written");
   }
   flush();
   file_.sync();
@@ -248,7 +249,8 @@ Reader::Reader(const std::string& path, const FileRecord* expect, uint64_t chunk
     const TensorInfo& t = tensor(name);
     uint64_t chunks = (t.nbytes() + chunk_bytes_ - 1) / chunk_bytes_;
     if (t.dtype != "F32" || sums.chunks.size() != chunks) {
-      corrupt(path, "tensor " + base::quote(name) + " does not match the checkpoint metadata (dtype or checksum count)");
+      corrupt(path,
+              "tensor " + base::quote(name) + " does not match the checkpoint metadata (dtype or checksum count)");
     }
   }
   if (header_.tensors.size() != expect_->tensors.size()) {
@@ -274,7 +276,8 @@ void Reader::check_chunk(const TensorInfo& t, uint64_t chunk, const char* data, 
 void Reader::read(const std::string& name, uint64_t offset, uint64_t n, void* out) const {
   const TensorInfo& t = tensor(name);
   if (offset > t.nbytes() || n > t.nbytes() - offset) {
-    fail(FSDP_ERR_INTERNAL, "checkpoint read past the end of tensor " + base::quote(name) + " in " + base::quote_path(path()));
+    fail(FSDP_ERR_INTERNAL,
+         "checkpoint read past the end of tensor " + base::quote(name) + " in " + base::quote_path(path()));
   }
   if (n == 0) return;
   uint64_t base = header_.data_start() + t.begin;
@@ -317,14 +320,16 @@ std::string Reader::verify_all() const {
       file_.pread_exact(header_.data_start() + t.begin + k * chunk_bytes_, buf.data(), len);
       uint32_t crc = crc32_of(buf.data(), len);
       if (crc != sums.chunks[k] && chunk_ok) {
-        problems += "checkpoint file " + base::quote_path(path()) + ": tensor " + base::quote(t.name) + " fails its checksum in bytes [" +
-                    std::to_string(k * chunk_bytes_) + ", " + std::to_string(k * chunk_bytes_ + len) + ")\n";
+        problems += "checkpoint file " + base::quote_path(path()) + ": tensor " + base::quote(t.name) +
+                    " fails its checksum in bytes [" + std::to_string(k * chunk_bytes_) + ", " +
+                    std::to_string(k * chunk_bytes_ + len) + ")\n";
         chunk_ok = false;
       }
       whole = static_cast<uint32_t>(::crc32_combine(whole, crc, static_cast<z_off_t>(len)));
     }
     if (chunk_ok && whole != sums.crc32) {
-      problems += "checkpoint file " + base::quote_path(path()) + ": tensor " + base::quote(t.name) + " fails its whole-tensor checksum\n";
+      problems += "checkpoint file " + base::quote_path(path()) + ": tensor " + base::quote(t.name) +
+                  " fails its whole-tensor checksum\n";
     }
   }
   return problems;

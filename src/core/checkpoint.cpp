@@ -77,7 +77,8 @@ std::vector<ckpt::FileRecord> Context::write_shard_file(const std::string& stage
   // groups, NO_SHARD's other ranks) hold the same shards and write nothing.
   if (rt_.rank >= rt_.shard_world()) return {};
   if (ckpt::inject_io_error(rt_.rank)) {
-    fail(FSDP_ERR_IO, "cannot write " + base::quote_path(ckpt::join(staged, ckpt::shard_file(rt_.shard_rank(), meta.shard_world))) +
+    fail(FSDP_ERR_IO, "cannot write " +
+                          base::quote_path(ckpt::join(staged, ckpt::shard_file(rt_.shard_rank(), meta.shard_world))) +
                           ": injected by FSDP_CKPT_FAULT");
   }
   std::unique_ptr<ckpt::Writer> w = ckpt::create_shard_file(staged, meta, rt_.shard_rank());
@@ -190,7 +191,8 @@ void Context::save(const std::string& dir, const std::string& kind) {
       }
       ckpt::write_meta(staged, meta);
       std::string warning = ckpt::commit_dir(staged, dir);
-      if (!warning.empty()) log(FSDP_LOG_WARN, rt_.rank, "fsdp_save to " + base::quote_path(dir) + " succeeded, but " + warning);
+      if (!warning.empty())
+        log(FSDP_LOG_WARN, rt_.rank, "fsdp_save to " + base::quote_path(dir) + " succeeded, but " + warning);
     });
     check_outcomes(*rt_.comm, what + " (commit)", commit.status, commit.message);
   } catch (const Error&) {
@@ -205,7 +207,8 @@ void Context::save(const std::string& dir, const std::string& kind) {
 
 void Context::check_loadable(const ckpt::Meta& m, const std::string& file) const {
   auto bad = [&](const std::string& msg) {
-    fail(FSDP_ERR_INVALID_ARGUMENT, "fsdp_load: checkpoint " + base::quote_path(file) + " does not fit this context: " + msg);
+    fail(FSDP_ERR_INVALID_ARGUMENT,
+         "fsdp_load: checkpoint " + base::quote_path(file) + " does not fit this context: " + msg);
   };
   if (m.units.size() != units_.size()) {
     bad("it holds " + std::to_string(m.units.size()) + " units, this context registered " +
@@ -226,8 +229,8 @@ void Context::check_loadable(const ckpt::Meta& m, const std::string& file) const
       if (cp.name != p.name)
         bad(where + " param " + std::to_string(i) + " is " + base::quote(cp.name) + ", here " + base::quote(p.name));
       if (cp.shape != p.shape) {
-        bad("tensor " + base::quote(p.name) + " of " + where + " has shape " + ckpt::shape_string(cp.shape) + ", registered " +
-            ckpt::shape_string(p.shape));
+        bad("tensor " + base::quote(p.name) + " of " + where + " has shape " + ckpt::shape_string(cp.shape) +
+            ", registered " + ckpt::shape_string(p.shape));
       }
     }
   }
@@ -238,8 +241,8 @@ void Context::check_loadable(const ckpt::Meta& m, const std::string& file) const
       for (const auto& x : v) s += (s.empty() ? "" : ", ") + x;
       return "[" + s + "]";
     };
-    bad("its optimizer " + base::quote(m.optimizer.kind) + " keeps state " + list(m.optimizer.state) + ", this context's '" +
-        optimizer_name(rt_.opts.optimizer) + "' keeps " + list(states));
+    bad("its optimizer " + base::quote(m.optimizer.kind) + " keeps state " + list(m.optimizer.state) +
+        ", this context's '" + optimizer_name(rt_.opts.optimizer) + "' keeps " + list(states));
   }
 }
 

@@ -67,7 +67,8 @@ double parse_double(const std::string& key, const std::string& value, Range r, c
   return d;
 }
 
-long parse_int(const std::string& key, const std::string& value, long lo, long hi, const std::string& what = "an integer") {
+long parse_int(const std::string& key, const std::string& value, long lo, long hi,
+               const std::string& what = "an integer") {
   long n = 0;
   if (!base::parse_long(trim(value), &n) || n < lo || n > hi) {
     bad_value(key, value, what + " in " + range_text({double(lo), double(hi)}));
@@ -199,17 +200,19 @@ const std::vector<Entry>& table() {
        [](const Options& o) { return fmt(o.beta2); }},
       {"eps",
        {},
-       [](Options& o, const std::string& v) { o.eps = parse_double("eps", v, {0, 1}); },
+       [](Options& o, const std::string& v) {
+         o.eps = parse_double("eps", v, {0, 1});
+       },
        [](const Options& o) { return fmt(o.eps); }},
       {"weight_decay",
        {},
-       [](Options& o, const std::string& v) {
-         o.weight_decay = parse_double("weight_decay", v, kWeightDecayRange);
-       },
+       [](Options& o, const std::string& v) { o.weight_decay = parse_double("weight_decay", v, kWeightDecayRange); },
        [](const Options& o) { return fmt(o.weight_decay); }},
       {"momentum",
        {},
-       [](Options& o, const std::string& v) { o.momentum = parse_double("momentum", v, {0, 1}); },
+       [](Options& o, const std::string& v) {
+         o.momentum = parse_double("momentum", v, {0, 1});
+       },
        [](const Options& o) { return fmt(o.momentum); }},
       {"nesterov",
        {},
@@ -337,8 +340,7 @@ const std::vector<Entry>& table() {
          } else if (l == "off" || l == "none") {
            o.loss_scale_mode = LossScaleMode::kOff;
          } else {
-           o.loss_scale_static =
-               parse_double("loss_scale", v, {1e-30, 1e30}, "auto, dynamic, off, or a static scale");
+           o.loss_scale_static = parse_double("loss_scale", v, {1e-30, 1e30}, "auto, dynamic, off, or a static scale");
            o.loss_scale_mode = LossScaleMode::kStatic;
          }
        },

@@ -31,7 +31,8 @@ std::string first_difference(const std::string& root, const std::string& mine, i
   for (size_t i = 0; i < std::max(a.size(), b.size()); ++i) {
     std::string x = i < a.size() ? a[i] : "(nothing)";
     std::string y = i < b.size() ? b[i] : "(nothing)";
-    if (x != y) return "rank 0 has " + base::quote(x) + " where rank " + std::to_string(rank) + " has " + base::quote(y);
+    if (x != y)
+      return "rank 0 has " + base::quote(x) + " where rank " + std::to_string(rank) + " has " + base::quote(y);
   }
   return "";
 }

@@ -134,7 +134,8 @@ Unit& Context::register_unit(const std::string& name, std::vector<ParamSpec> par
   std::string what = "fsdp_unit_register of unit #" + std::to_string(index);
   std::set<std::string> seen;
   for (const ParamSpec& p : params) {
-    if (problem.empty() && !seen.insert(p.name).second) problem = "param name " + base::quote(p.name) + " appears twice";
+    if (problem.empty() && !seen.insert(p.name).second)
+      problem = "param name " + base::quote(p.name) + " appears twice";
   }
   std::string text = problem.empty() ? describe(index, name, params) : "invalid registration: " + problem;
   try {
@@ -156,8 +157,9 @@ Unit& Context::register_unit(const std::string& name, std::vector<ParamSpec> par
 void Context::check_no_unit_in_use(const char* call) const {
   for (const auto& u : units_) {
     if (u->in_use()) {
-      fail(FSDP_ERR_INVALID_STATE, std::string(call) + " (rank " + std::to_string(rt_.rank) + "): unit " + base::quote(u->name()) +
-                                       " is " + unit_state_name(u->state()) + "; call its *_end first");
+      fail(FSDP_ERR_INVALID_STATE, std::string(call) + " (rank " + std::to_string(rt_.rank) + "): unit " +
+                                       base::quote(u->name()) + " is " + unit_state_name(u->state()) +
+                                       "; call its *_end first");
     }
   }
 }

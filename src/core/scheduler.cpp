@@ -20,10 +20,11 @@ void Scheduler::note(std::vector<size_t>& order, std::vector<size_t>& seen, size
   size_t pos = seen.size() - 1;
   if (pos < order.size() && order[pos] == index) return;
   diverged_ = true;
-  std::string msg = std::string("execution order changed: ") + phase + " call #" + std::to_string(pos + 1) +
-                    " of this iteration is unit " + base::quote(units_[index]->name()) + ", but the first iteration had " +
-                    (pos < order.size() ? "unit " + base::quote(units_[order[pos]]->name()) : std::string("no more units")) +
-                    "; prefetching is off for the rest of this iteration (results are unaffected)";
+  std::string msg =
+      std::string("execution order changed: ") + phase + " call #" + std::to_string(pos + 1) +
+      " of this iteration is unit " + base::quote(units_[index]->name()) + ", but the first iteration had " +
+      (pos < order.size() ? "unit " + base::quote(units_[order[pos]]->name()) : std::string("no more units")) +
+      "; prefetching is off for the rest of this iteration (results are unaffected)";
   log(warned_ ? FSDP_LOG_DEBUG : FSDP_LOG_WARN, rt_.rank, msg);
   warned_ = true;
 }

@@ -63,8 +63,8 @@ void Unit::check_param_index(size_t param_index, const char* call) const {
 }
 
 void Unit::bad_state(const char* call, const char* expected) const {
-  fail(FSDP_ERR_INVALID_STATE, std::string(call) + " on unit " + base::quote(name_) + " (" + rt_.where() + "): expected " +
-                                   expected + ", but the unit is " + unit_state_name(state_));
+  fail(FSDP_ERR_INVALID_STATE, std::string(call) + " on unit " + base::quote(name_) + " (" + rt_.where() +
+                                   "): expected " + expected + ", but the unit is " + unit_state_name(state_));
 }
 
 void* Unit::full_params() const {
@@ -372,8 +372,8 @@ void* Unit::grad_ptr(size_t param_index) {
 void Unit::gather_param(size_t param_index, float* out, size_t numel) {
   check_param_index(param_index, "fsdp_gather_param");
   if (numel != layout_.param(param_index).numel) {
-    fail(FSDP_ERR_INVALID_ARGUMENT, "fsdp_gather_param: param " + base::quote(layout_.param(param_index).name) + " has " +
-                                        std::to_string(layout_.param(param_index).numel) + " elements, not " +
+    fail(FSDP_ERR_INVALID_ARGUMENT, "fsdp_gather_param: param " + base::quote(layout_.param(param_index).name) +
+                                        " has " + std::to_string(layout_.param(param_index).numel) + " elements, not " +
                                         std::to_string(numel));
   }
   if (in_use()) bad_state("fsdp_gather_param", "the unit outside forward and backward");

@@ -132,8 +132,7 @@ void LocalComm::all_reduce_f64(double* values, size_t n, RedOp op, const std::st
   CollectiveDesc d{"all_reduce_f64", n, -1, static_cast<int>(op), -1, label};
   std::vector<double> in(values, values + n);
   run(d, in.data(), values, [&] {
-    reduce_f64(values, n, world_size(), op,
-               [&](int r) { return static_cast<const double*>(group_->slot(r).send); });
+    reduce_f64(values, n, world_size(), op, [&](int r) { return static_cast<const double*>(group_->slot(r).send); });
   });
 }
 

@@ -126,11 +126,11 @@ void ensure_initialized(double timeout_s) {
       }).detach();
     }
   }
-  auto deadline = std::chrono::steady_clock::now() +
-                  std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(timeout_s));
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                                         std::chrono::duration<double>(timeout_s));
   if (!init.cv.wait_until(guard, deadline, [&init] { return init.done; })) {
     const char* world = std::getenv("OMPI_COMM_WORLD_SIZE");  // NOLINT(concurrency-mt-unsafe): read only
-    if (world == nullptr) world = std::getenv("PMI_SIZE");     // NOLINT(concurrency-mt-unsafe)
+    if (world == nullptr) world = std::getenv("PMI_SIZE");    // NOLINT(concurrency-mt-unsafe)
     fail(FSDP_ERR_TIMEOUT,
          "fsdp_ctx_create: MPI initialisation did not finish within timeout_s (" + base::format_double(timeout_s) +
              " s). MPI_Init waits for every process of the job" +
