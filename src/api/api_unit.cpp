@@ -173,11 +173,16 @@ fsdp_status_t fsdp_last_grad_norm(const fsdp_ctx_t* ctx, double* norm) {
 }
 
 fsdp_status_t fsdp_metrics_reduce(fsdp_ctx_t* ctx, double* values, size_t count, fsdp_reduce_op_t op) {
+  // A C caller may pass any int as the enum; in C++ reading a value outside
+  // the enumerators' range as the enum type is undefined, so take its bytes.
+  int op_value = 0;
+  static_assert(sizeof op_value == sizeof op, "fsdp_reduce_op_t is an int");
+  std::memcpy(&op_value, &op, sizeof op_value);
   return guard([&] {
     require(ctx, "fsdp_metrics_reduce", "ctx");
     if (count > 0) require(values, "fsdp_metrics_reduce", "values");
     ctx_of(ctx)->check_live("fsdp_metrics_reduce");
-    ctx_of(ctx)->metrics_reduce(values, count, op);
+    ctx_of(ctx)->metrics_reduce(values, count, op_value);
   });
 }
 

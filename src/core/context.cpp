@@ -199,7 +199,7 @@ double Context::last_grad_norm() const {
   return optimizer_.last_grad_norm();
 }
 
-void Context::metrics_reduce(double* values, size_t count, fsdp_reduce_op_t op) {
+void Context::metrics_reduce(double* values, size_t count, int op) {
   constexpr size_t kMaxCount = size_t(1) << 20;
   if (count > kMaxCount) {
     fail(FSDP_ERR_INVALID_ARGUMENT, "fsdp_metrics_reduce: count is " + std::to_string(count) + "; at most " +
@@ -220,7 +220,7 @@ void Context::metrics_reduce(double* values, size_t count, fsdp_reduce_op_t op) 
       red = comm::RedOp::kMin;
       break;
     default:
-      fail(FSDP_ERR_INVALID_ARGUMENT, "fsdp_metrics_reduce: op is " + std::to_string(static_cast<int>(op)) +
+      fail(FSDP_ERR_INVALID_ARGUMENT, "fsdp_metrics_reduce: op is " + std::to_string(op) +
                                           "; expected FSDP_REDUCE_SUM, _AVG, _MAX or _MIN (0 to 3)");
   }
   double none = 0.0;  // count 0 still joins the other ranks, so that a mismatch is found

@@ -41,7 +41,8 @@ class Context {
   void set_lr(double lr);
   double last_grad_norm() const;
   // Collective: fsdp_metrics_reduce.
-  void metrics_reduce(double* values, size_t count, fsdp_reduce_op_t op);
+  // `op` is an fsdp_reduce_op_t's value, checked here.
+  void metrics_reduce(double* values, size_t count, int op);
   const LossScaler& loss_scaler() const { return optimizer_.loss_scaler(); }
   void finalize();
   // Checkpoints (checkpoint.cpp). Collective. kind is "sharded" or "full".
