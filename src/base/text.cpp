@@ -55,7 +55,7 @@ void append_hex(std::string& out, unsigned char c) {
 bool parse_double(std::string_view s, double* out) {
   // from_chars takes no '+'; a sign must still be followed by the number.
   if (!s.empty() && s[0] == '+') s.remove_prefix(1);
-  if (s.empty() || s[0] == '+' || (s[0] == '-' && s.size() > 1 && s[1] == '+')) return false;
+  if (s.empty() || s[0] == '+') return false;
   double v = 0.0;
   auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), v, std::chars_format::general);
   if (ec != std::errc() || end != s.data() + s.size()) return false;

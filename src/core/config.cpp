@@ -40,6 +40,7 @@ std::string trim(const std::string& s) {
 struct Range {
   double lo, hi;
   bool hi_open = false;
+  bool holds(double v) const { return v >= lo && (hi_open ? v < hi : v <= hi); }  // false for nan
 };
 
 std::string range_text(const Range& r) {
@@ -50,7 +51,7 @@ const Range kLrRange{0, 1e9};
 const Range kWeightDecayRange{0, 1e9};
 
 void check_range(double v, Range r, const std::string& what) {
-  if (!(v >= r.lo && v <= r.hi) || (r.hi_open && v == r.hi)) {
+  if (!r.holds(v)) {
     fail(FSDP_ERR_INVALID_ARGUMENT, what + " must be a number in " + range_text(r) + ", not " + base::format_double(v));
   }
 }
@@ -61,7 +62,7 @@ void check_range(double v, Range r, const std::string& what) {
 double parse_double(const std::string& key, const std::string& value, Range r, const std::string& what = "a number",
                     const std::string& note = "") {
   double d = 0.0;
-  if (!base::parse_double(trim(value), &d) || !std::isfinite(d) || d < r.lo || d > r.hi || (r.hi_open && d == r.hi)) {
+  if (!base::parse_double(trim(value), &d) || !std::isfinite(d) || !r.holds(d)) {
     bad_value(key, value, what + " in " + range_text(r) + note);
   }
   return d;
