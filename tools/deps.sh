@@ -8,6 +8,9 @@ command -v g++ >/dev/null || missing+=(g++)
 command -v make >/dev/null || missing+=(make)
 command -v nm >/dev/null || missing+=(binutils)
 command -v pkg-config >/dev/null || missing+=(pkg-config)
+# Compiler cache: CMake uses it when present (FSDP_CCACHE), so rebuilds on a
+# machine that keeps ~/.cache/ccache take seconds.
+command -v ccache >/dev/null || missing+=(ccache)
 command -v python3 >/dev/null || missing+=(python3)
 # The Python binding's tests run in a venv (numpy, pytest and scikit-build-core from PyPI).
 python3 -c "import venv, ensurepip" 2>/dev/null || missing+=(python3-venv)
