@@ -32,6 +32,7 @@ Unit::Unit(Runtime& rt, size_t index, std::string name, std::vector<ParamSpec> p
     : rt_(rt),
       index_(index),
       name_(std::move(name)),
+      tag_(base::quote(name_) + " (#" + std::to_string(index_) + ")"),
       layout_(std::move(params), rt.opts.align_bytes / sizeof(float), rt.shard_world()) {
   segments_ = layout_.shard_segments(rt_.shard_rank());
   for (size_t i = 0; i < layout_.n_params(); ++i) {
@@ -49,8 +50,6 @@ Unit::Unit(Runtime& rt, size_t index, std::string name, std::vector<ParamSpec> p
   sgrad_ = Buffer(rt_.state_dev, &rt_.mem, MemCategory::kShardedGrads, DType::kFp32, s);
   if (!rt_.gathers()) state_ = UnitState::kGathered;  // NO_SHARD params are always full
 }
-
-std::string Unit::unit_tag() const { return base::quote(name_) + " (#" + std::to_string(index_) + ")"; }
 
 std::string Unit::label(const char* what) const { return std::string(what) + " of unit " + unit_tag(); }
 

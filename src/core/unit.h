@@ -84,11 +84,12 @@ class Unit {
   EventPtr submit_reduction();
   void trace_memory();
   std::string label(const char* what) const;
-  std::string unit_tag() const;  // 'name' (#index)
+  const std::string& unit_tag() const { return tag_; }  // 'name' (#index)
 
   Runtime& rt_;
   size_t index_;
   std::string name_;
+  std::string tag_;  // unit_tag(): quoted once, as messages and every collective's label use it
   FlatLayout layout_;
   std::vector<ShardSegment> segments_;
   std::vector<double> weight_decay_;
