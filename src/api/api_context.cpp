@@ -126,7 +126,7 @@ fsdp_status_t fsdp_config_get(const fsdp_config_t* cfg, const char* key, char* v
     if (value_len != nullptr) *value_len = v.size();
     if (value == nullptr || value_nbytes < v.size() + 1) {
       fail(FSDP_ERR_INVALID_ARGUMENT,
-           "fsdp_config_get: the value of " + base::quote(std::string(key)) + " needs " + std::to_string(v.size() + 1) +
+           "fsdp_config_get: the value of " + base::quote(key) + " needs " + std::to_string(v.size() + 1) +
                " bytes, the buffer " +
                (value == nullptr ? std::string("is NULL") : "has " + std::to_string(value_nbytes)));
     }

@@ -59,8 +59,7 @@ std::string read_params(const char* name, size_t n_params, const char* const* na
       return "names[" + std::to_string(i) + "] " + base::quote(names[i]) + " " + why;
     }
     if (ndims[i] < 0 || ndims[i] > 16) {
-      return "param " + base::quote(std::string(names[i])) + " has ndims " + std::to_string(ndims[i]) +
-             "; expected 0 to 16";
+      return "param " + base::quote(names[i]) + " has ndims " + std::to_string(ndims[i]) + "; expected 0 to 16";
     }
     if (ndims[i] > 0 && dims == nullptr) return "dims is NULL";
     ParamSpec p;

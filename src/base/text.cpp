@@ -50,12 +50,17 @@ void append_hex(std::string& out, unsigned char c) {
   out += kHex[c & 0xf];
 }
 
+// from_chars takes no '+': drops one, and false if what is left cannot start
+// a number (empty, or a second '+').
+bool strip_plus(std::string_view& s) {
+  if (!s.empty() && s[0] == '+') s.remove_prefix(1);
+  return !s.empty() && s[0] != '+';
+}
+
 }  // namespace
 
 bool parse_double(std::string_view s, double* out) {
-  // from_chars takes no '+'; a sign must still be followed by the number.
-  if (!s.empty() && s[0] == '+') s.remove_prefix(1);
-  if (s.empty() || s[0] == '+') return false;
+  if (!strip_plus(s)) return false;
   double v = 0.0;
   auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), v, std::chars_format::general);
   if (ec != std::errc() || end != s.data() + s.size()) return false;
@@ -64,8 +69,7 @@ bool parse_double(std::string_view s, double* out) {
 }
 
 bool parse_long(std::string_view s, long* out) {
-  if (!s.empty() && s[0] == '+') s.remove_prefix(1);
-  if (s.empty() || s[0] == '+') return false;
+  if (!strip_plus(s)) return false;
   long v = 0;
   auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), v, 10);
   if (ec != std::errc() || end != s.data() + s.size()) return false;
@@ -125,11 +129,11 @@ std::string name_problem(std::string_view name) {
   for (size_t i = 0; i < name.size();) {
     size_t n = utf8_sequence(name, i);
     unsigned char c = static_cast<unsigned char>(name[i]);
-    std::string at = " at byte " + std::to_string(i);
-    std::string hex;
-    append_hex(hex, c);
-    if (n == 0) return "is not valid UTF-8 (" + hex + at + ")";
-    if (n == 1 && is_control(c)) return "holds a control character (" + hex + at + ")";
+    if (n == 0 || (n == 1 && is_control(c))) {
+      std::string why = n == 0 ? "is not valid UTF-8 (" : "holds a control character (";
+      append_hex(why, c);
+      return why + " at byte " + std::to_string(i) + ")";
+    }
     i += n;
   }
   return "";

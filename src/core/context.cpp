@@ -205,26 +205,15 @@ void Context::metrics_reduce(double* values, size_t count, int op) {
     fail(FSDP_ERR_INVALID_ARGUMENT, "fsdp_metrics_reduce: count is " + std::to_string(count) + "; at most " +
                                         std::to_string(kMaxCount) + " values (it is for metrics, not tensors)");
   }
-  comm::RedOp red;
-  switch (op) {
-    case FSDP_REDUCE_SUM:
-      red = comm::RedOp::kSum;
-      break;
-    case FSDP_REDUCE_AVG:
-      red = comm::RedOp::kAvg;
-      break;
-    case FSDP_REDUCE_MAX:
-      red = comm::RedOp::kMax;
-      break;
-    case FSDP_REDUCE_MIN:
-      red = comm::RedOp::kMin;
-      break;
-    default:
-      fail(FSDP_ERR_INVALID_ARGUMENT, "fsdp_metrics_reduce: op is " + std::to_string(op) +
-                                          "; expected FSDP_REDUCE_SUM, _AVG, _MAX or _MIN (0 to 3)");
+  // Indexed by fsdp_reduce_op_t.
+  static constexpr comm::RedOp kOps[] = {comm::RedOp::kSum, comm::RedOp::kAvg, comm::RedOp::kMax, comm::RedOp::kMin};
+  static_assert(FSDP_REDUCE_SUM == 0 && FSDP_REDUCE_AVG == 1 && FSDP_REDUCE_MAX == 2 && FSDP_REDUCE_MIN == 3);
+  if (op < 0 || op > FSDP_REDUCE_MIN) {
+    fail(FSDP_ERR_INVALID_ARGUMENT, "fsdp_metrics_reduce: op is " + std::to_string(op) +
+                                        "; expected FSDP_REDUCE_SUM, _AVG, _MAX or _MIN (0 to 3)");
   }
   double none = 0.0;  // count 0 still joins the other ranks, so that a mismatch is found
-  rt_.comm->all_reduce_f64(count > 0 ? values : &none, count, red, "fsdp_metrics_reduce");
+  rt_.comm->all_reduce_f64(count > 0 ? values : &none, count, kOps[op], "fsdp_metrics_reduce");
 }
 
 void Context::finalize() {

@@ -103,7 +103,6 @@ void ensure_initialized(double timeout_s) {
   std::unique_lock<std::mutex> guard(g_init_mu);
   if (g_bf16_sum != MPI_OP_NULL) return;
   InitState& init = init_state();
-  int provided = MPI_THREAD_SINGLE;
   if (!init.started) {
     int initialized = 0, finalized = 0;
     MPI_Initialized(&initialized);
@@ -139,7 +138,7 @@ void ensure_initialized(double timeout_s) {
              "initialised (look for a process that ended early in the launcher's output)");
   }
   if (init.rc != MPI_SUCCESS) fail(FSDP_ERR_COMM, "fsdp_ctx_create: MPI_Init_thread failed: " + error_string(init.rc));
-  provided = init.provided;
+  const int provided = init.provided;
   if (provided < MPI_THREAD_SERIALIZED) {
     fail(FSDP_ERR_UNSUPPORTED, std::string("fsdp_ctx_create: MPI runs at ") + level_name(provided) +
                                    ", but libfsdp calls MPI from its comm thread, which needs "
