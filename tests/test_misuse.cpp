@@ -507,27 +507,63 @@ TEST(CallOrder, OutOfOrderCallsAreInvalidStateAndChangeNothing) {
 }
 
 TEST(CallOrder, ShardGradOpKeepsParamsFromForwardUntilBackwardEnd) {
-  Single s;
-  make_single(s, {{"sharding", "SHARD_GRAD_OP"}});
-  if (HasFatalFailure()) return;
-  void* p = nullptr;
-  fsdp_memory_stats_t ms;
-  ms.struct_size = sizeof ms;
-  ASSERT_OK(fsdp_forward_begin(s.unit, nullptr));
-  EXPECT_OK(fsdp_param_ptr(s.unit, 0, &p));
-  ASSERT_OK(fsdp_forward_end(s.unit, nullptr));
-  // The params stay gathered (memory held) but, as for every strategy, the
-  // pointer is only valid between a *_begin and its *_end.
-  ASSERT_OK(fsdp_memory_stats(s.ctx.get(), &ms));
-  EXPECT_GT(ms.gathered_params_nbytes, 0u) << "SHARD_GRAD_OP keeps the gathered params after forward_end";
-  EXPECT_STATUS(FSDP_ERR_INVALID_STATE, fsdp_param_ptr(s.unit, 0, &p));
-  ASSERT_OK(fsdp_backward_begin(s.unit, nullptr));
-  EXPECT_OK(fsdp_param_ptr(s.unit, 0, &p));
-  ASSERT_OK(fsdp_backward_end(s.unit, nullptr));
-  ASSERT_OK(fsdp_memory_stats(s.ctx.get(), &ms));
-  EXPECT_EQ(ms.gathered_params_nbytes, 0u) << "backward_end frees them";
-  EXPECT_STATUS(FSDP_ERR_INVALID_STATE, fsdp_param_ptr(s.unit, 0, &p));
-  EXPECT_OK(fsdp_ctx_finalize(s.ctx.get()));
+  // Two ranks: at world 1 the shard is the full params and nothing is gathered
+  // (CallOrder.WorldOfOneReadsTheShardInPlace).
+  run_ranks(2, [](int rank, fsdp_local_group_t* group) {
+    Single s;
+    make_single(s, {{"sharding", "SHARD_GRAD_OP"}}, group, rank);
+    if (::testing::Test::HasFatalFailure()) return;
+    void* p = nullptr;
+    fsdp_memory_stats_t ms;
+    ms.struct_size = sizeof ms;
+    ASSERT_OK(fsdp_forward_begin(s.unit, nullptr));
+    EXPECT_OK(fsdp_param_ptr(s.unit, 0, &p));
+    ASSERT_OK(fsdp_forward_end(s.unit, nullptr));
+    // The params stay gathered (memory held) but, as for every strategy, the
+    // pointer is only valid between a *_begin and its *_end.
+    ASSERT_OK(fsdp_memory_stats(s.ctx.get(), &ms));
+    EXPECT_GT(ms.gathered_params_nbytes, 0u) << "SHARD_GRAD_OP keeps the gathered params after forward_end";
+    EXPECT_STATUS(FSDP_ERR_INVALID_STATE, fsdp_param_ptr(s.unit, 0, &p));
+    ASSERT_OK(fsdp_backward_begin(s.unit, nullptr));
+    EXPECT_OK(fsdp_param_ptr(s.unit, 0, &p));
+    ASSERT_OK(fsdp_backward_end(s.unit, nullptr));
+    ASSERT_OK(fsdp_memory_stats(s.ctx.get(), &ms));
+    EXPECT_EQ(ms.gathered_params_nbytes, 0u) << "backward_end frees them";
+    EXPECT_STATUS(FSDP_ERR_INVALID_STATE, fsdp_param_ptr(s.unit, 0, &p));
+    EXPECT_OK(fsdp_ctx_finalize(s.ctx.get()));
+  });
+}
+
+TEST(CallOrder, WorldOfOneReadsTheShardInPlace) {
+  // Alone, every strategy's shard is the full params: no gathered copy, no
+  // full grad buffer for fp32 (the grads are the grad shard), and the call
+  // order rules stay the same.
+  for (const char* sharding : {"FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"}) {
+    SCOPED_TRACE(sharding);
+    Single s;
+    make_single(s, {{"sharding", sharding}});
+    if (HasFatalFailure()) return;
+    void* p = nullptr;
+    void* g = nullptr;
+    fsdp_memory_stats_t ms;
+    ms.struct_size = sizeof ms;
+    ASSERT_OK(fsdp_forward_begin(s.unit, nullptr));
+    EXPECT_OK(fsdp_param_ptr(s.unit, 0, &p));
+    ASSERT_OK(fsdp_forward_end(s.unit, nullptr));
+    EXPECT_STATUS(FSDP_ERR_INVALID_STATE, fsdp_param_ptr(s.unit, 0, &p));
+    ASSERT_OK(fsdp_backward_begin(s.unit, nullptr));
+    EXPECT_OK(fsdp_grad_ptr(s.unit, 0, &g));
+    ASSERT_OK(fsdp_memory_stats(s.ctx.get(), &ms));
+    EXPECT_EQ(ms.gathered_params_nbytes, 0u);
+    EXPECT_EQ(ms.unsharded_grads_nbytes, 0u);
+    ASSERT_OK(fsdp_backward_end(s.unit, nullptr));
+    EXPECT_STATUS(FSDP_ERR_INVALID_STATE, fsdp_grad_ptr(s.unit, 0, &g));
+    ASSERT_OK(fsdp_memory_stats(s.ctx.get(), &ms));
+    EXPECT_EQ(ms.gathered_params_peak_nbytes, 0u);
+    EXPECT_EQ(ms.unsharded_grads_peak_nbytes, 0u);
+    EXPECT_OK(fsdp_step(s.ctx.get(), nullptr));
+    EXPECT_OK(fsdp_ctx_finalize(s.ctx.get()));
+  }
 }
 
 TEST(BadIndices, OutOfRangeParamIndexAndWrongNumelAreInvalidArgumentAndChangeNothing) {

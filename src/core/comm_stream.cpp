@@ -93,29 +93,38 @@ void CommStream::loop() {
   }
 }
 
+template <typename Fn>
+void SyncComm::run(const std::string& label, const Fn& fn) {
+  if (alone_) {
+    fn();
+  } else {
+    stream_.run(label, fn);
+  }
+}
+
 void SyncComm::all_gather(const void* send, void* recv, size_t nbytes_per_rank, const std::string& label) {
-  stream_.run(label, [&] { inner_.all_gather(send, recv, nbytes_per_rank, label); });
+  run(label, [&] { inner_.all_gather(send, recv, nbytes_per_rank, label); });
 }
 void SyncComm::reduce_scatter(const void* send, void* recv, size_t numel_per_rank, DType dtype, comm::RedOp op,
                               const std::string& label) {
-  stream_.run(label, [&] { inner_.reduce_scatter(send, recv, numel_per_rank, dtype, op, label); });
+  run(label, [&] { inner_.reduce_scatter(send, recv, numel_per_rank, dtype, op, label); });
 }
 void SyncComm::all_reduce(const void* send, void* recv, size_t numel, DType dtype, comm::RedOp op,
                           const std::string& label) {
-  stream_.run(label, [&] { inner_.all_reduce(send, recv, numel, dtype, op, label); });
+  run(label, [&] { inner_.all_reduce(send, recv, numel, dtype, op, label); });
 }
 void SyncComm::all_reduce_f64(double* values, size_t n, comm::RedOp op, const std::string& label) {
-  stream_.run(label, [&] { inner_.all_reduce_f64(values, n, op, label); });
+  run(label, [&] { inner_.all_reduce_f64(values, n, op, label); });
 }
 void SyncComm::broadcast(void* buf, size_t nbytes, int root, const std::string& label) {
-  stream_.run(label, [&] { inner_.broadcast(buf, nbytes, root, label); });
+  run(label, [&] { inner_.broadcast(buf, nbytes, root, label); });
 }
 void SyncComm::barrier(const std::string& label) {
-  stream_.run(label, [&] { inner_.barrier(label); });
+  run(label, [&] { inner_.barrier(label); });
 }
 std::unique_ptr<comm::Communicator> SyncComm::split(int color, int key, const std::string& label) {
   std::unique_ptr<comm::Communicator> out;
-  stream_.run(label, [&] { out = inner_.split(color, key, label); });
+  run(label, [&] { out = inner_.split(color, key, label); });
   return out;
 }
 

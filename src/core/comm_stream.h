@@ -73,10 +73,12 @@ class CommStream {
 };
 
 // A Communicator whose every call runs synchronously on the comm stream, so
-// that it leaves in program order with the asynchronous ones.
+// that it leaves in program order with the asynchronous ones. Alone (a world
+// of one) nothing needs ordering against other ranks: calls run on the caller.
 class SyncComm final : public comm::Communicator {
  public:
-  SyncComm(CommStream& stream, comm::Communicator& inner) : stream_(stream), inner_(inner) {}
+  SyncComm(CommStream& stream, comm::Communicator& inner)
+      : stream_(stream), inner_(inner), alone_(inner.world_size() == 1) {}
   int rank() const override { return inner_.rank(); }
   int world_size() const override { return inner_.world_size(); }
   void all_gather(const void* send, void* recv, size_t nbytes_per_rank, const std::string& label) override;
@@ -94,8 +96,12 @@ class SyncComm final : public comm::Communicator {
   void abort(const std::string& reason) override { inner_.abort(reason); }
 
  private:
+  template <typename Fn>
+  void run(const std::string& label, const Fn& fn);
+
   CommStream& stream_;
   comm::Communicator& inner_;
+  bool alone_;
 };
 
 }  // namespace fsdp::core

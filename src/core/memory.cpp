@@ -7,35 +7,45 @@
 
 namespace fsdp::core {
 
+void MemoryTracker::Counter::add(size_t n) {
+  size_t now = current.fetch_add(n, std::memory_order_relaxed) + n;
+  size_t seen = peak.load(std::memory_order_relaxed);
+  while (now > seen && !peak.compare_exchange_weak(seen, now, std::memory_order_relaxed)) {
+  }
+}
+
 void MemoryTracker::add(MemCategory c, device::Pool p, size_t nbytes) {
-  std::lock_guard<std::mutex> lock(mu_);
-  size_t i = static_cast<size_t>(c);
-  size_t k = static_cast<size_t>(p);
-  s_.current[i] += nbytes;
-  s_.peak[i] = std::max(s_.peak[i], s_.current[i]);
-  s_.total += nbytes;
-  s_.total_peak = std::max(s_.total_peak, s_.total);
-  s_.pool[k] += nbytes;
-  s_.pool_peak[k] = std::max(s_.pool_peak[k], s_.pool[k]);
+  category_[static_cast<size_t>(c)].add(nbytes);
+  total_.add(nbytes);
+  pool_[static_cast<size_t>(p)].add(nbytes);
 }
 
 void MemoryTracker::sub(MemCategory c, device::Pool p, size_t nbytes) {
-  std::lock_guard<std::mutex> lock(mu_);
-  s_.current[static_cast<size_t>(c)] -= nbytes;
-  s_.total -= nbytes;
-  s_.pool[static_cast<size_t>(p)] -= nbytes;
+  category_[static_cast<size_t>(c)].sub(nbytes);
+  total_.sub(nbytes);
+  pool_[static_cast<size_t>(p)].sub(nbytes);
 }
 
 MemoryTracker::Snapshot MemoryTracker::snapshot() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return s_;
+  Snapshot s;
+  auto get = [](const std::atomic<size_t>& a) { return a.load(std::memory_order_relaxed); };
+  for (size_t i = 0; i < kN; ++i) {
+    s.current[i] = get(category_[i].current);
+    s.peak[i] = get(category_[i].peak);
+  }
+  s.total = get(total_.current);
+  s.total_peak = get(total_.peak);
+  for (size_t k = 0; k < 2; ++k) {
+    s.pool[k] = get(pool_[k].current);
+    s.pool_peak[k] = get(pool_[k].peak);
+  }
+  return s;
 }
 
 void MemoryTracker::reset_peak() {
-  std::lock_guard<std::mutex> lock(mu_);
-  s_.peak = s_.current;
-  s_.total_peak = s_.total;
-  s_.pool_peak = s_.pool;
+  for (Counter& c : category_) c.reset_peak();
+  total_.reset_peak();
+  for (Counter& c : pool_) c.reset_peak();
 }
 
 Buffer::Buffer(device::Device* dev, MemoryTracker* tracker, MemCategory cat, DType dtype, size_t numel, bool zeroed)

@@ -5,7 +5,6 @@
 #include <array>
 #include <atomic>
 #include <cstddef>
-#include <mutex>
 
 #include "../device/device.h"
 #include "dtype.h"
@@ -34,14 +33,26 @@ class MemoryTracker {
     std::array<size_t, 2> pool_peak{};
   };
 
+  // Lock-free: buffers come and go on the caller and on the comm stream's
+  // worker, and a shared lock there would make each wait for the other.
   void add(MemCategory c, device::Pool p, size_t nbytes);
   void sub(MemCategory c, device::Pool p, size_t nbytes);
+  // Each figure is exact; figures taken while buffers change on another
+  // thread may be from slightly different moments.
   Snapshot snapshot() const;
   void reset_peak();
 
  private:
-  mutable std::mutex mu_;
-  Snapshot s_;
+  struct Counter {
+    std::atomic<size_t> current{0};
+    std::atomic<size_t> peak{0};
+    void add(size_t n);
+    void sub(size_t n) { current.fetch_sub(n, std::memory_order_relaxed); }
+    void reset_peak() { peak.store(current.load(std::memory_order_relaxed), std::memory_order_relaxed); }
+  };
+  std::array<Counter, kN> category_;
+  Counter total_;
+  std::array<Counter, 2> pool_;
 };
 
 // Owns `numel` elements of `dtype` on a device, counted under a category.

@@ -60,8 +60,12 @@ struct Runtime {
   bool sharded() const { return opts.sharding != Sharding::kNoShard; }
   bool offload() const { return opts.offload_cpu; }
   // Units whose full params are a separate buffer on the compute device,
-  // made by a gather (sharded) or a host -> device copy (NO_SHARD offloaded).
-  bool gathers() const { return sharded() || offload(); }
+  // made by a gather (sharded over more than one rank) or a host -> device
+  // copy (offload=cpu). Otherwise the shard is the full params (NO_SHARD, or a
+  // shard group of one) and the host reads it in place: no gather, no copy.
+  bool gathers() const { return (sharded() && shard_size > 1) || offload(); }
+  // A world of one: grads need no reduction, only to reach the grad shard.
+  bool alone() const { return world == 1; }
   int shard_world() const { return shard_size; }
   int shard_rank() const { return shard_index; }
   std::string where() const { return "rank " + std::to_string(rank); }

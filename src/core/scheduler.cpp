@@ -7,12 +7,6 @@
 
 namespace fsdp::core {
 
-size_t Scheduler::gathered_units() const {
-  size_t n = 0;
-  for (const auto& u : units_) n += u->holds_gathered() ? 1 : 0;
-  return n;
-}
-
 void Scheduler::note(std::vector<size_t>& order, std::vector<size_t>& seen, size_t index, const char* phase) {
   seen.push_back(index);
   bool prefetching = rt_.opts.forward_prefetch || rt_.opts.backward_prefetch != BackwardPrefetch::kNone;

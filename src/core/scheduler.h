@@ -27,8 +27,16 @@ class Scheduler {
   void on_freed();
   // End of an iteration (fsdp_step).
   void on_step();
-  // Units of sharded strategies that hold (or are gathering) full params.
-  size_t gathered_units() const;
+  // A unit started (true) or stopped (false) holding gathered params.
+  void count_gathered(bool more) {
+    if (more) {
+      ++gathered_;
+    } else {
+      --gathered_;
+    }
+  }
+  // Units that hold (or are gathering) full params of their own.
+  size_t gathered_units() const { return gathered_; }
 
  private:
   void note(std::vector<size_t>& order, std::vector<size_t>& seen, size_t index, const char* phase);
@@ -44,6 +52,7 @@ class Scheduler {
   bool diverged_ = false;
   bool warned_ = false;
   long deferred_ = -1;  // unit index whose prefetch waits for the limit
+  size_t gathered_ = 0;
 };
 
 }  // namespace fsdp::core

@@ -34,18 +34,13 @@ void Trace::begin() {
   std::lock_guard<std::mutex> lock(mu_);
   records_.clear();
   seq_ = 0;
-  enabled_ = true;
+  enabled_.store(true, std::memory_order_release);
   t0_ = std::chrono::steady_clock::now();
-}
-
-bool Trace::enabled() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return enabled_;
 }
 
 void Trace::add(const std::string& name, char phase, Track track, std::string args) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (!enabled_) return;
+  if (!enabled_.load(std::memory_order_relaxed)) return;
   double ts = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0_).count();
   records_.push_back({name, phase, track, ts, std::move(args), seq_++});
 }

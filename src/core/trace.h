@@ -4,6 +4,7 @@
 // ride along. Off until fsdp_trace_begin.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <mutex>
 #include <string>
@@ -25,7 +26,8 @@ class Trace {
   };
 
   void begin();  // clears and starts recording
-  bool enabled() const;
+  // One atomic load: every call checks it, on the caller and the comm stream.
+  bool enabled() const { return enabled_.load(std::memory_order_acquire); }
   void add(const std::string& name, char phase, Track track, std::string args = "");
   // Writes {"traceEvents": [...]} with pid = rank; throws Error(IO).
   void write(const std::string& path, int rank) const;
@@ -33,7 +35,7 @@ class Trace {
 
  private:
   mutable std::mutex mu_;
-  bool enabled_ = false;
+  std::atomic<bool> enabled_{false};
   std::chrono::steady_clock::time_point t0_;
   std::vector<Record> records_;
   unsigned long seq_ = 0;

@@ -11,6 +11,22 @@
 #include "scheduler.h"
 
 namespace fsdp::core {
+namespace {
+
+// sgrad += grads, the grads rounded to reduce_dtype first when that is
+// narrower than param_dtype (as a reduction in reduce_dtype would): what a
+// world of one does in place of the collective.
+void accumulate_rounded(Runtime& rt, float* sgrad, const void* grads, DType pd, DType rd, size_t n) {
+  if (rd == pd || rd == DType::kFp32) {  // widening to fp32 is exact: accumulate from the grads as they are
+    rt.state_dev->accumulate(sgrad, grads, pd, 1.0f, n);
+    return;
+  }
+  Buffer rounded(rt.state_dev, &rt.mem, MemCategory::kScratch, rd, n, /*zeroed=*/false);
+  rt.state_dev->cast(rounded.data(), rd, grads, pd, n);
+  rt.state_dev->accumulate(sgrad, rounded.data(), rd, 1.0f, n);
+}
+
+}  // namespace
 
 const char* unit_state_name(UnitState s) {
   switch (s) {
@@ -48,7 +64,16 @@ Unit::Unit(Runtime& rt, size_t index, std::string name, std::vector<ParamSpec> p
     lowp_ = Buffer(rt_.state_dev, &rt_.mem, MemCategory::kShardedParams, rt_.opts.param_dtype, s);
   }
   sgrad_ = Buffer(rt_.state_dev, &rt_.mem, MemCategory::kShardedGrads, DType::kFp32, s);
-  if (!rt_.gathers()) state_ = UnitState::kGathered;  // NO_SHARD params are always full
+  if (!rt_.gathers()) state_ = UnitState::kGathered;  // the shard is the full params
+  gather_label_ = label("all_gather");
+  reduce_label_ = label(rt_.sharded() ? "reduce_scatter" : "all_reduce");
+}
+
+void Unit::set_state(UnitState s) {
+  bool was = state_ != UnitState::kSharded;
+  bool now = s != UnitState::kSharded;
+  state_ = s;
+  if (rt_.gathers() && was != now) rt_.sched->count_gathered(now);
 }
 
 std::string Unit::label(const char* what) const { return std::string(what) + " of unit " + unit_tag(); }
@@ -134,6 +159,8 @@ void Unit::load_master(Buffer master) {
   if (!lowp_.empty()) rt_.state_dev->cast(lowp_.data(), lowp_.dtype(), master_.data(), DType::kFp32, shard_numel());
   rt_.state_dev->zero(sgrad_.data(), sgrad_.nbytes());
   grads_pending_ = false;
+  grads_in_shard_ = false;
+  sgrad_zero_ = true;
 }
 
 void Unit::set_weight_decay(size_t param_index, double weight_decay) {
@@ -151,7 +178,7 @@ void Unit::issue_gather(bool prefetch) {
   const void* src = lowp_.empty() ? master_.data() : lowp_.data();
   void* dst = gathered_.data();
   size_t nbytes = shard_numel() * es;
-  std::string what = label("all_gather");
+  const std::string& what = gather_label_;
   if (rt_.trace.enabled()) rt_.trace.add(std::string(prefetch ? "prefetch " : "issue ") + what, 'i', Track::kCaller);
   comm::Communicator* shard = rt_.shard_comm;
   EventPtr copied;
@@ -171,7 +198,7 @@ void Unit::issue_gather(bool prefetch) {
                                  [dev, to, src, nbytes] { dev->copy_from_host(to, src, nbytes); });
     if (alone) {
       gather_event_ = copied;
-      state_ = UnitState::kGathering;
+      set_state(UnitState::kGathering);
       trace_memory();
       return;
     }
@@ -184,7 +211,7 @@ void Unit::issue_gather(bool prefetch) {
                            shard->all_gather(src, dst, nbytes, what);
                            if (staged) staged->reset();
                          });
-  state_ = UnitState::kGathering;
+  set_state(UnitState::kGathering);
   trace_memory();
 }
 
@@ -197,15 +224,15 @@ void Unit::finish_gather() {
     ev->wait();
   } catch (...) {
     gathered_.reset();
-    state_ = UnitState::kSharded;
+    set_state(UnitState::kSharded);
     throw;
   }
-  state_ = UnitState::kGathered;
+  set_state(UnitState::kGathered);
 }
 
 void Unit::free_gathered() {
   gathered_.reset();
-  state_ = UnitState::kSharded;
+  set_state(UnitState::kSharded);
   trace_memory();
   rt_.sched->on_freed();
 }
@@ -225,7 +252,7 @@ void Unit::forward_begin() {
   if (state_ == UnitState::kSharded) issue_gather(/*prefetch=*/false);
   rt_.sched->before_forward(*this);
   finish_gather();
-  state_ = UnitState::kForward;
+  set_state(UnitState::kForward);
 }
 
 void Unit::forward_end() {
@@ -233,10 +260,10 @@ void Unit::forward_end() {
   if (state_ != UnitState::kForward) bad_state("fsdp_forward_end", "the unit in forward (after fsdp_forward_begin)");
   // On the CPU the host's compute is done when it calls *_end, so the buffer
   // can go now; a CUDA device records an event here and frees after it.
-  if (rt_.opts.reshard_after_forward()) {
+  if (rt_.gathers() && rt_.opts.reshard_after_forward()) {
     free_gathered();
   } else {
-    state_ = UnitState::kGathered;  // kept for backward
+    set_state(UnitState::kGathered);  // kept for backward (or the shard itself)
   }
 }
 
@@ -253,10 +280,22 @@ void Unit::backward_begin() {
     queued.pop_front();
   }
   if (!grads_pending_) {
-    ugrad_ = Buffer(rt_.dev, &rt_.mem, MemCategory::kUnshardedGrads, rt_.opts.param_dtype, layout_.padded_numel());
+    // Alone with fp32 grads and a zero grad shard, the shard itself is the
+    // grad buffer: nothing to allocate, zero, reduce or copy.
+    grads_in_shard_ = can_write_shard_grads();
+    if (grads_in_shard_) {
+      sgrad_zero_ = false;
+    } else {
+      ugrad_ = Buffer(rt_.dev, &rt_.mem, MemCategory::kUnshardedGrads, rt_.opts.param_dtype, layout_.padded_numel());
+    }
   }
-  state_ = UnitState::kBackward;
+  set_state(UnitState::kBackward);
   trace_memory();
+}
+
+bool Unit::can_write_shard_grads() const {
+  return rt_.alone() && !rt_.offload() && sgrad_zero_ && rt_.opts.param_dtype == DType::kFp32 &&
+         rt_.opts.reduce_dtype() == DType::kFp32 && layout_.padded_numel() == shard_numel();
 }
 
 void Unit::backward_end() {
@@ -266,31 +305,40 @@ void Unit::backward_end() {
   }
   if (rt_.grad_sync) {
     reduce_event_ = submit_reduction();
-    rt_.reductions_in_flight.push_back(reduce_event_);
+    if (reduce_event_) rt_.reductions_in_flight.push_back(reduce_event_);
   } else {
     grads_pending_ = true;
   }
   if (rt_.gathers()) {
     free_gathered();
   } else {
-    state_ = UnitState::kGathered;
+    set_state(UnitState::kGathered);
   }
   rt_.sched->after_backward(*this);
 }
 
 EventPtr Unit::submit_reduction() {
+  grads_pending_ = false;
+  if (grads_in_shard_) {  // the host wrote into the grad shard itself
+    grads_in_shard_ = false;
+    return nullptr;
+  }
+  sgrad_zero_ = false;
+  if (rt_.alone() && !rt_.offload()) {
+    accumulate_alone();
+    return nullptr;
+  }
   // The task owns the full grads from here on and frees them when the
   // reduction is done; the sharded grad is touched only by such tasks (in
   // FIFO order) and by fsdp_step after it waited for them.
   auto grads = std::make_shared<Buffer>(std::move(ugrad_));
-  grads_pending_ = false;
   Runtime* rt = &rt_;
   DType pd = rt_.opts.param_dtype;
   DType rd = rt_.opts.reduce_dtype();
   size_t padded = layout_.padded_numel();
   size_t shard = shard_numel();
   float* sgrad = sharded_grad();
-  std::string what = label(rt_.sharded() ? "reduce_scatter" : "all_reduce");
+  const std::string& what = reduce_label_;
   auto op = rt_.opts.reduce_op == ReduceOp::kAvg ? comm::RedOp::kAvg : comm::RedOp::kSum;
   // With offload=cpu the reduced grad leaves the comm task in `reduced` and a
   // copy-stream task brings it to the host grad shard; otherwise the comm task
@@ -298,6 +346,18 @@ EventPtr Unit::submit_reduction() {
   bool offload = rt_.offload();
   auto reduced = offload ? std::make_shared<Buffer>() : nullptr;
   size_t n_reduced = rt_.sharded() ? shard : padded;
+  if (rt_.alone()) {
+    // offload=cpu alone: no collective, only the device -> host copy and the
+    // accumulation, on the copy stream.
+    return rt_.copy_out->submit(label("device to host copy") + " " + std::to_string(padded * dtype_size(pd)) + " B",
+                                [=] {
+                                  Buffer on_host(rt->state_dev, &rt->mem, MemCategory::kScratch, pd, padded,
+                                                 /*zeroed=*/false);
+                                  rt->dev->copy_to_host(on_host.data(), grads->data(), padded * dtype_size(pd));
+                                  grads->reset();
+                                  accumulate_rounded(*rt, sgrad, on_host.data(), pd, rd, padded);
+                                });
+  }
   EventPtr ev = rt_.stream->submit(what + " " + std::to_string(padded * dtype_size(rd)) + " B", [=] {
     Buffer converted;
     void* src = grads->data();
@@ -337,6 +397,13 @@ EventPtr Unit::submit_reduction() {
                               });
 }
 
+void Unit::accumulate_alone() {
+  TraceScope scope(rt_.trace, "accumulate grads of unit ", unit_tag());
+  accumulate_rounded(rt_, sharded_grad(), ugrad_.data(), rt_.opts.param_dtype, rt_.opts.reduce_dtype(),
+                     layout_.padded_numel());
+  ugrad_.reset();
+}
+
 void Unit::reduce_pending_grads() {
   if (grads_pending_) reduce_event_ = submit_reduction();
 }
@@ -365,7 +432,8 @@ void* Unit::grad_ptr(size_t param_index) {
   if (state_ != UnitState::kBackward) {
     bad_state("fsdp_grad_ptr", "the unit in backward (between fsdp_backward_begin and fsdp_backward_end)");
   }
-  return static_cast<char*>(ugrad_.data()) + layout_.param_offset(param_index) * dtype_size(rt_.opts.param_dtype);
+  void* grads = grads_in_shard_ ? sgrad_.data() : ugrad_.data();
+  return static_cast<char*>(grads) + layout_.param_offset(param_index) * dtype_size(rt_.opts.param_dtype);
 }
 
 void Unit::gather_param(size_t param_index, float* out, size_t numel) {
@@ -377,7 +445,7 @@ void Unit::gather_param(size_t param_index, float* out, size_t numel) {
   }
   if (in_use()) bad_state("fsdp_gather_param", "the unit outside forward and backward");
   size_t off = layout_.param_offset(param_index);
-  if (!rt_.sharded()) {
+  if (rt_.shard_world() == 1) {  // this rank's shard holds every param
     rt_.state_dev->copy_to_host(out, master() + off, numel * sizeof(float));
     return;
   }

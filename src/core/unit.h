@@ -8,7 +8,11 @@
 //   SHARDED|GATHERING|GATHERED --backward_begin--> BACKWARD --backward_end--> SHARDED
 //                                                               (GATHERED for NO_SHARD)
 // Gathers and grad reductions run on the comm stream; the unit keeps the
-// events and waits only where it needs the result.
+// events and waits only where it needs the result. Where there is nothing to
+// communicate (Runtime::gathers() false: the shard is the full params;
+// Runtime::alone(): a world of one) no collective, copy or comm-stream task
+// runs: the host reads the shard in place and, when the grad shard is fp32 and
+// still zero, adds its grads straight into it.
 #pragma once
 
 #include <string>
@@ -64,6 +68,9 @@ class Unit {
   void reduce_pending_grads();
   void wait_reductions();
   void drop_stale_gathered();
+  // The optimizer zeroed the grad shard (fsdp_step): the next backward pass
+  // may add into it directly again.
+  void grads_cleared() { sgrad_zero_ = true; }
 
   // The rank's shards, for the optimizer and fsdp_shard_info.
   size_t shard_numel() const { return layout_.shard_numel(); }
@@ -82,6 +89,11 @@ class Unit {
   void finish_gather();
   void free_gathered();
   EventPtr submit_reduction();
+  // World of one: the grads reach the grad shard on the caller, no comm task.
+  void accumulate_alone();
+  // Whether this backward may hand out the grad shard itself as the grad buffer.
+  bool can_write_shard_grads() const;
+  void set_state(UnitState s);
   void trace_memory();
   std::string label(const char* what) const;
   const std::string& unit_tag() const { return tag_; }  // 'name' (#index)
@@ -95,6 +107,9 @@ class Unit {
   std::vector<double> weight_decay_;
   UnitState state_ = UnitState::kSharded;
   bool grads_pending_ = false;
+  bool sgrad_zero_ = true;       // the grad shard holds zeros (since the last step or load)
+  bool grads_in_shard_ = false;  // this backward's grads are the grad shard itself (alone, fp32)
+  std::string gather_label_, reduce_label_;  // the collectives' labels, built once
   EventPtr gather_event_;  // while GATHERING
   EventPtr reduce_event_;  // the last reduction queued for this unit
 
@@ -102,7 +117,7 @@ class Unit {
   Buffer lowp_;      // param_dtype [shard], state device, only when param_dtype != fp32
   Buffer sgrad_;     // fp32 [shard], state device
   Buffer gathered_;  // param_dtype [padded], compute device, while gathered (when rt_.gathers())
-  Buffer ugrad_;     // param_dtype [padded], compute device, during backward / while pending
+  Buffer ugrad_;     // param_dtype [padded], compute device, during backward / while pending (unless grads_in_shard_)
 };
 
 }  // namespace fsdp::core

@@ -64,6 +64,7 @@ void LocalGroup::abort(fsdp_status_t status, const std::string& reason, bool wit
     std::lock_guard<std::mutex> lock(mu_);
     if (!aborted_) {
       aborted_ = true;
+      aborted_flag_.store(true, std::memory_order_release);
       abort_status_ = status;
       abort_reason_ = reason;
     }
@@ -110,6 +111,7 @@ void LocalGroup::arrive_and_wait(int rank, double timeout_s, const std::string& 
                         std::to_string(world_rank(rank)) +
                         "; the missing rank may have failed, hung, or called a different collective)";
       aborted_ = true;
+      aborted_flag_.store(true, std::memory_order_release);
       abort_status_ = FSDP_ERR_TIMEOUT;
       abort_reason_ = msg;
       lock.unlock();

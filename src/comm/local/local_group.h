@@ -3,6 +3,7 @@
 // published, and a phase barrier with a timeout that names the missing rank.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
@@ -64,6 +65,7 @@ class LocalGroup {
   // `with_children`, also of every sub-group split from it, including those
   // split after this call.
   void abort(fsdp_status_t status, const std::string& reason, bool with_children = false);
+  bool aborted() const { return aborted_flag_.load(std::memory_order_acquire); }
 
  private:
   int world_size_;
@@ -75,6 +77,7 @@ class LocalGroup {
   std::vector<Slot> slots_;
   std::vector<bool> claimed_;
   bool aborted_ = false;
+  std::atomic<bool> aborted_flag_{false};  // aborted_, readable without the lock
   bool abort_children_ = false;
   fsdp_status_t abort_status_ = FSDP_OK;
   std::string abort_reason_;

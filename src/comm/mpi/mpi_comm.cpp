@@ -459,6 +459,7 @@ void MpiComm::all_reduce(const void* send, void* recv, size_t numel, DType dtype
 
 void MpiComm::all_reduce_f64(double* values, size_t n, RedOp op, const std::string& label) {
   collective("all_reduce_f64", n, -1, static_cast<int>(op), -1, label, [&] {
+    if (world_ == 1) return;
     // Gathered and combined in rank order, so every rank gets the same bits
     // (a clipping coefficient that differed by one ulp would split replicas).
     std::vector<double> all(n * static_cast<size_t>(world_));

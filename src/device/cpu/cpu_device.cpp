@@ -15,7 +15,6 @@
 namespace fsdp::device {
 namespace {
 
-constexpr size_t kAlign = 64;
 constexpr size_t kGrain = 1024;  // elements; a multiple of every vector width
 
 // A stand-in output that stores nothing, so that "no param_dtype copy" is a
@@ -96,15 +95,14 @@ FSDP_SIMD_CLONES double sum_squares_loop(const float* x, size_t b, size_t e) {
 }  // namespace
 
 void* CpuDevice::alloc(size_t nbytes) {
-  size_t rounded = (nbytes + kAlign - 1) / kAlign * kAlign;
-  void* p = std::aligned_alloc(kAlign, rounded == 0 ? kAlign : rounded);
+  void* p = cache_.alloc(nbytes);
   if (p == nullptr) {
     fail(FSDP_ERR_OUT_OF_MEMORY, "cpu device: could not allocate " + std::to_string(nbytes) + " bytes");
   }
   return p;
 }
 
-void CpuDevice::free(void* ptr) noexcept { std::free(ptr); }
+void CpuDevice::free(void* ptr) noexcept { cache_.free(ptr); }
 
 void CpuDevice::zero(void* ptr, size_t nbytes) {
   pool_.parallel_for(nbytes, kGrain * 4,

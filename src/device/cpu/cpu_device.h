@@ -5,6 +5,7 @@
 #include <memory>
 
 #include "../device.h"
+#include "block_cache.h"
 #include "thread_pool.h"
 
 namespace fsdp::device {
@@ -13,7 +14,7 @@ class CpuDevice final : public Device {
  public:
   // `mem_pool` labels the memory for accounting: with offload=cpu a context
   // has two CPU devices, so that the device <-> host copy path really runs.
-  CpuDevice(int n_threads, Pool mem_pool) : pool_(n_threads), mem_pool_(mem_pool) {}
+  CpuDevice(int n_threads, Pool mem_pool) : pool_(n_threads), mem_pool_(mem_pool), cache_(kCacheBlocks) {}
   const char* name() const override { return "cpu"; }
   bool host_visible() const override { return true; }
   Pool pool() const override { return mem_pool_; }
@@ -32,8 +33,14 @@ class CpuDevice final : public Device {
   double sum_squares(const float* x, size_t numel) override;
 
  private:
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  static constexpr bool kCacheBlocks = false;  // each free reaches the sanitizer
+#else
+  static constexpr bool kCacheBlocks = true;
+#endif
   ThreadPool pool_;
   Pool mem_pool_;
+  BlockCache cache_;
 };
 
 }  // namespace fsdp::device

@@ -1,0 +1,49 @@
+// src/device/cpu/block_cache.h - BlockCache: keeps freed blocks of the CPU
+// device for reuse, as a GPU caching allocator does. A fresh multi-megabyte
+// allocation is an mmap whose every page faults on first touch (about 1.5 ms
+// per 4 MB, against 0.2 ms to zero it), and the engine frees and allocates the
+// same sizes every step (gathered params, full grads, scratch). Blocks are
+// reused only at their exact size; the cache never holds more than keeps the
+// device's footprint (in use + cached) at its peak in-use bytes, so it costs
+// no memory beyond the peak a run reaches anyway.
+#pragma once
+
+#include <cstddef>
+#include <map>
+#include <mutex>
+#include <unordered_map>
+
+namespace fsdp::device {
+
+class BlockCache {
+ public:
+  // `enabled` false: every alloc and free goes to the system (sanitizer
+  // builds, so that AddressSanitizer sees each use after free).
+  explicit BlockCache(bool enabled) : enabled_(enabled) {}
+  ~BlockCache();
+  BlockCache(const BlockCache&) = delete;
+  BlockCache& operator=(const BlockCache&) = delete;
+
+  // A 64-byte aligned block of at least `nbytes`; null when the system has no
+  // memory left (after giving back every cached block).
+  void* alloc(size_t nbytes);
+  void free(void* ptr) noexcept;
+  // Bytes held for reuse and bytes handed out (for tests and stats).
+  size_t cached_bytes() const;
+  size_t in_use_bytes() const;
+
+ private:
+  static void* system_alloc(size_t nbytes);
+  // Frees cached blocks, largest first, until cached + in use <= limit.
+  void trim_locked(size_t limit);
+
+  const bool enabled_;
+  mutable std::mutex mu_;
+  std::multimap<size_t, void*> free_;           // rounded size -> block
+  std::unordered_map<void*, size_t> in_use_;  // block -> rounded size
+  size_t cached_ = 0;
+  size_t used_ = 0;
+  size_t peak_ = 0;
+};
+
+}  // namespace fsdp::device
