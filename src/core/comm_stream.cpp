@@ -1,27 +1,30 @@
 // src/core/comm_stream.cpp - see comm_stream.h.
 #include "comm_stream.h"
 
+#include "../base/spin.h"
 #include "error.h"
 
 namespace fsdp::core {
+namespace {
+
+// How long a waiter spins before it sleeps: about a futex wake-up's latency.
+constexpr std::chrono::microseconds kSpinFor{20};
+
+}  // namespace
 
 void Event::wait() {
+  base::spin_until([this] { return done(); }, kSpinFor);
   std::unique_lock<std::mutex> lock(mu_);
-  cv_.wait(lock, [this] { return done_; });
+  cv_.wait(lock, [this] { return done_.load(std::memory_order_relaxed); });
   if (status_ != FSDP_OK) fail(status_, message_);
-}
-
-bool Event::done() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return done_;
 }
 
 void Event::complete(fsdp_status_t status, std::string message) {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    done_ = true;
     status_ = status;
     message_ = std::move(message);
+    done_.store(true, std::memory_order_release);
   }
   cv_.notify_all();
 }

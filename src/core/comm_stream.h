@@ -5,6 +5,7 @@
 // leave in program order, which is what keeps the ranks matched.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <deque>
 #include <functional>
@@ -21,15 +22,17 @@ namespace fsdp::core {
 // Completion of one submission: done, or failed with a status and a message.
 class Event {
  public:
-  // Blocks until done; rethrows the task's error.
+  // Blocks until done; rethrows the task's error. Spins for a few
+  // microseconds first (a task about to finish costs no sleep and wake-up),
+  // then sleeps: a waiting rank takes no CPU from the others.
   void wait();
-  bool done() const;
+  bool done() const { return done_.load(std::memory_order_acquire); }
   void complete(fsdp_status_t status, std::string message);
 
  private:
   mutable std::mutex mu_;
   std::condition_variable cv_;
-  bool done_ = false;
+  std::atomic<bool> done_{false};
   fsdp_status_t status_ = FSDP_OK;
   std::string message_;
 };

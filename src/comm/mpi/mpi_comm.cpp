@@ -24,10 +24,19 @@ constexpr size_t kMaxPiece = size_t(1) << 30;
 // Below this many bytes a reduction takes MPI's own collective (auto): a ring
 // pays world - 1 latencies.
 constexpr size_t kRingMinBytes = size_t(64) << 10;
-// Waits poll MPI at full speed this long, then every kSlowPoll (a peer that
-// is this late is computing, not transferring).
+// How a wait polls MPI. kData: every rank is inside the collective (it passed
+// the check-in), so the transfer is under way and MPI needs polling to move
+// it: full speed for kFastPollFor, then every kSlowPoll. kPeers: the check-in,
+// where a rank waits for the others to arrive, which may take as long as
+// their compute: full speed for kPeerSpin, then sleeps growing from
+// kPeerSleepMin to kPeerSleepMax, so that a waiting rank costs its host a few
+// percent of a core instead of all of it (ranks often share cores).
+enum class Patience { kData, kPeers };
 constexpr auto kFastPollFor = std::chrono::milliseconds(50);
 constexpr auto kSlowPoll = std::chrono::microseconds(200);
+constexpr auto kPeerSpin = std::chrono::microseconds(50);
+constexpr auto kPeerSleepMin = std::chrono::microseconds(10);
+constexpr auto kPeerSleepMax = std::chrono::microseconds(100);
 
 uint64_t fnv1a(const std::string& s) {
   uint64_t h = 1469598103934665603ull;
@@ -39,8 +48,9 @@ int as_count(size_t n) { return static_cast<int>(n); }  // callers keep n <= kMa
 
 // Waits for `reqs` (completed ones become MPI_REQUEST_NULL) until `deadline`.
 bool poll_requests(std::vector<MPI_Request>& reqs, std::chrono::steady_clock::time_point deadline,
-                   const std::atomic<bool>* aborted) {
+                   const std::atomic<bool>* aborted, Patience patience = Patience::kData) {
   auto start = std::chrono::steady_clock::now();
+  auto sleep = kPeerSleepMin;
   std::vector<int> done(reqs.size());
   for (;;) {
     int outcount = 0;
@@ -52,7 +62,14 @@ bool poll_requests(std::vector<MPI_Request>& reqs, std::chrono::steady_clock::ti
     if (aborted != nullptr && aborted->load()) return false;
     auto now = std::chrono::steady_clock::now();
     if (now >= deadline) return false;
-    if (now - start < kFastPollFor) {
+    if (patience == Patience::kPeers) {
+      if (now - start < kPeerSpin) {
+        std::this_thread::yield();
+      } else {
+        std::this_thread::sleep_for(sleep);
+        sleep = std::min<std::chrono::microseconds>(2 * sleep, kPeerSleepMax);
+      }
+    } else if (now - start < kFastPollFor) {
       std::this_thread::yield();
     } else {
       std::this_thread::sleep_for(kSlowPoll);
@@ -200,8 +217,9 @@ void MpiComm::collective(const char* kind, size_t size, int dtype, int op, int r
   }
 }
 
-bool MpiComm::poll(std::vector<MPI_Request>& reqs, Clock::time_point deadline, std::shared_ptr<void> buffers) {
-  bool ok = poll_requests(reqs, deadline, &aborted_);
+bool MpiComm::poll(std::vector<MPI_Request>& reqs, Clock::time_point deadline, std::shared_ptr<void> buffers,
+                   bool for_peers) {
+  bool ok = poll_requests(reqs, deadline, &aborted_, for_peers ? Patience::kPeers : Patience::kData);
   if (!ok && aborted_.load()) {
     abandon(reqs, std::move(buffers));
     std::lock_guard<std::mutex> lock(reason_mu_);
@@ -235,7 +253,7 @@ void MpiComm::check_in(const Desc& mine_in) {
       }
     }
     std::vector<int> arrived;
-    if (!poll(reqs, after(timeout_s_), bufs)) {
+    if (!poll(reqs, after(timeout_s_), bufs, /*for_peers=*/true)) {
       std::string missing;
       int n_missing = 0;
       for (int r = 1; r < world_; ++r) {
@@ -285,7 +303,7 @@ void MpiComm::check_in(const Desc& mine_in) {
     }
     // Longer than rank 0's own wait, so that rank 0's verdict (which names a
     // missing rank) arrives first when rank 0 is alive.
-    if (!poll(reqs, after(2 * timeout_s_ + 1), bufs)) {
+    if (!poll(reqs, after(2 * timeout_s_ + 1), bufs, /*for_peers=*/true)) {
       abandon(reqs, bufs);
       fail(FSDP_ERR_TIMEOUT, what + ": timed out after " + seconds(2 * timeout_s_ + 1) + " s waiting for " +
                                  rank_name(0) + " (seen from " + rank_name(rank_) + "), which checks that every " +

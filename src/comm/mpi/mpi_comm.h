@@ -59,7 +59,10 @@ class MpiComm final : public Communicator {
   // Waits for `reqs` until `deadline`; false on timeout (unfinished requests
   // stay set). Throws COMM if the communicator is aborted meanwhile, giving
   // the requests up; `buffers` (theirs) are then kept alive for MPI.
-  bool poll(std::vector<MPI_Request>& reqs, Clock::time_point deadline, std::shared_ptr<void> buffers = nullptr);
+  // `for_peers`: the wait is for other ranks to arrive (the check-in), so it
+  // sleeps between polls after a short spin; else it polls at full speed.
+  bool poll(std::vector<MPI_Request>& reqs, Clock::time_point deadline, std::shared_ptr<void> buffers = nullptr,
+            bool for_peers = false);
   // Waits for a data transfer of the current collective, or fails naming `peer`.
   void wait_data(std::vector<MPI_Request>& reqs, int peer);
   // Sends `send_nbytes` to the next rank and receives `recv_nbytes` from the
