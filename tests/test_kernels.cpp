@@ -1,11 +1,18 @@
 // Proves the kernels/ conversions round to nearest even exactly, comparing with
-// an independent reference: exact rational rounding done in double.
+// an independent reference (exact rational rounding done in double), and that
+// the CPU device's optimizer passes compute the scalar functors' bits in every
+// variant: with the params copy, with the grads cleared and their squares
+// summed in the same pass.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <random>
+#include <string>
+#include <vector>
 
+#include "device/cpu/cpu_device.h"
 #include "kernels/cast.h"
 
 using namespace fsdp::kernels;
@@ -87,5 +94,200 @@ TEST(Cast, SpecialValuesSurvive) {
     float f = fp16_bits_to_f32(static_cast<uint16_t>(h));
     if (std::isnan(f)) continue;
     ASSERT_EQ(f32_to_fp16_bits(f), h) << std::hex << h;
+  }
+}
+
+// ---- the CPU device's optimizer passes ------------------------------------
+
+namespace {
+
+using fsdp::DType;
+using fsdp::device::AdamArgs;
+using fsdp::device::CpuDevice;
+using fsdp::device::SgdArgs;
+
+// One optimizer's arrays; `out` holds the params copy in `out_dtype` (as raw
+// 16- or 32-bit words) when `with_out` is set.
+struct PassState {
+  std::vector<float> p, g, m, v;
+  std::vector<uint32_t> out32;
+  std::vector<uint16_t> out16;
+};
+
+PassState make_state(size_t n, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> sym(-1.f, 1.f), pos(0.f, 1e-2f);
+  PassState s;
+  for (size_t i = 0; i < n; ++i) {
+    s.p.push_back(sym(rng));
+    s.g.push_back(i % 7 == 3 ? 0.f : sym(rng) * 3.f);  // some grads exactly zero
+    s.m.push_back(sym(rng) * 1e-2f);
+    s.v.push_back(pos(rng));
+  }
+  s.out32.assign(n, 0xdeadbeefu);
+  s.out16.assign(n, 0xbeefu);
+  return s;
+}
+
+// Optimizer configurations covering every loop instance: AdamW and Adam (L2),
+// SGD without and with (Nesterov) momentum, the first step included.
+enum class Opt { kAdamW, kAdam, kSgd, kSgdMomentum, kSgdNesterovFirst };
+const Opt kOpts[] = {Opt::kAdamW, Opt::kAdam, Opt::kSgd, Opt::kSgdMomentum, Opt::kSgdNesterovFirst};
+const char* opt_name(Opt o) {
+  const char* names[] = {"adamw", "adam", "sgd", "sgd_momentum", "sgd_nesterov_first"};
+  return names[static_cast<int>(o)];
+}
+bool is_adam(Opt o) { return o == Opt::kAdamW || o == Opt::kAdam; }
+bool has_momentum(Opt o) { return o == Opt::kSgdMomentum || o == Opt::kSgdNesterovFirst; }
+
+fsdp::kernels::AdamOp adam_op(Opt o) {
+  return fsdp::kernels::AdamOp::make(1e-3f, 0.9f, 0.999f, 1e-8f, 0.1f, o == Opt::kAdamW, 3, 0.75f);
+}
+fsdp::kernels::SgdOp sgd_op(Opt o) {
+  bool first = o == Opt::kSgdNesterovFirst;
+  return fsdp::kernels::SgdOp{0.05f, 0.01f, has_momentum(o) ? 0.9f : 0.f, 0.75f, first, first};
+}
+
+// Where the params copy goes: none, fp32 or bf16.
+enum class OutKind { kNone, kFp32, kBf16 };
+
+void* out_ptr(PassState& s, OutKind k) {
+  return k == OutKind::kNone ? nullptr : k == OutKind::kFp32 ? static_cast<void*>(s.out32.data()) : s.out16.data();
+}
+DType out_dtype(OutKind k) { return k == OutKind::kBf16 ? DType::kBf16 : DType::kFp32; }
+
+// The scalar reference: one functor call per element, in order.
+void reference_pass(Opt o, PassState& s, OutKind k) {
+  for (size_t i = 0; i < s.p.size(); ++i) {
+    if (is_adam(o)) {
+      adam_op(o)(s.p[i], s.g[i], s.m[i], s.v[i]);
+    } else if (has_momentum(o)) {
+      sgd_op(o)(s.p[i], s.g[i], s.m[i]);
+    } else {
+      sgd_op(o)(s.p[i], s.g[i]);
+    }
+    if (k == OutKind::kFp32) s.out32[i] = f32_bits(s.p[i]);
+    if (k == OutKind::kBf16) s.out16[i] = f32_to_bf16_bits(s.p[i]);
+  }
+}
+
+void device_pass(CpuDevice& dev, Opt o, PassState& s, OutKind k, bool zero_grads, double* grad_sq) {
+  size_t n = s.p.size();
+  if (is_adam(o)) {
+    dev.adam(AdamArgs{adam_op(o), s.p.data(), s.g.data(), s.m.data(), s.v.data(), out_ptr(s, k), out_dtype(k), n,
+                      zero_grads, grad_sq});
+  } else {
+    float* buf = has_momentum(o) ? s.m.data() : nullptr;
+    dev.sgd(SgdArgs{sgd_op(o), s.p.data(), s.g.data(), buf, out_ptr(s, k), out_dtype(k), n, zero_grads, grad_sq});
+  }
+}
+
+// Index of the first element whose bits differ, or -1.
+template <typename T>
+long first_difference(const std::vector<T>& a, const std::vector<T>& b) {
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (std::memcmp(&a[i], &b[i], sizeof(T)) != 0) return static_cast<long>(i);
+  }
+  return a.size() == b.size() ? -1 : static_cast<long>(a.size());
+}
+
+// Params, moments and the params copy have the same bits in both states.
+void expect_same_update(const PassState& want, const PassState& got) {
+  EXPECT_EQ(first_difference(want.p, got.p), -1) << "params";
+  EXPECT_EQ(first_difference(want.m, got.m), -1) << "exp_avg / momentum";
+  EXPECT_EQ(first_difference(want.v, got.v), -1) << "exp_avg_sq";
+  EXPECT_EQ(first_difference(want.out32, got.out32), -1) << "fp32 copy";
+  EXPECT_EQ(first_difference(want.out16, got.out16), -1) << "bf16 copy";
+}
+
+// Sizes below a vector, over several blocks and chunks, and none a multiple of
+// any vector width; one and two threads (two chunks).
+const size_t kSizes[] = {13, 3 * 1024 + 37, (size_t{1} << 16) + 5};
+const int kThreads[] = {1, 2};
+const OutKind kOuts[] = {OutKind::kNone, OutKind::kFp32, OutKind::kBf16};
+
+std::string trace(Opt o, OutKind k, size_t n, int threads) {
+  return std::string(opt_name(o)) + " out=" + std::to_string(static_cast<int>(k)) + " n=" + std::to_string(n) +
+         " threads=" + std::to_string(threads);
+}
+
+}  // namespace
+
+TEST(CpuOptimizerPass, MatchesTheScalarFunctorsBitwise) {
+  for (int threads : kThreads) {
+    CpuDevice dev(threads, fsdp::device::Pool::kDevice);
+    for (Opt o : kOpts) {
+      for (OutKind k : kOuts) {
+        for (size_t n : kSizes) {
+          SCOPED_TRACE(trace(o, k, n, threads));
+          PassState want = make_state(n, 1), got = make_state(n, 1);
+          reference_pass(o, want, k);
+          device_pass(dev, o, got, k, false, nullptr);
+          expect_same_update(want, got);
+          EXPECT_EQ(first_difference(make_state(n, 1).g, got.g), -1) << "grads must stay as they were";
+        }
+      }
+    }
+  }
+}
+
+TEST(CpuOptimizerPass, ZeroGradsClearsGradsAndUpdatesLikeTheUnfusedPass) {
+  for (int threads : kThreads) {
+    CpuDevice dev(threads, fsdp::device::Pool::kDevice);
+    for (Opt o : kOpts) {
+      for (OutKind k : kOuts) {
+        for (size_t n : kSizes) {
+          SCOPED_TRACE(trace(o, k, n, threads));
+          PassState want = make_state(n, 2), got = make_state(n, 2);
+          device_pass(dev, o, want, k, false, nullptr);
+          device_pass(dev, o, got, k, true, nullptr);
+          expect_same_update(want, got);
+          EXPECT_EQ(first_difference(std::vector<float>(n, 0.f), got.g), -1) << "grads must read +0";
+        }
+      }
+    }
+  }
+}
+
+TEST(CpuOptimizerPass, GradSqIsSumSquaresOfTheRawGradsBitwise) {
+  for (int threads : kThreads) {
+    CpuDevice dev(threads, fsdp::device::Pool::kDevice);
+    for (Opt o : kOpts) {
+      for (OutKind k : kOuts) {
+        for (size_t n : kSizes) {
+          for (bool zero_grads : {false, true}) {
+            SCOPED_TRACE(trace(o, k, n, threads) + " zero_grads=" + std::to_string(zero_grads));
+            PassState want = make_state(n, 3), got = make_state(n, 3);
+            double expected = dev.sum_squares(want.g.data(), n);
+            device_pass(dev, o, want, k, false, nullptr);
+            double sq = -1.0;
+            device_pass(dev, o, got, k, zero_grads, &sq);
+            EXPECT_EQ(sq, expected);  // the same bits: grad_sq can stand in for sum_squares
+            expect_same_update(want, got);
+            if (!zero_grads) {
+              EXPECT_EQ(first_difference(make_state(n, 3).g, got.g), -1);
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(CpuSumSquares, IsReproducibleAndCloseToTheExactSum) {
+  for (int threads : kThreads) {
+    CpuDevice dev(threads, fsdp::device::Pool::kDevice);
+    for (size_t n : kSizes) {
+      std::vector<float> g = make_state(n, 4).g;
+      double exact = 0.0;
+      for (float x : g) exact += static_cast<double>(x) * x;
+      double s = dev.sum_squares(g.data(), n);
+      EXPECT_NEAR(s, exact, 1e-6 * exact) << "n=" << n;
+      EXPECT_EQ(dev.sum_squares(g.data(), n), s) << "n=" << n;
+    }
+    double sq = -1.0;
+    dev.adam(AdamArgs{adam_op(Opt::kAdamW), nullptr, nullptr, nullptr, nullptr, nullptr, DType::kFp32, 0, true, &sq});
+    EXPECT_EQ(sq, 0.0) << "an empty pass still writes its sum of squares";
+    EXPECT_EQ(dev.sum_squares(nullptr, 0), 0.0);
   }
 }

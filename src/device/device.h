@@ -13,25 +13,33 @@ namespace fsdp::device {
 
 // One fused optimizer pass over `numel` fp32 elements. `out` (may be null)
 // receives the updated params in `out_dtype`: the next step's gather source.
+// The same pass can clear the grads it has read (no separate memset pass over
+// them) and sum their squares (the grad norm of the next clipping decision,
+// or a finiteness check), as stored, before `grad_scale`; the sum is the one
+// Device::sum_squares returns for the same grads, bit for bit.
 struct AdamArgs {
   kernels::AdamOp op;
   float* params;
-  const float* grads;
+  float* grads;
   float* exp_avg;
   float* exp_avg_sq;
   void* out;
   DType out_dtype;
   size_t numel;
+  bool zero_grads = false;    // grads[i] = 0 once read
+  double* grad_sq = nullptr;  // if set, receives sum(grads[i]^2)
 };
 
 struct SgdArgs {
   kernels::SgdOp op;
   float* params;
-  const float* grads;
+  float* grads;
   float* momentum_buf;  // null when momentum == 0
   void* out;
   DType out_dtype;
   size_t numel;
+  bool zero_grads = false;    // grads[i] = 0 once read
+  double* grad_sq = nullptr;  // if set, receives sum(grads[i]^2)
 };
 
 // Where a Device's memory lives: the accelerator's (or, for the CPU device,
@@ -61,7 +69,7 @@ class Device {
   virtual void accumulate(float* acc, const void* src, DType src_dtype, float scale, size_t numel) = 0;
   virtual void adam(const AdamArgs& args) = 0;
   virtual void sgd(const SgdArgs& args) = 0;
-  // Sum of x[i]^2 in double.
+  // Sum of x[i]^2 in double, the same bits on every run.
   virtual double sum_squares(const float* x, size_t numel) = 0;
 };
 

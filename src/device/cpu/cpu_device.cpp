@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <new>
+#include <type_traits>
 #include <vector>
 
 #include "../../core/error.h"
@@ -26,45 +27,98 @@ inline void store_out(T* out, size_t i, float v) {
   kernels::store(out, i, v);
 }
 
-template <typename Out>
-FSDP_SIMD_CLONES void adam_loop(const AdamArgs& a, Out* out, size_t b, size_t e) {
-  const kernels::AdamOp op = a.op;
-  float* __restrict p = a.params;
-  const float* __restrict g = a.grads;
-  float* __restrict m = a.exp_avg;
-  float* __restrict v = a.exp_avg_sq;
-  for (size_t i = b; i < e; ++i) {
-    float pi = p[i], mi = m[i], vi = v[i];
-    op(pi, g[i], mi, vi);
-    p[i] = pi;
-    m[i] = mi;
-    v[i] = vi;
-    store_out(out, i, pi);
+// Squares of one block of grads summed in fp32, in 16 interleaved lane sums
+// added pairwise at the end: a fixed order that every vector width computes
+// alike (so sum_squares and the fused optimizer passes agree bit for bit in
+// every clone), and one that vectorises without the reassociation a single
+// running sum would need. The lanes are four 4-wide GCC vectors: the loop
+// vectoriser turns an array of lane sums into shuffles, and GCC lowers a
+// 16-wide vector type through memory where the target has no 16-wide registers.
+typedef float Lanes4 __attribute__((vector_size(4 * sizeof(float))));
+inline float block_sum_squares(const float* x, size_t b, size_t e) {
+  constexpr size_t kLanes = 16;
+  Lanes4 acc[4] = {};
+  size_t i = b;
+  for (; i + kLanes <= e; i += kLanes) {
+    Lanes4 xi[4];
+    std::memcpy(xi, x + i, sizeof xi);
+    acc[0] += xi[0] * xi[0];
+    acc[1] += xi[1] * xi[1];
+    acc[2] += xi[2] * xi[2];
+    acc[3] += xi[3] * xi[3];
+  }
+  float lane[kLanes];
+  std::memcpy(lane, acc, sizeof lane);
+  for (size_t l = 0; i + l < e; ++l) lane[l] += x[i + l] * x[i + l];
+  for (size_t w = kLanes / 2; w > 0; w /= 2) {
+    for (size_t l = 0; l < w; ++l) lane[l] += lane[l + w];
+  }
+  return lane[0];
+}
+
+// Runs body(b, e) over [b, e); with kGradSq, in blocks of kGrain that first
+// sum the squares of the block's grads (still in L1 when body reads them), the
+// blocks' fp32 sums added in double. Returns that sum (0 without kGradSq).
+template <bool kGradSq, typename Body>
+inline double blocks(const float* g, size_t b, size_t e, Body&& body) {
+  if constexpr (!kGradSq) {
+    body(b, e);
+    return 0.0;
+  } else {
+    double total = 0.0;
+    for (size_t blk = b; blk < e; blk += kGrain) {
+      size_t end = blk + kGrain < e ? blk + kGrain : e;
+      total += block_sum_squares(g, blk, end);
+      body(blk, end);
+    }
+    return total;
   }
 }
 
-template <typename Out>
-FSDP_SIMD_CLONES void sgd_loop(const SgdArgs& a, Out* out, size_t b, size_t e) {
+// The optimizer loops take their variants (output dtype, whether grads are
+// cleared and their squares summed, SGD momentum) as template parameters, so
+// that each inner loop is branch-free and vectorises.
+template <typename Out, bool kZeroGrads, bool kGradSq>
+FSDP_SIMD_CLONES double adam_loop(const AdamArgs& a, Out* out, size_t b, size_t e) {
+  const kernels::AdamOp op = a.op;
+  float* __restrict p = a.params;
+  float* __restrict g = a.grads;
+  float* __restrict m = a.exp_avg;
+  float* __restrict v = a.exp_avg_sq;
+  return blocks<kGradSq>(g, b, e, [&](size_t lo, size_t hi) {
+    for (size_t i = lo; i < hi; ++i) {
+      float pi = p[i], gi = g[i], mi = m[i], vi = v[i];
+      if constexpr (kZeroGrads) g[i] = 0.0f;
+      op(pi, gi, mi, vi);
+      p[i] = pi;
+      m[i] = mi;
+      v[i] = vi;
+      store_out(out, i, pi);
+    }
+  });
+}
+
+template <typename Out, bool kZeroGrads, bool kGradSq, bool kMomentum>
+FSDP_SIMD_CLONES double sgd_loop(const SgdArgs& a, Out* out, size_t b, size_t e) {
   const kernels::SgdOp op = a.op;
   float* __restrict p = a.params;
-  const float* __restrict g = a.grads;
+  float* __restrict g = a.grads;
   float* __restrict buf = a.momentum_buf;
-  if (buf != nullptr) {
-    for (size_t i = b; i < e; ++i) {
-      float pi = p[i], bi = buf[i];
-      op(pi, g[i], bi);
+  return blocks<kGradSq>(g, b, e, [&](size_t lo, size_t hi) {
+    for (size_t i = lo; i < hi; ++i) {
+      float pi = p[i], gi = g[i];
+      if constexpr (kZeroGrads) g[i] = 0.0f;
+      if constexpr (kMomentum) {
+        float bi = buf[i];
+        op(pi, gi, bi);
+        buf[i] = bi;
+      } else {
+        op(pi, gi);
+      }
       p[i] = pi;
-      buf[i] = bi;
       store_out(out, i, pi);
     }
-  } else {
-    for (size_t i = b; i < e; ++i) {
-      float pi = p[i];
-      op(pi, g[i]);
-      p[i] = pi;
-      store_out(out, i, pi);
-    }
-  }
+  });
 }
 
 template <typename Out, typename In>
@@ -79,17 +133,51 @@ FSDP_SIMD_CLONES void accumulate_loop(float* acc, const In* in, float scale, siz
   for (size_t i = b; i < e; ++i) op(acc, in, i);
 }
 
-// fp32 partial sums over short blocks keep the loop vectorised; the blocks are
-// added in double.
 FSDP_SIMD_CLONES double sum_squares_loop(const float* x, size_t b, size_t e) {
-  double total = 0.0;
-  for (size_t blk = b; blk < e; blk += kGrain) {
-    size_t end = blk + kGrain < e ? blk + kGrain : e;
-    float s = 0.0f;
-    for (size_t i = blk; i < end; ++i) s += x[i] * x[i];
-    total += s;
+  return blocks<true>(x, b, e, [](size_t, size_t) {});
+}
+
+// Runs fn(b, e) -> double over the pool and adds the chunks' results in chunk
+// order: the sum does not depend on thread timing, so runs are bitwise
+// reproducible.
+template <typename Fn>
+double sum_over_chunks(ThreadPool& pool, size_t n, Fn&& fn) {
+  size_t chunk = pool.chunk_size(n, kGrain);
+  std::vector<double> partial(chunk == 0 ? 0 : (n + chunk - 1) / chunk, 0.0);
+  pool.parallel_for(n, kGrain, [&](size_t b, size_t e) { partial[b / chunk] = fn(b, e); });
+  double s = 0.0;
+  for (double v : partial) s += v;
+  return s;
+}
+
+// One optimizer pass of `a` over the pool: picks the loop instance for the
+// runtime flags (loop(out, zero_grads, grad_sq, b, e) receives them as
+// std::bool_constant) and stores the grads' sum of squares where asked.
+template <typename Args, typename Loop>
+void optimizer_pass(ThreadPool& pool, const Args& a, Loop&& loop) {
+  auto run = [&](auto zero_grads, auto grad_sq) {
+    auto chunk = [&](size_t b, size_t e) {
+      double sq = 0.0;
+      if (a.out == nullptr) {
+        sq = loop(static_cast<NoOut*>(nullptr), zero_grads, grad_sq, b, e);
+      } else {
+        with_dtype(a.out_dtype, a.out, [&](auto* out) { sq = loop(out, zero_grads, grad_sq, b, e); });
+      }
+      return sq;
+    };
+    if constexpr (decltype(grad_sq)::value) {
+      *a.grad_sq = sum_over_chunks(pool, a.numel, chunk);
+    } else {
+      pool.parallel_for(a.numel, kGrain, [&](size_t b, size_t e) { chunk(b, e); });
+    }
+  };
+  using T = std::true_type;
+  using F = std::false_type;
+  if (a.zero_grads) {
+    a.grad_sq != nullptr ? run(T{}, T{}) : run(T{}, F{});
+  } else {
+    a.grad_sq != nullptr ? run(F{}, T{}) : run(F{}, F{});
   }
-  return total;
 }
 
 }  // namespace
@@ -137,34 +225,23 @@ void CpuDevice::accumulate(float* acc, const void* src, DType src_dtype, float s
 }
 
 void CpuDevice::adam(const AdamArgs& a) {
-  pool_.parallel_for(a.numel, kGrain, [&](size_t b, size_t e) {
-    if (a.out == nullptr) {
-      adam_loop(a, static_cast<NoOut*>(nullptr), b, e);
-    } else {
-      with_dtype(a.out_dtype, a.out, [&](auto* out) { adam_loop(a, out, b, e); });
-    }
+  optimizer_pass(pool_, a, [&](auto* out, auto zero_grads, auto grad_sq, size_t b, size_t e) {
+    using Out = std::remove_pointer_t<decltype(out)>;
+    return adam_loop<Out, decltype(zero_grads)::value, decltype(grad_sq)::value>(a, out, b, e);
   });
 }
 
 void CpuDevice::sgd(const SgdArgs& a) {
-  pool_.parallel_for(a.numel, kGrain, [&](size_t b, size_t e) {
-    if (a.out == nullptr) {
-      sgd_loop(a, static_cast<NoOut*>(nullptr), b, e);
-    } else {
-      with_dtype(a.out_dtype, a.out, [&](auto* out) { sgd_loop(a, out, b, e); });
-    }
+  optimizer_pass(pool_, a, [&](auto* out, auto zero_grads, auto grad_sq, size_t b, size_t e) {
+    using Out = std::remove_pointer_t<decltype(out)>;
+    constexpr bool kZero = decltype(zero_grads)::value, kSq = decltype(grad_sq)::value;
+    return a.momentum_buf != nullptr ? sgd_loop<Out, kZero, kSq, true>(a, out, b, e)
+                                     : sgd_loop<Out, kZero, kSq, false>(a, out, b, e);
   });
 }
 
 double CpuDevice::sum_squares(const float* x, size_t numel) {
-  // One partial per chunk, added in chunk order: the result does not depend on
-  // thread timing, so runs are bitwise reproducible.
-  size_t chunk = pool_.chunk_size(numel, kGrain);
-  std::vector<double> partial(chunk == 0 ? 0 : (numel + chunk - 1) / chunk, 0.0);
-  pool_.parallel_for(numel, kGrain, [&](size_t b, size_t e) { partial[b / chunk] = sum_squares_loop(x, b, e); });
-  double s = 0.0;
-  for (double v : partial) s += v;
-  return s;
+  return sum_over_chunks(pool_, numel, [&](size_t b, size_t e) { return sum_squares_loop(x, b, e); });
 }
 
 }  // namespace fsdp::device
