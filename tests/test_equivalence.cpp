@@ -619,6 +619,20 @@ std::vector<Case> variant_cases() {
   Case clip;
   clip.name = "Clip";
   clip.max_grad_norm = 0.02;  // the grad norm is 0.04..0.25 here
+  // The grad norm that clipping uses comes from the reductions' own pass over
+  // the grad shard (the last one to write it), or from a pass of its own
+  // where the host wrote the shard directly (alone, fp32): both with two
+  // micro-batches, so that a shard written twice is measured after the second.
+  Case clip_accum = clip;
+  clip_accum.name = "ClipGradAccumulation";
+  clip_accum.micro = 2;
+  add(clip_accum, 1, "NO_SHARD");
+  add(clip_accum, 2, "FULL_SHARD");
+  Case clip_no_sync = clip_accum;
+  clip_no_sync.name = "ClipNoSync";
+  clip_no_sync.no_sync = true;
+  add(clip_no_sync, 1, "FULL_SHARD");
+  add(clip_no_sync, 3, "FULL_SHARD");
   Case uneven;
   uneven.name = "UnevenPadding";
   uneven.uneven = true;

@@ -291,3 +291,27 @@ TEST(CpuSumSquares, IsReproducibleAndCloseToTheExactSum) {
     EXPECT_EQ(dev.sum_squares(nullptr, 0), 0.0);
   }
 }
+
+TEST(CpuAccumulate, SumOfSquaresOfTheResultIsSumSquaresBitwise) {
+  // The reduction's accumulation into a grad shard also measures it (the
+  // step's grad norm): the same bits as a sum_squares pass after it.
+  for (int threads : kThreads) {
+    CpuDevice dev(threads, fsdp::device::Pool::kDevice);
+    for (size_t n : kSizes) {
+      for (DType src_dtype : {DType::kFp32, DType::kBf16}) {
+        SCOPED_TRACE("n=" + std::to_string(n) + " threads=" + std::to_string(threads) +
+                     " src=" + fsdp::dtype_name(src_dtype));
+        std::vector<float> base = make_state(n, 5).g, src32 = make_state(n, 6).g;
+        std::vector<uint16_t> src16(n);
+        for (size_t i = 0; i < n; ++i) src16[i] = f32_to_bf16_bits(src32[i]);
+        const void* src = src_dtype == DType::kFp32 ? static_cast<const void*>(src32.data()) : src16.data();
+        std::vector<float> want = base, got = base;
+        dev.accumulate(want.data(), src, src_dtype, 0.5f, n, nullptr);
+        double sq = -1.0;
+        dev.accumulate(got.data(), src, src_dtype, 0.5f, n, &sq);
+        EXPECT_EQ(first_difference(want, got), -1);
+        EXPECT_EQ(sq, dev.sum_squares(want.data(), n));
+      }
+    }
+  }
+}

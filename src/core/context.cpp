@@ -182,7 +182,8 @@ void Context::step() {
   TraceScope scope(rt_.trace, "step");
   for (const auto& u : units_) u->reduce_pending_grads();
   settle_units();
-  optimizer_.step(units_);
+  optimizer_.step(units_);  // leaves every grad shard zero, the step skipped or not
+  for (const auto& u : units_) u->grads_cleared();
   scheduler_.on_step();
 }
 

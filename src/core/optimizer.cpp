@@ -44,9 +44,13 @@ void Optimizer::restore(long step, double last_grad_norm, std::vector<std::vecto
 }
 
 double Optimizer::grad_sum_squares(const std::vector<std::unique_ptr<Unit>>& units) {
-  // Padding in the sharded grads is always zero, so whole shards can be summed.
+  // The reduction that wrote a grad shard summed its squares as it went; only
+  // shards the host wrote itself (alone, fp32) take a pass here. Padding in
+  // the sharded grads is always zero, so whole shards can be summed.
   double sq = 0.0;
-  for (const auto& u : units) sq += rt_.state_dev->sum_squares(u->sharded_grad(), u->shard_numel());
+  for (const auto& u : units) {
+    sq += u->grad_sq_known() ? u->grad_sq() : rt_.state_dev->sum_squares(u->sharded_grad(), u->shard_numel());
+  }
   // Shards of a shard group cover the model once; replicas hold the same grads.
   if (rt_.shard_world() > 1) rt_.shard_sync->all_reduce_f64(&sq, 1, comm::RedOp::kSum, "grad norm");
   return sq;
@@ -77,23 +81,24 @@ void Optimizer::step(const std::vector<std::unique_ptr<Unit>>& units) {
     size_t out_es = dtype_size(out_dtype);
     for (const ShardSegment& seg : u.segments()) {
       float* p = u.master() + seg.shard_begin;
-      const float* g = u.sharded_grad() + seg.shard_begin;
+      float* g = u.sharded_grad() + seg.shard_begin;  // read, then zeroed by the same pass
       void* out = u.lowp_shard() == nullptr ? nullptr : static_cast<char*>(u.lowp_shard()) + seg.shard_begin * out_es;
       float wd = static_cast<float>(u.weight_decay(seg.param_index));
       if (o.optimizer == OptimizerKind::kSgd) {
         kernels::SgdOp op{
             static_cast<float>(o.lr), wd, static_cast<float>(o.momentum), grad_scale, o.nesterov, step_ == 1};
         float* buf = st.exp_avg.empty() ? nullptr : st.exp_avg.as<float>() + seg.shard_begin;
-        rt_.state_dev->sgd({op, p, g, buf, out, out_dtype, seg.numel});
+        rt_.state_dev->sgd({op, p, g, buf, out, out_dtype, seg.numel, /*zero_grads=*/true});
       } else {
         auto op = kernels::AdamOp::make(static_cast<float>(o.lr), static_cast<float>(o.beta1),
                                         static_cast<float>(o.beta2), static_cast<float>(o.eps), wd,
                                         o.optimizer == OptimizerKind::kAdamW, step_, grad_scale);
         rt_.state_dev->adam({op, p, g, st.exp_avg.as<float>() + seg.shard_begin,
-                             st.exp_avg_sq.as<float>() + seg.shard_begin, out, out_dtype, seg.numel});
+                             st.exp_avg_sq.as<float>() + seg.shard_begin, out, out_dtype, seg.numel,
+                             /*zero_grads=*/true});
       }
     }
-    rt_.state_dev->zero(u.sharded_grad(), u.shard_numel() * sizeof(float));
+    // Padding between and after params was never written: it is still zero.
   }
 }
 

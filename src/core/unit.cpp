@@ -16,14 +16,14 @@ namespace {
 // sgrad += grads, the grads rounded to reduce_dtype first when that is
 // narrower than param_dtype (as a reduction in reduce_dtype would): what a
 // world of one does in place of the collective.
-void accumulate_rounded(Runtime& rt, float* sgrad, const void* grads, DType pd, DType rd, size_t n) {
+void accumulate_rounded(Runtime& rt, float* sgrad, const void* grads, DType pd, DType rd, size_t n, double* sq) {
   if (rd == pd || rd == DType::kFp32) {  // widening to fp32 is exact: accumulate from the grads as they are
-    rt.state_dev->accumulate(sgrad, grads, pd, 1.0f, n);
+    rt.state_dev->accumulate(sgrad, grads, pd, 1.0f, n, sq);
     return;
   }
   Buffer rounded(rt.state_dev, &rt.mem, MemCategory::kScratch, rd, n, /*zeroed=*/false);
   rt.state_dev->cast(rounded.data(), rd, grads, pd, n);
-  rt.state_dev->accumulate(sgrad, rounded.data(), rd, 1.0f, n);
+  rt.state_dev->accumulate(sgrad, rounded.data(), rd, 1.0f, n, sq);
 }
 
 }  // namespace
@@ -160,7 +160,7 @@ void Unit::load_master(Buffer master) {
   rt_.state_dev->zero(sgrad_.data(), sgrad_.nbytes());
   grads_pending_ = false;
   grads_in_shard_ = false;
-  sgrad_zero_ = true;
+  grads_cleared();
 }
 
 void Unit::set_weight_decay(size_t param_index, double weight_decay) {
@@ -285,6 +285,7 @@ void Unit::backward_begin() {
     grads_in_shard_ = can_write_shard_grads();
     if (grads_in_shard_) {
       sgrad_zero_ = false;
+      grad_sq_known_ = false;  // no pass of ours sees these grads before the step
     } else {
       ugrad_ = Buffer(rt_.dev, &rt_.mem, MemCategory::kUnshardedGrads, rt_.opts.param_dtype, layout_.padded_numel());
     }
@@ -324,6 +325,10 @@ EventPtr Unit::submit_reduction() {
     return nullptr;
   }
   sgrad_zero_ = false;
+  // Every accumulation into the grad shard below leaves its sum of squares in
+  // grad_sq_: the step's norm then needs no pass of its own.
+  grad_sq_known_ = true;
+  double* sq = &grad_sq_;
   if (rt_.alone() && !rt_.offload()) {
     accumulate_alone();
     return nullptr;
@@ -355,7 +360,7 @@ EventPtr Unit::submit_reduction() {
                                                  /*zeroed=*/false);
                                   rt->dev->copy_to_host(on_host.data(), grads->data(), padded * dtype_size(pd));
                                   grads->reset();
-                                  accumulate_rounded(*rt, sgrad, on_host.data(), pd, rd, padded);
+                                  accumulate_rounded(*rt, sgrad, on_host.data(), pd, rd, padded, sq);
                                 });
   }
   EventPtr ev = rt_.stream->submit(what + " " + std::to_string(padded * dtype_size(rd)) + " B", [=] {
@@ -381,7 +386,7 @@ EventPtr Unit::submit_reduction() {
     if (offload) {
       *reduced = std::move(out);
     } else {
-      rt->dev->accumulate(sgrad, out.data(), rd, 1.0f, n_reduced);
+      rt->dev->accumulate(sgrad, out.data(), rd, 1.0f, n_reduced, sq);
     }
     grads->reset();
   });
@@ -393,14 +398,14 @@ EventPtr Unit::submit_reduction() {
                                                /*zeroed=*/false);
                                 rt->dev->copy_to_host(on_host.data(), reduced->data(), n_reduced * dtype_size(rd));
                                 reduced->reset();
-                                rt->state_dev->accumulate(sgrad, on_host.data(), rd, 1.0f, n_reduced);
+                                rt->state_dev->accumulate(sgrad, on_host.data(), rd, 1.0f, n_reduced, sq);
                               });
 }
 
 void Unit::accumulate_alone() {
   TraceScope scope(rt_.trace, "accumulate grads of unit ", unit_tag());
   accumulate_rounded(rt_, sharded_grad(), ugrad_.data(), rt_.opts.param_dtype, rt_.opts.reduce_dtype(),
-                     layout_.padded_numel());
+                     layout_.padded_numel(), &grad_sq_);
   ugrad_.reset();
 }
 

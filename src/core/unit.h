@@ -70,7 +70,16 @@ class Unit {
   void drop_stale_gathered();
   // The optimizer zeroed the grad shard (fsdp_step): the next backward pass
   // may add into it directly again.
-  void grads_cleared() { sgrad_zero_ = true; }
+  void grads_cleared() {
+    sgrad_zero_ = true;
+    grad_sq_known_ = true;
+    grad_sq_ = 0.0;
+  }
+  // The grad shard's sum of squares, as the pass that last wrote it (the
+  // reduction's accumulation) computed it; unknown (false) when the host
+  // wrote the shard itself. Read only after wait_reductions().
+  bool grad_sq_known() const { return grad_sq_known_; }
+  double grad_sq() const { return grad_sq_; }
 
   // The rank's shards, for the optimizer and fsdp_shard_info.
   size_t shard_numel() const { return layout_.shard_numel(); }
@@ -107,11 +116,13 @@ class Unit {
   std::vector<double> weight_decay_;
   UnitState state_ = UnitState::kSharded;
   bool grads_pending_ = false;
-  bool sgrad_zero_ = true;       // the grad shard holds zeros (since the last step or load)
-  bool grads_in_shard_ = false;  // this backward's grads are the grad shard itself (alone, fp32)
+  bool sgrad_zero_ = true;                   // the grad shard holds zeros (since the last step or load)
+  bool grads_in_shard_ = false;              // this backward's grads are the grad shard itself (alone, fp32)
+  bool grad_sq_known_ = true;                // set by the caller: grad_sq_ will hold the shard's sum of squares
+  double grad_sq_ = 0.0;                     // written by the pass that accumulates into the grad shard
   std::string gather_label_, reduce_label_;  // the collectives' labels, built once
-  EventPtr gather_event_;  // while GATHERING
-  EventPtr reduce_event_;  // the last reduction queued for this unit
+  EventPtr gather_event_;                    // while GATHERING
+  EventPtr reduce_event_;                    // the last reduction queued for this unit
 
   Buffer master_;    // fp32 [shard], state device
   Buffer lowp_;      // param_dtype [shard], state device, only when param_dtype != fp32

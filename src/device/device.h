@@ -65,8 +65,11 @@ class Device {
   virtual void copy_to_host(void* host_dst, const void* src, size_t nbytes) = 0;
 
   virtual void cast(void* dst, DType dst_dtype, const void* src, DType src_dtype, size_t numel) = 0;
-  // acc[i] += scale * src[i]
-  virtual void accumulate(float* acc, const void* src, DType src_dtype, float scale, size_t numel) = 0;
+  // acc[i] += scale * src[i]; with `acc_sq`, in the same pass, *acc_sq = the
+  // sum of acc[i]^2 afterwards (sum_squares of acc, bit for bit): the grad
+  // norm of a grad shard, taken while the reduction writes it.
+  virtual void accumulate(float* acc, const void* src, DType src_dtype, float scale, size_t numel,
+                          double* acc_sq) = 0;
   virtual void adam(const AdamArgs& args) = 0;
   virtual void sgd(const SgdArgs& args) = 0;
   // Sum of x[i]^2 in double, the same bits on every run.

@@ -39,7 +39,7 @@ class BlockCache {
 
   const bool enabled_;
   mutable std::mutex mu_;
-  std::multimap<size_t, void*> free_;           // rounded size -> block
+  std::multimap<size_t, void*> free_;         // rounded size -> block
   std::unordered_map<void*, size_t> in_use_;  // block -> rounded size
   size_t cached_ = 0;
   size_t used_ = 0;

@@ -133,6 +133,20 @@ FSDP_SIMD_CLONES void accumulate_loop(float* acc, const In* in, float scale, siz
   for (size_t i = b; i < e; ++i) op(acc, in, i);
 }
 
+// The accumulation in blocks of kGrain, each block's squares summed right
+// after it is written (still in L1), as sum_squares_loop sums them.
+template <typename In>
+FSDP_SIMD_CLONES double accumulate_sq_loop(float* acc, const In* in, float scale, size_t b, size_t e) {
+  kernels::AccumulateOp op{scale};
+  double total = 0.0;
+  for (size_t blk = b; blk < e; blk += kGrain) {
+    size_t end = blk + kGrain < e ? blk + kGrain : e;
+    for (size_t i = blk; i < end; ++i) op(acc, in, i);
+    total += block_sum_squares(acc, blk, end);
+  }
+  return total;
+}
+
 FSDP_SIMD_CLONES double sum_squares_loop(const float* x, size_t b, size_t e) {
   return blocks<true>(x, b, e, [](size_t, size_t) {});
 }
@@ -218,9 +232,14 @@ void CpuDevice::cast(void* dst, DType dst_dtype, const void* src, DType src_dtyp
   });
 }
 
-void CpuDevice::accumulate(float* acc, const void* src, DType src_dtype, float scale, size_t numel) {
+void CpuDevice::accumulate(float* acc, const void* src, DType src_dtype, float scale, size_t numel, double* acc_sq) {
   with_dtype(src_dtype, const_cast<void*>(src), [&](auto* in) {
-    pool_.parallel_for(numel, kGrain, [&](size_t b, size_t e) { accumulate_loop(acc, in, scale, b, e); });
+    if (acc_sq != nullptr) {
+      *acc_sq =
+          sum_over_chunks(pool_, numel, [&](size_t b, size_t e) { return accumulate_sq_loop(acc, in, scale, b, e); });
+    } else {
+      pool_.parallel_for(numel, kGrain, [&](size_t b, size_t e) { accumulate_loop(acc, in, scale, b, e); });
+    }
   });
 }
 

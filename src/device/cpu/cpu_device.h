@@ -27,7 +27,7 @@ class CpuDevice final : public Device {
   void copy_to_host(void* host_dst, const void* src, size_t nbytes) override;
 
   void cast(void* dst, DType dst_dtype, const void* src, DType src_dtype, size_t numel) override;
-  void accumulate(float* acc, const void* src, DType src_dtype, float scale, size_t numel) override;
+  void accumulate(float* acc, const void* src, DType src_dtype, float scale, size_t numel, double* acc_sq) override;
   void adam(const AdamArgs& args) override;
   void sgd(const SgdArgs& args) override;
   double sum_squares(const float* x, size_t numel) override;
