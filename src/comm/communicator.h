@@ -29,6 +29,11 @@ class Communicator {
   // recv (numel_per_rank) = op over ranks of their send[rank * numel_per_rank ...].
   virtual void reduce_scatter(const void* send, void* recv, size_t numel_per_rank, DType dtype, RedOp op,
                               const std::string& label) = 0;
+  // reduce_scatter that also leaves every element of `send` zero, written as
+  // the collective reads it: the grads' buffer is ready for the next backward
+  // with no zeroing pass of its own.
+  virtual void reduce_scatter_clear(void* send, void* recv, size_t numel_per_rank, DType dtype, RedOp op,
+                                    const std::string& label) = 0;
   // recv (numel) = op over ranks of send; recv may equal send.
   virtual void all_reduce(const void* send, void* recv, size_t numel, DType dtype, RedOp op,
                           const std::string& label) = 0;

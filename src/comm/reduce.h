@@ -14,6 +14,10 @@ namespace fsdp::comm {
 // out[i] = scale * sum over k in order of ins[k][i], accumulated in fp32 and
 // rounded once to `dtype`. `out` must not overlap any input.
 void reduce_sum(void* out, const void* const* ins, size_t n_ins, size_t numel, DType dtype, float scale);
+// The same, and every input element is set to zero right after it is read
+// (while its block is in L1): a reduce-scatter of grads leaves the grad buffer
+// ready for the next backward with no pass of its own.
+void reduce_sum_clear(void* out, void* const* ins, size_t n_ins, size_t numel, DType dtype, float scale);
 
 // out[i] = op over ranks r in order of rank_values(r)[i], for the small double
 // reductions (norms, flags, host metrics): every rank combines the same

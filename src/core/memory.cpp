@@ -50,8 +50,7 @@ void MemoryTracker::reset_peak() {
 
 Buffer::Buffer(device::Device* dev, MemoryTracker* tracker, MemCategory cat, DType dtype, size_t numel, bool zeroed)
     : dev_(dev), tracker_(tracker), cat_(cat), dtype_(dtype), numel_(numel) {
-  ptr_ = dev_->alloc(nbytes());  // throws Error(OUT_OF_MEMORY)
-  if (zeroed) dev_->zero(ptr_, nbytes());
+  ptr_ = zeroed ? dev_->alloc_zeroed(nbytes()) : dev_->alloc(nbytes());  // throw Error(OUT_OF_MEMORY)
   if (tracker_ != nullptr) tracker_->add(cat_, dev_->pool(), nbytes());
 }
 
@@ -70,10 +69,17 @@ Buffer& Buffer::operator=(Buffer&& o) noexcept {
   return *this;
 }
 
-void Buffer::reset() {
+void Buffer::reset() { release(false); }
+void Buffer::reset_zeroed() { release(true); }
+
+void Buffer::release(bool zero) {
   if (ptr_ == nullptr) return;
   if (tracker_ != nullptr) tracker_->sub(cat_, dev_->pool(), nbytes());
-  dev_->free(ptr_);
+  if (zero) {
+    dev_->free_zeroed(ptr_);
+  } else {
+    dev_->free(ptr_);
+  }
   ptr_ = nullptr;
   numel_ = 0;
 }

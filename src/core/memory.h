@@ -68,6 +68,9 @@ class Buffer {
   Buffer& operator=(const Buffer&) = delete;
 
   void reset();
+  // Releases a buffer whose bytes the caller knows to be all zero: a later
+  // zeroed Buffer of the same size may take it without a pass over it.
+  void reset_zeroed();
   bool empty() const { return ptr_ == nullptr; }
   void* data() const { return ptr_; }
   template <typename T>
@@ -79,6 +82,7 @@ class Buffer {
   DType dtype() const { return dtype_; }
 
  private:
+  void release(bool zero);
   device::Device* dev_ = nullptr;
   MemoryTracker* tracker_ = nullptr;
   MemCategory cat_ = MemCategory::kScratch;

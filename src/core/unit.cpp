@@ -372,9 +372,15 @@ EventPtr Unit::submit_reduction() {
       src = converted.data();
     }
     Buffer out;
+    bool cleared = false;  // the grads read as zeros again: the next backward takes them as they are
     if (rt->sharded()) {
       out = Buffer(rt->dev, &rt->mem, MemCategory::kScratch, rd, shard, /*zeroed=*/false);
-      rt->shard_comm->reduce_scatter(src, out.data(), shard, rd, op, what);
+      if (rd == pd) {
+        rt->shard_comm->reduce_scatter_clear(src, out.data(), shard, rd, op, what);
+        cleared = true;
+      } else {
+        rt->shard_comm->reduce_scatter(src, out.data(), shard, rd, op, what);
+      }
       // HYBRID_SHARD: the same shard of every replica, averaged (or summed) too.
       if (rt->replica_comm != nullptr) {
         rt->replica_comm->all_reduce(out.data(), out.data(), shard, rd, op, what + " (across replicas)");
@@ -388,7 +394,11 @@ EventPtr Unit::submit_reduction() {
     } else {
       rt->dev->accumulate(sgrad, out.data(), rd, 1.0f, n_reduced, sq);
     }
-    grads->reset();
+    if (cleared) {
+      grads->reset_zeroed();
+    } else {
+      grads->reset();
+    }
   });
   if (!offload) return ev;
   return rt_.copy_out->submit(label("device to host copy") + " " + std::to_string(n_reduced * dtype_size(rd)) + " B",

@@ -59,6 +59,11 @@ class Device {
   // Throws Error(FSDP_ERR_OUT_OF_MEMORY) when the allocation fails.
   virtual void* alloc(size_t nbytes) = 0;
   virtual void free(void* ptr) noexcept = 0;
+  // An all-zero block: one released by free_zeroed if there is one (no pass
+  // over it), else a block zeroed now.
+  virtual void* alloc_zeroed(size_t nbytes) = 0;
+  // Releases a block the caller knows to be all zero (for alloc_zeroed).
+  virtual void free_zeroed(void* ptr) noexcept = 0;
   virtual void zero(void* ptr, size_t nbytes) = 0;
   virtual void copy(void* dst, const void* src, size_t nbytes) = 0;
   virtual void copy_from_host(void* dst, const void* host_src, size_t nbytes) = 0;
@@ -68,8 +73,7 @@ class Device {
   // acc[i] += scale * src[i]; with `acc_sq`, in the same pass, *acc_sq = the
   // sum of acc[i]^2 afterwards (sum_squares of acc, bit for bit): the grad
   // norm of a grad shard, taken while the reduction writes it.
-  virtual void accumulate(float* acc, const void* src, DType src_dtype, float scale, size_t numel,
-                          double* acc_sq) = 0;
+  virtual void accumulate(float* acc, const void* src, DType src_dtype, float scale, size_t numel, double* acc_sq) = 0;
   virtual void adam(const AdamArgs& args) = 0;
   virtual void sgd(const SgdArgs& args) = 0;
   // Sum of x[i]^2 in double, the same bits on every run.

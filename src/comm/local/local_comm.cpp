@@ -15,15 +15,24 @@ namespace {
 
 // Reduces element range [first, first + numel) of every rank's `send` into
 // `out` (pointing at that range of the output).
-void reduce_range(LocalGroup& g, void* out, size_t first, size_t numel, DType dtype, RedOp op) {
+// With `clear`, the range of every rank's `send` is zeroed as it is read:
+// ranks reduce disjoint ranges, so together they clear every buffer whole.
+void reduce_range(LocalGroup& g, void* out, size_t first, size_t numel, DType dtype, RedOp op, bool clear = false) {
   if (op == RedOp::kMax || op == RedOp::kMin) fail(FSDP_ERR_INTERNAL, "local comm: max/min of tensors is not used");
   int world = g.world_size();
   float scale = op == RedOp::kAvg ? 1.0f / static_cast<float>(world) : 1.0f;
-  std::vector<const void*> ins(static_cast<size_t>(world));
+  std::vector<void*> ins(static_cast<size_t>(world));
   for (int r = 0; r < world; ++r) {
-    ins[static_cast<size_t>(r)] = static_cast<const char*>(g.slot(r).send) + first * dtype_size(dtype);
+    // Only reduce_scatter_clear's sends are written, and those are writable.
+    ins[static_cast<size_t>(r)] =
+        const_cast<char*>(static_cast<const char*>(g.slot(r).send)) + first * dtype_size(dtype);
   }
-  reduce_sum(out, ins.data(), ins.size(), numel, dtype, scale);
+  if (clear) {
+    reduce_sum_clear(out, ins.data(), ins.size(), numel, dtype, scale);
+  } else {
+    std::vector<const void*> in(ins.begin(), ins.end());
+    reduce_sum(out, in.data(), in.size(), numel, dtype, scale);
+  }
 }
 
 std::string describe(const CollectiveDesc& d) {
@@ -115,6 +124,16 @@ void LocalComm::reduce_scatter(const void* send, void* recv, size_t numel_per_ra
   CollectiveDesc d{"reduce_scatter", numel_per_rank, static_cast<int>(dtype), static_cast<int>(op), -1, label};
   run(d, send, recv,
       [&] { reduce_range(*group_, recv, static_cast<size_t>(rank_) * numel_per_rank, numel_per_rank, dtype, op); });
+}
+
+void LocalComm::reduce_scatter_clear(void* send, void* recv, size_t numel_per_rank, DType dtype, RedOp op,
+                                     const std::string& label) {
+  // The same collective as reduce_scatter for the rank check: a rank that
+  // clears and one that does not still agree on the data.
+  CollectiveDesc d{"reduce_scatter", numel_per_rank, static_cast<int>(dtype), static_cast<int>(op), -1, label};
+  run(d, send, recv, [&] {
+    reduce_range(*group_, recv, static_cast<size_t>(rank_) * numel_per_rank, numel_per_rank, dtype, op, true);
+  });
 }
 
 void LocalComm::all_reduce(const void* send, void* recv, size_t numel, DType dtype, RedOp op,

@@ -368,7 +368,7 @@ void MpiComm::ring_exchange(const void* send, size_t send_nbytes, void* recv, si
 }
 
 void MpiComm::ring_reduce_scatter(const void* send, void* out, const std::vector<size_t>& first, DType dtype,
-                                  float scale) {
+                                  float scale, bool clear) {
   const size_t es = dtype_size(dtype);
   const auto len = [&](int c) { return first[static_cast<size_t>(c) + 1] - first[static_cast<size_t>(c)]; };
   const auto own = [&](int c) { return static_cast<const char*>(send) + first[static_cast<size_t>(c)] * es; };
@@ -382,6 +382,7 @@ void MpiComm::ring_reduce_scatter(const void* send, void* out, const std::vector
   for (int k = 0; k < world_ - 1; ++k) {
     int c_recv = (rank_ + 2 * world_ - 2 - k) % world_;
     ring_exchange(k == 0 ? own(c_send) : partial, len(c_send) * es, incoming, len(c_recv) * es);
+    if (clear && k == 0) std::memset(const_cast<char*>(own(c_send)), 0, len(c_send) * es);  // sent: MPI is done with it
     const void* ins[2] = {incoming, own(c_recv)};
     bool last = k == world_ - 2;
     // The output may be this rank's own input (all_reduce in place): only
@@ -389,6 +390,7 @@ void MpiComm::ring_reduce_scatter(const void* send, void* out, const std::vector
     bool direct = last && (static_cast<const char*>(out) + len(c_recv) * es <= own(c_recv) ||
                            static_cast<const char*>(out) >= own(c_recv) + len(c_recv) * es);
     reduce_sum(direct ? out : partial, ins, 2, len(c_recv), dtype, last ? scale : 1.0f);
+    if (clear) std::memset(const_cast<char*>(own(c_recv)), 0, len(c_recv) * es);  // just read, still in cache
     if (last && !direct) std::memcpy(out, partial, len(c_recv) * es);
     c_send = c_recv;
   }
@@ -426,18 +428,33 @@ void MpiComm::all_gather(const void* send, void* recv, size_t nbytes_per_rank, c
 
 void MpiComm::reduce_scatter(const void* send, void* recv, size_t numel_per_rank, DType dtype, RedOp op,
                              const std::string& label) {
+  reduce_scatter_impl(send, recv, numel_per_rank, dtype, op, label, false);
+}
+
+void MpiComm::reduce_scatter_clear(void* send, void* recv, size_t numel_per_rank, DType dtype, RedOp op,
+                                   const std::string& label) {
+  reduce_scatter_impl(send, recv, numel_per_rank, dtype, op, label, true);
+}
+
+void MpiComm::reduce_scatter_impl(const void* send, void* recv, size_t numel_per_rank, DType dtype, RedOp op,
+                                  const std::string& label, bool clear) {
   if (op == RedOp::kMax || op == RedOp::kMin) fail(FSDP_ERR_INTERNAL, "mpi comm: max/min of tensors is not used");
   const size_t es = dtype_size(dtype);
   const float scale = op == RedOp::kAvg ? 1.0f / static_cast<float>(world_) : 1.0f;
   collective("reduce_scatter", numel_per_rank, static_cast<int>(dtype), static_cast<int>(op), -1, label, [&] {
+    // MPI's own collectives read `send` inside: clearing it is a pass after.
+    auto clear_all = [&] {
+      if (clear) std::memset(const_cast<void*>(send), 0, numel_per_rank * es * static_cast<size_t>(world_));
+    };
     if (world_ == 1) {
       if (recv != send) std::memcpy(recv, send, numel_per_rank * es);
+      clear_all();
       return;
     }
     if (uses_ring("reduce_scatter", numel_per_rank * es * static_cast<size_t>(world_))) {
       std::vector<size_t> first(static_cast<size_t>(world_) + 1);
       for (size_t c = 0; c < first.size(); ++c) first[c] = c * numel_per_rank;
-      ring_reduce_scatter(send, recv, first, dtype, scale);
+      ring_reduce_scatter(send, recv, first, dtype, scale, clear);
       return;
     }
     // MPI_Ireduce_scatter rather than _block: Open MPI picks a faster
@@ -446,6 +463,7 @@ void MpiComm::reduce_scatter(const void* send, void* recv, size_t numel_per_rank
     native_sum(recv, numel_per_rank, dtype, scale, [&](void* summed, MPI_Request* req) {
       MPI_Ireduce_scatter(send, summed, counts.data(), mpi::datatype(dtype), mpi::sum_op(dtype), comm_, req);
     });
+    clear_all();
   });
 }
 

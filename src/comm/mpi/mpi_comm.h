@@ -37,6 +37,8 @@ class MpiComm final : public Communicator {
   void all_gather(const void* send, void* recv, size_t nbytes_per_rank, const std::string& label) override;
   void reduce_scatter(const void* send, void* recv, size_t numel_per_rank, DType dtype, RedOp op,
                       const std::string& label) override;
+  void reduce_scatter_clear(void* send, void* recv, size_t numel_per_rank, DType dtype, RedOp op,
+                            const std::string& label) override;
   void all_reduce(const void* send, void* recv, size_t numel, DType dtype, RedOp op, const std::string& label) override;
   void all_reduce_f64(double* values, size_t n, RedOp op, const std::string& label) override;
   void broadcast(void* buf, size_t nbytes, int root, const std::string& label) override;
@@ -70,7 +72,11 @@ class MpiComm final : public Communicator {
   void ring_exchange(const void* send, size_t send_nbytes, void* recv, size_t recv_nbytes);
   // Ring reduce-scatter over chunks [first[c], first[c + 1]) of `send`; rank r
   // gets chunk r reduced (times `scale`) into `out`.
-  void ring_reduce_scatter(const void* send, void* out, const std::vector<size_t>& first, DType dtype, float scale);
+  // With `clear`, each chunk of `send` is zeroed once read (send is then writable).
+  void ring_reduce_scatter(const void* send, void* out, const std::vector<size_t>& first, DType dtype, float scale,
+                           bool clear = false);
+  void reduce_scatter_impl(const void* send, void* recv, size_t numel_per_rank, DType dtype, RedOp op,
+                           const std::string& label, bool clear);
   // Ring all-gather in place over byte ranges [first[c], first[c + 1]) of `buf`.
   void ring_all_gather(void* buf, const std::vector<size_t>& first);
   // Waits for a native collective's request.

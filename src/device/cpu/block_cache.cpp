@@ -17,20 +17,30 @@ void* BlockCache::system_alloc(size_t nbytes) { return std::aligned_alloc(kAlign
 
 BlockCache::~BlockCache() {
   for (auto& kv : free_) std::free(kv.second);
+  for (auto& kv : zero_) std::free(kv.second);
   // Blocks still in use belong to buffers that outlive the device: a bug the
   // owners' destructors would show; they are not freed here twice.
 }
 
-void* BlockCache::alloc(size_t nbytes) {
+void* BlockCache::take_locked(std::multimap<size_t, void*>& from, size_t n) {
+  auto it = from.find(n);
+  if (it == from.end()) return nullptr;
+  void* p = it->second;
+  from.erase(it);
+  cached_ -= n;
+  return p;
+}
+
+void* BlockCache::alloc(size_t nbytes, bool want_zero, bool* is_zero) {
   size_t n = rounded(nbytes);
+  if (is_zero != nullptr) *is_zero = false;
   if (!enabled_) return system_alloc(n);
   std::lock_guard<std::mutex> lock(mu_);
-  void* p = nullptr;
-  auto it = free_.find(n);
-  if (it != free_.end()) {
-    p = it->second;
-    free_.erase(it);
-    cached_ -= n;
+  void* p = take_locked(want_zero ? zero_ : free_, n);
+  if (p != nullptr) {
+    if (is_zero != nullptr) *is_zero = want_zero;
+  } else if ((p = take_locked(want_zero ? free_ : zero_, n)) != nullptr) {
+    if (is_zero != nullptr) *is_zero = !want_zero;
   } else {
     // A new block: make room under the peak first, so that the footprint
     // grows only when the bytes in use do.
@@ -48,7 +58,10 @@ void* BlockCache::alloc(size_t nbytes) {
   return p;
 }
 
-void BlockCache::free(void* ptr) noexcept {
+void BlockCache::free(void* ptr) noexcept { release(ptr, false); }
+void BlockCache::free_zeroed(void* ptr) noexcept { release(ptr, true); }
+
+void BlockCache::release(void* ptr, bool zero) noexcept {
   if (ptr == nullptr) return;
   if (!enabled_) {
     std::free(ptr);
@@ -63,16 +76,18 @@ void BlockCache::free(void* ptr) noexcept {
   size_t n = it->second;
   in_use_.erase(it);
   used_ -= n;
-  free_.emplace(n, ptr);
+  (zero ? zero_ : free_).emplace(n, ptr);
   cached_ += n;
 }
 
 void BlockCache::trim_locked(size_t limit) {
-  while (!free_.empty() && cached_ + used_ > limit) {
-    auto last = std::prev(free_.end());  // the largest block
-    cached_ -= last->first;
-    std::free(last->second);
-    free_.erase(last);
+  for (auto* from : {&free_, &zero_}) {
+    while (!from->empty() && cached_ + used_ > limit) {
+      auto last = std::prev(from->end());  // the largest block
+      cached_ -= last->first;
+      std::free(last->second);
+      from->erase(last);
+    }
   }
 }
 

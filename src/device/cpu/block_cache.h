@@ -25,21 +25,32 @@ class BlockCache {
   BlockCache& operator=(const BlockCache&) = delete;
 
   // A 64-byte aligned block of at least `nbytes`; null when the system has no
-  // memory left (after giving back every cached block).
-  void* alloc(size_t nbytes);
+  // memory left (after giving back every cached block). With `want_zero`, a
+  // block released by free_zeroed is preferred, and *is_zero says whether the
+  // block is known to be all zero.
+  void* alloc(size_t nbytes, bool want_zero = false, bool* is_zero = nullptr);
   void free(void* ptr) noexcept;
+  // Releases a block whose bytes the caller knows to be all zero (a grad
+  // buffer a clearing reduce-scatter has read), so that alloc can hand it out
+  // as zeroed without a pass over it.
+  void free_zeroed(void* ptr) noexcept;
   // Bytes held for reuse and bytes handed out (for tests and stats).
   size_t cached_bytes() const;
   size_t in_use_bytes() const;
 
  private:
   static void* system_alloc(size_t nbytes);
-  // Frees cached blocks, largest first, until cached + in use <= limit.
+  // Frees cached blocks, largest first (those not known zero first), until
+  // cached + in use <= limit.
   void trim_locked(size_t limit);
+  void release(void* ptr, bool zero) noexcept;
+  // Takes a cached block of exactly n bytes from `from`; null if none.
+  void* take_locked(std::multimap<size_t, void*>& from, size_t n);
 
   const bool enabled_;
   mutable std::mutex mu_;
   std::multimap<size_t, void*> free_;         // rounded size -> block
+  std::multimap<size_t, void*> zero_;         // the same, for blocks known to be all zero
   std::unordered_map<void*, size_t> in_use_;  // block -> rounded size
   size_t cached_ = 0;
   size_t used_ = 0;

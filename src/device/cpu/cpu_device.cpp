@@ -206,6 +206,18 @@ void* CpuDevice::alloc(size_t nbytes) {
 
 void CpuDevice::free(void* ptr) noexcept { cache_.free(ptr); }
 
+void* CpuDevice::alloc_zeroed(size_t nbytes) {
+  bool is_zero = false;
+  void* p = cache_.alloc(nbytes, /*want_zero=*/true, &is_zero);
+  if (p == nullptr) {
+    fail(FSDP_ERR_OUT_OF_MEMORY, "cpu device: could not allocate " + std::to_string(nbytes) + " bytes");
+  }
+  if (!is_zero) zero(p, nbytes);
+  return p;
+}
+
+void CpuDevice::free_zeroed(void* ptr) noexcept { cache_.free_zeroed(ptr); }
+
 void CpuDevice::zero(void* ptr, size_t nbytes) {
   pool_.parallel_for(nbytes, kGrain * 4,
                      [&](size_t b, size_t e) { std::memset(static_cast<char*>(ptr) + b, 0, e - b); });

@@ -21,6 +21,8 @@ class CpuDevice final : public Device {
 
   void* alloc(size_t nbytes) override;
   void free(void* ptr) noexcept override;
+  void* alloc_zeroed(size_t nbytes) override;
+  void free_zeroed(void* ptr) noexcept override;
   void zero(void* ptr, size_t nbytes) override;
   void copy(void* dst, const void* src, size_t nbytes) override;
   void copy_from_host(void* dst, const void* host_src, size_t nbytes) override;
