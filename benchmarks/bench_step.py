@@ -13,9 +13,21 @@ Through libfsdp the compute reads torch.from_numpy views of the unit's param buf
 its grads into views of the grad buffers with add_ / addmm_, the same ops the baseline runs on
 its .grad tensors. Prints one JSON object per result, with the keys of bench_step (see there) and
 "benchmark": "engine_step_py"; views_ms is the time spent making those views (binding calls).
-benchmarks/bench_table.py makes a Markdown table of them. Exits 1 when the loss after training
-through libfsdp at world 1 differs from the fused baseline's by more than relative 1e-4 (torch's
-AdamW and libfsdp's round differently, by an ulp per element and step).
+benchmarks/bench_table.py makes a Markdown table of them.
+
+The check (exit status 1 on failure) compares libfsdp at world 1 with the fused baseline, from the
+same init and data, in two parts. The first step's loss, before any update, runs the same torch
+ops on the same values: relative 1e-6. The loss after training cannot be held to a relative 1e-4
+as in bench_step.cpp, whose plain AdamW is libfsdp's expression and agrees to the bit: torch's
+AdamW rounds differently by an ulp here and there, MKL's sgemm with 2 threads rounds differently
+on buffers at other addresses, and Adam turns such differences into whole updates (its first step
+moves every weight by lr * sign(grad), so a grad at rounding level flips a step of 2 * lr), which
+grow with the steps: measured at width 1024, relative 1e-7 after 5 steps, 2e-6 after 10, 2.4e-4
+after 23 (1 thread), 4e-3 after 23 (2 threads), while the foreach and fused baselines, rounding
+alike, agree. So the loss after training must lie within 2% of how far training moved the
+baseline's loss (its first loss minus its last; measured: at most 0.3%). That catches lost grads or
+updates and a doubled lr (16%), not a 10% lr error (0.9%) or a missing weight decay (0.3%); the
+bit-exact check of bench_step.cpp does.
 
   bench_step.py [--width N] [--layers N] [--batch N] [--steps N] [--warmup N] [--ranks 1,2,4]
                 [--threads N] [--sharding full_shard|...]
@@ -47,11 +59,15 @@ import fsdp  # noqa: E402
 # libfsdp's param views are read only; torch wraps them all the same and never writes them.
 warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
 
-LR, BETAS, EPS, WD, TOLERANCE = 1e-3, (0.9, 0.999), 1e-8, 0.01, 1e-4
+LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 0.01
+# The check (see the module's docstring): the first step's loss to relative FIRST_TOLERANCE, the loss
+# after training to PROGRESS_TOLERANCE of how far training moved the baseline's loss.
+FIRST_TOLERANCE, PROGRESS_TOLERANCE = 1e-6, 0.02
 PHASES = ["forward_begin_ms", "forward_end_ms", "backward_begin_ms", "backward_end_ms", "step_call_ms",
           "zero_grad_ms", "views_ms", "compute_ms"]
 FIELDS = PHASES + ["other_ms", "step_ms"]
-SUMMARY = FIELDS + ["cpu_ms", "wall_ms", "loss"]  # per rank: medians, then per-step cpu / wall, loss
+# Per rank: the medians, then per-step cpu / wall, the first step's loss (before any update), the loss after training.
+SUMMARY = FIELDS + ["cpu_ms", "wall_ms", "first_loss", "loss"]
 
 
 def now_ms():
@@ -62,9 +78,9 @@ def cpu_ms():
     return time.process_time() * 1e3  # CLOCK_PROCESS_CPUTIME_ID: every thread of the process
 
 
-def summarize(steps, cpu_total, wall_total, loss):
+def summarize(steps, cpu_total, wall_total, first_loss, loss):
     s = {f: float(np.median([t[f] for t in steps])) for f in FIELDS}
-    s.update(cpu_ms=cpu_total / len(steps), wall_ms=wall_total / len(steps), loss=loss)
+    s.update(cpu_ms=cpu_total / len(steps), wall_ms=wall_total / len(steps), first_loss=first_loss, loss=loss)
     return s
 
 
@@ -135,9 +151,11 @@ def run_baseline(opt, init, kind):
             cpu0, wall0 = cpu_ms(), now_ms()
         t = dict.fromkeys(FIELDS, 0.0)
         t0 = now_ms()
-        forward()
+        loss = forward()
         c = now_ms()
         t["compute_ms"] += c - t0
+        if s == 0:
+            first_loss = loss
         optim.zero_grad(set_to_none=False)
         t["zero_grad_ms"] = now_ms() - c
         c = now_ms()
@@ -153,7 +171,7 @@ def run_baseline(opt, init, kind):
         if s >= opt.warmup:
             timed.append(t)
     cpu_total, wall_total = cpu_ms() - cpu0, now_ms() - wall0
-    return summarize(timed, cpu_total, wall_total, forward())
+    return summarize(timed, cpu_total, wall_total, first_loss, forward())
 
 
 # ---- through libfsdp ----
@@ -206,7 +224,9 @@ def run_rank(opt, init, sharding, comm, threads, group, rank, gather=False):
                 cpu0, wall0 = cpu_ms(), now_ms()
             t = dict.fromkeys(FIELDS, 0.0)
             t0 = now_ms()
-            forward(t)
+            loss = forward(t)
+            if s == 0:
+                first_loss = loss  # this rank's; only world 1's is checked
             for l in range(L - 1, -1, -1):
                 u = units[l]
                 timed_call(t, "backward_begin_ms", u.backward_begin)
@@ -223,7 +243,7 @@ def run_rank(opt, init, sharding, comm, threads, group, rank, gather=False):
         ctx.metrics_reduce([0.0])
         cpu_total, wall_total = cpu_ms() - cpu0, now_ms() - wall0
         loss = float(ctx.metrics_reduce([forward(dict.fromkeys(FIELDS, 0.0))], "avg")[0])
-        mine = summarize(timed, cpu_total, wall_total, loss)
+        mine = summarize(timed, cpu_total, wall_total, first_loss, loss)
         if gather:
             rows = np.zeros((ctx.world_size, len(SUMMARY)))
             rows[ctx.rank] = [mine[k] for k in SUMMARY]
@@ -303,7 +323,7 @@ def main(argv):
         return 0
     thread_counts = list(dict.fromkeys(threads_for(w) for w in opt.ranks))
     shardings = list(dict.fromkeys(["NO_SHARD", opt.sharding]))
-    world1, ok, worst = {}, True, 0.0
+    world1, ok, worst_first, worst_progress = {}, True, 0.0, 0.0
     for t in thread_counts:
         torch.set_num_threads(t)
         base = None
@@ -317,12 +337,15 @@ def main(argv):
         for s in shardings:
             res = run_local(opt, init, 1, s, t)
             res.update(way="libfsdp", world=1, sharding=s, threads=t)
-            rel = abs(res["loss"] - base["loss"]) / abs(base["loss"])
-            same = bool(rel <= TOLERANCE)  # False for nan too
-            ok, worst = ok and same, max(worst, rel)
+            first = abs(res["first_loss"] - base["first_loss"]) / abs(base["first_loss"])
+            progress = abs(res["loss"] - base["loss"]) / abs(base["first_loss"] - base["loss"])
+            same = bool(first <= FIRST_TOLERANCE and progress <= PROGRESS_TOLERANCE)  # False for nan too
+            ok = ok and same
+            worst_first, worst_progress = max(worst_first, first), max(worst_progress, progress)
             world1[(t, s)] = res
             line(opt, res, ratio=round(res["step_ms"] / base["step_ms"], 4), ratio_to="baseline",
-                 loss_rel_diff=rel, ok=same)
+                 first_loss_rel_diff=first, loss_rel_diff=abs(res["loss"] - base["loss"]) / abs(base["loss"]),
+                 loss_diff_of_progress=progress, ok=same)
     for w in opt.ranks:
         if w == 1:
             continue
@@ -335,8 +358,10 @@ def main(argv):
         if ref:
             extra = {"ratio": round(res["step_ms"] / ref["step_ms"], 4), "ratio_to": f"world1 {opt.sharding}"}
         line(opt, res, **extra)
-    print(json.dumps({"benchmark": "engine_step_py_check", "what": "loss after training, libfsdp world 1 vs "
-                      "torch.optim.AdamW(fused=True)", "max_rel_diff": worst, "tolerance": TOLERANCE, "ok": ok}))
+    print(json.dumps({"benchmark": "engine_step_py_check", "what": "libfsdp world 1 vs torch.optim.AdamW(fused=True): "
+                      "first step's loss (relative), loss after training (fraction of the baseline's progress)",
+                      "max_first_rel_diff": worst_first, "first_tolerance": FIRST_TOLERANCE,
+                      "max_diff_of_progress": worst_progress, "progress_tolerance": PROGRESS_TOLERANCE, "ok": ok}))
     return 0 if ok else 1
 
 
