@@ -25,7 +25,9 @@
 //   ratio                libfsdp world 1: step_ms / the baseline's; world > 1:
 //                        step_ms / world 1's of the same sharding and threads
 // The batch is per rank, so world N does N times the work of world 1 on N
-// times the data (weak scaling): ratio 1 is perfect. Threads per rank
+// times the data (weak scaling): ratio 1 is perfect. On a shared machine the
+// same sgemm calls can take 1.7x longer in one run than in the next (seen on
+// a 2-core VM), so compare step_ms - compute_ms too (bench_table.py prints it). Threads per rank
 // (OpenBLAS and libfsdp's `threads`) default to cores / ranks sharing them.
 //
 // Check (exit status 1 on failure): from the same init and data, the loss of a
