@@ -39,6 +39,10 @@ class JsonLine {
     items_.push_back("\"" + k + "\": " + buf);
     return *this;
   }
+  JsonLine& add_bool(const std::string& k, bool v) {  // not add(): a string literal would pick a bool overload
+    items_.push_back("\"" + k + "\": " + (v ? "true" : "false"));
+    return *this;
+  }
   std::string str() const {
     std::string s = "{";
     for (size_t i = 0; i < items_.size(); ++i) s += (i ? ", " : "") + items_[i];

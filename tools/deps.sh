@@ -27,6 +27,9 @@ command -v mpirun >/dev/null || missing+=(openmpi-bin)
 command -v mpicc >/dev/null || missing+=(libopenmpi-dev)
 # The locale tests build a decimal-comma locale (de_DE) with localedef.
 [ -f /usr/share/i18n/locales/de_DE ] || missing+=(locales)
+# OpenBLAS: the sgemm of the engine-overhead benchmark (benchmarks/bench_step.cpp);
+# without it that benchmark alone is not built.
+pkg-config --exists openblas 2>/dev/null || missing+=(libopenblas-dev)
 # The ABI check (tools/check_abi.sh, docs/abi.md): libabigail's abidw and abidiff.
 command -v abidiff >/dev/null || missing+=(abigail-tools)
 if [ ${#missing[@]} -gt 0 ]; then
