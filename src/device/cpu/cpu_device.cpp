@@ -21,13 +21,13 @@ constexpr size_t kGrain = 1024;  // elements; a multiple of every vector width
 // A stand-in output that stores nothing, so that "no param_dtype copy" is a
 // template instance instead of a branch in the inner loop.
 struct NoOut {};
-inline void store_out(NoOut*, size_t, float) {}
+FSDP_HD void store_out(NoOut*, size_t, float) {}
 template <typename T>
-inline void store_out(T* out, size_t i, float v) {
+FSDP_HD void store_out(T* out, size_t i, float v) {
   kernels::store(out, i, v);
 }
 
-// Squares of one block of grads summed in fp32, in 16 interleaved lane sums
+// Squares of one step of grads summed in fp32, in 16 interleaved lane sums
 // added pairwise at the end: a fixed order that every vector width computes
 // alike (so sum_squares and the fused optimizer passes agree bit for bit in
 // every clone), and one that vectorises without the reassociation a single
@@ -35,7 +35,7 @@ inline void store_out(T* out, size_t i, float v) {
 // vectoriser turns an array of lane sums into shuffles, and GCC lowers a
 // 16-wide vector type through memory where the target has no 16-wide registers.
 typedef float Lanes4 __attribute__((vector_size(4 * sizeof(float))));
-inline float block_sum_squares(const float* x, size_t b, size_t e) {
+FSDP_HD float block_sum_squares(const float* x, size_t b, size_t e) {
   constexpr size_t kLanes = 16;
   Lanes4 acc[4] = {};
   size_t i = b;
@@ -56,23 +56,22 @@ inline float block_sum_squares(const float* x, size_t b, size_t e) {
   return lane[0];
 }
 
-// Runs body(b, e) over [b, e); with kGradSq, in blocks of kGrain that first
-// sum the squares of the block's grads (still in L1 when body reads them), the
-// blocks' fp32 sums added in double. Returns that sum (0 without kGradSq).
+static_assert(kGrain % kStreamStep == 0, "chunks start on a step boundary");
+
+// Runs body(lo, hi) over [b, e) in steps of kStreamStep; with kGradSq each step
+// first sums the squares of its grads (prefetched by the step before, and in
+// L1 when body reads them), the steps' fp32 sums added in double. Returns that
+// sum (0 without kGradSq). sum_squares uses the same steps, so the fused
+// passes return its bits.
 template <bool kGradSq, typename Body>
-inline double blocks(const float* g, size_t b, size_t e, Body&& body) {
-  if constexpr (!kGradSq) {
-    body(b, e);
-    return 0.0;
-  } else {
-    double total = 0.0;
-    for (size_t blk = b; blk < e; blk += kGrain) {
-      size_t end = blk + kGrain < e ? blk + kGrain : e;
-      total += block_sum_squares(g, blk, end);
-      body(blk, end);
-    }
-    return total;
+FSDP_HD double steps(const float* g, size_t b, size_t e, Body&& body) {
+  double total = 0.0;
+  for (size_t lo = b; lo < e; lo += kStreamStep) {
+    size_t hi = lo + kStreamStep < e ? lo + kStreamStep : e;
+    if constexpr (kGradSq) total += block_sum_squares(g, lo, hi);
+    body(lo, hi);
   }
+  return total;
 }
 
 // The optimizer loops take their variants (output dtype, whether grads are
@@ -85,7 +84,8 @@ FSDP_SIMD_CLONES double adam_loop(const AdamArgs& a, Out* out, size_t b, size_t 
   float* __restrict g = a.grads;
   float* __restrict m = a.exp_avg;
   float* __restrict v = a.exp_avg_sq;
-  return blocks<kGradSq>(g, b, e, [&](size_t lo, size_t hi) {
+  return steps<kGradSq>(g, b, e, [&](size_t lo, size_t hi) FSDP_LAMBDA_INLINE {
+    prefetch_next_step(hi, e, p, g, m, v);
     for (size_t i = lo; i < hi; ++i) {
       float pi = p[i], gi = g[i], mi = m[i], vi = v[i];
       if constexpr (kZeroGrads) g[i] = 0.0f;
@@ -104,7 +104,12 @@ FSDP_SIMD_CLONES double sgd_loop(const SgdArgs& a, Out* out, size_t b, size_t e)
   float* __restrict p = a.params;
   float* __restrict g = a.grads;
   float* __restrict buf = a.momentum_buf;
-  return blocks<kGradSq>(g, b, e, [&](size_t lo, size_t hi) {
+  return steps<kGradSq>(g, b, e, [&](size_t lo, size_t hi) FSDP_LAMBDA_INLINE {
+    if constexpr (kMomentum) {
+      prefetch_next_step(hi, e, p, g, buf);
+    } else {
+      prefetch_next_step(hi, e, p, g);
+    }
     for (size_t i = lo; i < hi; ++i) {
       float pi = p[i], gi = g[i];
       if constexpr (kZeroGrads) g[i] = 0.0f;
@@ -148,7 +153,7 @@ FSDP_SIMD_CLONES double accumulate_sq_loop(float* acc, const In* in, float scale
 }
 
 FSDP_SIMD_CLONES double sum_squares_loop(const float* x, size_t b, size_t e) {
-  return blocks<true>(x, b, e, [](size_t, size_t) {});
+  return steps<true>(x, b, e, [&](size_t, size_t hi) FSDP_LAMBDA_INLINE { prefetch_next_step(hi, e, x); });
 }
 
 // Runs fn(b, e) -> double over the pool and adds the chunks' results in chunk
