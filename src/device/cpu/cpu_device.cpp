@@ -138,17 +138,17 @@ FSDP_SIMD_CLONES void accumulate_loop(float* acc, const In* in, float scale, siz
   for (size_t i = b; i < e; ++i) op(acc, in, i);
 }
 
-// The accumulation in blocks of kGrain, each block's squares summed right
-// after it is written (still in L1), as sum_squares_loop sums them.
+// The accumulation in the steps of sum_squares_loop, each step's squares
+// summed right after it is written (still in L1): sum_squares' bits.
 template <typename In>
 FSDP_SIMD_CLONES double accumulate_sq_loop(float* acc, const In* in, float scale, size_t b, size_t e) {
   kernels::AccumulateOp op{scale};
   double total = 0.0;
-  for (size_t blk = b; blk < e; blk += kGrain) {
-    size_t end = blk + kGrain < e ? blk + kGrain : e;
-    for (size_t i = blk; i < end; ++i) op(acc, in, i);
-    total += block_sum_squares(acc, blk, end);
-  }
+  steps<false>(acc, b, e, [&](size_t lo, size_t hi) FSDP_LAMBDA_INLINE {
+    prefetch_next_step(hi, e, acc);
+    for (size_t i = lo; i < hi; ++i) op(acc, in, i);
+    total += block_sum_squares(acc, lo, hi);
+  });
   return total;
 }
 
