@@ -1,7 +1,11 @@
 #!/usr/bin/env python3
 """Markdown table of the engine-overhead benchmarks' JSON lines (bench_step and bench_step.py).
 
-  bench_table.py [FILE ...]       (no FILE, or "-": standard input)
+  bench_table.py [--median] [FILE ...]       (no FILE, or "-": standard input)
+
+With --median, rows of the same configuration from several runs (several
+files, or one file holding several runs) become one row of the per-field
+medians: on a shared machine one run's numbers drift.
 
 One row per configuration: the way (baseline / libfsdp), world, launcher, sharding, threads per
 rank, the step's median wall time, its ratio, the step minus the compute (what the engine or the
@@ -17,6 +21,7 @@ world 1 of the same sharding and threads per rank. A run under mpirun cannot tim
 so its ratio is taken against a world-1 row of the same benchmark, model and threads from the
 other inputs, and marked with *. Standard library only."""
 import json
+import statistics
 import sys
 
 STEP_KINDS = ("engine_step", "engine_step_py")
@@ -41,6 +46,26 @@ def read(streams):
             elif str(d.get("benchmark", "")).startswith("engine_step") and "ok" in d:
                 checks.append(d)
     return rows, checks
+
+
+CONFIG_KEYS = ("benchmark", "width", "layers", "batch", "way", "world", "launcher", "sharding", "threads")
+
+
+def medians(rows):
+    """One row per configuration: each numeric field the median over that configuration's rows."""
+    groups = {}
+    for d in rows:
+        groups.setdefault(tuple(d.get(k) for k in CONFIG_KEYS), []).append(d)
+    out = []
+    for same in groups.values():
+        merged = dict(same[0])
+        for key, value in same[0].items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and key not in CONFIG_KEYS:
+                values = [r[key] for r in same if isinstance(r.get(key), (int, float))]
+                merged[key] = statistics.median(values)
+        merged["runs"] = len(same)
+        out.append(merged)
+    return out
 
 
 def model(d):
@@ -92,6 +117,9 @@ def table(rows, checks):
     scopes = sorted({d["cpu_scope"] for d in rows if d.get("cpu_scope")})
     if scopes:
         notes.append("cpu/wall: process CPU time over wall time (" + "; ".join(scopes) + ").")
+    runs = sorted({d["runs"] for d in rows if "runs" in d})
+    if runs:
+        notes.append("each row: the medians of " + " or ".join(map(str, runs)) + " runs.")
     for c in checks:
         figures = ", ".join(f"{k}={json.dumps(v)}" for k, v in c.items() if k not in ("benchmark", "what"))
         notes.append(f"check ({c.get('benchmark')}: {c.get('what', '')}): {figures}")
@@ -99,7 +127,9 @@ def table(rows, checks):
 
 
 def main(argv):
-    names = argv[1:] or ["-"]
+    args = argv[1:]
+    use_median = "--median" in args
+    names = [a for a in args if a != "--median"] or ["-"]
     streams = [sys.stdin if n == "-" else open(n, encoding="utf-8") for n in names]
     try:
         rows, checks = read(streams)
@@ -110,7 +140,7 @@ def main(argv):
     if not rows:
         print("bench_table: no engine_step lines in the input", file=sys.stderr)
         return 1
-    print(table(rows, checks))
+    print(table(medians(rows) if use_median else rows, checks))
     return 0
 
 
