@@ -9,14 +9,21 @@
 // all_gather output and the reduce_scatter input. gb_per_s is that size over
 // the best time (bracketed by barriers) of --reps runs; ratios compare
 // libfsdp's paths (auto, ring, native) with the raw calls and with memcpy.
+// Last, "wait_for_late_peer": every rank but 0 sleeps 20 or 200 ms before a small
+// all_gather, and rank 0 reports the CPU time its process spent in the call
+// over the call's wall time (a wait that spins: about 1; one that sleeps: a
+// few percent).
 #include <mpi.h>
 
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <functional>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "bench_util.h"
@@ -30,6 +37,12 @@ using fsdp::comm::RedOp;
 namespace {
 
 // Best time over `reps` runs of fn, each between barriers, as seen by rank 0.
+double cpu_seconds(clockid_t clock = CLOCK_PROCESS_CPUTIME_ID) {
+  timespec ts;
+  clock_gettime(clock, &ts);
+  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+}
+
 double timed(int reps, const std::function<void()>& fn) {
   fn();  // warm-up: first touch, connections
   double best = 1e30;
@@ -136,6 +149,28 @@ int main(int argc, char** argv) {
       std::printf("%s\n%s\n", a.str().c_str(), r.str().c_str());
     }
     std::fflush(stdout);
+  }
+
+  std::vector<char> one(64, 1), all(64 * static_cast<size_t>(world));
+  for (int late_ms : {20, 200}) {
+    MPI_Barrier(MPI_COMM_WORLD);
+    double cpu0 = cpu_seconds(), thread0 = cpu_seconds(CLOCK_THREAD_CPUTIME_ID), t0 = MPI_Wtime();
+    if (rank != 0) std::this_thread::sleep_for(std::chrono::milliseconds(late_ms));
+    comm_auto->all_gather(one.data(), all.data(), one.size(), "bench late peer");
+    double cpu = cpu_seconds() - cpu0, wall = MPI_Wtime() - t0;
+    double thread_cpu = cpu_seconds(CLOCK_THREAD_CPUTIME_ID) - thread0;
+    if (rank == 0 && world > 1) {
+      std::printf("%s\n", JsonLine()
+                              .add("benchmark", "wait_for_late_peer")
+                              .add("world", world)
+                              .add("late_ms", late_ms)
+                              .add("wall_s", wall)
+                              .add("process_cpu_s", cpu)
+                              .add("cpu_per_wall", cpu / wall)
+                              .add("waiting_thread_cpu_s", thread_cpu)
+                              .str()
+                              .c_str());
+    }
   }
   return 0;
 }

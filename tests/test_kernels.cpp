@@ -213,65 +213,59 @@ std::string trace(Opt o, OutKind k, size_t n, int threads) {
 
 }  // namespace
 
-TEST(CpuOptimizerPass, MatchesTheScalarFunctorsBitwise) {
+// fn(dev, opt, out kind, n) for every optimizer, output, size and thread
+// count the pass tests cover, with a trace naming the case.
+template <typename Fn>
+void each_pass_case(Fn&& fn) {
   for (int threads : kThreads) {
     CpuDevice dev(threads, fsdp::device::Pool::kDevice);
     for (Opt o : kOpts) {
       for (OutKind k : kOuts) {
         for (size_t n : kSizes) {
           SCOPED_TRACE(trace(o, k, n, threads));
-          PassState want = make_state(n, 1), got = make_state(n, 1);
-          reference_pass(o, want, k);
-          device_pass(dev, o, got, k, false, nullptr);
-          expect_same_update(want, got);
-          EXPECT_EQ(first_difference(make_state(n, 1).g, got.g), -1) << "grads must stay as they were";
+          fn(dev, o, k, n);
         }
       }
     }
   }
+}
+
+TEST(CpuOptimizerPass, MatchesTheScalarFunctorsBitwise) {
+  each_pass_case([](CpuDevice& dev, Opt o, OutKind k, size_t n) {
+    PassState want = make_state(n, 1), got = make_state(n, 1);
+    reference_pass(o, want, k);
+    device_pass(dev, o, got, k, false, nullptr);
+    expect_same_update(want, got);
+    EXPECT_EQ(first_difference(make_state(n, 1).g, got.g), -1) << "grads must stay as they were";
+  });
 }
 
 TEST(CpuOptimizerPass, ZeroGradsClearsGradsAndUpdatesLikeTheUnfusedPass) {
-  for (int threads : kThreads) {
-    CpuDevice dev(threads, fsdp::device::Pool::kDevice);
-    for (Opt o : kOpts) {
-      for (OutKind k : kOuts) {
-        for (size_t n : kSizes) {
-          SCOPED_TRACE(trace(o, k, n, threads));
-          PassState want = make_state(n, 2), got = make_state(n, 2);
-          device_pass(dev, o, want, k, false, nullptr);
-          device_pass(dev, o, got, k, true, nullptr);
-          expect_same_update(want, got);
-          EXPECT_EQ(first_difference(std::vector<float>(n, 0.f), got.g), -1) << "grads must read +0";
-        }
-      }
-    }
-  }
+  each_pass_case([](CpuDevice& dev, Opt o, OutKind k, size_t n) {
+    PassState want = make_state(n, 2), got = make_state(n, 2);
+    device_pass(dev, o, want, k, false, nullptr);
+    device_pass(dev, o, got, k, true, nullptr);
+    expect_same_update(want, got);
+    EXPECT_EQ(first_difference(std::vector<float>(n, 0.f), got.g), -1) << "grads must read +0";
+  });
 }
 
 TEST(CpuOptimizerPass, GradSqIsSumSquaresOfTheRawGradsBitwise) {
-  for (int threads : kThreads) {
-    CpuDevice dev(threads, fsdp::device::Pool::kDevice);
-    for (Opt o : kOpts) {
-      for (OutKind k : kOuts) {
-        for (size_t n : kSizes) {
-          for (bool zero_grads : {false, true}) {
-            SCOPED_TRACE(trace(o, k, n, threads) + " zero_grads=" + std::to_string(zero_grads));
-            PassState want = make_state(n, 3), got = make_state(n, 3);
-            double expected = dev.sum_squares(want.g.data(), n);
-            device_pass(dev, o, want, k, false, nullptr);
-            double sq = -1.0;
-            device_pass(dev, o, got, k, zero_grads, &sq);
-            EXPECT_EQ(sq, expected);  // the same bits: grad_sq can stand in for sum_squares
-            expect_same_update(want, got);
-            if (!zero_grads) {
-              EXPECT_EQ(first_difference(make_state(n, 3).g, got.g), -1);
-            }
-          }
-        }
+  each_pass_case([](CpuDevice& dev, Opt o, OutKind k, size_t n) {
+    for (bool zero_grads : {false, true}) {
+      SCOPED_TRACE("zero_grads=" + std::to_string(zero_grads));
+      PassState want = make_state(n, 3), got = make_state(n, 3);
+      double expected = dev.sum_squares(want.g.data(), n);
+      device_pass(dev, o, want, k, false, nullptr);
+      double sq = -1.0;
+      device_pass(dev, o, got, k, zero_grads, &sq);
+      EXPECT_EQ(sq, expected);  // the same bits: grad_sq can stand in for sum_squares
+      expect_same_update(want, got);
+      if (!zero_grads) {
+        EXPECT_EQ(first_difference(make_state(n, 3).g, got.g), -1);
       }
     }
-  }
+  });
 }
 
 TEST(CpuSumSquares, IsReproducibleAndCloseToTheExactSum) {

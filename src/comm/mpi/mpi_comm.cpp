@@ -44,7 +44,7 @@ constexpr auto kDataSpin = std::chrono::microseconds(50);
 constexpr auto kDataSleep = std::chrono::microseconds(2);
 constexpr auto kPeerSpin = std::chrono::microseconds(50);
 constexpr auto kPeerSleepMin = std::chrono::microseconds(10);
-constexpr auto kPeerSleepMax = std::chrono::microseconds(100);
+constexpr auto kPeerSleepMax = std::chrono::microseconds(500);
 
 uint64_t fnv1a(const std::string& s) {
   uint64_t h = 1469598103934665603ull;
@@ -615,7 +615,7 @@ std::unique_ptr<Communicator> make_mpi_world(const core::Options& opts, int expe
     auto guard = mpi::lock();
     MPI_Comm_idup(MPI_COMM_WORLD, &dup, req.data());
   }
-  if (!poll_requests(req, after(opts.timeout_s), nullptr)) {
+  if (!poll_requests(req, after(opts.timeout_s), nullptr, Patience::kPeers)) {  // waits for the others to start
     mpi::note_failure();
     fail(FSDP_ERR_TIMEOUT, "fsdp_ctx_create: timed out after " + seconds(opts.timeout_s) + " s on rank " +
                                std::to_string(rank) + " waiting for all " + std::to_string(world) +
