@@ -120,7 +120,12 @@ def table(rows, checks):
     runs = sorted({d["runs"] for d in rows if "runs" in d})
     if runs:
         notes.append("each row: the medians of " + " or ".join(map(str, runs)) + " runs.")
+    seen = set()
     for c in checks:
+        key = json.dumps(c, sort_keys=True)
+        if key in seen:  # the same check from several runs
+            continue
+        seen.add(key)
         figures = ", ".join(f"{k}={json.dumps(v)}" for k, v in c.items() if k not in ("benchmark", "what"))
         notes.append(f"check ({c.get('benchmark')}: {c.get('what', '')}): {figures}")
     return "\n".join(out + ([""] + notes if notes else []))
