@@ -36,13 +36,19 @@ constexpr size_t kRingMinBytes = size_t(64) << 10;
 // 2.6-3.4 vs 3.2-3.4 ms, reduce-scatter 3.0-3.7 vs 3.6-4.7 ms over repeated
 // runs of bench_mpi_collectives), the same at 64 MiB. kPeers:
 // the check-in, where a rank waits for the others to arrive, which may take as
-// long as their compute: full speed for kPeerSpin, then sleeps growing from
+// long as their compute: yielding for kPeerSpin, then sleeps growing from
 // kPeerSleepMin to kPeerSleepMax, so that a waiting rank costs its host a few
 // percent of a core instead of all of it (ranks often share cores).
 enum class Patience { kData, kPeers };
 constexpr auto kDataSpin = std::chrono::microseconds(50);
 constexpr auto kDataSleep = std::chrono::microseconds(2);
-constexpr auto kPeerSpin = std::chrono::microseconds(50);
+// 1 ms: ranks that share cores (more ranks than cores, as in the mpirun
+// tests) reach a collective within a scheduler tick of each other, and a
+// yield hands the core over at once, where a sleep adds its latency to every
+// small collective (the 4-rank equivalence suite on 2 cores took 15.9 s with
+// 50 us of spinning, 3.2 s with 1 ms, 2.6 s spinning 50 ms); a peer that is
+// computing costs the waiting rank that 1 ms and then a few percent.
+constexpr auto kPeerSpin = std::chrono::milliseconds(1);
 constexpr auto kPeerSleepMin = std::chrono::microseconds(10);
 constexpr auto kPeerSleepMax = std::chrono::microseconds(500);
 
