@@ -30,8 +30,7 @@ void reduce_range(LocalGroup& g, void* out, size_t first, size_t numel, DType dt
   if (clear) {
     reduce_sum_clear(out, ins.data(), ins.size(), numel, dtype, scale);
   } else {
-    std::vector<const void*> in(ins.begin(), ins.end());
-    reduce_sum(out, in.data(), in.size(), numel, dtype, scale);
+    reduce_sum(out, ins.data(), ins.size(), numel, dtype, scale);
   }
 }
 

@@ -91,14 +91,4 @@ void BlockCache::trim_locked(size_t limit) {
   }
 }
 
-size_t BlockCache::cached_bytes() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return cached_;
-}
-
-size_t BlockCache::in_use_bytes() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return used_;
-}
-
 }  // namespace fsdp::device

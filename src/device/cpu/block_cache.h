@@ -34,9 +34,6 @@ class BlockCache {
   // buffer a clearing reduce-scatter has read), so that alloc can hand it out
   // as zeroed without a pass over it.
   void free_zeroed(void* ptr) noexcept;
-  // Bytes held for reuse and bytes handed out (for tests and stats).
-  size_t cached_bytes() const;
-  size_t in_use_bytes() const;
 
  private:
   static void* system_alloc(size_t nbytes);
