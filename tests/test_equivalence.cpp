@@ -600,6 +600,7 @@ std::vector<Case> variant_cases() {
   bf16_fp32.tol = kBf16Fp32ReduceTol;
   for (int w : {1, 3}) add(bf16_fp32, w, "FULL_SHARD");
   add(bf16_fp32, 4, "SHARD_GRAD_OP");
+  add(bf16_fp32, 2, "NO_SHARD");  // the cast to fp32 clears the grads, the all-reduce runs on the cast
   Case fp16 = bf16;
   fp16.name = "Fp16";
   fp16.dtype = FSDP_DTYPE_FP16;
@@ -610,6 +611,7 @@ std::vector<Case> variant_cases() {
   fp16_fp32.reduce_dtype = "fp32";
   fp16_fp32.tol = kFp16Fp32ReduceTol;
   add(fp16_fp32, 2, "FULL_SHARD");
+  add(fp16_fp32, 3, "NO_SHARD");
   Case accum;
   accum.name = "GradAccumulationSyncOn";
   accum.micro = 2;

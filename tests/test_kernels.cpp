@@ -5,6 +5,7 @@
 // summed in the same pass.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -307,6 +308,88 @@ TEST(CpuAccumulate, SumOfSquaresOfTheResultIsSumSquaresBitwise) {
         dev.accumulate(got.data(), src, src_dtype, 0.5f, n, &sq);
         EXPECT_EQ(first_difference(want, got), -1);
         EXPECT_EQ(sq, dev.sum_squares(want.data(), n));
+      }
+    }
+  }
+}
+
+// The grads' source in each storage dtype, as raw words, and a pointer to it.
+struct Source {
+  DType dtype;
+  std::vector<float> f32;
+  std::vector<uint16_t> u16;
+  void* data() { return dtype == DType::kFp32 ? static_cast<void*>(f32.data()) : u16.data(); }
+  bool all_zero() const {
+    return dtype == DType::kFp32 ? std::all_of(f32.begin(), f32.end(), [](float x) { return f32_bits(x) == 0u; })
+                                 : std::all_of(u16.begin(), u16.end(), [](uint16_t x) { return x == 0u; });
+  }
+};
+
+Source make_source(DType dtype, size_t n, unsigned seed) {
+  Source s{dtype, make_state(n, seed).g, {}};
+  if (dtype != DType::kFp32) {
+    for (float x : s.f32) s.u16.push_back(dtype == DType::kBf16 ? f32_to_bf16_bits(x) : f32_to_fp16_bits(x));
+    s.f32.clear();
+  }
+  return s;
+}
+
+float load_source(const Source& s, size_t i) {
+  if (s.dtype == DType::kFp32) return s.f32[i];
+  return s.dtype == DType::kBf16 ? bf16_bits_to_f32(s.u16[i]) : fp16_bits_to_f32(s.u16[i]);
+}
+
+TEST(CpuClearingPasses, AccumulateClearAddsLikeTheScalarFunctorAndLeavesZeros) {
+  // The reduction's last pass over NO_SHARD grads clears them as it reads them.
+  for (int threads : kThreads) {
+    CpuDevice dev(threads, fsdp::device::Pool::kDevice);
+    for (size_t n : kSizes) {
+      for (DType src_dtype : {DType::kFp32, DType::kBf16, DType::kFp16}) {
+        for (bool with_sq : {false, true}) {
+          SCOPED_TRACE("n=" + std::to_string(n) + " threads=" + std::to_string(threads) +
+                       " src=" + fsdp::dtype_name(src_dtype) + " sq=" + std::to_string(with_sq));
+          Source src = make_source(src_dtype, n, 7);
+          std::vector<float> want = make_state(n, 8).g, got = want;
+          std::vector<float> loaded(n);
+          for (size_t i = 0; i < n; ++i) loaded[i] = load_source(src, i);
+          for (size_t i = 0; i < n; ++i) AccumulateOp{0.5f}(want.data(), loaded.data(), i);
+          double sq = -1.0;
+          dev.accumulate_clear(got.data(), src.data(), src_dtype, 0.5f, n, with_sq ? &sq : nullptr);
+          EXPECT_EQ(first_difference(want, got), -1);
+          EXPECT_TRUE(src.all_zero()) << "the source reads as zeros after the pass";
+          if (with_sq) {
+            EXPECT_EQ(sq, dev.sum_squares(want.data(), n));
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(CpuClearingPasses, CastClearConvertsLikeCastAndLeavesZeros) {
+  // The cast of the grads to reduce_dtype clears them as it reads them; the
+  // same dtype on both sides is a copy that clears.
+  const std::pair<DType, DType> kPairs[] = {{DType::kFp32, DType::kBf16}, {DType::kFp32, DType::kFp16},
+                                            {DType::kBf16, DType::kFp32}, {DType::kFp16, DType::kFp32},
+                                            {DType::kFp32, DType::kFp32}, {DType::kBf16, DType::kBf16}};
+  for (int threads : kThreads) {
+    CpuDevice dev(threads, fsdp::device::Pool::kDevice);
+    for (size_t n : kSizes) {
+      for (auto [from, to] : kPairs) {
+        SCOPED_TRACE("n=" + std::to_string(n) + " threads=" + std::to_string(threads) + " " + fsdp::dtype_name(from) +
+                     "->" + fsdp::dtype_name(to));
+        Source src = make_source(from, n, 9);
+        Source want = make_source(to, n, 10), got = want;
+        for (size_t i = 0; i < n; ++i) {
+          float x = load_source(src, i);
+          if (to == DType::kFp32) want.f32[i] = x;
+          if (to == DType::kBf16) want.u16[i] = f32_to_bf16_bits(x);
+          if (to == DType::kFp16) want.u16[i] = f32_to_fp16_bits(x);
+        }
+        dev.cast_clear(got.data(), to, src.data(), from, n);
+        EXPECT_EQ(first_difference(want.f32, got.f32), -1);
+        EXPECT_EQ(first_difference(want.u16, got.u16), -1);
+        EXPECT_TRUE(src.all_zero()) << "the source reads as zeros after the pass";
       }
     }
   }

@@ -15,15 +15,17 @@ namespace {
 
 // sgrad += grads, the grads rounded to reduce_dtype first when that is
 // narrower than param_dtype (as a reduction in reduce_dtype would): what a
-// world of one does in place of the collective.
-void accumulate_rounded(Runtime& rt, float* sgrad, const void* grads, DType pd, DType rd, size_t n, double* sq) {
+// world of one does in place of the collective. With `clear` the same pass
+// leaves the grads reading as zeros.
+void accumulate_rounded(Runtime& rt, float* sgrad, void* grads, DType pd, DType rd, size_t n, double* sq, bool clear) {
+  device::Device& dev = *rt.state_dev;
   if (rd == pd || rd == DType::kFp32) {  // widening to fp32 is exact: accumulate from the grads as they are
-    rt.state_dev->accumulate(sgrad, grads, pd, 1.0f, n, sq);
+    clear ? dev.accumulate_clear(sgrad, grads, pd, 1.0f, n, sq) : dev.accumulate(sgrad, grads, pd, 1.0f, n, sq);
     return;
   }
   Buffer rounded(rt.state_dev, &rt.mem, MemCategory::kScratch, rd, n, /*zeroed=*/false);
-  rt.state_dev->cast(rounded.data(), rd, grads, pd, n);
-  rt.state_dev->accumulate(sgrad, rounded.data(), rd, 1.0f, n, sq);
+  clear ? dev.cast_clear(rounded.data(), rd, grads, pd, n) : dev.cast(rounded.data(), rd, grads, pd, n);
+  dev.accumulate(sgrad, rounded.data(), rd, 1.0f, n, sq);
 }
 
 }  // namespace
@@ -360,26 +362,32 @@ EventPtr Unit::submit_reduction() {
                                                  /*zeroed=*/false);
                                   rt->dev->copy_to_host(on_host.data(), grads->data(), padded * dtype_size(pd));
                                   grads->reset();
-                                  accumulate_rounded(*rt, sgrad, on_host.data(), pd, rd, padded, sq);
+                                  accumulate_rounded(*rt, sgrad, on_host.data(), pd, rd, padded, sq, /*clear=*/false);
                                 });
   }
   EventPtr ev = rt_.stream->submit(what + " " + std::to_string(padded * dtype_size(rd)) + " B", [=] {
+    // Each branch clears the grads in a pass that reads them anyway (the cast
+    // to reduce_dtype, the reduce-scatter or the accumulation into the grad
+    // shard), so that they read as zeros again and the next backward takes
+    // them as they are; only a device -> host copy (offload=cpu without
+    // sharding or a cast) cannot, and the grads are zeroed when taken again.
     Buffer converted;
     void* src = grads->data();
+    bool cleared = false;
     if (rd != pd) {
       converted = Buffer(rt->dev, &rt->mem, MemCategory::kScratch, rd, padded, /*zeroed=*/false);
-      rt->dev->cast(converted.data(), rd, grads->data(), pd, padded);
+      rt->dev->cast_clear(converted.data(), rd, grads->data(), pd, padded);
       src = converted.data();
+      cleared = true;
     }
     Buffer out;
-    bool cleared = false;  // the grads read as zeros again: the next backward takes them as they are
     if (rt->sharded()) {
       out = Buffer(rt->dev, &rt->mem, MemCategory::kScratch, rd, shard, /*zeroed=*/false);
-      if (rd == pd) {
+      if (cleared) {
+        rt->shard_comm->reduce_scatter(src, out.data(), shard, rd, op, what);
+      } else {
         rt->shard_comm->reduce_scatter_clear(src, out.data(), shard, rd, op, what);
         cleared = true;
-      } else {
-        rt->shard_comm->reduce_scatter(src, out.data(), shard, rd, op, what);
       }
       // HYBRID_SHARD: the same shard of every replica, averaged (or summed) too.
       if (rt->replica_comm != nullptr) {
@@ -391,6 +399,10 @@ EventPtr Unit::submit_reduction() {
     }
     if (offload) {
       *reduced = std::move(out);
+    } else if (!cleared) {  // NO_SHARD, out is the grads themselves
+      rt->dev->accumulate_clear(sgrad, out.data(), rd, 1.0f, n_reduced, sq);
+      cleared = true;
+      out.reset_zeroed();
     } else {
       rt->dev->accumulate(sgrad, out.data(), rd, 1.0f, n_reduced, sq);
     }
@@ -415,8 +427,8 @@ EventPtr Unit::submit_reduction() {
 void Unit::accumulate_alone() {
   TraceScope scope(rt_.trace, "accumulate grads of unit ", unit_tag());
   accumulate_rounded(rt_, sharded_grad(), ugrad_.data(), rt_.opts.param_dtype, rt_.opts.reduce_dtype(),
-                     layout_.padded_numel(), &grad_sq_);
-  ugrad_.reset();
+                     layout_.padded_numel(), &grad_sq_, /*clear=*/true);
+  ugrad_.reset_zeroed();
 }
 
 void Unit::reduce_pending_grads() {

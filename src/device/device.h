@@ -74,6 +74,11 @@ class Device {
   // sum of acc[i]^2 afterwards (sum_squares of acc, bit for bit): the grad
   // norm of a grad shard, taken while the reduction writes it.
   virtual void accumulate(float* acc, const void* src, DType src_dtype, float scale, size_t numel, double* acc_sq) = 0;
+  // cast and accumulate that also set src[i] = 0 once read: the grads read as
+  // zeros again after the pass that consumes them, with no memset pass of
+  // their own (the next backward adds into them as they are).
+  virtual void cast_clear(void* dst, DType dst_dtype, void* src, DType src_dtype, size_t numel) = 0;
+  virtual void accumulate_clear(float* acc, void* src, DType src_dtype, float scale, size_t numel, double* acc_sq) = 0;
   virtual void adam(const AdamArgs& args) = 0;
   virtual void sgd(const SgdArgs& args) = 0;
   // Sum of x[i]^2 in double, the same bits on every run.

@@ -126,27 +126,39 @@ FSDP_SIMD_CLONES double sgd_loop(const SgdArgs& a, Out* out, size_t b, size_t e)
   });
 }
 
-template <typename Out, typename In>
-FSDP_SIMD_CLONES void cast_loop(Out* out, const In* in, size_t b, size_t e) {
+// The element-wise passes; with kClear each also stores a zero over the
+// source element it has just read (the grads' clearing, fused).
+template <bool kClear, typename Out, typename In>
+FSDP_SIMD_CLONES void cast_loop(Out* out, In* in, size_t b, size_t e) {
   kernels::CastOp op;
-  for (size_t i = b; i < e; ++i) op(out, in, i);
+  for (size_t i = b; i < e; ++i) {
+    op(out, in, i);
+    if constexpr (kClear) kernels::store(in, i, 0.0f);
+  }
 }
 
-template <typename In>
-FSDP_SIMD_CLONES void accumulate_loop(float* acc, const In* in, float scale, size_t b, size_t e) {
+template <bool kClear, typename In>
+FSDP_HD void accumulate_range(float* acc, In* in, float scale, size_t b, size_t e) {
   kernels::AccumulateOp op{scale};
-  for (size_t i = b; i < e; ++i) op(acc, in, i);
+  for (size_t i = b; i < e; ++i) {
+    op(acc, in, i);
+    if constexpr (kClear) kernels::store(in, i, 0.0f);
+  }
+}
+
+template <bool kClear, typename In>
+FSDP_SIMD_CLONES void accumulate_loop(float* acc, In* in, float scale, size_t b, size_t e) {
+  accumulate_range<kClear>(acc, in, scale, b, e);
 }
 
 // The accumulation in the steps of sum_squares_loop, each step's squares
 // summed right after it is written (still in L1): sum_squares' bits.
-template <typename In>
-FSDP_SIMD_CLONES double accumulate_sq_loop(float* acc, const In* in, float scale, size_t b, size_t e) {
-  kernels::AccumulateOp op{scale};
+template <bool kClear, typename In>
+FSDP_SIMD_CLONES double accumulate_sq_loop(float* acc, In* in, float scale, size_t b, size_t e) {
   double total = 0.0;
   steps<false>(acc, b, e, [&](size_t lo, size_t hi) FSDP_LAMBDA_INLINE {
     prefetch_next_step(hi, e, acc);
-    for (size_t i = lo; i < hi; ++i) op(acc, in, i);
+    accumulate_range<kClear>(acc, in, scale, lo, hi);
     total += block_sum_squares(acc, lo, hi);
   });
   return total;
@@ -237,27 +249,46 @@ void CpuDevice::copy(void* dst, const void* src, size_t nbytes) {
 void CpuDevice::copy_from_host(void* dst, const void* host_src, size_t nbytes) { copy(dst, host_src, nbytes); }
 void CpuDevice::copy_to_host(void* host_dst, const void* src, size_t nbytes) { copy(host_dst, src, nbytes); }
 
-void CpuDevice::cast(void* dst, DType dst_dtype, const void* src, DType src_dtype, size_t numel) {
-  if (dst_dtype == src_dtype) {
+template <bool kClear>
+void CpuDevice::cast_pass(void* dst, DType dst_dtype, const void* src, DType src_dtype, size_t numel) {
+  if (dst_dtype == src_dtype && !kClear) {
     copy(dst, src, numel * dtype_size(dst_dtype));
     return;
   }
   with_dtype(dst_dtype, dst, [&](auto* out) {
     with_dtype(src_dtype, const_cast<void*>(src), [&](auto* in) {
-      pool_.parallel_for(numel, kGrain, [&](size_t b, size_t e) { cast_loop(out, in, b, e); });
+      pool_.parallel_for(numel, kGrain, [&](size_t b, size_t e) { cast_loop<kClear>(out, in, b, e); });
     });
   });
 }
 
-void CpuDevice::accumulate(float* acc, const void* src, DType src_dtype, float scale, size_t numel, double* acc_sq) {
+template <bool kClear>
+void CpuDevice::accumulate_pass(float* acc, const void* src, DType src_dtype, float scale, size_t numel,
+                                double* acc_sq) {
   with_dtype(src_dtype, const_cast<void*>(src), [&](auto* in) {
     if (acc_sq != nullptr) {
-      *acc_sq =
-          sum_over_chunks(pool_, numel, [&](size_t b, size_t e) { return accumulate_sq_loop(acc, in, scale, b, e); });
+      *acc_sq = sum_over_chunks(pool_, numel,
+                                [&](size_t b, size_t e) { return accumulate_sq_loop<kClear>(acc, in, scale, b, e); });
     } else {
-      pool_.parallel_for(numel, kGrain, [&](size_t b, size_t e) { accumulate_loop(acc, in, scale, b, e); });
+      pool_.parallel_for(numel, kGrain, [&](size_t b, size_t e) { accumulate_loop<kClear>(acc, in, scale, b, e); });
     }
   });
+}
+
+void CpuDevice::cast(void* dst, DType dst_dtype, const void* src, DType src_dtype, size_t numel) {
+  cast_pass<false>(dst, dst_dtype, src, src_dtype, numel);
+}
+
+void CpuDevice::cast_clear(void* dst, DType dst_dtype, void* src, DType src_dtype, size_t numel) {
+  cast_pass<true>(dst, dst_dtype, src, src_dtype, numel);
+}
+
+void CpuDevice::accumulate(float* acc, const void* src, DType src_dtype, float scale, size_t numel, double* acc_sq) {
+  accumulate_pass<false>(acc, src, src_dtype, scale, numel, acc_sq);
+}
+
+void CpuDevice::accumulate_clear(float* acc, void* src, DType src_dtype, float scale, size_t numel, double* acc_sq) {
+  accumulate_pass<true>(acc, src, src_dtype, scale, numel, acc_sq);
 }
 
 void CpuDevice::adam(const AdamArgs& a) {

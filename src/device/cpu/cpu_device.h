@@ -30,11 +30,18 @@ class CpuDevice final : public Device {
 
   void cast(void* dst, DType dst_dtype, const void* src, DType src_dtype, size_t numel) override;
   void accumulate(float* acc, const void* src, DType src_dtype, float scale, size_t numel, double* acc_sq) override;
+  void cast_clear(void* dst, DType dst_dtype, void* src, DType src_dtype, size_t numel) override;
+  void accumulate_clear(float* acc, void* src, DType src_dtype, float scale, size_t numel, double* acc_sq) override;
   void adam(const AdamArgs& args) override;
   void sgd(const SgdArgs& args) override;
   double sum_squares(const float* x, size_t numel) override;
 
  private:
+  template <bool kClear>
+  void cast_pass(void* dst, DType dst_dtype, const void* src, DType src_dtype, size_t numel);
+  template <bool kClear>
+  void accumulate_pass(float* acc, const void* src, DType src_dtype, float scale, size_t numel, double* acc_sq);
+
 #if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
   static constexpr bool kCacheBlocks = false;  // each free reaches the sanitizer
 #else
