@@ -56,8 +56,8 @@ double timed(int reps, const std::function<void()>& fn) {
   return best;
 }
 
-std::unique_ptr<Communicator> make(fsdp::core::MpiAlgorithm algo) {
-  fsdp::core::Options o;
+std::unique_ptr<Communicator> make(fsdp::comm::MpiAlgorithm algo) {
+  fsdp::comm::Options o;
   o.timeout_s = 600;
   o.mpi_algorithm = algo;
   return fsdp::comm::make_mpi_world(o, -1);
@@ -78,9 +78,9 @@ int main(int argc, char** argv) {
   if (mib.empty()) mib = {1, 16, 64};
 
   // libfsdp initialises MPI (MPI_THREAD_MULTIPLE) and finalises it at exit.
-  auto comm_auto = make(fsdp::core::MpiAlgorithm::kAuto);
-  auto comm_ring = make(fsdp::core::MpiAlgorithm::kRing);
-  auto comm_native = make(fsdp::core::MpiAlgorithm::kNative);
+  auto comm_auto = make(fsdp::comm::MpiAlgorithm::kAuto);
+  auto comm_ring = make(fsdp::comm::MpiAlgorithm::kRing);
+  auto comm_native = make(fsdp::comm::MpiAlgorithm::kNative);
   int rank = comm_auto->rank(), world = comm_auto->world_size();
   auto* mpi_auto = dynamic_cast<fsdp::comm::MpiComm*>(comm_auto.get());
 

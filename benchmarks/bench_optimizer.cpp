@@ -19,9 +19,9 @@
 #include <string>
 #include <vector>
 
+#include "base/simd.h"
 #include "bench_util.h"
 #include "device/cpu/cpu_device.h"
-#include "device/cpu/simd.h"
 
 using fsdp::DType;
 using fsdp::bench::JsonLine;
@@ -37,9 +37,9 @@ namespace {
 // library's loops.
 FSDP_SIMD_CLONES void roof_loop(float* __restrict p, const float* __restrict g, float* __restrict m,
                                 float* __restrict v, size_t b, size_t e) {
-  for (size_t lo = b; lo < e; lo += fsdp::device::kStreamStep) {
-    size_t hi = std::min(lo + fsdp::device::kStreamStep, e);
-    fsdp::device::prefetch_next_step(hi, e, p, g, m, v);
+  for (size_t lo = b; lo < e; lo += fsdp::base::kStreamStep) {
+    size_t hi = std::min(lo + fsdp::base::kStreamStep, e);
+    fsdp::base::prefetch_next_step(hi, e, p, g, m, v);
     for (size_t i = lo; i < hi; ++i) {
       float gi = g[i];
       p[i] = p[i] + 1e-30f * gi;

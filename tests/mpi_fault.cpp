@@ -53,7 +53,9 @@ int main(int argc, char** argv) {
   fsdp_config_t* cfg = nullptr;
   fsdp_config_create(&cfg);
   fsdp_config_set(cfg, "comm", "mpi");
-  fsdp_config_set(cfg, "timeout_s", "2");
+  // exit_before_create: 5 s, so that an end by mpirun (within about 2 s) and
+  // one by libfsdp's timeout are told apart by the time (run_mpi_fault.py).
+  fsdp_config_set(cfg, "timeout_s", scenario == "exit_before_create" ? "5" : "2");
   fsdp_ctx_t* ctx = nullptr;
   fsdp_status_t st = fsdp_ctx_create(cfg, nullptr, scenario == "wrong_rank" ? (me + 1) % world : -1, &ctx);
   fsdp_config_destroy(cfg);

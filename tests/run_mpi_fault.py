@@ -22,8 +22,12 @@ EXPECT = {
     "exit_before_create": ("FSDP_ERR_TIMEOUT", r"MPI initialisation did not finish|rank {last}\b", 60),
 }
 # When the rank that never initialises exits after the others entered MPI_Init, Open MPI's mpirun may end the
-# job itself, before libfsdp's timeout: also an end, not a hang (docs/launching.md).
-LAUNCHER_ENDS = {"exit_before_create": r'did not call "init" before exiting'}
+# job itself, before libfsdp's timeout: also an end, not a hang (docs/launching.md). It says so, except in about
+# 1 run in 10 where the job ends as soon (1-2 s) with no message at all; an end before the ranks' timeout_s (5 s
+# for this scenario in mpi_fault.cpp) with no report, once the last rank has started, cannot be libfsdp's, so
+# that counts too, unless a rank crashed.
+LAUNCHER_ENDS = {"exit_before_create": (r'did not call "init" before exiting', 5.0)}
+CRASHED = r"exited on signal|Segmentation fault|Sanitizer|core dumped|terminate called"
 
 
 def main():
@@ -46,9 +50,12 @@ def main():
     reports = {int(m.group(1)): (m.group(2), m.group(3))
                for m in re.finditer(r"^rank (\d+): (FSDP_\w+): (.*)$", run.stdout, re.M)}
     expected_ranks = range(np_ - 1) if scenario in ("early_exit", "exit_before_create") else range(np_)
-    if scenario in LAUNCHER_ENDS and not reports and re.search(LAUNCHER_ENDS[scenario], run.stdout + run.stderr):
-        print(f"mpirun ended the job itself (exit code {run.returncode}) after {took:.1f} s")
-        return 0 if run.returncode != 0 else 1
+    if scenario in LAUNCHER_ENDS and not reports and not re.search(CRASHED, run.stderr):
+        message, before_timeout = LAUNCHER_ENDS[scenario]
+        started = f"rank {np_ - 1}: exiting before fsdp_ctx_create" in run.stdout  # not mpirun refusing to start
+        if started and (re.search(message, run.stdout + run.stderr) or took < before_timeout):
+            print(f"mpirun ended the job itself (exit code {run.returncode}) after {took:.1f} s")
+            return 0 if run.returncode != 0 else 1
     ok = True
     for r in expected_ranks:
         if r not in reports:

@@ -13,11 +13,11 @@
 #include <string>
 #include <vector>
 
+#include "base/error.h"
 #include "ckpt/io.h"
 #include "ckpt/meta.h"
 #include "ckpt/reader.h"
 #include "ckpt/safetensors.h"
-#include "core/error.h"
 
 namespace {
 
@@ -113,7 +113,7 @@ TEST(CheckpointFormat, HeaderRangesMustTileTheDataSection) {
 // reads only the file of the rank's own shard: the other three may be gone.
 TEST(CheckpointFormat, ReshardReadsOnlyTheOverlappingSourceFiles) {
   std::string dir = temp_dir();
-  fsdp::core::FlatLayout lay({{"w", {10, 10}, 100}, {"b", {5}, 5}}, 4, 4);
+  fsdp::FlatLayout lay({{"w", {10, 10}, 100}, {"b", {5}, 5}}, 4, 4);
   std::vector<float> flat(lay.padded_numel(), 0.f);
   for (size_t i = 0; i < 100; ++i) flat[lay.param_offset(0) + i] = float(i);
   for (size_t i = 0; i < 5; ++i) flat[lay.param_offset(1) + i] = 100.f + float(i);
@@ -141,7 +141,7 @@ TEST(CheckpointFormat, ReshardReadsOnlyTheOverlappingSourceFiles) {
   r.read_shard(0, "param", lay, 0, got.data());
   EXPECT_EQ(0, std::memcmp(got.data(), flat.data(), n * 4));
   // World 1 needs every file: the first missing one is named.
-  fsdp::core::FlatLayout one({{"w", {10, 10}, 100}, {"b", {5}, 5}}, 16, 1);
+  fsdp::FlatLayout one({{"w", {10, 10}, 100}, {"b", {5}, 5}}, 16, 1);
   std::vector<float> all(one.shard_numel());
   try {
     r.read_shard(0, "param", one, 0, all.data());

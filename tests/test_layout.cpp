@@ -4,10 +4,10 @@
 
 #include <vector>
 
-#include "core/layout.h"
+#include "base/layout.h"
 
-using fsdp::core::FlatLayout;
-using fsdp::core::ParamSpec;
+using fsdp::FlatLayout;
+using fsdp::ParamSpec;
 
 namespace {
 

@@ -3,12 +3,11 @@
 #include <memory>
 #include <string>
 
+#include "../base/log.h"
 #include "../base/text.h"
-#include "../comm/launch.h"
-#include "../comm/local/local_group.h"
 #include "../core/config.h"
 #include "../core/context.h"
-#include "../core/log.h"
+#include "../core/world.h"
 #include "guard.h"
 
 struct fsdp_local_group {
@@ -76,12 +75,12 @@ fsdp_status_t fsdp_log_set_level(int level) {
     if (level < FSDP_LOG_ERROR || level > FSDP_LOG_DEBUG) {
       fail(FSDP_ERR_INVALID_ARGUMENT, "fsdp_log_set_level: level must be FSDP_LOG_ERROR, _WARN, _INFO or _DEBUG");
     }
-    fsdp::core::set_log_level(static_cast<fsdp_log_level_t>(level));
+    fsdp::base::set_log_level(static_cast<fsdp_log_level_t>(level));
   });
 }
 
 fsdp_status_t fsdp_log_set_callback(fsdp_log_fn fn, void* user) {
-  return guard([&] { fsdp::core::set_log_callback(fn, user); });
+  return guard([&] { fsdp::base::set_log_callback(fn, user); });
 }
 
 int fsdp_version(void) { return FSDP_VERSION_NUMBER; }
@@ -150,7 +149,7 @@ fsdp_status_t fsdp_local_group_create(int world_size, fsdp_local_group_t** out) 
            "fsdp_local_group_create: world_size must be from 1 to 4096, not " + std::to_string(world_size));
     }
     auto g = std::make_unique<fsdp_local_group>();
-    g->group = std::make_shared<fsdp::comm::LocalGroup>(world_size);
+    g->group = fsdp::core::make_local_group(world_size);
     *out = g.release();
   });
 }
@@ -160,10 +159,7 @@ void fsdp_local_group_destroy(fsdp_local_group_t* group) { delete group; }
 fsdp_status_t fsdp_local_group_abort(fsdp_local_group_t* group, const char* reason) {
   return guard([&] {
     require(group, "fsdp_local_group_abort", "group");
-    group->group->abort(FSDP_ERR_COMM,
-                        std::string("the local group was aborted by the application: ") +
-                            (reason != nullptr && *reason != '\0' ? reason : "(no reason given)"),
-                        true);
+    fsdp::core::abort_local_group(*group->group, reason != nullptr && *reason != '\0' ? reason : "(no reason given)");
   });
 }
 
@@ -171,10 +167,9 @@ fsdp_status_t fsdp_ctx_create(const fsdp_config_t* cfg, fsdp_local_group_t* grou
   return guard([&] {
     require(cfg, "fsdp_ctx_create", "cfg");
     require(out, "fsdp_ctx_create", "out");
-    std::shared_ptr<fsdp::comm::LocalGroup> g =
-        group != nullptr ? group->group : std::make_shared<fsdp::comm::LocalGroup>(1);
     const auto& opts = cfg_of(cfg)->options();
-    auto ctx = std::make_unique<Context>(opts, fsdp::comm::make_world_comm(opts, std::move(g), group != nullptr, rank));
+    auto ctx =
+        std::make_unique<Context>(opts, fsdp::core::make_world(opts, group != nullptr ? group->group : nullptr, rank));
     *out = reinterpret_cast<fsdp_ctx_t*>(ctx.release());
   });
 }

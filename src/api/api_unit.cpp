@@ -12,11 +12,11 @@
 
 namespace base = fsdp::base;
 using fsdp::fail;
+using fsdp::ParamSpec;
 using fsdp::api::guard;
 using fsdp::api::require;
 using fsdp::api::require_cpu_stream;
 using fsdp::core::Context;
-using fsdp::core::ParamSpec;
 using fsdp::core::Unit;
 
 namespace {

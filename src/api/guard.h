@@ -6,7 +6,7 @@
 #include <string>
 #include <utility>
 
-#include "../core/error.h"
+#include "../base/error.h"
 #include "fsdp.h"
 
 namespace fsdp::api {

@@ -3,8 +3,8 @@
 
 #include <map>
 
+#include "../base/error.h"
 #include "../base/text.h"
-#include "../core/error.h"
 #include "io.h"
 
 namespace fsdp::ckpt {

@@ -14,8 +14,8 @@
 #include <cstring>
 #include <string>
 
+#include "../base/error.h"
 #include "../base/text.h"
-#include "../core/error.h"
 #include "meta.h"
 
 namespace fsdp::ckpt {

@@ -7,8 +7,8 @@
 #include <nlohmann/json.hpp>
 #include <set>
 
+#include "../base/error.h"
 #include "../base/text.h"
-#include "../core/error.h"
 
 namespace fsdp::ckpt {
 namespace {

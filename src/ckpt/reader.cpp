@@ -6,8 +6,8 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "../base/error.h"
 #include "../base/text.h"
-#include "../core/error.h"
 
 namespace fsdp::ckpt {
 
@@ -95,8 +95,7 @@ void CheckpointReader::read_param(size_t u, size_t p, const std::string& kind, u
   }
 }
 
-void CheckpointReader::read_shard(size_t u, const std::string& kind, const core::FlatLayout& layout, int shard,
-                                  float* out) {
+void CheckpointReader::read_shard(size_t u, const std::string& kind, const FlatLayout& layout, int shard, float* out) {
   uint64_t lo = layout.shard_offset(shard);
   uint64_t hi = lo + layout.shard_numel();
   uint64_t pos = lo;  // everything before it is filled

@@ -9,7 +9,7 @@
 #include <memory>
 #include <string>
 
-#include "../core/layout.h"
+#include "../base/layout.h"
 #include "meta.h"
 
 namespace fsdp::ckpt {
@@ -27,7 +27,7 @@ class CheckpointReader {
   // Shard `shard` of unit `u` as `layout` lays it out (which may differ from
   // the checkpoint's: another world size or alignment); padding is zero.
   // `layout` must have the unit's params (checked by the caller).
-  void read_shard(size_t u, const std::string& kind, const core::FlatLayout& layout, int shard, float* out);
+  void read_shard(size_t u, const std::string& kind, const FlatLayout& layout, int shard, float* out);
   // Every file read whole, every checksum checked; the damage found, one
   // line each ("" if none). Throws what is not damage (FSDP_ERR_IO).
   std::string verify_all();

@@ -8,8 +8,8 @@
 #include <cstring>
 #include <nlohmann/json.hpp>
 
+#include "../base/error.h"
 #include "../base/text.h"
-#include "../core/error.h"
 
 namespace fsdp::ckpt {
 namespace {

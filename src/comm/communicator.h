@@ -8,7 +8,7 @@
 #include <memory>
 #include <string>
 
-#include "../core/dtype.h"
+#include "../base/dtype.h"
 #include "fsdp.h"
 
 namespace fsdp::comm {

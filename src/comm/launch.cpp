@@ -3,8 +3,8 @@
 
 #include <cstdlib>
 
+#include "../base/error.h"
 #include "../base/text.h"
-#include "../core/error.h"
 #include "local/local_comm.h"
 #ifdef FSDP_HAVE_MPI
 #include "mpi/mpi_comm.h"
@@ -60,10 +60,9 @@ bool have_mpi() {
 #endif
 }
 
-std::unique_ptr<Communicator> make_world_comm(const core::Options& opts, std::shared_ptr<LocalGroup> group,
-                                              bool group_given, int rank) {
-  using core::CommKind;
-  CommKind kind = opts.comm;
+std::unique_ptr<Communicator> make_world_comm(const Options& opts, std::shared_ptr<LocalGroup> group, bool group_given,
+                                              int rank) {
+  CommKind kind = opts.kind;
   if (kind == CommKind::kAuto) {
     LaunchEnv env = group_given ? LaunchEnv{} : read_launch_env();
     if (env.present() && env.world > 1) {

@@ -6,9 +6,9 @@
 #include <memory>
 #include <string>
 
-#include "../core/config.h"
 #include "communicator.h"
 #include "local/local_group.h"
+#include "options.h"
 
 namespace fsdp::comm {
 
@@ -31,8 +31,8 @@ LaunchEnv read_launch_env();
 // The world communicator for a new context. `group` (may be null) and `rank`
 // are fsdp_ctx_create's arguments: a local group and a rank in it, or, for
 // mpi, null and -1 (or the launcher's rank, which is then checked).
-std::unique_ptr<Communicator> make_world_comm(const core::Options& opts, std::shared_ptr<LocalGroup> group,
-                                              bool group_given, int rank);
+std::unique_ptr<Communicator> make_world_comm(const Options& opts, std::shared_ptr<LocalGroup> group, bool group_given,
+                                              int rank);
 
 // Whether this build has the mpi communicator.
 bool have_mpi();

@@ -8,8 +8,8 @@
 #include <vector>
 
 #include "../../kernels/cast.h"
-#include "../device/cpu/simd.h"
-#include "../device/dtype_dispatch.h"
+#include "../base/dtype_dispatch.h"
+#include "../base/simd.h"
 
 namespace fsdp::comm {
 namespace {
@@ -54,7 +54,7 @@ FSDP_SIMD_CLONES void reduce_blocks(T* out, const std::vector<const T*>& ins, si
 
 template <bool kClear>
 void reduce_sum_impl(void* out, const void* const* ins, size_t n_ins, size_t numel, DType dtype, float scale) {
-  device::with_dtype(dtype, out, [&](auto* typed_out) {
+  base::with_dtype(dtype, out, [&](auto* typed_out) {
     using T = std::remove_pointer_t<decltype(typed_out)>;
     std::vector<const T*> typed(n_ins);
     for (size_t k = 0; k < n_ins; ++k) typed[k] = static_cast<const T*>(ins[k]);

@@ -7,14 +7,14 @@
 #include <algorithm>
 #include <cstring>
 
+#include "../base/error.h"
+#include "../base/log.h"
 #include "../base/text.h"
 #include "../ckpt/files.h"
 #include "../ckpt/io.h"
 #include "../ckpt/reader.h"
 #include "consensus.h"
 #include "context.h"
-#include "error.h"
-#include "log.h"
 
 namespace fsdp::core {
 namespace {
@@ -172,7 +172,7 @@ void Context::save(const std::string& dir, const std::string& kind) {
   Outcome prep = capture([&] {
     if (!root) return;
     std::string note = ckpt::prepare_staging(dir, "fsdp_save");
-    if (!note.empty()) log(FSDP_LOG_WARN, rt_.rank, "fsdp_save: " + note);
+    if (!note.empty()) base::log(FSDP_LOG_WARN, rt_.rank, "fsdp_save: " + note);
   });
   check_outcomes(*rt_.comm, what + " (preparing " + staged + ")", prep.status, prep.message);
 
@@ -192,14 +192,14 @@ void Context::save(const std::string& dir, const std::string& kind) {
       ckpt::write_meta(staged, meta);
       std::string warning = ckpt::commit_dir(staged, dir);
       if (!warning.empty())
-        log(FSDP_LOG_WARN, rt_.rank, "fsdp_save to " + base::quote_path(dir) + " succeeded, but " + warning);
+        base::log(FSDP_LOG_WARN, rt_.rank, "fsdp_save to " + base::quote_path(dir) + " succeeded, but " + warning);
     });
     check_outcomes(*rt_.comm, what + " (commit)", commit.status, commit.message);
   } catch (const Error&) {
     // The previous checkpoint at `dir` is untouched; the partial one goes.
     if (root) {
       std::string warning = ckpt::remove_failed_staging(staged);
-      if (!warning.empty()) log(FSDP_LOG_WARN, rt_.rank, what + " failed, and " + warning);
+      if (!warning.empty()) base::log(FSDP_LOG_WARN, rt_.rank, what + " failed, and " + warning);
     }
     throw;
   }

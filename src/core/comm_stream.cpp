@@ -1,8 +1,8 @@
 // src/core/comm_stream.cpp - see comm_stream.h.
 #include "comm_stream.h"
 
+#include "../base/error.h"
 #include "../base/spin.h"
-#include "error.h"
 
 namespace fsdp::core {
 namespace {

@@ -9,8 +9,8 @@
 #include <functional>
 #include <sstream>
 
+#include "../base/error.h"
 #include "../base/text.h"
-#include "error.h"
 
 namespace fsdp::core {
 namespace {

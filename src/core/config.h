@@ -6,7 +6,8 @@
 #include <string>
 #include <vector>
 
-#include "dtype.h"
+#include "../base/dtype.h"
+#include "../comm/options.h"
 
 namespace fsdp::core {
 
@@ -15,8 +16,8 @@ enum class OptimizerKind { kAdamW, kAdam, kSgd };
 enum class ReduceOp { kAvg, kSum };
 enum class BackwardPrefetch { kNone, kPre, kPost };
 enum class LossScaleMode { kAuto, kDynamic, kStatic, kOff };
-enum class CommKind { kAuto, kLocal, kMpi };
-enum class MpiAlgorithm { kAuto, kRing, kNative };
+using comm::CommKind;
+using comm::MpiAlgorithm;
 
 const char* sharding_name(Sharding s);
 // The canonical name ("adamw", "adam", "sgd"), as fsdp_config_get spells it.
@@ -65,6 +66,8 @@ struct Options {
   bool hybrid() const { return sharding == Sharding::kHybridShard || sharding == Sharding::kHybridShardZero2; }
   // FULL_SHARD and HYBRID_SHARD free full params after forward and gather them again for backward.
   bool reshard_after_forward() const { return sharding == Sharding::kFullShard || sharding == Sharding::kHybridShard; }
+  // What the world communicator is told.
+  comm::Options comm_options() const { return {comm, timeout_s, mpi_algorithm}; }
 };
 
 class Config {

@@ -7,8 +7,8 @@
 #include <sstream>
 #include <vector>
 
+#include "../base/error.h"
 #include "../base/text.h"
-#include "error.h"
 
 namespace fsdp::core {
 namespace {

@@ -5,10 +5,10 @@
 #include <set>
 #include <sstream>
 
+#include "../base/error.h"
 #include "../base/text.h"
 #include "../device/cpu/cpu_device.h"
 #include "consensus.h"
-#include "error.h"
 
 namespace fsdp::core {
 namespace {

@@ -6,8 +6,8 @@
 #include <atomic>
 #include <cstddef>
 
+#include "../base/dtype.h"
 #include "../device/device.h"
-#include "dtype.h"
 
 namespace fsdp::core {
 

@@ -7,10 +7,10 @@
 #include <memory>
 #include <string>
 
+#include "../base/error.h"
 #include "../comm/communicator.h"
 #include "../device/device.h"
 #include "config.h"
-#include "error.h"
 #include "memory.h"
 #include "trace.h"
 

@@ -1,8 +1,8 @@
 // src/core/scheduler.cpp - see scheduler.h.
 #include "scheduler.h"
 
+#include "../base/log.h"
 #include "../base/text.h"
-#include "log.h"
 #include "unit.h"
 
 namespace fsdp::core {
@@ -19,7 +19,7 @@ void Scheduler::note(std::vector<size_t>& order, std::vector<size_t>& seen, size
       " of this iteration is unit " + base::quote(units_[index]->name()) + ", but the first iteration had " +
       (pos < order.size() ? "unit " + base::quote(units_[order[pos]]->name()) : std::string("no more units")) +
       "; prefetching is off for the rest of this iteration (results are unaffected)";
-  log(warned_ ? FSDP_LOG_DEBUG : FSDP_LOG_WARN, rt_.rank, msg);
+  base::log(warned_ ? FSDP_LOG_DEBUG : FSDP_LOG_WARN, rt_.rank, msg);
   warned_ = true;
 }
 

@@ -5,8 +5,8 @@
 #include <fstream>
 #include <locale>
 
+#include "../base/error.h"
 #include "../base/text.h"
-#include "error.h"
 
 namespace fsdp::core {
 namespace {

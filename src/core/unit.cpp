@@ -6,8 +6,8 @@
 #include <algorithm>
 #include <cstring>
 
+#include "../base/error.h"
 #include "../base/text.h"
-#include "error.h"
 #include "scheduler.h"
 
 namespace fsdp::core {

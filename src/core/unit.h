@@ -18,8 +18,8 @@
 #include <string>
 #include <vector>
 
+#include "../base/layout.h"
 #include "comm_stream.h"
-#include "layout.h"
 #include "memory.h"
 #include "runtime.h"
 

@@ -7,7 +7,7 @@
 #include <cstddef>
 
 #include "../../kernels/optim.h"
-#include "../core/dtype.h"
+#include "../base/dtype.h"
 
 namespace fsdp::device {
 

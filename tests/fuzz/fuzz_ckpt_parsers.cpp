@@ -7,9 +7,9 @@
 #include <cstdint>
 #include <string>
 
+#include "base/error.h"
 #include "ckpt/meta.h"
 #include "ckpt/safetensors.h"
-#include "core/error.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const char* text = reinterpret_cast<const char*>(data);

@@ -11,11 +11,11 @@
 #include <vector>
 
 #include "args.h"
+#include "base/error.h"
+#include "base/layout.h"
 #include "ckpt/files.h"
 #include "ckpt/io.h"
 #include "ckpt/reader.h"
-#include "core/error.h"
-#include "core/layout.h"
 
 namespace fsdp_ckpt {
 namespace {
@@ -164,13 +164,13 @@ int run_reshard(const Args& a) {
   out.library = ckpt::library_name();
   out.files.clear();
   // Each unit laid out as an N-rank job with the source's alignment lays it out.
-  std::vector<fsdp::core::FlatLayout> layouts;
+  std::vector<fsdp::FlatLayout> layouts;
   size_t largest = 1;
   for (ckpt::UnitMeta& u : out.units) {
-    std::vector<fsdp::core::ParamSpec> specs;
+    std::vector<fsdp::ParamSpec> specs;
     for (const ckpt::ParamMeta& p : u.params) specs.push_back({p.name, p.shape, static_cast<size_t>(p.numel)});
     layouts.emplace_back(std::move(specs), static_cast<size_t>(in.align_elems), world);
-    const fsdp::core::FlatLayout& lay = layouts.back();
+    const fsdp::FlatLayout& lay = layouts.back();
     u.padded_numel = lay.padded_numel();
     for (size_t i = 0; i < u.params.size(); ++i) u.params[i].offset = lay.param_offset(i);
     largest = std::max(largest, lay.shard_numel());

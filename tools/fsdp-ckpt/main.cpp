@@ -6,7 +6,7 @@
 #include <vector>
 
 #include "args.h"
-#include "core/error.h"
+#include "base/error.h"
 
 namespace fsdp_ckpt {
 namespace {

@@ -7,7 +7,7 @@
 #include <cstring>
 #include <vector>
 
-#include "../../core/error.h"
+#include "../../base/error.h"
 #include "../reduce.h"
 
 namespace fsdp::comm {

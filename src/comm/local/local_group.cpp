@@ -4,8 +4,8 @@
 #include <chrono>
 #include <string>
 
+#include "../../base/error.h"
 #include "../../base/text.h"
-#include "../../core/error.h"
 
 namespace fsdp::comm {
 

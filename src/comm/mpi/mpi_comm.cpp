@@ -9,8 +9,8 @@
 
 #include <sys/prctl.h>
 
+#include "../../base/error.h"
 #include "../../base/text.h"
-#include "../../core/error.h"
 #include "../launch.h"
 #include "../reduce.h"
 #include "mpi_env.h"
@@ -176,8 +176,7 @@ struct Verdict {
 };
 }  // namespace
 
-MpiComm::MpiComm(MPI_Comm comm, std::vector<int> world_ranks, int local_world, double timeout_s,
-                 core::MpiAlgorithm algo)
+MpiComm::MpiComm(MPI_Comm comm, std::vector<int> world_ranks, int local_world, double timeout_s, MpiAlgorithm algo)
     : comm_(comm), world_ranks_(std::move(world_ranks)), local_world_(local_world), timeout_s_(timeout_s), algo_(algo) {
   auto guard = mpi::lock();
   MPI_Comm_rank(comm_, &rank_);
@@ -213,9 +212,9 @@ void MpiComm::abort(const std::string& reason) {
 bool MpiComm::uses_ring(const char* kind, size_t nbytes) const {
   if (world_ == 1) return false;
   switch (algo_) {
-    case core::MpiAlgorithm::kRing:
+    case MpiAlgorithm::kRing:
       return true;
-    case core::MpiAlgorithm::kNative:
+    case MpiAlgorithm::kNative:
       return nbytes / static_cast<size_t>(world_) > kMaxPiece;  // beyond MPI's int counts
     default:
       // Measured on one host (benchmarks/bench_mpi_collectives): Open MPI's
@@ -592,7 +591,7 @@ std::unique_ptr<Communicator> MpiComm::split(int color, int key, const std::stri
   return out;
 }
 
-std::unique_ptr<Communicator> make_mpi_world(const core::Options& opts, int expected_rank) {
+std::unique_ptr<Communicator> make_mpi_world(const Options& opts, int expected_rank) {
   mpi::ensure_initialized(opts.timeout_s);
   mpi::note_timeout(opts.timeout_s);
   LaunchEnv env = read_launch_env();

@@ -16,8 +16,8 @@
 #include <string>
 #include <vector>
 
-#include "../../core/config.h"
 #include "../communicator.h"
+#include "../options.h"
 
 namespace fsdp::comm {
 
@@ -25,7 +25,7 @@ class MpiComm final : public Communicator {
  public:
   // Owns `comm`. `world_ranks[i]` is rank i's rank in MPI_COMM_WORLD (named
   // in messages); `local_world` its count of ranks on this host.
-  MpiComm(MPI_Comm comm, std::vector<int> world_ranks, int local_world, double timeout_s, core::MpiAlgorithm algo);
+  MpiComm(MPI_Comm comm, std::vector<int> world_ranks, int local_world, double timeout_s, MpiAlgorithm algo);
   ~MpiComm() override;
   MpiComm(const MpiComm&) = delete;
   MpiComm& operator=(const MpiComm&) = delete;
@@ -96,7 +96,7 @@ class MpiComm final : public Communicator {
   int world_ = 1;
   int local_world_ = 1;
   double timeout_s_;
-  core::MpiAlgorithm algo_;
+  MpiAlgorithm algo_;
   uint64_t seq_ = 0;
   std::string what_;  // the collective in progress, for messages
   std::atomic<fsdp_status_t> failure_{FSDP_OK};
@@ -108,6 +108,6 @@ class MpiComm final : public Communicator {
 
 // The world communicator of this process (MPI_COMM_WORLD, duplicated). Checks
 // the launcher's variables against MPI and `expected_rank` (-1: any).
-std::unique_ptr<Communicator> make_mpi_world(const core::Options& opts, int expected_rank);
+std::unique_ptr<Communicator> make_mpi_world(const Options& opts, int expected_rank);
 
 }  // namespace fsdp::comm

@@ -8,9 +8,9 @@
 #include <thread>
 
 #include "../../../kernels/cast.h"
+#include "../../base/error.h"
+#include "../../base/log.h"
 #include "../../base/text.h"
-#include "../../core/error.h"
-#include "../../core/log.h"
 
 namespace fsdp::comm::mpi {
 namespace {
@@ -65,7 +65,7 @@ void at_exit() {
       if (!done) std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
     if (!done) {
-      core::log(FSDP_LOG_WARN, -1,
+      base::log(FSDP_LOG_WARN, -1,
                 "not every MPI rank reached its exit within the collective timeout; calling MPI_Finalize "
                 "anyway, which waits for them");
     }
@@ -73,7 +73,7 @@ void at_exit() {
   if (g_failed.load()) {
     // MPI_Finalize synchronises with every rank, including the one that
     // failed: end the whole job instead, as a failed collective would.
-    core::log(FSDP_LOG_WARN, -1,
+    base::log(FSDP_LOG_WARN, -1,
               "a libfsdp MPI communicator failed: ending the MPI job with MPI_Abort at exit, so that no rank "
               "waits in MPI_Finalize for a rank that failed");
     MPI_Abort(MPI_COMM_WORLD, 1);

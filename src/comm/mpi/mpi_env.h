@@ -9,7 +9,7 @@
 #include <mutex>
 #include <string>
 
-#include "../../core/dtype.h"
+#include "../../base/dtype.h"
 
 namespace fsdp::comm::mpi {
 

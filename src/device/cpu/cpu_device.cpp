@@ -9,12 +9,16 @@
 #include <type_traits>
 #include <vector>
 
-#include "../../core/error.h"
-#include "../dtype_dispatch.h"
-#include "simd.h"
+#include "../../base/dtype_dispatch.h"
+#include "../../base/error.h"
+#include "../../base/simd.h"
 
 namespace fsdp::device {
 namespace {
+
+using base::kStreamStep;
+using base::prefetch_next_step;
+using base::with_dtype;
 
 constexpr size_t kGrain = 1024;  // elements; a multiple of every vector width
 

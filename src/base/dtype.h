@@ -1,4 +1,4 @@
-// src/core/dtype.h - element types of the buffers the library owns.
+// src/base/dtype.h - element types of the buffers the library owns.
 #pragma once
 
 #include <cstddef>

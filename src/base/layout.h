@@ -1,4 +1,4 @@
-// src/core/layout.h - FlatLayout: where each param of a unit lies in the unit's
+// src/base/layout.h - FlatLayout: where each param of a unit lies in the unit's
 // flat buffer, and which contiguous range each rank owns. Pure arithmetic: it
 // drives allocation, the collectives, per-param optimizer options inside flat
 // shards, and checkpoint resharding (src/ckpt/reader.h).
@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-namespace fsdp::core {
+namespace fsdp {
 
 struct ParamSpec {
   std::string name;
@@ -48,4 +48,4 @@ class FlatLayout {
   int shard_world_ = 1;
 };
 
-}  // namespace fsdp::core
+}  // namespace fsdp

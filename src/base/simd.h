@@ -1,4 +1,4 @@
-// src/device/cpu/simd.h - FSDP_SIMD_CLONES: compile a hot loop three times,
+// src/base/simd.h - FSDP_SIMD_CLONES: compile a hot loop three times,
 // for x86-64-v4 (AVX-512 with BW and VL, so that the bf16/fp16 conversions
 // vectorise 16 wide too; AVX-512F alone leaves them 8 wide), for AVX2 and for
 // the baseline, and pick at load time, so one binary is fast on new machines
@@ -11,7 +11,7 @@
 #include <cstddef>
 #include <type_traits>
 
-#include "../../../kernels/common.h"
+#include "../../kernels/common.h"
 
 // FSDP_NO_CONTRACT makes GCC decline to inline ordinary helpers into the loops
 // (their optimisation options differ), which would then run them for the
@@ -34,7 +34,7 @@
 #define FSDP_SIMD_CLONES FSDP_NO_CONTRACT
 #endif
 
-namespace fsdp::device {
+namespace fsdp::base {
 
 // Streaming loops over fp32 arrays run in steps of kStreamStep elements; each
 // step first prefetches the next step's lines of every array it streams, then
@@ -52,4 +52,4 @@ FSDP_HD void prefetch_next_step(size_t hi, size_t end, const Floats*... arrays) 
   for (size_t k = hi; k < stop; k += 64 / sizeof(float)) (__builtin_prefetch(arrays + k), ...);
 }
 
-}  // namespace fsdp::device
+}  // namespace fsdp::base

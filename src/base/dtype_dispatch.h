@@ -1,12 +1,12 @@
-// src/device/dtype_dispatch.h - with_dtype(): turns a runtime DType into the
+// src/base/dtype_dispatch.h - with_dtype(): turns a runtime DType into the
 // storage type of kernels/ (float, bf16_t, fp16_t), so that one template loop
 // serves every dtype.
 #pragma once
 
 #include "../../kernels/common.h"
-#include "../core/dtype.h"
+#include "dtype.h"
 
-namespace fsdp::device {
+namespace fsdp::base {
 
 // Calls fn(p cast to a pointer to the storage type of `t`).
 template <typename Fn>
@@ -24,4 +24,4 @@ void with_dtype(DType t, void* p, Fn&& fn) {
   }
 }
 
-}  // namespace fsdp::device
+}  // namespace fsdp::base

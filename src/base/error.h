@@ -1,4 +1,4 @@
-// src/core/error.h - the one exception type of the library: a status plus a
+// src/base/error.h - the one exception type of the library: a status plus a
 // sentence. Thrown inside, turned into fsdp_status_t + fsdp_last_error() at the
 // C boundary (src/api/).
 #pragma once

@@ -1,4 +1,4 @@
-// src/core/log.cpp - see log.h.
+// src/base/log.cpp - see log.h.
 #include "log.h"
 
 #include <cstdio>
@@ -6,7 +6,7 @@
 #include <cstring>
 #include <mutex>
 
-namespace fsdp::core {
+namespace fsdp::base {
 namespace {
 
 struct LogState {
@@ -72,4 +72,4 @@ void set_log_callback(fsdp_log_fn fn, void* user) {
   state().user = user;
 }
 
-}  // namespace fsdp::core
+}  // namespace fsdp::base

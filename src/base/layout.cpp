@@ -1,9 +1,9 @@
-// src/core/layout.cpp - flat layout arithmetic (see layout.h).
+// src/base/layout.cpp - flat layout arithmetic (see layout.h).
 #include "layout.h"
 
 #include <algorithm>
 
-namespace fsdp::core {
+namespace fsdp {
 
 static size_t round_up(size_t n, size_t m) { return (n + m - 1) / m * m; }
 
@@ -32,4 +32,4 @@ std::vector<ShardSegment> FlatLayout::shard_segments(int shard_rank) const {
   return segs;
 }
 
-}  // namespace fsdp::core
+}  // namespace fsdp
