@@ -183,14 +183,18 @@ FSDP_API fsdp_status_t fsdp_param_set_weight_decay(fsdp_unit_t* unit, size_t par
 /* ---- the training step ------------------------------------------------- */
 
 /* Collective (unless the unit's params are already gathered). Makes the
- * unit's full params usable through fsdp_param_ptr. `stream` is a
- * cudaStream_t on CUDA, NULL on CPU. */
+ * unit's full params usable through fsdp_param_ptr. `stream` is the stream
+ * the host computes on: a cudaStream_t on CUDA; on CPU it must be NULL, the
+ * calling thread, and every call is synchronous. libfsdp orders its work
+ * after the host's through that stream: the stream waits for the gather here,
+ * and *_end records where the host's work on the unit ends. */
 FSDP_API fsdp_status_t fsdp_forward_begin(fsdp_unit_t* unit, void* stream);
-/* FULL_SHARD frees the full params; SHARD_GRAD_OP and NO_SHARD keep them.
- * The host's own work on the unit's buffers must be finished when it calls
- * *_end (on the CPU device every call is synchronous): a host that queues
- * work asynchronously (JAX, PyTorch on a GPU) must block on its results
- * first, since *_end may free or reuse the memory at once. */
+/* FULL_SHARD frees the full params; SHARD_GRAD_OP and NO_SHARD keep them,
+ * once the work queued on `stream` so far is done. On CPU (NULL stream) the
+ * host's own work on the unit's buffers must be finished when it calls *_end:
+ * a host that queues work where libfsdp cannot see it (a jitted JAX call)
+ * must block on its results first, since *_end may free or reuse the memory
+ * at once. */
 FSDP_API fsdp_status_t fsdp_forward_end(fsdp_unit_t* unit, void* stream);
 /* Collective (unless gathered). Full params usable, grad buffers zeroed (not
  * zeroed while gradient sync is off and grads are being accumulated). A unit
@@ -208,7 +212,8 @@ FSDP_API fsdp_status_t fsdp_param_ptr(fsdp_unit_t* unit, size_t param_index, voi
 /* Pointer to param `param_index`'s grad (param_dtype), valid between
  * fsdp_backward_begin and fsdp_backward_end. Add grads into it. */
 FSDP_API fsdp_status_t fsdp_grad_ptr(fsdp_unit_t* unit, size_t param_index, void** ptr);
-/* Collective. Waits for the grad reductions, unscales the grads by the loss
+/* Collective. Waits for the work queued on `stream`, then for the grad
+ * reductions; unscales the grads by the loss
  * scale, clips (max_grad_norm), runs the optimizer on this rank's shards and
  * zeroes the sharded grads. If any rank's grads hold inf or nan the step is
  * skipped on every rank: params and optimizer state stay as they were (the

@@ -1,11 +1,15 @@
 // Proves that N-rank sharded training (every sharding; fp32/bf16/fp16; grad accumulation; no_sync; clipping; padding)
 // matches a single-process unsharded reference.
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
+#include "core/context.h"
+#include "device/cpu/cpu_device.h"
 #include "rank_runner.h"
 
 using namespace fsdp_test;
@@ -273,6 +277,10 @@ struct Case {
   // the host computes forward and backward at once (as jax.value_and_grad
   // does), then backward_end in reverse order. One gather per unit per step.
   bool backward_only = false;
+  // The host's compute runs on a CPU host stream whose tasks start this late
+  // (0: the NULL stream, the calling thread): every call gets that stream and
+  // returns before the compute it must be ordered with has run.
+  int host_stream_delay_us = 0;
 };
 
 void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
@@ -329,6 +337,81 @@ void lib_pass_backward_only(const Model& m, const std::vector<fsdp_unit_t*>& uni
     dh.swap(dx);
   }
 }
+
+// Pointers to unit u's params (grads: `grads`), taken on the calling thread:
+// a task on the host stream may run after the unit's state moved on.
+std::vector<void*> buffer_ptrs(fsdp_unit_t* unit, size_t n, bool grads) {
+  std::vector<void*> out(n, nullptr);
+  for (size_t i = 0; i < n; ++i) EXPECT_OK(grads ? fsdp_grad_ptr(unit, i, &out[i]) : fsdp_param_ptr(unit, i, &out[i]));
+  return out;
+}
+
+UnitParams load_params(const Model& m, size_t u, const std::vector<void*>& ptrs, fsdp_dtype_t dt) {
+  UnitParams p;
+  const auto specs = m.unit_params(u);
+  for (size_t i = 0; i < specs.size(); ++i) {
+    Tensor t(numel_of(specs[i].shape));
+    for (size_t k = 0; k < t.size(); ++k) t[k] = load_elem(ptrs[i], k, dt);
+    p.push_back(std::move(t));
+  }
+  return p;
+}
+
+// lib_pass with the host's compute queued on `hs` (a late host stream): the
+// forward of a unit reads its params there, after forward_begin returned; its
+// backward writes the grads there, after backward_end returned. Only the
+// events libfsdp records and waits for keep the gathers, the reductions and
+// the reuse of buffers in order with it.
+void lib_pass_on_stream(fsdp::device::Stream* hs, const Model& m, const std::vector<fsdp_unit_t*>& units,
+                        fsdp_dtype_t dt, const Data& d, int row0, int rows, float scale, const Params* expect) {
+  auto acts = std::make_shared<std::vector<Tensor>>(m.n_units() + 1);
+  (*acts)[0] = rows_of(d.x, m.in_dim(), row0, rows);
+  for (size_t u = 0; u < m.n_units(); ++u) {
+    ASSERT_OK(fsdp_forward_begin(units[u], hs));
+    auto ptrs = buffer_ptrs(units[u], m.unit_params(u).size(), false);
+    hs->submit("forward", [&m, u, ptrs, dt, acts, rows, expect] {
+      UnitParams p = load_params(m, u, ptrs, dt);
+      if (expect) {
+        EXPECT_EQ(p, (*expect)[u]) << "forward gather of unit " << u;
+      }
+      unit_forward(m, u, p, (*acts)[u], rows, (*acts)[u + 1]);
+    });
+    ASSERT_OK(fsdp_forward_end(units[u], hs));
+  }
+  auto dh = std::make_shared<Tensor>();
+  hs->submit("loss", [acts, dh, &d, row0, scale] { *dh = loss_grad(acts->back(), d, row0, scale); });
+  for (size_t u = m.n_units(); u-- > 0;) {
+    ASSERT_OK(fsdp_backward_begin(units[u], hs));
+    auto ptrs = buffer_ptrs(units[u], m.unit_params(u).size(), false);
+    auto gptrs = buffer_ptrs(units[u], m.unit_params(u).size(), true);
+    hs->submit("backward", [&m, u, ptrs, gptrs, dt, acts, dh, rows, expect] {
+      UnitParams p = load_params(m, u, ptrs, dt);
+      if (expect) {
+        EXPECT_EQ(p, (*expect)[u]) << "backward gather of unit " << u;
+      }
+      UnitParams g;
+      Tensor dx;
+      unit_backward(m, u, p, (*acts)[u], (*acts)[u + 1], *dh, rows, g, dx);
+      for (size_t i = 0; i < g.size(); ++i)
+        for (size_t k = 0; k < g[i].size(); ++k) add_elem(gptrs[i], k, dt, g[i][k]);
+      dh->swap(dx);
+    });
+    ASSERT_OK(fsdp_backward_end(units[u], hs));
+  }
+}
+
+// Waits for a host stream's queued tasks when a rank's run ends early (a
+// failed assertion): they read the run's locals.
+struct DrainOnExit {
+  fsdp::device::Stream* hs;
+  ~DrainOnExit() {
+    if (hs == nullptr) return;
+    try {
+      hs->synchronize();
+    } catch (...) {  // its failure was reported by the call that waited on it
+    }
+  }
+};
 
 // One forward + backward pass over rows [row0, row0+rows) through libfsdp.
 // `expect` (if not NULL) are the param values every gather must produce.
@@ -402,15 +485,26 @@ LibResult lib_train(const Case& c, const Model& m, const Params& init, const Dat
     const Params init_rounded = rounded(init, dt);
     const bool init_known = !c.rank_dependent_init || c.sync_module_states;
     const int rows = kBatch / c.world, micro_rows = rows / c.micro;
+    fsdp::device::Stream* hs = nullptr;
+    if (c.host_stream_delay_us > 0) {
+      auto& dev = dynamic_cast<fsdp::device::CpuDevice&>(reinterpret_cast<fsdp::core::Context*>(ctx.get())->device());
+      hs = dev.create_host_stream(std::chrono::microseconds(c.host_stream_delay_us));
+    }
+    DrainOnExit drain{hs};
     for (int step = 0; step < kSteps; ++step) {
       for (int k = 0; k < c.micro; ++k) {
         if (c.no_sync) ASSERT_OK(fsdp_set_grad_sync(ctx.get(), k + 1 == c.micro ? 1 : 0));
-        (c.backward_only ? lib_pass_backward_only : lib_pass)(m, units, dt, d, rank * rows + k * micro_rows, micro_rows,
-                                                              1.f / float(c.micro),
-                                                              step == 0 && init_known ? &init_rounded : nullptr);
+        const Params* expect = step == 0 && init_known ? &init_rounded : nullptr;
+        const int row0 = rank * rows + k * micro_rows;
+        const float scale = 1.f / float(c.micro);
+        if (hs != nullptr) {
+          lib_pass_on_stream(hs, m, units, dt, d, row0, micro_rows, scale, expect);
+        } else {
+          (c.backward_only ? lib_pass_backward_only : lib_pass)(m, units, dt, d, row0, micro_rows, scale, expect);
+        }
         if (::testing::Test::HasFatalFailure()) return;
       }
-      ASSERT_OK(fsdp_step(ctx.get(), nullptr));
+      ASSERT_OK(fsdp_step(ctx.get(), hs));
       double norm = -1;
       ASSERT_OK(fsdp_last_grad_norm(ctx.get(), &norm));
       out.norms_by_rank[size_t(rank)].push_back(norm);
@@ -664,6 +758,32 @@ std::vector<Case> variant_cases() {
     one_group.name = "HybridOneGroup";
     add(one_group, 4, h);  // default group size: the local world (all 4 threads)
   }
+  // The host's compute on a late host stream (1 ms before each task): the
+  // reductions must wait for its grads and a freed gathered buffer must not
+  // be reused while its forward still reads it (layers 1 and 2 have the same
+  // size, so the block freed by one is the next one's gather buffer).
+  Case late;
+  late.name = "LateHostStream";
+  late.host_stream_delay_us = 1000;
+  for (int w : {1, 2, 4}) add(late, w, "FULL_SHARD");
+  add(late, 2, "SHARD_GRAD_OP");
+  for (int w : {1, 2}) add(late, w, "NO_SHARD");
+  add(late, 4, "HYBRID_SHARD");
+  Case late_bf16 = bf16;
+  late_bf16.name = "LateHostStreamBf16";
+  late_bf16.host_stream_delay_us = 1000;
+  add(late_bf16, 1, "FULL_SHARD");  // alone, bf16: the grads are added into the shard on the host stream
+  add(late_bf16, 2, "FULL_SHARD");
+  Case late_accum = late;
+  late_accum.name = "LateHostStreamNoSync";
+  late_accum.micro = 2;
+  late_accum.no_sync = true;
+  add(late_accum, 2, "FULL_SHARD");
+  Case late_offload = late;
+  late_offload.name = "LateHostStreamOffload";
+  late_offload.offload = true;
+  add(late_offload, 1, "FULL_SHARD");
+  add(late_offload, 2, "FULL_SHARD");
   // Backward without forward (one gather per unit per step), with prefetch
   // left at its default (backward_prefetch=pre) and grad accumulation.
   Case bwd;

@@ -15,7 +15,6 @@ using fsdp::fail;
 using fsdp::ParamSpec;
 using fsdp::api::guard;
 using fsdp::api::require;
-using fsdp::api::require_cpu_stream;
 using fsdp::core::Context;
 using fsdp::core::Unit;
 
@@ -33,11 +32,11 @@ Unit& live_unit(fsdp_unit_t* u, const char* call) {
 }
 
 // The four *_begin/*_end calls: same checks, one Unit transition each.
-fsdp_status_t phase_call(fsdp_unit_t* unit, void* stream, const char* call, void (Unit::*transition)()) {
+fsdp_status_t phase_call(fsdp_unit_t* unit, void* stream, const char* call,
+                         void (Unit::*transition)(fsdp::device::Stream&)) {
   return guard([&] {
     Unit& u = live_unit(unit, call);
-    require_cpu_stream(stream, call);
-    (u.*transition)();
+    (u.*transition)(u.runtime().dev->caller_stream(stream, call));
   });
 }
 
@@ -141,8 +140,7 @@ fsdp_status_t fsdp_step(fsdp_ctx_t* ctx, void* stream) {
   return guard([&] {
     require(ctx, "fsdp_step", "ctx");
     ctx_of(ctx)->check_live("fsdp_step");
-    require_cpu_stream(stream, "fsdp_step");
-    ctx_of(ctx)->step();
+    ctx_of(ctx)->step(ctx_of(ctx)->caller_stream(stream, "fsdp_step"));
   });
 }
 

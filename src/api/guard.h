@@ -25,13 +25,4 @@ inline void require(const void* p, const char* call, const char* what) {
   if (p == nullptr) fail(FSDP_ERR_INVALID_ARGUMENT, std::string(call) + ": " + what + " is NULL");
 }
 
-// CPU contexts have no streams; a non-NULL stream means the host believes it
-// is talking to a CUDA context.
-inline void require_cpu_stream(const void* stream, const char* call) {
-  if (stream != nullptr) {
-    fail(FSDP_ERR_INVALID_ARGUMENT,
-         std::string(call) + ": stream must be NULL on the cpu device (it is a cudaStream_t only on cuda)");
-  }
-}
-
 }  // namespace fsdp::api

@@ -61,14 +61,14 @@ Context::Context(const Options& opts, std::unique_ptr<comm::Communicator> world)
     host_ = std::make_unique<device::CpuDevice>(opts.threads, device::Pool::kHost);
     rt_.state_dev = host_.get();
     auto on_copy = [trace](const std::string& name, bool begin) { trace->add(name, begin ? 'B' : 'E', Track::kCopy); };
-    copy_in_ = std::make_unique<CommStream>(on_copy, nullptr);
-    copy_out_ = std::make_unique<CommStream>(on_copy, nullptr);
+    copy_in_ = dev_->create_stream(0, {on_copy, nullptr});
+    copy_out_ = dev_->create_stream(0, {on_copy, nullptr});
     rt_.copy_in = copy_in_.get();
     rt_.copy_out = copy_out_.get();
   }
-  stream_ = std::make_unique<CommStream>(
-      [trace](const std::string& name, bool begin) { trace->add(name, begin ? 'B' : 'E', Track::kComm); },
-      [this](const std::string& reason) { abort_comms(reason); });
+  stream_ = dev_->create_stream(
+      1, {[trace](const std::string& name, bool begin) { trace->add(name, begin ? 'B' : 'E', Track::kComm); },
+          [this](const std::string& reason) { abort_comms(reason); }});
   sync_world_ = std::make_unique<SyncComm>(*stream_, *world_);
   rt_.comm = sync_world_.get();
   rt_.world_comm = world_.get();
@@ -170,7 +170,7 @@ void Context::settle_units() {
   rt_.reductions_in_flight.clear();
 }
 
-void Context::step() {
+void Context::step(device::Stream& caller) {
   check_no_unit_in_use("fsdp_step");
   for (const auto& u : units_) {
     if (u->grads_pending() && !rt_.grad_sync) {
@@ -180,7 +180,13 @@ void Context::step() {
     }
   }
   TraceScope scope(rt_.trace, "step");
-  for (const auto& u : units_) u->reduce_pending_grads();
+  {
+    // The optimizer runs on this thread: the host's queued compute (and the
+    // reductions that wait for it) must be done first.
+    TraceScope wait(rt_.trace, "wait for the caller's stream");
+    caller.synchronize();
+  }
+  for (const auto& u : units_) u->reduce_pending_grads(caller);
   settle_units();
   optimizer_.step(units_);  // leaves every grad shard zero, the step skipped or not
   for (const auto& u : units_) u->grads_cleared();

@@ -9,10 +9,10 @@
 
 #include "../ckpt/files.h"
 #include "../comm/communicator.h"
-#include "comm_stream.h"
 #include "optimizer.h"
 #include "runtime.h"
 #include "scheduler.h"
+#include "sync_comm.h"
 #include "unit.h"
 
 namespace fsdp::core {
@@ -36,7 +36,11 @@ class Context {
   // Collective. `problem` is this rank's reason its arguments are invalid ("" if
   // none): the call still joins the other ranks so that they fail too.
   Unit& register_unit(const std::string& name, std::vector<ParamSpec> params, std::string problem);
-  void step();
+  // Orders itself after `caller`'s work (the host's compute stream).
+  void step(device::Stream& caller);
+  // The device stream for the API's `stream` argument of `call`.
+  device::Stream& caller_stream(void* native, const char* call) { return dev_->caller_stream(native, call); }
+  device::Device& device() { return *dev_; }
   void set_grad_sync(bool enabled) { rt_.grad_sync = enabled; }
   void set_lr(double lr);
   double last_grad_norm() const;
@@ -81,9 +85,9 @@ class Context {
   Scheduler scheduler_;
   // Declared after what their tasks use so that they stop first; the comm
   // stream stops before the copy streams, whose tasks may wait for it.
-  std::unique_ptr<CommStream> copy_in_;
-  std::unique_ptr<CommStream> copy_out_;
-  std::unique_ptr<CommStream> stream_;
+  std::unique_ptr<device::Stream> copy_in_;
+  std::unique_ptr<device::Stream> copy_out_;
+  std::unique_ptr<device::Stream> stream_;
   std::unique_ptr<SyncComm> sync_world_;
   std::unique_ptr<SyncComm> sync_shard_;
 };

@@ -16,8 +16,8 @@
 
 namespace fsdp::core {
 
-class CommStream;
 class Scheduler;
+using device::EventPtr;
 
 struct Runtime {
   explicit Runtime(const Options& o) : opts(o) {}
@@ -37,16 +37,16 @@ struct Runtime {
   comm::Communicator* replica_comm = nullptr;  // HYBRID_SHARD with more than one replica; else null
   MemoryTracker mem;
   Trace trace;
-  CommStream* stream = nullptr;  // every collective goes through it
+  device::Stream* stream = nullptr;  // the comm stream: every collective goes through it
   // offload=cpu: host -> device copies of param shards before their gathers,
   // device -> host copies of reduced grad shards (and their accumulation).
-  CommStream* copy_in = nullptr;
-  CommStream* copy_out = nullptr;
+  device::Stream* copy_in = nullptr;
+  device::Stream* copy_out = nullptr;
   Scheduler* sched = nullptr;
   // Grad reductions queued on the comm stream, oldest first. A backward pass
   // lets at most one run behind the unit being computed, which bounds the
   // unsharded grads to two units while keeping the overlap.
-  std::deque<std::shared_ptr<class Event>> reductions_in_flight;
+  std::deque<EventPtr> reductions_in_flight;
   int rank = 0;
   int world = 1;
   // The ranks a unit is sharded over: the world (FULL_SHARD, SHARD_GRAD_OP),

@@ -198,6 +198,7 @@ void Unit::issue_gather(bool prefetch) {
     device::Device* dev = rt_.dev;
     copied = rt_.copy_in->submit(label("host to device copy") + " " + std::to_string(nbytes) + " B",
                                  [dev, to, src, nbytes] { dev->copy_from_host(to, src, nbytes); });
+    rt_.stream->wait(copied);
     if (alone) {
       gather_event_ = copied;
       set_state(UnitState::kGathering);
@@ -208,8 +209,7 @@ void Unit::issue_gather(bool prefetch) {
   }
   gather_event_ =
       rt_.stream->submit(what + " " + std::to_string(nbytes * static_cast<size_t>(rt_.shard_world())) + " B",
-                         [shard, src, dst, nbytes, what, copied, staged] {
-                           if (copied) copied->wait();
+                         [shard, src, dst, nbytes, what, staged] {
                            shard->all_gather(src, dst, nbytes, what);
                            if (staged) staged->reset();
                          });
@@ -217,23 +217,28 @@ void Unit::issue_gather(bool prefetch) {
   trace_memory();
 }
 
-void Unit::finish_gather() {
-  if (state_ != UnitState::kGathering) return;
-  EventPtr ev = std::move(gather_event_);
+void Unit::wait_gathered(device::Stream& s) {
+  if (!rt_.gathers()) return;  // the shard is the full params
   try {
-    // The caller-side wait is what the comm stream failed to hide.
+    // On a synchronous stream the wait is what the comm stream failed to hide.
     TraceScope wait(rt_.trace, "wait all_gather of unit ", unit_tag());
-    ev->wait();
+    s.wait(gather_event_);
   } catch (...) {
     gathered_.reset();
+    gather_event_.reset();
     set_state(UnitState::kSharded);
     throw;
   }
-  set_state(UnitState::kGathered);
 }
 
-void Unit::free_gathered() {
-  gathered_.reset();
+void Unit::free_gathered(device::Stream& s) {
+  gather_event_.reset();
+  if (s.synchronous()) {
+    gathered_.reset();
+  } else {
+    auto held = std::make_shared<Buffer>(std::move(gathered_));
+    s.submit(label("free gathered params"), [held] { held->reset(); });
+  }
   set_state(UnitState::kSharded);
   trace_memory();
   rt_.sched->on_freed();
@@ -248,33 +253,32 @@ void Unit::trace_memory() {
                     ", \"total\": " + std::to_string(snap.total));
 }
 
-void Unit::forward_begin() {
+void Unit::forward_begin(device::Stream& s) {
   TraceScope scope(rt_.trace, "forward_begin ", name_);
   if (in_use()) bad_state("fsdp_forward_begin", "the unit outside forward and backward");
   if (state_ == UnitState::kSharded) issue_gather(/*prefetch=*/false);
   rt_.sched->before_forward(*this);
-  finish_gather();
+  wait_gathered(s);
   set_state(UnitState::kForward);
 }
 
-void Unit::forward_end() {
+void Unit::forward_end(device::Stream& s) {
   TraceScope scope(rt_.trace, "forward_end ", name_);
   if (state_ != UnitState::kForward) bad_state("fsdp_forward_end", "the unit in forward (after fsdp_forward_begin)");
-  // On the CPU the host's compute is done when it calls *_end, so the buffer
-  // can go now; a CUDA device records an event here and frees after it.
+  // The buffer goes once the caller's stream is done reading it.
   if (rt_.gathers() && rt_.opts.reshard_after_forward()) {
-    free_gathered();
+    free_gathered(s);
   } else {
     set_state(UnitState::kGathered);  // kept for backward (or the shard itself)
   }
 }
 
-void Unit::backward_begin() {
+void Unit::backward_begin(device::Stream& s) {
   TraceScope scope(rt_.trace, "backward_begin ", name_);
   if (in_use()) bad_state("fsdp_backward_begin", "the unit outside forward and backward");
   if (state_ == UnitState::kSharded) issue_gather(/*prefetch=*/false);
   rt_.sched->before_backward(*this);
-  finish_gather();
+  wait_gathered(s);
   auto& queued = rt_.reductions_in_flight;
   while (!queued.empty() && (queued.size() > 1 || queued.front()->done())) {
     TraceScope wait(rt_.trace, "wait earlier reduction");
@@ -301,26 +305,26 @@ bool Unit::can_write_shard_grads() const {
          rt_.opts.reduce_dtype() == DType::kFp32 && layout_.padded_numel() == shard_numel();
 }
 
-void Unit::backward_end() {
+void Unit::backward_end(device::Stream& s) {
   TraceScope scope(rt_.trace, "backward_end ", name_);
   if (state_ != UnitState::kBackward) {
     bad_state("fsdp_backward_end", "the unit in backward (after fsdp_backward_begin)");
   }
   if (rt_.grad_sync) {
-    reduce_event_ = submit_reduction();
+    reduce_event_ = submit_reduction(s);
     if (reduce_event_) rt_.reductions_in_flight.push_back(reduce_event_);
   } else {
-    grads_pending_ = true;
+    grads_pending_ = true;  // reduced by a later backward_end or fsdp_step, after the caller's stream
   }
   if (rt_.gathers()) {
-    free_gathered();
+    free_gathered(s);
   } else {
     set_state(UnitState::kGathered);
   }
   rt_.sched->after_backward(*this);
 }
 
-EventPtr Unit::submit_reduction() {
+EventPtr Unit::submit_reduction(device::Stream& s) {
   grads_pending_ = false;
   if (grads_in_shard_) {  // the host wrote into the grad shard itself
     grads_in_shard_ = false;
@@ -332,9 +336,11 @@ EventPtr Unit::submit_reduction() {
   grad_sq_known_ = true;
   double* sq = &grad_sq_;
   if (rt_.alone() && !rt_.offload()) {
-    accumulate_alone();
+    accumulate_alone(s);
     return nullptr;
   }
+  // Whatever reads the grads below starts after the caller's stream wrote them.
+  EventPtr written = s.record();
   // The task owns the full grads from here on and frees them when the
   // reduction is done; the sharded grad is touched only by such tasks (in
   // FIFO order) and by fsdp_step after it waited for them.
@@ -356,6 +362,7 @@ EventPtr Unit::submit_reduction() {
   if (rt_.alone()) {
     // offload=cpu alone: no collective, only the device -> host copy and the
     // accumulation, on the copy stream.
+    rt_.copy_out->wait(written);
     return rt_.copy_out->submit(label("device to host copy") + " " + std::to_string(padded * dtype_size(pd)) + " B",
                                 [=] {
                                   Buffer on_host(rt->state_dev, &rt->mem, MemCategory::kScratch, pd, padded,
@@ -365,6 +372,7 @@ EventPtr Unit::submit_reduction() {
                                   accumulate_rounded(*rt, sgrad, on_host.data(), pd, rd, padded, sq, /*clear=*/false);
                                 });
   }
+  rt_.stream->wait(written);
   EventPtr ev = rt_.stream->submit(what + " " + std::to_string(padded * dtype_size(rd)) + " B", [=] {
     // Each branch clears the grads in a pass that reads them anyway (the cast
     // to reduce_dtype, the reduce-scatter or the accumulation into the grad
@@ -413,9 +421,9 @@ EventPtr Unit::submit_reduction() {
     }
   });
   if (!offload) return ev;
+  rt_.copy_out->wait(ev);
   return rt_.copy_out->submit(label("device to host copy") + " " + std::to_string(n_reduced * dtype_size(rd)) + " B",
                               [=] {
-                                ev->wait();
                                 Buffer on_host(rt->state_dev, &rt->mem, MemCategory::kScratch, rd, n_reduced,
                                                /*zeroed=*/false);
                                 rt->dev->copy_to_host(on_host.data(), reduced->data(), n_reduced * dtype_size(rd));
@@ -424,15 +432,27 @@ EventPtr Unit::submit_reduction() {
                               });
 }
 
-void Unit::accumulate_alone() {
-  TraceScope scope(rt_.trace, "accumulate grads of unit ", unit_tag());
-  accumulate_rounded(rt_, sharded_grad(), ugrad_.data(), rt_.opts.param_dtype, rt_.opts.reduce_dtype(),
-                     layout_.padded_numel(), &grad_sq_, /*clear=*/true);
-  ugrad_.reset_zeroed();
+void Unit::accumulate_alone(device::Stream& s) {
+  DType pd = rt_.opts.param_dtype, rd = rt_.opts.reduce_dtype();
+  size_t n = layout_.padded_numel();
+  if (s.synchronous()) {
+    TraceScope scope(rt_.trace, "accumulate grads of unit ", unit_tag());
+    accumulate_rounded(rt_, sharded_grad(), ugrad_.data(), pd, rd, n, &grad_sq_, /*clear=*/true);
+    ugrad_.reset_zeroed();
+    return;
+  }
+  auto grads = std::make_shared<Buffer>(std::move(ugrad_));
+  Runtime* rt = &rt_;
+  float* sgrad = sharded_grad();
+  double* sq = &grad_sq_;
+  s.submit(label("accumulate grads"), [rt, grads, sgrad, pd, rd, n, sq] {
+    accumulate_rounded(*rt, sgrad, grads->data(), pd, rd, n, sq, /*clear=*/true);
+    grads->reset_zeroed();
+  });
 }
 
-void Unit::reduce_pending_grads() {
-  if (grads_pending_) reduce_event_ = submit_reduction();
+void Unit::reduce_pending_grads(device::Stream& s) {
+  if (grads_pending_) reduce_event_ = submit_reduction(s);
 }
 
 void Unit::wait_reductions() {
@@ -443,9 +463,16 @@ void Unit::wait_reductions() {
 }
 
 void Unit::drop_stale_gathered() {
-  if (!rt_.gathers()) return;
-  if (state_ == UnitState::kGathering) finish_gather();
-  if (state_ == UnitState::kGathered) free_gathered();
+  if (!rt_.gathers() || state_ == UnitState::kSharded) return;
+  EventPtr ev = std::move(gather_event_);
+  Buffer held = std::move(gathered_);  // freed on return, after the gather (also when it failed)
+  set_state(UnitState::kSharded);
+  trace_memory();
+  rt_.sched->on_freed();
+  if (ev) {
+    TraceScope wait(rt_.trace, "wait all_gather of unit ", unit_tag());
+    ev->wait();  // the comm stream may still be writing it; throws if the gather failed
+  }
 }
 
 void* Unit::param_ptr(size_t param_index) {

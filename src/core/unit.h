@@ -19,7 +19,7 @@
 #include <vector>
 
 #include "../base/layout.h"
-#include "comm_stream.h"
+#include "../device/stream.h"
 #include "memory.h"
 #include "runtime.h"
 
@@ -55,17 +55,22 @@ class Unit {
   void load_master(Buffer master);
   double weight_decay(size_t param_index) const { return weight_decay_[param_index]; }
 
-  void forward_begin();
-  void forward_end();
-  void backward_begin();
-  void backward_end();
+  // The transitions order the engine's work after the caller's stream `s`
+  // (the host's compute) through events: *_begin makes `s` wait for the
+  // gather, *_end records the event after which the gathered params may be
+  // freed and the grads reduced. On the CPU's NULL stream these waits block
+  // the calling thread; on any other stream they block nothing.
+  void forward_begin(device::Stream& s);
+  void forward_end(device::Stream& s);
+  void backward_begin(device::Stream& s);
+  void backward_end(device::Stream& s);
   void* param_ptr(size_t param_index);
   void* grad_ptr(size_t param_index);
   void gather_param(size_t param_index, float* out, size_t numel);
 
   // For fsdp_step: reduce grads left pending by no_sync, wait for queued
   // reductions, and drop gathered params that the update will make stale.
-  void reduce_pending_grads();
+  void reduce_pending_grads(device::Stream& s);
   void wait_reductions();
   void drop_stale_gathered();
   // The optimizer zeroed the grad shard (fsdp_step): the next backward pass
@@ -95,11 +100,16 @@ class Unit {
   void check_param_index(size_t param_index, const char* call) const;
   [[noreturn]] void bad_state(const char* call, const char* expected) const;
   void* full_params() const;
-  void finish_gather();
-  void free_gathered();
-  EventPtr submit_reduction();
-  // World of one: the grads reach the grad shard on the caller, no comm task.
-  void accumulate_alone();
+  // `s` waits for the gather (GATHERING|GATHERED -> in use); a synchronous
+  // stream that sees it fail leaves the unit SHARDED.
+  void wait_gathered(device::Stream& s);
+  // Frees the gathered params once `s` has done what it queued so far
+  // (stream-ordered: the block is not reused while `s` may still read it).
+  void free_gathered(device::Stream& s);
+  // The reduction of the grads that the caller's stream `s` wrote.
+  EventPtr submit_reduction(device::Stream& s);
+  // World of one: the grads reach the grad shard on the caller's stream `s`, no comm task.
+  void accumulate_alone(device::Stream& s);
   // Whether this backward may hand out the grad shard itself as the grad buffer.
   bool can_write_shard_grads() const;
   void set_state(UnitState s);
@@ -121,7 +131,7 @@ class Unit {
   bool grad_sq_known_ = true;                // set by the caller: grad_sq_ will hold the shard's sum of squares
   double grad_sq_ = 0.0;                     // written by the pass that accumulates into the grad shard
   std::string gather_label_, reduce_label_;  // the collectives' labels, built once
-  EventPtr gather_event_;                    // while GATHERING
+  EventPtr gather_event_;                    // the gathered params are complete (while gathered)
   EventPtr reduce_event_;                    // the last reduction queued for this unit
 
   Buffer master_;    // fp32 [shard], state device

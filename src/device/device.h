@@ -5,9 +5,13 @@
 #pragma once
 
 #include <cstddef>
+#include <functional>
+#include <memory>
+#include <string>
 
 #include "../../kernels/optim.h"
 #include "../base/dtype.h"
+#include "stream.h"
 
 namespace fsdp::device {
 
@@ -46,6 +50,14 @@ struct SgdArgs {
 // the pool standing in for it) or the host's, where offload=cpu keeps state.
 enum class Pool { kDevice, kHost };
 
+// What a stream of the device's own reports: each task's start and end (the
+// trace's tracks), and how to make a running task fail at once (abort the
+// communicators it may wait on) when the stream is destroyed with work queued.
+struct StreamHooks {
+  std::function<void(const std::string& name, bool begin)> observer;
+  std::function<void(const std::string& reason)> abort;
+};
+
 class Device {
  public:
   virtual ~Device() = default;
@@ -55,6 +67,14 @@ class Device {
   // pointers (checkpoint files are then written from and read into it
   // directly, with no staging copy).
   virtual bool host_visible() const = 0;
+
+  // A stream of the engine's own (the comm stream, the offload copy
+  // streams); `priority` > 0 runs ahead of compute where the device can.
+  virtual std::unique_ptr<Stream> create_stream(int priority, StreamHooks hooks) = 0;
+  // The stream a host passed to the API as `native` (a cudaStream_t on CUDA;
+  // on the CPU, NULL is the calling thread). Throws INVALID_ARGUMENT naming
+  // `call` for a handle this device cannot use.
+  virtual Stream& caller_stream(void* native, const char* call) = 0;
 
   // Throws Error(FSDP_ERR_OUT_OF_MEMORY) when the allocation fails.
   virtual void* alloc(size_t nbytes) = 0;

@@ -217,6 +217,29 @@ void optimizer_pass(ThreadPool& pool, const Args& a, Loop&& loop) {
 
 }  // namespace
 
+std::unique_ptr<Stream> CpuDevice::create_stream(int /*priority*/, StreamHooks hooks) {
+  // One worker thread per stream: priorities would only matter between
+  // streams sharing a thread.
+  return std::make_unique<WorkerStream>(std::move(hooks.observer), std::move(hooks.abort));
+}
+
+Stream& CpuDevice::caller_stream(void* native, const char* call) {
+  if (native == nullptr) return inline_;
+  std::lock_guard<std::mutex> lock(host_streams_mu_);
+  for (const auto& s : host_streams_) {
+    if (s.get() == native) return *s;
+  }
+  fail(FSDP_ERR_INVALID_ARGUMENT, std::string(call) +
+                                      ": stream must be NULL on the cpu device (the calling thread); it is a "
+                                      "cudaStream_t only on cuda");
+}
+
+Stream* CpuDevice::create_host_stream(std::chrono::microseconds delay) {
+  std::lock_guard<std::mutex> lock(host_streams_mu_);
+  host_streams_.push_back(std::make_unique<WorkerStream>(nullptr, nullptr, delay));
+  return host_streams_.back().get();
+}
+
 void* CpuDevice::alloc(size_t nbytes) {
   void* p = cache_.alloc(nbytes);
   if (p == nullptr) {

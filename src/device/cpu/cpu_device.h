@@ -2,10 +2,14 @@
 // kernels/ functors run in vectorisable loops over a per-context thread pool.
 #pragma once
 
+#include <chrono>
 #include <memory>
+#include <mutex>
+#include <vector>
 
 #include "../device.h"
 #include "block_cache.h"
+#include "cpu_stream.h"
 #include "thread_pool.h"
 
 namespace fsdp::device {
@@ -18,6 +22,16 @@ class CpuDevice final : public Device {
   const char* name() const override { return "cpu"; }
   bool host_visible() const override { return true; }
   Pool pool() const override { return mem_pool_; }
+
+  std::unique_ptr<Stream> create_stream(int priority, StreamHooks hooks) override;
+  // NULL: the calling thread (synchronous); otherwise a stream made by
+  // create_host_stream on this device.
+  Stream& caller_stream(void* native, const char* call) override;
+  // A stream for a host's compute that runs its tasks on a worker thread,
+  // `delay` late each: a host passes it as the API's `stream` and queues its
+  // compute on it. Owned by the device. Tests use it to show that the engine
+  // orders its work after the host's through events, not by returning late.
+  Stream* create_host_stream(std::chrono::microseconds delay);
 
   void* alloc(size_t nbytes) override;
   void free(void* ptr) noexcept override;
@@ -48,6 +62,9 @@ class CpuDevice final : public Device {
   static constexpr bool kCacheBlocks = true;
 #endif
   ThreadPool pool_;
+  InlineStream inline_;
+  std::mutex host_streams_mu_;
+  std::vector<std::unique_ptr<WorkerStream>> host_streams_;
   Pool mem_pool_;
   BlockCache cache_;
 };

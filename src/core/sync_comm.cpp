@@ -1,0 +1,45 @@
+// src/core/sync_comm.cpp - see sync_comm.h.
+#include "sync_comm.h"
+
+namespace fsdp::core {
+
+template <typename Fn>
+void SyncComm::run(const std::string& label, const Fn& fn) {
+  if (alone_) {
+    fn();
+  } else {
+    stream_.submit(label, [&fn] { fn(); })->wait();
+  }
+}
+
+void SyncComm::all_gather(const void* send, void* recv, size_t nbytes_per_rank, const std::string& label) {
+  run(label, [&] { inner_.all_gather(send, recv, nbytes_per_rank, label); });
+}
+void SyncComm::reduce_scatter(const void* send, void* recv, size_t numel_per_rank, DType dtype, comm::RedOp op,
+                              const std::string& label) {
+  run(label, [&] { inner_.reduce_scatter(send, recv, numel_per_rank, dtype, op, label); });
+}
+void SyncComm::reduce_scatter_clear(void* send, void* recv, size_t numel_per_rank, DType dtype, comm::RedOp op,
+                                    const std::string& label) {
+  run(label, [&] { inner_.reduce_scatter_clear(send, recv, numel_per_rank, dtype, op, label); });
+}
+void SyncComm::all_reduce(const void* send, void* recv, size_t numel, DType dtype, comm::RedOp op,
+                          const std::string& label) {
+  run(label, [&] { inner_.all_reduce(send, recv, numel, dtype, op, label); });
+}
+void SyncComm::all_reduce_f64(double* values, size_t n, comm::RedOp op, const std::string& label) {
+  run(label, [&] { inner_.all_reduce_f64(values, n, op, label); });
+}
+void SyncComm::broadcast(void* buf, size_t nbytes, int root, const std::string& label) {
+  run(label, [&] { inner_.broadcast(buf, nbytes, root, label); });
+}
+void SyncComm::barrier(const std::string& label) {
+  run(label, [&] { inner_.barrier(label); });
+}
+std::unique_ptr<comm::Communicator> SyncComm::split(int color, int key, const std::string& label) {
+  std::unique_ptr<comm::Communicator> out;
+  run(label, [&] { out = inner_.split(color, key, label); });
+  return out;
+}
+
+}  // namespace fsdp::core

@@ -1,0 +1,136 @@
+// src/device/cpu/cpu_stream.cpp - see cpu_stream.h.
+#include "cpu_stream.h"
+
+#include "../../base/error.h"
+#include "../../base/spin.h"
+
+namespace fsdp::device {
+namespace {
+
+// How long a waiter spins before it sleeps: about a futex wake-up's latency.
+constexpr std::chrono::microseconds kSpinFor{20};
+
+}  // namespace
+
+void CpuEvent::wait() {
+  base::spin_until([this] { return done(); }, kSpinFor);
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait(lock, [this] { return done_.load(std::memory_order_relaxed); });
+  if (status_ != FSDP_OK) fail(status_, message_);
+}
+
+fsdp_status_t CpuEvent::status() const {
+  if (!done()) return FSDP_OK;
+  std::lock_guard<std::mutex> lock(mu_);
+  return status_;
+}
+
+void CpuEvent::complete(fsdp_status_t status, std::string message) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    status_ = status;
+    message_ = std::move(message);
+    done_.store(true, std::memory_order_release);
+  }
+  cv_.notify_all();
+}
+
+EventPtr CpuEvent::completed() {
+  static const EventPtr done = [] {
+    auto e = std::make_shared<CpuEvent>();
+    e->complete(FSDP_OK, "");
+    return e;
+  }();
+  return done;
+}
+
+WorkerStream::WorkerStream(StreamObserver observer, StreamAbort abort, std::chrono::microseconds delay)
+    : observer_(std::move(observer)), abort_(std::move(abort)), delay_(delay), worker_([this] { loop(); }) {}
+
+WorkerStream::~WorkerStream() {
+  bool pending;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+    pending = busy_ || !queue_.empty();
+  }
+  if (pending && abort_) abort_("a rank destroyed its context while collectives were queued or running");
+  cv_.notify_all();
+  worker_.join();
+}
+
+EventPtr WorkerStream::submit(std::string name, Task task) {
+  auto ev = std::make_shared<CpuEvent>();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    queue_.push_back({std::move(name), std::move(task), std::move(waits_), ev});
+    waits_.clear();
+    last_ = ev;
+  }
+  cv_.notify_all();
+  return ev;
+}
+
+void WorkerStream::wait(const EventPtr& ev) {
+  if (!ev || (ev->done() && ev->status() == FSDP_OK)) return;
+  std::lock_guard<std::mutex> lock(mu_);
+  waits_.push_back(ev);
+}
+
+EventPtr WorkerStream::record() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (waits_.empty()) return last_ ? last_ : CpuEvent::completed();
+  }
+  return submit("wait for events", Task());  // a marker that completes once the waits have
+}
+
+void WorkerStream::loop() {
+  for (;;) {
+    Item item;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
+      if (queue_.empty()) return;  // stop_ and nothing left
+      item = std::move(queue_.front());
+      queue_.pop_front();
+      busy_ = true;
+      if (stop_) {
+        busy_ = false;
+        lock.unlock();
+        item.event->complete(FSDP_ERR_INVALID_STATE, item.name + ": not run, the context is being destroyed");
+        continue;
+      }
+    }
+    Outcome o = run(item);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      busy_ = false;  // before the event: its waiter may destroy the stream next
+    }
+    item.event->complete(o.status, std::move(o.message));
+  }
+}
+
+Outcome WorkerStream::run(Item& item) {
+  if (delay_.count() > 0) std::this_thread::sleep_for(delay_);
+  Outcome o = capture([&] {
+    for (const EventPtr& dep : item.after) dep->wait();  // throws the failure of what this task waits for
+    if (!item.task) return;
+    if (observer_) observer_(item.name, true);
+    Outcome ran = capture(item.task);
+    if (observer_) observer_(item.name, false);
+    if (!ran.ok()) fail(ran.status, ran.message);
+  });
+  return o;
+}
+
+EventPtr InlineStream::submit(std::string, Task task) {
+  task();
+  return CpuEvent::completed();
+}
+
+void InlineStream::wait(const EventPtr& ev) {
+  if (ev) ev->wait();
+}
+
+}  // namespace fsdp::device

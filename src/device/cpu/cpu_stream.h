@@ -1,0 +1,98 @@
+// src/device/cpu/cpu_stream.h - the CPU device's streams and events. A
+// WorkerStream is a thread running its tasks in FIFO order (the comm and copy
+// streams, and the late-running host stream that tests use); the
+// InlineStream is the caller's NULL stream: its work runs on the calling
+// thread at once. A CpuEvent is a flag with a status, waited for by spinning
+// briefly and then sleeping.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "../../base/error.h"
+#include "../stream.h"
+
+namespace fsdp::device {
+
+class CpuEvent final : public Event {
+ public:
+  // Spins for about a wake-up's latency, then sleeps: a waiting rank takes no
+  // CPU from the others.
+  void wait() override;
+  bool done() const override { return done_.load(std::memory_order_acquire); }
+  fsdp_status_t status() const override;
+  void complete(fsdp_status_t status, std::string message);
+  // An event that has completed (what a synchronous stream records).
+  static EventPtr completed();
+
+ private:
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::atomic<bool> done_{false};
+  fsdp_status_t status_ = FSDP_OK;
+  std::string message_;
+};
+
+// Called on the worker when a task starts and ends (the trace's tracks).
+using StreamObserver = std::function<void(const std::string& name, bool begin)>;
+// Makes a running task fail at once (aborts the communicators it may wait on).
+using StreamAbort = std::function<void(const std::string& reason)>;
+
+class WorkerStream final : public Stream {
+ public:
+  // `delay`: the worker sleeps that long before each task (a host stream
+  // that runs late, for tests of the ordering).
+  WorkerStream(StreamObserver observer, StreamAbort abort,
+               std::chrono::microseconds delay = std::chrono::microseconds(0));
+  // Never waits for other ranks: if work is queued or running, `abort` is
+  // called so that the running collective fails at once; what is still
+  // queued fails without running.
+  ~WorkerStream() override;
+  WorkerStream(const WorkerStream&) = delete;
+  WorkerStream& operator=(const WorkerStream&) = delete;
+
+  EventPtr submit(std::string name, Task task) override;
+  void wait(const EventPtr& ev) override;
+  EventPtr record() override;
+  bool synchronous() const override { return false; }
+
+ private:
+  struct Item {
+    std::string name;
+    Task task;  // empty for a marker (record() after a wait)
+    std::vector<EventPtr> after;
+    std::shared_ptr<CpuEvent> event;
+  };
+  void loop();
+  Outcome run(Item& item);
+
+  StreamObserver observer_;
+  StreamAbort abort_;
+  std::chrono::microseconds delay_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Item> queue_;
+  std::vector<EventPtr> waits_;  // for the next item queued
+  EventPtr last_;                // the last item's event
+  bool busy_ = false;
+  bool stop_ = false;
+  std::thread worker_;
+};
+
+// The caller's NULL stream on the CPU: submit runs the task on the calling
+// thread and throws what it throws; wait blocks the host on the event.
+class InlineStream final : public Stream {
+ public:
+  EventPtr submit(std::string name, Task task) override;
+  void wait(const EventPtr& ev) override;
+  EventPtr record() override { return CpuEvent::completed(); }
+  bool synchronous() const override { return true; }
+};
+
+}  // namespace fsdp::device

@@ -1,0 +1,59 @@
+// src/device/stream.h - Stream and Event: the ordering contract between the
+// engine and a device. A Stream runs what is queued on it in order; an Event
+// marks a point in a stream (record) that other streams wait for without
+// blocking the host (Stream::wait), or that the host waits for (Event::wait).
+// All ordering in the engine goes through them: the comm stream waits for the
+// caller's event before it reads grads, the caller's stream waits for a
+// gather's event before compute reads the params, a buffer is reused only
+// after the event that says its last reader is done. The CPU device runs a
+// stream on a worker thread (or, for the caller's NULL stream, on the calling
+// thread at once); a CUDA device maps both onto CUDA streams and events.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "fsdp.h"
+
+namespace fsdp::device {
+
+// Completion of the work a stream had queued when the event was recorded:
+// pending, done, or failed with a status and a sentence.
+class Event {
+ public:
+  virtual ~Event() = default;
+  // Blocks the host until the event completes; throws its Error if it failed.
+  virtual void wait() = 0;
+  // Whether it has completed (done or failed), without blocking.
+  virtual bool done() const = 0;
+  // FSDP_OK while pending or done; the failure's status once failed.
+  virtual fsdp_status_t status() const = 0;
+};
+using EventPtr = std::shared_ptr<Event>;
+
+class Stream {
+ public:
+  // Host work for the stream: on the CPU it is the work itself (a collective,
+  // a copy, a kernel loop); on a GPU it issues the stream's kernels.
+  using Task = std::function<void()>;
+
+  virtual ~Stream() = default;
+  // Queues `task` after everything queued before it and after every event
+  // this stream was told to wait for. Returns the event of its completion;
+  // when a task throws, or an event it had to wait for failed, its event fails
+  // with that error (a task after a failed wait does not run).
+  virtual EventPtr submit(std::string name, Task task) = 0;
+  // Work queued from now on starts only after `ev` completes. Never blocks
+  // the host, except on a synchronous stream, which waits (and throws) here.
+  virtual void wait(const EventPtr& ev) = 0;
+  // An event that completes when everything queued so far has.
+  virtual EventPtr record() = 0;
+  // Whether work runs on the caller's thread at submit (the CPU's NULL stream).
+  virtual bool synchronous() const = 0;
+  // Blocks the host until everything queued so far is done; throws the first
+  // failure among it.
+  void synchronize() { record()->wait(); }
+};
+
+}  // namespace fsdp::device
