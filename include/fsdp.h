@@ -155,9 +155,11 @@ FSDP_API fsdp_status_t fsdp_ctx_rank(const fsdp_ctx_t* ctx, int* rank);
 FSDP_API fsdp_status_t fsdp_ctx_world_size(const fsdp_ctx_t* ctx, int* world_size);
 /* The dtype of the buffers behind fsdp_param_ptr / fsdp_grad_ptr. */
 FSDP_API fsdp_status_t fsdp_ctx_param_dtype(const fsdp_ctx_t* ctx, fsdp_dtype_t* dtype);
-/* A failure found after the call that caused it returned (a collective that
- * failed on the comm side). FSDP_OK if none. Once set it stays set: the
- * communicator is unusable and the job should be restarted from a
+/* A failure found after the call that caused it returned: a collective that
+ * failed on the comm side, or work queued on one of the context's streams
+ * (the comm and copy streams, the host streams passed to the calls) that
+ * failed or waited for another stream longer than timeout_s. FSDP_OK if none.
+ * Never blocks. Once set it stays set: the job should be restarted from a
  * checkpoint. */
 FSDP_API fsdp_status_t fsdp_ctx_async_error(const fsdp_ctx_t* ctx);
 

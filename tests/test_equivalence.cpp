@@ -407,7 +407,7 @@ struct DrainOnExit {
   ~DrainOnExit() {
     if (hs == nullptr) return;
     try {
-      hs->synchronize();
+      hs->synchronize(0);
     } catch (...) {  // its failure was reported by the call that waited on it
     }
   }

@@ -36,7 +36,7 @@ fsdp_status_t phase_call(fsdp_unit_t* unit, void* stream, const char* call,
                          void (Unit::*transition)(fsdp::device::Stream&)) {
   return guard([&] {
     Unit& u = live_unit(unit, call);
-    (u.*transition)(u.runtime().dev->caller_stream(stream, call));
+    (u.*transition)(u.caller_stream(stream, call));
   });
 }
 

@@ -61,14 +61,15 @@ Context::Context(const Options& opts, std::unique_ptr<comm::Communicator> world)
     host_ = std::make_unique<device::CpuDevice>(opts.threads, device::Pool::kHost);
     rt_.state_dev = host_.get();
     auto on_copy = [trace](const std::string& name, bool begin) { trace->add(name, begin ? 'B' : 'E', Track::kCopy); };
-    copy_in_ = dev_->create_stream(0, {on_copy, nullptr});
-    copy_out_ = dev_->create_stream(0, {on_copy, nullptr});
+    copy_in_ = dev_->create_stream("copy_in", 0, {on_copy, nullptr, opts.timeout_s});
+    copy_out_ = dev_->create_stream("copy_out", 0, {on_copy, nullptr, opts.timeout_s});
     rt_.copy_in = copy_in_.get();
     rt_.copy_out = copy_out_.get();
   }
   stream_ = dev_->create_stream(
-      1, {[trace](const std::string& name, bool begin) { trace->add(name, begin ? 'B' : 'E', Track::kComm); },
-          [this](const std::string& reason) { abort_comms(reason); }});
+      "comm", 1,
+      {[trace](const std::string& name, bool begin) { trace->add(name, begin ? 'B' : 'E', Track::kComm); },
+       [this](const std::string& reason) { abort_comms(reason); }, opts.timeout_s});
   sync_world_ = std::make_unique<SyncComm>(*stream_, *world_);
   rt_.comm = sync_world_.get();
   rt_.world_comm = world_.get();
@@ -118,6 +119,14 @@ void Context::abort_comms(const std::string& reason) {
 fsdp_status_t Context::async_error() const {
   for (const comm::Communicator* c : {world_.get(), shard_.get(), replica_.get()}) {
     if (c != nullptr && c->failure() != FSDP_OK) return c->failure();
+  }
+  // Work that failed on a stream: the engine's own, and the host's streams
+  // the transitions were given (a gather the host's stream waited for failed).
+  for (const device::Stream* s : {stream_.get(), copy_in_.get(), copy_out_.get()}) {
+    if (s != nullptr && s->failure() != FSDP_OK) return s->failure();
+  }
+  for (const device::Stream* s : rt_.async_callers) {
+    if (s->failure() != FSDP_OK) return s->failure();
   }
   return FSDP_OK;
 }
@@ -184,7 +193,7 @@ void Context::step(device::Stream& caller) {
     // The optimizer runs on this thread: the host's queued compute (and the
     // reductions that wait for it) must be done first.
     TraceScope wait(rt_.trace, "wait for the caller's stream");
-    caller.synchronize();
+    caller.synchronize(rt_.opts.timeout_s);
   }
   for (const auto& u : units_) u->reduce_pending_grads(caller);
   settle_units();

@@ -39,7 +39,7 @@ class Context {
   // Orders itself after `caller`'s work (the host's compute stream).
   void step(device::Stream& caller);
   // The device stream for the API's `stream` argument of `call`.
-  device::Stream& caller_stream(void* native, const char* call) { return dev_->caller_stream(native, call); }
+  device::Stream& caller_stream(void* native, const char* call) { return rt_.caller_stream(native, call); }
   device::Device& device() { return *dev_; }
   void set_grad_sync(bool enabled) { rt_.grad_sync = enabled; }
   void set_lr(double lr);

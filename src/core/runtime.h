@@ -3,9 +3,11 @@
 // sharding. Owned by the Context; units hold a reference.
 #pragma once
 
+#include <algorithm>
 #include <deque>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "../base/error.h"
 #include "../comm/communicator.h"
@@ -47,6 +49,9 @@ struct Runtime {
   // lets at most one run behind the unit being computed, which bounds the
   // unsharded grads to two units while keeping the overlap.
   std::deque<EventPtr> reductions_in_flight;
+  // The host's streams that run later than the calls (not the CPU's NULL
+  // stream) seen so far: fsdp_ctx_async_error reports their failures.
+  std::vector<device::Stream*> async_callers;
   int rank = 0;
   int world = 1;
   // The ranks a unit is sharded over: the world (FULL_SHARD, SHARD_GRAD_OP),
@@ -69,6 +74,14 @@ struct Runtime {
   int shard_world() const { return shard_size; }
   int shard_rank() const { return shard_index; }
   std::string where() const { return "rank " + std::to_string(rank); }
+  // The device stream for the API's `stream` argument of `call`.
+  device::Stream& caller_stream(void* native, const char* call) {
+    device::Stream& s = dev->caller_stream(native, call);
+    if (!s.synchronous() && std::find(async_callers.begin(), async_callers.end(), &s) == async_callers.end()) {
+      async_callers.push_back(&s);
+    }
+    return s;
+  }
   // Throws INVALID_STATE naming `call` once the context is finalized.
   void check_live(const char* call) const {
     if (finalized) {

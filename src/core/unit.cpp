@@ -282,7 +282,7 @@ void Unit::backward_begin(device::Stream& s) {
   auto& queued = rt_.reductions_in_flight;
   while (!queued.empty() && (queued.size() > 1 || queued.front()->done())) {
     TraceScope wait(rt_.trace, "wait earlier reduction");
-    queued.front()->wait();
+    queued.front()->wait(rt_.opts.timeout_s);
     queued.pop_front();
   }
   if (!grads_pending_) {
@@ -459,7 +459,7 @@ void Unit::wait_reductions() {
   if (!reduce_event_) return;
   EventPtr ev = std::move(reduce_event_);
   TraceScope wait(rt_.trace, "wait reduction of unit ", unit_tag());
-  ev->wait();
+  ev->wait(rt_.opts.timeout_s);
 }
 
 void Unit::drop_stale_gathered() {
@@ -471,7 +471,7 @@ void Unit::drop_stale_gathered() {
   rt_.sched->on_freed();
   if (ev) {
     TraceScope wait(rt_.trace, "wait all_gather of unit ", unit_tag());
-    ev->wait();  // the comm stream may still be writing it; throws if the gather failed
+    ev->wait(rt_.opts.timeout_s);  // the comm stream may still be writing it; throws if the gather failed
   }
 }
 

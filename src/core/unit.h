@@ -34,6 +34,7 @@ class Unit {
 
   const std::string& name() const { return name_; }
   const Runtime& runtime() const { return rt_; }
+  device::Stream& caller_stream(void* native, const char* call) { return rt_.caller_stream(native, call); }
   size_t index() const { return index_; }
   const FlatLayout& layout() const { return layout_; }
   UnitState state() const { return state_; }

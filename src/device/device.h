@@ -56,6 +56,9 @@ enum class Pool { kDevice, kHost };
 struct StreamHooks {
   std::function<void(const std::string& name, bool begin)> observer;
   std::function<void(const std::string& reason)> abort;
+  // How long a task may wait for an event of another stream before it fails
+  // with FSDP_ERR_TIMEOUT naming that event (0: no limit).
+  double timeout_s = 0;
 };
 
 class Device {
@@ -70,7 +73,7 @@ class Device {
 
   // A stream of the engine's own (the comm stream, the offload copy
   // streams); `priority` > 0 runs ahead of compute where the device can.
-  virtual std::unique_ptr<Stream> create_stream(int priority, StreamHooks hooks) = 0;
+  virtual std::unique_ptr<Stream> create_stream(std::string name, int priority, StreamHooks hooks) = 0;
   // The stream a host passed to the API as `native` (a cudaStream_t on CUDA;
   // on the CPU, NULL is the calling thread). Throws INVALID_ARGUMENT naming
   // `call` for a handle this device cannot use.

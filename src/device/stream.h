@@ -23,8 +23,10 @@ namespace fsdp::device {
 class Event {
  public:
   virtual ~Event() = default;
-  // Blocks the host until the event completes; throws its Error if it failed.
-  virtual void wait() = 0;
+  // Blocks the host until the event completes; throws its Error if it failed,
+  // and FSDP_ERR_TIMEOUT naming the work when it has not completed within
+  // `timeout_s` (0: no limit), which it then leaves running.
+  virtual void wait(double timeout_s) = 0;
   // Whether it has completed (done or failed), without blocking.
   virtual bool done() const = 0;
   // FSDP_OK while pending or done; the failure's status once failed.
@@ -51,9 +53,13 @@ class Stream {
   virtual EventPtr record() = 0;
   // Whether work runs on the caller's thread at submit (the CPU's NULL stream).
   virtual bool synchronous() const = 0;
-  // Blocks the host until everything queued so far is done; throws the first
-  // failure among it.
-  void synchronize() { record()->wait(); }
+  // The status of the first task on this stream that failed (FSDP_OK if
+  // none): fsdp_ctx_async_error reports it without waiting.
+  virtual fsdp_status_t failure() const = 0;
+  // Blocks the host until everything queued so far is done; throws the
+  // stream's first failure (failures stick to the stream, as a CUDA error
+  // sticks to its context), or FSDP_ERR_TIMEOUT after `timeout_s` (0: no limit).
+  virtual void synchronize(double timeout_s) { record()->wait(timeout_s); }
 };
 
 }  // namespace fsdp::device

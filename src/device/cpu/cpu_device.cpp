@@ -217,10 +217,10 @@ void optimizer_pass(ThreadPool& pool, const Args& a, Loop&& loop) {
 
 }  // namespace
 
-std::unique_ptr<Stream> CpuDevice::create_stream(int /*priority*/, StreamHooks hooks) {
+std::unique_ptr<Stream> CpuDevice::create_stream(std::string name, int /*priority*/, StreamHooks hooks) {
   // One worker thread per stream: priorities would only matter between
   // streams sharing a thread.
-  return std::make_unique<WorkerStream>(std::move(hooks.observer), std::move(hooks.abort));
+  return std::make_unique<WorkerStream>(std::move(name), std::move(hooks));
 }
 
 Stream& CpuDevice::caller_stream(void* native, const char* call) {
@@ -236,7 +236,7 @@ Stream& CpuDevice::caller_stream(void* native, const char* call) {
 
 Stream* CpuDevice::create_host_stream(std::chrono::microseconds delay) {
   std::lock_guard<std::mutex> lock(host_streams_mu_);
-  host_streams_.push_back(std::make_unique<WorkerStream>(nullptr, nullptr, delay));
+  host_streams_.push_back(std::make_unique<WorkerStream>("host", StreamHooks{}, delay));
   return host_streams_.back().get();
 }
 

@@ -23,7 +23,7 @@ class CpuDevice final : public Device {
   bool host_visible() const override { return true; }
   Pool pool() const override { return mem_pool_; }
 
-  std::unique_ptr<Stream> create_stream(int priority, StreamHooks hooks) override;
+  std::unique_ptr<Stream> create_stream(std::string name, int priority, StreamHooks hooks) override;
   // NULL: the calling thread (synchronous); otherwise a stream made by
   // create_host_stream on this device.
   Stream& caller_stream(void* native, const char* call) override;

@@ -3,6 +3,7 @@
 
 #include "../../base/error.h"
 #include "../../base/spin.h"
+#include "../../base/text.h"
 
 namespace fsdp::device {
 namespace {
@@ -12,10 +13,18 @@ constexpr std::chrono::microseconds kSpinFor{20};
 
 }  // namespace
 
-void CpuEvent::wait() {
+void CpuEvent::wait(double timeout_s) {
   base::spin_until([this] { return done(); }, kSpinFor);
   std::unique_lock<std::mutex> lock(mu_);
-  cv_.wait(lock, [this] { return done_.load(std::memory_order_relaxed); });
+  auto is_done = [this] { return done_.load(std::memory_order_relaxed); };
+  if (timeout_s > 0) {
+    if (!cv_.wait_for(lock, std::chrono::duration<double>(timeout_s), is_done)) {
+      fail(FSDP_ERR_TIMEOUT, what_ + " did not finish within timeout_s = " + base::format_double(timeout_s) +
+                                 " s; it is still queued or running");
+    }
+  } else {
+    cv_.wait(lock, is_done);
+  }
   if (status_ != FSDP_OK) fail(status_, message_);
 }
 
@@ -44,8 +53,8 @@ EventPtr CpuEvent::completed() {
   return done;
 }
 
-WorkerStream::WorkerStream(StreamObserver observer, StreamAbort abort, std::chrono::microseconds delay)
-    : observer_(std::move(observer)), abort_(std::move(abort)), delay_(delay), worker_([this] { loop(); }) {}
+WorkerStream::WorkerStream(std::string name, StreamHooks hooks, std::chrono::microseconds delay)
+    : name_(std::move(name)), hooks_(std::move(hooks)), delay_(delay), worker_([this] { loop(); }) {}
 
 WorkerStream::~WorkerStream() {
   bool pending;
@@ -54,13 +63,13 @@ WorkerStream::~WorkerStream() {
     stop_ = true;
     pending = busy_ || !queue_.empty();
   }
-  if (pending && abort_) abort_("a rank destroyed its context while collectives were queued or running");
+  if (pending && hooks_.abort) hooks_.abort("a rank destroyed its context while collectives were queued or running");
   cv_.notify_all();
   worker_.join();
 }
 
 EventPtr WorkerStream::submit(std::string name, Task task) {
-  auto ev = std::make_shared<CpuEvent>();
+  auto ev = std::make_shared<CpuEvent>("'" + name + "' on the " + name_ + " stream");
   {
     std::lock_guard<std::mutex> lock(mu_);
     queue_.push_back({std::move(name), std::move(task), std::move(waits_), ev});
@@ -85,6 +94,21 @@ EventPtr WorkerStream::record() {
   return submit("wait for events", Task());  // a marker that completes once the waits have
 }
 
+void WorkerStream::synchronize(double timeout_s) {
+  EventPtr ev = record();
+  try {
+    ev->wait(timeout_s);
+  } catch (const Error& e) {
+    if (e.status() != FSDP_ERR_TIMEOUT) throw;
+    std::lock_guard<std::mutex> lock(mu_);
+    fail(FSDP_ERR_TIMEOUT, "the work queued on the " + name_ +
+                               " stream did not finish within timeout_s = " + base::format_double(timeout_s) + " s" +
+                               (running_.empty() ? std::string() : "; '" + running_ + "' is still running"));
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  if (failure_.load(std::memory_order_relaxed) != FSDP_OK) fail(failure_.load(), failure_message_);
+}
+
 void WorkerStream::loop() {
   for (;;) {
     Item item;
@@ -95,6 +119,7 @@ void WorkerStream::loop() {
       item = std::move(queue_.front());
       queue_.pop_front();
       busy_ = true;
+      running_ = item.name;
       if (stop_) {
         busy_ = false;
         lock.unlock();
@@ -105,7 +130,12 @@ void WorkerStream::loop() {
     Outcome o = run(item);
     {
       std::lock_guard<std::mutex> lock(mu_);
+      if (!o.ok() && failure_.load(std::memory_order_relaxed) == FSDP_OK) {
+        failure_message_ = o.message;
+        failure_.store(o.status, std::memory_order_release);
+      }
       busy_ = false;  // before the event: its waiter may destroy the stream next
+      running_.clear();
     }
     item.event->complete(o.status, std::move(o.message));
   }
@@ -114,11 +144,12 @@ void WorkerStream::loop() {
 Outcome WorkerStream::run(Item& item) {
   if (delay_.count() > 0) std::this_thread::sleep_for(delay_);
   Outcome o = capture([&] {
-    for (const EventPtr& dep : item.after) dep->wait();  // throws the failure of what this task waits for
+    // Throws the failure of what this task waits for, or a timeout naming it.
+    for (const EventPtr& dep : item.after) dep->wait(hooks_.timeout_s);
     if (!item.task) return;
-    if (observer_) observer_(item.name, true);
+    if (hooks_.observer) hooks_.observer(item.name, true);
     Outcome ran = capture(item.task);
-    if (observer_) observer_(item.name, false);
+    if (hooks_.observer) hooks_.observer(item.name, false);
     if (!ran.ok()) fail(ran.status, ran.message);
   });
   return o;
@@ -130,7 +161,7 @@ EventPtr InlineStream::submit(std::string, Task task) {
 }
 
 void InlineStream::wait(const EventPtr& ev) {
-  if (ev) ev->wait();
+  if (ev) ev->wait(timeout_s_);
 }
 
 }  // namespace fsdp::device

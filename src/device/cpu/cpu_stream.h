@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "../../base/error.h"
+#include "../device.h"
 #include "../stream.h"
 
 namespace fsdp::device {
@@ -24,7 +25,9 @@ class CpuEvent final : public Event {
  public:
   // Spins for about a wake-up's latency, then sleeps: a waiting rank takes no
   // CPU from the others.
-  void wait() override;
+  // `what` names the work in a timeout's message.
+  explicit CpuEvent(std::string what = "") : what_(std::move(what)) {}
+  void wait(double timeout_s) override;
   bool done() const override { return done_.load(std::memory_order_acquire); }
   fsdp_status_t status() const override;
   void complete(fsdp_status_t status, std::string message);
@@ -37,19 +40,14 @@ class CpuEvent final : public Event {
   std::atomic<bool> done_{false};
   fsdp_status_t status_ = FSDP_OK;
   std::string message_;
+  std::string what_;
 };
-
-// Called on the worker when a task starts and ends (the trace's tracks).
-using StreamObserver = std::function<void(const std::string& name, bool begin)>;
-// Makes a running task fail at once (aborts the communicators it may wait on).
-using StreamAbort = std::function<void(const std::string& reason)>;
 
 class WorkerStream final : public Stream {
  public:
   // `delay`: the worker sleeps that long before each task (a host stream
   // that runs late, for tests of the ordering).
-  WorkerStream(StreamObserver observer, StreamAbort abort,
-               std::chrono::microseconds delay = std::chrono::microseconds(0));
+  WorkerStream(std::string name, StreamHooks hooks, std::chrono::microseconds delay = std::chrono::microseconds(0));
   // Never waits for other ranks: if work is queued or running, `abort` is
   // called so that the running collective fails at once; what is still
   // queued fails without running.
@@ -61,6 +59,8 @@ class WorkerStream final : public Stream {
   void wait(const EventPtr& ev) override;
   EventPtr record() override;
   bool synchronous() const override { return false; }
+  fsdp_status_t failure() const override { return failure_.load(std::memory_order_acquire); }
+  void synchronize(double timeout_s) override;
 
  private:
   struct Item {
@@ -72,9 +72,12 @@ class WorkerStream final : public Stream {
   void loop();
   Outcome run(Item& item);
 
-  StreamObserver observer_;
-  StreamAbort abort_;
+  std::string name_;
+  StreamHooks hooks_;
   std::chrono::microseconds delay_;
+  std::atomic<fsdp_status_t> failure_{FSDP_OK};
+  std::string failure_message_;  // the first failure's, under mu_
+  std::string running_;          // the task now running (for a timeout's message), under mu_
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<Item> queue_;
@@ -90,9 +93,15 @@ class WorkerStream final : public Stream {
 class InlineStream final : public Stream {
  public:
   EventPtr submit(std::string name, Task task) override;
+  // `timeout_s` bounds each wait (0: no limit).
+  explicit InlineStream(double timeout_s = 0) : timeout_s_(timeout_s) {}
   void wait(const EventPtr& ev) override;
   EventPtr record() override { return CpuEvent::completed(); }
   bool synchronous() const override { return true; }
+  fsdp_status_t failure() const override { return FSDP_OK; }  // its failures are thrown at once
+
+ private:
+  double timeout_s_;
 };
 
 }  // namespace fsdp::device
