@@ -314,6 +314,9 @@ typedef struct fsdp_memory_stats_s {
   size_t device_peak_nbytes;
   size_t host_nbytes;
   size_t host_peak_nbytes;
+  /* Gather and grad slots that no unit holds now, kept for their next use
+   * (part of total_nbytes and device_nbytes; docs/architecture.md, "Slots"). */
+  size_t free_slots_nbytes;
 } fsdp_memory_stats_t;
 
 FSDP_API fsdp_status_t fsdp_memory_stats(const fsdp_ctx_t* ctx, fsdp_memory_stats_t* stats);

@@ -289,6 +289,7 @@ type MemoryStats struct {
 	GatheredParams, GatheredParamsPeak                   uint64
 	UnshardedGrads, UnshardedGradsPeak                   uint64
 	Total, TotalPeak, Device, DevicePeak, Host, HostPeak uint64
+	FreeSlots                                            uint64 // gather and grad slots no unit holds now
 }
 
 // MemoryStats returns this rank's memory by category.
@@ -306,6 +307,7 @@ func (c *Context) MemoryStats() (MemoryStats, error) {
 		Total: uint64(s.total_nbytes), TotalPeak: uint64(s.total_peak_nbytes),
 		Device: uint64(s.device_nbytes), DevicePeak: uint64(s.device_peak_nbytes),
 		Host: uint64(s.host_nbytes), HostPeak: uint64(s.host_peak_nbytes),
+		FreeSlots: uint64(s.free_slots_nbytes),
 	}, nil
 }
 

@@ -258,6 +258,7 @@ fsdp_status_t fsdp_memory_stats(const fsdp_ctx_t* ctx, fsdp_memory_stats_t* stat
     full.device_peak_nbytes = snap.pool_peak[static_cast<size_t>(Pool::kDevice)];
     full.host_nbytes = snap.pool[static_cast<size_t>(Pool::kHost)];
     full.host_peak_nbytes = snap.pool_peak[static_cast<size_t>(Pool::kHost)];
+    full.free_slots_nbytes = cur(MemCategory::kFreeSlots);
     std::memcpy(stats, &full, full.struct_size);
   });
 }

@@ -12,6 +12,7 @@
 #include "optimizer.h"
 #include "runtime.h"
 #include "scheduler.h"
+#include "slots.h"
 #include "sync_comm.h"
 #include "unit.h"
 
@@ -80,6 +81,10 @@ class Context {
   std::unique_ptr<comm::Communicator> world_;
   std::unique_ptr<comm::Communicator> shard_;    // HYBRID_SHARD only
   std::unique_ptr<comm::Communicator> replica_;  // HYBRID_SHARD only
+  // After the devices (their slots free through them), before the units and
+  // the streams (whose tasks use the slots), so that they go after those.
+  std::unique_ptr<SlotPool> gather_slots_;
+  std::unique_ptr<SlotPool> grad_slots_;
   std::vector<std::unique_ptr<Unit>> units_;
   Optimizer optimizer_;
   Scheduler scheduler_;

@@ -70,6 +70,14 @@ Buffer& Buffer::operator=(Buffer&& o) noexcept {
 }
 
 void Buffer::reset() { release(false); }
+
+void Buffer::recount(MemCategory cat) {
+  if (ptr_ != nullptr && tracker_ != nullptr && cat != cat_) {
+    tracker_->add(cat, dev_->pool(), nbytes());
+    tracker_->sub(cat_, dev_->pool(), nbytes());
+  }
+  cat_ = cat;
+}
 void Buffer::reset_zeroed() { release(true); }
 
 void Buffer::release(bool zero) {

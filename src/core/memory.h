@@ -18,6 +18,7 @@ enum class MemCategory {
   kGatheredParams,
   kUnshardedGrads,
   kScratch,
+  kFreeSlots,  // gather and grad slots between users (core/slots.h): in the total only
   kCount
 };
 
@@ -68,6 +69,8 @@ class Buffer {
   Buffer& operator=(const Buffer&) = delete;
 
   void reset();
+  // Counts the buffer under `cat` from now on.
+  void recount(MemCategory cat);
   // Releases a buffer whose bytes the caller knows to be all zero: a later
   // zeroed Buffer of the same size may take it without a pass over it.
   void reset_zeroed();
@@ -78,6 +81,7 @@ class Buffer {
     return static_cast<T*>(ptr_);
   }
   size_t numel() const { return numel_; }
+  MemCategory category() const { return cat_; }
   size_t nbytes() const { return numel_ * dtype_size(dtype_); }
   DType dtype() const { return dtype_; }
 

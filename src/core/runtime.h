@@ -19,6 +19,7 @@
 namespace fsdp::core {
 
 class Scheduler;
+class SlotPool;
 using device::EventPtr;
 
 struct Runtime {
@@ -45,6 +46,10 @@ struct Runtime {
   device::Stream* copy_in = nullptr;
   device::Stream* copy_out = nullptr;
   Scheduler* sched = nullptr;
+  // Gathered params (param_dtype) and the grads the host writes (param_dtype),
+  // on the compute device.
+  SlotPool* gather_slots = nullptr;
+  SlotPool* grad_slots = nullptr;
   // Grad reductions queued on the comm stream, oldest first. A backward pass
   // lets at most one run behind the unit being computed, which bounds the
   // unsharded grads to two units while keeping the overlap.

@@ -9,6 +9,7 @@
 #include "../base/error.h"
 #include "../base/text.h"
 #include "scheduler.h"
+#include "slots.h"
 
 namespace fsdp::core {
 namespace {
@@ -175,8 +176,10 @@ void Unit::issue_gather(bool prefetch) {
   if (!can_gather())
     fail(FSDP_ERR_INTERNAL, "issue_gather on unit " + base::quote(name_) + " in state " + unit_state_name(state_));
   size_t es = dtype_size(rt_.opts.param_dtype);
-  gathered_ = Buffer(rt_.dev, &rt_.mem, MemCategory::kGatheredParams, rt_.opts.param_dtype, layout_.padded_numel(),
-                     /*zeroed=*/false);
+  // The stream that writes the slot waits for its last reader (offload alone: the copy stream).
+  bool copy_only = rt_.offload() && rt_.shard_world() == 1;
+  gathered_ = rt_.gather_slots->acquire(layout_.padded_numel(), copy_only ? *rt_.copy_in : *rt_.stream,
+                                        /*zeroed=*/false);
   const void* src = lowp_.empty() ? master_.data() : lowp_.data();
   void* dst = gathered_.data();
   size_t nbytes = shard_numel() * es;
@@ -224,7 +227,7 @@ void Unit::wait_gathered(device::Stream& s) {
     TraceScope wait(rt_.trace, "wait all_gather of unit ", unit_tag());
     s.wait(gather_event_);
   } catch (...) {
-    gathered_.reset();
+    rt_.gather_slots->release(std::move(gathered_), nullptr, false);  // the failed gather is over
     gather_event_.reset();
     set_state(UnitState::kSharded);
     throw;
@@ -233,12 +236,7 @@ void Unit::wait_gathered(device::Stream& s) {
 
 void Unit::free_gathered(device::Stream& s) {
   gather_event_.reset();
-  if (s.synchronous()) {
-    gathered_.reset();
-  } else {
-    auto held = std::make_shared<Buffer>(std::move(gathered_));
-    s.submit(label("free gathered params"), [held] { held->reset(); });
-  }
+  rt_.gather_slots->release(std::move(gathered_), s.record(), false);  // reused once `s` has read it
   set_state(UnitState::kSharded);
   trace_memory();
   rt_.sched->on_freed();
@@ -293,7 +291,7 @@ void Unit::backward_begin(device::Stream& s) {
       sgrad_zero_ = false;
       grad_sq_known_ = false;  // no pass of ours sees these grads before the step
     } else {
-      ugrad_ = Buffer(rt_.dev, &rt_.mem, MemCategory::kUnshardedGrads, rt_.opts.param_dtype, layout_.padded_numel());
+      ugrad_ = rt_.grad_slots->acquire(layout_.padded_numel(), s, /*zeroed=*/true);
     }
   }
   set_state(UnitState::kBackward);
@@ -341,10 +339,11 @@ EventPtr Unit::submit_reduction(device::Stream& s) {
   }
   // Whatever reads the grads below starts after the caller's stream wrote them.
   EventPtr written = s.record();
-  // The task owns the full grads from here on and frees them when the
-  // reduction is done; the sharded grad is touched only by such tasks (in
-  // FIFO order) and by fsdp_step after it waited for them.
-  auto grads = std::make_shared<Buffer>(std::move(ugrad_));
+  // The tasks read the grad slot through `grads`; the slot goes back to the
+  // pool with the event of the last task that reads it. The sharded grad is
+  // touched only by such tasks (in FIFO order) and by fsdp_step after it
+  // waited for them.
+  void* grads = ugrad_.data();
   Runtime* rt = &rt_;
   DType pd = rt_.opts.param_dtype;
   DType rd = rt_.opts.reduce_dtype();
@@ -353,83 +352,87 @@ EventPtr Unit::submit_reduction(device::Stream& s) {
   float* sgrad = sharded_grad();
   const std::string& what = reduce_label_;
   auto op = rt_.opts.reduce_op == ReduceOp::kAvg ? comm::RedOp::kAvg : comm::RedOp::kSum;
-  // With offload=cpu the reduced grad leaves the comm task in `reduced` and a
-  // copy-stream task brings it to the host grad shard; otherwise the comm task
-  // accumulates it on the device.
   bool offload = rt_.offload();
-  auto reduced = offload ? std::make_shared<Buffer>() : nullptr;
   size_t n_reduced = rt_.sharded() ? shard : padded;
   if (rt_.alone()) {
     // offload=cpu alone: no collective, only the device -> host copy and the
-    // accumulation, on the copy stream.
+    // accumulation, on the copy stream. A copy cannot clear the grads: the
+    // slot is zeroed when taken again.
     rt_.copy_out->wait(written);
-    return rt_.copy_out->submit(label("device to host copy") + " " + std::to_string(padded * dtype_size(pd)) + " B",
-                                [=] {
-                                  Buffer on_host(rt->state_dev, &rt->mem, MemCategory::kScratch, pd, padded,
-                                                 /*zeroed=*/false);
-                                  rt->dev->copy_to_host(on_host.data(), grads->data(), padded * dtype_size(pd));
-                                  grads->reset();
-                                  accumulate_rounded(*rt, sgrad, on_host.data(), pd, rd, padded, sq, /*clear=*/false);
-                                });
+    EventPtr copied =
+        rt_.copy_out->submit(label("device to host copy") + " " + std::to_string(padded * dtype_size(pd)) + " B", [=] {
+          Buffer on_host(rt->state_dev, &rt->mem, MemCategory::kScratch, pd, padded, /*zeroed=*/false);
+          rt->dev->copy_to_host(on_host.data(), grads, padded * dtype_size(pd));
+          accumulate_rounded(*rt, sgrad, on_host.data(), pd, rd, padded, sq, /*clear=*/false);
+        });
+    rt_.grad_slots->release(std::move(ugrad_), copied, /*zero=*/false);
+    return copied;
   }
+  // Each path clears the grads in a pass that reads them anyway (the cast to
+  // reduce_dtype, the reduce-scatter or the accumulation into the grad
+  // shard), so that the slot reads as zeros again and the next backward takes
+  // it as it is; only a device -> host copy of the grads themselves
+  // (offload=cpu, NO_SHARD, no cast) cannot, and the slot is zeroed when
+  // taken again.
+  bool clears = !(offload && !rt_.sharded() && rd == pd);
+  // With offload=cpu the reduced grad leaves the comm task in `reduced` (a
+  // scratch buffer, or the grad slot itself) and a copy-stream task brings it
+  // to the host grad shard; otherwise the comm task accumulates it on the device.
+  struct Reduced {
+    Buffer owned;
+    const void* data = nullptr;
+  };
+  auto reduced = offload ? std::make_shared<Reduced>() : nullptr;
   rt_.stream->wait(written);
   EventPtr ev = rt_.stream->submit(what + " " + std::to_string(padded * dtype_size(rd)) + " B", [=] {
-    // Each branch clears the grads in a pass that reads them anyway (the cast
-    // to reduce_dtype, the reduce-scatter or the accumulation into the grad
-    // shard), so that they read as zeros again and the next backward takes
-    // them as they are; only a device -> host copy (offload=cpu without
-    // sharding or a cast) cannot, and the grads are zeroed when taken again.
     Buffer converted;
-    void* src = grads->data();
-    bool cleared = false;
+    void* src = grads;
     if (rd != pd) {
       converted = Buffer(rt->dev, &rt->mem, MemCategory::kScratch, rd, padded, /*zeroed=*/false);
-      rt->dev->cast_clear(converted.data(), rd, grads->data(), pd, padded);
+      rt->dev->cast_clear(converted.data(), rd, grads, pd, padded);
       src = converted.data();
-      cleared = true;
     }
     Buffer out;
+    void* out_data = src;  // NO_SHARD: the all-reduce runs in place
     if (rt->sharded()) {
       out = Buffer(rt->dev, &rt->mem, MemCategory::kScratch, rd, shard, /*zeroed=*/false);
-      if (cleared) {
-        rt->shard_comm->reduce_scatter(src, out.data(), shard, rd, op, what);
+      out_data = out.data();
+      if (rd != pd) {
+        rt->shard_comm->reduce_scatter(src, out_data, shard, rd, op, what);
       } else {
-        rt->shard_comm->reduce_scatter_clear(src, out.data(), shard, rd, op, what);
-        cleared = true;
+        rt->shard_comm->reduce_scatter_clear(src, out_data, shard, rd, op, what);
       }
       // HYBRID_SHARD: the same shard of every replica, averaged (or summed) too.
       if (rt->replica_comm != nullptr) {
-        rt->replica_comm->all_reduce(out.data(), out.data(), shard, rd, op, what + " (across replicas)");
+        rt->replica_comm->all_reduce(out_data, out_data, shard, rd, op, what + " (across replicas)");
       }
     } else {
       rt->world_comm->all_reduce(src, src, padded, rd, op, what);
-      out = std::move(rd != pd ? converted : *grads);
+      out = std::move(converted);  // empty when the grads themselves were reduced
     }
     if (offload) {
-      *reduced = std::move(out);
-    } else if (!cleared) {  // NO_SHARD, out is the grads themselves
-      rt->dev->accumulate_clear(sgrad, out.data(), rd, 1.0f, n_reduced, sq);
-      cleared = true;
-      out.reset_zeroed();
+      reduced->owned = std::move(out);
+      reduced->data = out_data;
+    } else if (!rt->sharded() && rd == pd) {  // out_data is the grads themselves
+      rt->dev->accumulate_clear(sgrad, out_data, rd, 1.0f, n_reduced, sq);
     } else {
-      rt->dev->accumulate(sgrad, out.data(), rd, 1.0f, n_reduced, sq);
-    }
-    if (cleared) {
-      grads->reset_zeroed();
-    } else {
-      grads->reset();
+      rt->dev->accumulate(sgrad, out_data, rd, 1.0f, n_reduced, sq);
     }
   });
-  if (!offload) return ev;
+  if (!offload) {
+    rt_.grad_slots->release(std::move(ugrad_), ev, clears);
+    return ev;
+  }
   rt_.copy_out->wait(ev);
-  return rt_.copy_out->submit(label("device to host copy") + " " + std::to_string(n_reduced * dtype_size(rd)) + " B",
-                              [=] {
-                                Buffer on_host(rt->state_dev, &rt->mem, MemCategory::kScratch, rd, n_reduced,
-                                               /*zeroed=*/false);
-                                rt->dev->copy_to_host(on_host.data(), reduced->data(), n_reduced * dtype_size(rd));
-                                reduced->reset();
-                                rt->state_dev->accumulate(sgrad, on_host.data(), rd, 1.0f, n_reduced, sq);
-                              });
+  EventPtr copied =
+      rt_.copy_out->submit(label("device to host copy") + " " + std::to_string(n_reduced * dtype_size(rd)) + " B", [=] {
+        Buffer on_host(rt->state_dev, &rt->mem, MemCategory::kScratch, rd, n_reduced, /*zeroed=*/false);
+        rt->dev->copy_to_host(on_host.data(), reduced->data, n_reduced * dtype_size(rd));
+        reduced->owned.reset();
+        rt->state_dev->accumulate(sgrad, on_host.data(), rd, 1.0f, n_reduced, sq);
+      });
+  rt_.grad_slots->release(std::move(ugrad_), copied, clears);
+  return copied;
 }
 
 void Unit::accumulate_alone(device::Stream& s) {
@@ -438,17 +441,17 @@ void Unit::accumulate_alone(device::Stream& s) {
   if (s.synchronous()) {
     TraceScope scope(rt_.trace, "accumulate grads of unit ", unit_tag());
     accumulate_rounded(rt_, sharded_grad(), ugrad_.data(), pd, rd, n, &grad_sq_, /*clear=*/true);
-    ugrad_.reset_zeroed();
+    rt_.grad_slots->release(std::move(ugrad_), nullptr, /*zero=*/true);
     return;
   }
-  auto grads = std::make_shared<Buffer>(std::move(ugrad_));
   Runtime* rt = &rt_;
+  void* grads = ugrad_.data();
   float* sgrad = sharded_grad();
   double* sq = &grad_sq_;
-  s.submit(label("accumulate grads"), [rt, grads, sgrad, pd, rd, n, sq] {
-    accumulate_rounded(*rt, sgrad, grads->data(), pd, rd, n, sq, /*clear=*/true);
-    grads->reset_zeroed();
+  EventPtr done = s.submit(label("accumulate grads"), [rt, grads, sgrad, pd, rd, n, sq] {
+    accumulate_rounded(*rt, sgrad, grads, pd, rd, n, sq, /*clear=*/true);
   });
+  rt_.grad_slots->release(std::move(ugrad_), done, /*zero=*/true);
 }
 
 void Unit::reduce_pending_grads(device::Stream& s) {
@@ -465,13 +468,13 @@ void Unit::wait_reductions() {
 void Unit::drop_stale_gathered() {
   if (!rt_.gathers() || state_ == UnitState::kSharded) return;
   EventPtr ev = std::move(gather_event_);
-  Buffer held = std::move(gathered_);  // freed on return, after the gather (also when it failed)
+  rt_.gather_slots->release(std::move(gathered_), ev, false);  // free once the gather is over
   set_state(UnitState::kSharded);
   trace_memory();
   rt_.sched->on_freed();
   if (ev) {
     TraceScope wait(rt_.trace, "wait all_gather of unit ", unit_tag());
-    ev->wait(rt_.opts.timeout_s);  // the comm stream may still be writing it; throws if the gather failed
+    ev->wait(rt_.opts.timeout_s);  // throws if the gather failed
   }
 }
 

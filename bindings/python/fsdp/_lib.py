@@ -14,7 +14,7 @@ class MemoryStatsC(ctypes.Structure):
         "struct_size", "sharded_params_nbytes", "sharded_grads_nbytes", "optimizer_state_nbytes",
         "gathered_params_nbytes", "gathered_params_peak_nbytes", "unsharded_grads_nbytes",
         "unsharded_grads_peak_nbytes", "total_nbytes", "total_peak_nbytes", "device_nbytes",
-        "device_peak_nbytes", "host_nbytes", "host_peak_nbytes")]
+        "device_peak_nbytes", "host_nbytes", "host_peak_nbytes", "free_slots_nbytes")]
 
 
 # name: (restype, argtypes); restype None means fsdp_status_t (c_int).

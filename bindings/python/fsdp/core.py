@@ -154,6 +154,7 @@ class MemoryStats:
     device_peak_nbytes: int
     host_nbytes: int
     host_peak_nbytes: int
+    free_slots_nbytes: int
 
 
 class Context(_Handle):

@@ -99,7 +99,7 @@ void WorkerStream::synchronize(double timeout_s) {
   try {
     ev->wait(timeout_s);
   } catch (const Error& e) {
-    if (e.status() != FSDP_ERR_TIMEOUT) throw;
+    if (ev->done()) throw;  // the work failed (perhaps with a timeout of its own), rather than the wait
     std::lock_guard<std::mutex> lock(mu_);
     fail(FSDP_ERR_TIMEOUT, "the work queued on the " + name_ +
                                " stream did not finish within timeout_s = " + base::format_double(timeout_s) + " s" +
