@@ -1,17 +1,26 @@
 // src/core/slots.cpp - see slots.h.
 #include "slots.h"
 
+#include <algorithm>
+
 namespace fsdp::core {
 
 Buffer SlotPool::acquire(size_t numel, device::Stream& s, bool zeroed) {
-  auto it = free_.find(numel);
-  if (it == free_.end() || it->second.empty()) {
-    ++made_;
-    return Buffer(dev_, mem_, cat_, dtype_, numel, zeroed);
+  std::vector<Free>& free = free_[numel];
+  auto pick = std::find_if(free.begin(), free.end(), [](const Free& f) { return !f.after || f.after->done(); });
+  if (pick == free.end()) {
+    if (free.empty() || made_of_[numel] < overlap_) {
+      ++made_;
+      ++made_of_[numel];
+      return Buffer(dev_, mem_, cat_, dtype_, numel, zeroed);
+    }
+    pick = free.begin();  // freed first: its last user is the likeliest to be done
   }
-  // The oldest free slot: its last user is the likeliest to be done.
-  Free f = std::move(it->second.front());
-  it->second.erase(it->second.begin());
+  Free f = std::move(*pick);
+  free.erase(pick);
+  if (f.after && f.after->done()) {
+    if (f.after->status() != FSDP_OK) f.zero = false;
+  }
   f.slot.recount(cat_);
   if (f.after) s.wait(f.after);  // a failed `after` fails what `s` runs next (throws on a synchronous stream)
   if (zeroed && !f.zero) {

@@ -22,14 +22,19 @@ namespace fsdp::core {
 class SlotPool {
  public:
   // Slots of `dtype` on `dev`, counted under `cat` while taken and under
-  // kFreeSlots while free.
-  SlotPool(device::Device* dev, MemoryTracker* mem, MemCategory cat, DType dtype)
-      : dev_(dev), mem_(mem), cat_(cat), dtype_(dtype) {}
+  // kFreeSlots while free. `overlap`: how many slots of one size may exist
+  // before a taker waits for a free slot whose last user is not done yet,
+  // rather than making one (the work that may overlap: limit_all_gathers + 1
+  // gathers, two units' grads).
+  SlotPool(device::Device* dev, MemoryTracker* mem, MemCategory cat, DType dtype, size_t overlap)
+      : dev_(dev), mem_(mem), cat_(cat), dtype_(dtype), overlap_(overlap) {}
   SlotPool(const SlotPool&) = delete;
   SlotPool& operator=(const SlotPool&) = delete;
 
-  // A slot of `numel` elements for work on `s`: a free one, after which `s`
-  // starts only once the slot's last user is done, or a new one. With
+  // A slot of `numel` elements for work on `s`: a free one whose last user
+  // is done; else, while fewer than `overlap` slots of that size exist, a new
+  // one; else the free one freed first, after which `s` starts only once its
+  // last user is done; a new one when none is free. With
   // `zeroed` it reads as zeros on `s`: a slot handed back as zero needs no
   // pass, another is zeroed on `s`.
   Buffer acquire(size_t numel, device::Stream& s, bool zeroed);
@@ -49,7 +54,9 @@ class SlotPool {
   MemoryTracker* mem_;
   MemCategory cat_;
   DType dtype_;
+  size_t overlap_;
   std::map<size_t, std::vector<Free>> free_;  // by numel, the most recently freed last
+  std::map<size_t, size_t> made_of_;          // by numel
   size_t made_ = 0;
 };
 
