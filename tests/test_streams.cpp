@@ -7,6 +7,7 @@
 #include <chrono>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "base/error.h"
 #include "core/context.h"
@@ -37,6 +38,33 @@ double seconds_since(Clock::time_point t0) { return std::chrono::duration<double
 
 fsdp::device::CpuDevice& cpu_device(fsdp_ctx_t* ctx) {
   return dynamic_cast<fsdp::device::CpuDevice&>(reinterpret_cast<fsdp::core::Context*>(ctx)->device());
+}
+
+// fsdp_ctx_async_error once it is set (it never blocks), or FSDP_OK after 10 s.
+fsdp_status_t first_async_error(fsdp_ctx_t* ctx) {
+  auto t0 = Clock::now();
+  fsdp_status_t async = FSDP_OK;
+  while (async == FSDP_OK && seconds_since(t0) < 10) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    async = fsdp_ctx_async_error(ctx);
+  }
+  return async;
+}
+
+// A context of rank `rank` with `timeout_s` and one unit, or an empty pointer
+// after a failed assertion.
+CtxPtr one_unit_context(int rank, fsdp_local_group_t* group, const char* timeout_s, const std::vector<int64_t>& shape,
+                        fsdp_unit_t** unit) {
+  ConfigPtr cfg = make_config({{"sharding", "FULL_SHARD"}, {"timeout_s", timeout_s}});
+  EXPECT_TRUE(cfg);
+  if (!cfg) return CtxPtr();
+  fsdp_ctx_t* raw = nullptr;
+  EXPECT_OK(fsdp_ctx_create(cfg.get(), group, rank, &raw));
+  CtxPtr ctx(raw);
+  if (raw != nullptr) {
+    EXPECT_OK(register_unit(ctx.get(), "layer", {{"w", shape}}, unit));
+  }
+  return *unit != nullptr ? std::move(ctx) : CtxPtr();
 }
 
 }  // namespace
@@ -128,13 +156,9 @@ TEST(CpuStreams, ANullStreamIsTheCallingThreadAndOtherHandlesAreRefused) {
 // fsdp_ctx_async_error and through fsdp_step, naming rank 1.
 TEST(LateHostStream, AFailedGatherReachesTheHostThroughAsyncErrorAndTheStep) {
   run_ranks(2, [](int rank, fsdp_local_group_t* group) {
-    ConfigPtr cfg = make_config({{"sharding", "FULL_SHARD"}, {"timeout_s", "1"}});
-    ASSERT_TRUE(cfg);
-    fsdp_ctx_t* raw = nullptr;
-    ASSERT_OK(fsdp_ctx_create(cfg.get(), group, rank, &raw));
-    CtxPtr ctx(raw);
     fsdp_unit_t* unit = nullptr;
-    ASSERT_OK(register_unit(ctx.get(), "layer", {{"w", {64, 64}}}, &unit));
+    CtxPtr ctx = one_unit_context(rank, group, "1", {64, 64}, &unit);
+    ASSERT_TRUE(ctx);
     if (rank == 1) {
       std::this_thread::sleep_for(std::chrono::seconds(3));  // alive, but never gathers
       return;
@@ -147,12 +171,7 @@ TEST(LateHostStream, AFailedGatherReachesTheHostThroughAsyncErrorAndTheStep) {
     std::atomic<bool> ran{false};
     hs->submit("forward", [&] { ran = true; });
     ASSERT_OK(fsdp_forward_end(unit, hs));
-    fsdp_status_t async = FSDP_OK;
-    while (async == FSDP_OK && seconds_since(t0) < 10) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-      async = fsdp_ctx_async_error(ctx.get());
-    }
-    EXPECT_EQ(async, FSDP_ERR_TIMEOUT);
+    EXPECT_EQ(first_async_error(ctx.get()), FSDP_ERR_TIMEOUT);
     EXPECT_EQ(fsdp_step(ctx.get(), hs), FSDP_ERR_TIMEOUT);
     EXPECT_NE(std::string(fsdp_last_error()).find("rank 1"), std::string::npos) << fsdp_last_error();
     EXPECT_FALSE(ran) << "the host's forward ran although the gather it waits for failed";
@@ -163,13 +182,9 @@ TEST(LateHostStream, AFailedGatherReachesTheHostThroughAsyncErrorAndTheStep) {
 // than timeout_s and says what it waited for.
 TEST(LateHostStream, AStalledHostStreamFailsTheStepAfterTimeout) {
   run_ranks(1, [](int rank, fsdp_local_group_t* group) {
-    ConfigPtr cfg = make_config({{"timeout_s", "0.5"}});
-    ASSERT_TRUE(cfg);
-    fsdp_ctx_t* raw = nullptr;
-    ASSERT_OK(fsdp_ctx_create(cfg.get(), group, rank, &raw));
-    CtxPtr ctx(raw);
     fsdp_unit_t* unit = nullptr;
-    ASSERT_OK(register_unit(ctx.get(), "layer", {{"w", {8}}}, &unit));
+    CtxPtr ctx = one_unit_context(rank, group, "0.5", {8}, &unit);
+    ASSERT_TRUE(ctx);
     fsdp::device::Stream* hs = cpu_device(ctx.get()).create_host_stream(std::chrono::microseconds(0));
     ASSERT_OK(fsdp_forward_begin(unit, hs));
     hs->submit("stalled compute", [] { std::this_thread::sleep_for(std::chrono::seconds(2)); });
@@ -191,13 +206,9 @@ TEST(LateHostStream, AStalledHostStreamFailsTheStepAfterTimeout) {
 // is still running (no collective has failed: the failure is the stream's).
 TEST(LateHostStream, AReductionThatWaitsTooLongForTheHostsGradsIsReportedByAsyncError) {
   run_ranks(2, [](int rank, fsdp_local_group_t* group) {
-    ConfigPtr cfg = make_config({{"sharding", "FULL_SHARD"}, {"timeout_s", "0.5"}});
-    ASSERT_TRUE(cfg);
-    fsdp_ctx_t* raw = nullptr;
-    ASSERT_OK(fsdp_ctx_create(cfg.get(), group, rank, &raw));
-    CtxPtr ctx(raw);
     fsdp_unit_t* unit = nullptr;
-    ASSERT_OK(register_unit(ctx.get(), "layer", {{"w", {64, 64}}}, &unit));
+    CtxPtr ctx = one_unit_context(rank, group, "0.5", {64, 64}, &unit);
+    ASSERT_TRUE(ctx);
     fsdp::device::Stream* hs = cpu_device(ctx.get()).create_host_stream(std::chrono::microseconds(0));
     ASSERT_OK(fsdp_backward_begin(unit, hs));
     std::atomic<bool> release{false};
@@ -205,13 +216,7 @@ TEST(LateHostStream, AReductionThatWaitsTooLongForTheHostsGradsIsReportedByAsync
       while (!release) std::this_thread::sleep_for(std::chrono::milliseconds(1));
     });
     ASSERT_OK(fsdp_backward_end(unit, hs));
-    auto t0 = Clock::now();
-    fsdp_status_t async = FSDP_OK;
-    while (async == FSDP_OK && seconds_since(t0) < 10) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-      async = fsdp_ctx_async_error(ctx.get());
-    }
-    EXPECT_EQ(async, FSDP_ERR_TIMEOUT);
+    EXPECT_EQ(first_async_error(ctx.get()), FSDP_ERR_TIMEOUT);
     EXPECT_EQ(fsdp_step(ctx.get(), hs), FSDP_ERR_TIMEOUT);
     EXPECT_NE(std::string(fsdp_last_error()).find("'stalled backward' is still running"), std::string::npos)
         << fsdp_last_error();
