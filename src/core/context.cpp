@@ -75,8 +75,7 @@ Context::Context(const Options& opts, std::unique_ptr<comm::Communicator> world)
   rt_.world_comm = world_.get();
   rt_.stream = stream_.get();
   rt_.sched = &scheduler_;
-  gather_slots_ = std::make_unique<SlotPool>(rt_.dev, &rt_.mem, MemCategory::kGatheredParams, opts.param_dtype,
-                                             static_cast<size_t>(opts.limit_all_gathers) + 1);
+  gather_slots_ = std::make_unique<SlotPool>(rt_.dev, &rt_.mem, MemCategory::kGatheredParams, opts.param_dtype, 1);
   grad_slots_ = std::make_unique<SlotPool>(rt_.dev, &rt_.mem, MemCategory::kUnshardedGrads, opts.param_dtype, 2);
   rt_.gather_slots = gather_slots_.get();
   rt_.grad_slots = grad_slots_.get();

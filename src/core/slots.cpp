@@ -1,21 +1,21 @@
 // src/core/slots.cpp - see slots.h.
 #include "slots.h"
 
-#include <algorithm>
 
 namespace fsdp::core {
 
 Buffer SlotPool::acquire(size_t numel, device::Stream& s, bool zeroed) {
   std::vector<Free>& free = free_[numel];
-  auto pick = std::find_if(free.begin(), free.end(), [](const Free& f) { return !f.after || f.after->done(); });
-  if (pick == free.end()) {
-    if (free.empty() || made_of_[numel] < overlap_) {
-      ++made_;
-      ++made_of_[numel];
-      return Buffer(dev_, mem_, cat_, dtype_, numel, zeroed);
-    }
-    pick = free.begin();  // freed first: its last user is the likeliest to be done
+  // The slot handed back last is the one whose last user is the least likely
+  // to be done (e.g. the previous unit's grads, under reduction): while the
+  // size may still grow, make a slot rather than wait for it.
+  bool only_the_last = free.size() == 1 && free.front().slot.data() == last_released_;
+  if (free.empty() || (only_the_last && made_of_[numel] < grow_to_)) {
+    ++made_;
+    ++made_of_[numel];
+    return Buffer(dev_, mem_, cat_, dtype_, numel, zeroed);
   }
+  auto pick = free.begin();  // freed first: its last user is the likeliest to be done
   Free f = std::move(*pick);
   free.erase(pick);
   if (f.after && f.after->done()) {
@@ -43,6 +43,7 @@ void SlotPool::release(Buffer slot, device::EventPtr after, bool zero) {
     after.reset();
   }
   slot.recount(MemCategory::kFreeSlots);
+  last_released_ = slot.data();
   size_t n = slot.numel();
   free_[n].push_back({std::move(slot), std::move(after), zero});
 }
