@@ -1,9 +1,10 @@
 # Resolves FSDP_WITH_CUDA / FSDP_WITH_MPI (AUTO|ON|OFF) into FSDP_HAVE_* flags.
 # MPI: AUTO builds the mpi communicator when find_package(MPI) finds it, ON
 # requires it, OFF leaves it out (comm=mpi is then FSDP_ERR_UNSUPPORTED). The
-# CUDA device and NCCL communicator are delivered by later work; until their
-# sources exist, ON fails loudly rather than building a library that silently
-# lacks them.
+# CUDA: AUTO builds the CUDA device (src/device/cuda) and its kernels
+# (kernels/cuda) when CMake finds nvcc and the CUDA toolkit, ON requires them,
+# OFF leaves them out (device=cuda is then FSDP_ERR_UNSUPPORTED). The kernels
+# are compiled for CMAKE_CUDA_ARCHITECTURES (default 80;90: A100, H100/H200).
 foreach(opt FSDP_WITH_CUDA FSDP_WITH_MPI)
   if(NOT ${opt} MATCHES "^(AUTO|ON|OFF)$")
     message(FATAL_ERROR "${opt} must be AUTO, ON or OFF, not '${${opt}}'")
@@ -12,11 +13,29 @@ endforeach()
 
 set(FSDP_HAVE_CUDA OFF)
 set(FSDP_HAVE_MPI OFF)
-if(NOT EXISTS "${PROJECT_SOURCE_DIR}/src/device/cuda")
-  if(FSDP_WITH_CUDA STREQUAL "ON")
-    message(FATAL_ERROR "FSDP_WITH_CUDA=ON, but this source tree has no CUDA device yet (src/device/cuda); use AUTO or OFF")
+if(NOT FSDP_WITH_CUDA STREQUAL "OFF")
+  include(CheckLanguage)
+  check_language(CUDA)
+  if(CMAKE_CUDA_COMPILER)
+    find_package(CUDAToolkit)
   endif()
-  message(STATUS "libfsdp: CUDA device not in this source tree; building CPU only")
+  if(CMAKE_CUDA_COMPILER AND CUDAToolkit_FOUND)
+    if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
+      set(CMAKE_CUDA_ARCHITECTURES 80 90)
+    endif()
+    set(CMAKE_CUDA_STANDARD 17)
+    set(CMAKE_CUDA_STANDARD_REQUIRED ON)
+    if(FSDP_CCACHE_EXE AND NOT CMAKE_CUDA_COMPILER_LAUNCHER)
+      set(CMAKE_CUDA_COMPILER_LAUNCHER ${FSDP_CCACHE_EXE})
+    endif()
+    enable_language(CUDA)
+    set(FSDP_HAVE_CUDA ON)
+    message(STATUS "libfsdp: building the CUDA device (CUDA ${CUDAToolkit_VERSION}, architectures ${CMAKE_CUDA_ARCHITECTURES})")
+  elseif(FSDP_WITH_CUDA STREQUAL "ON")
+    message(FATAL_ERROR "FSDP_WITH_CUDA=ON, but CMake found no CUDA compiler and toolkit (set CMAKE_CUDA_COMPILER or CUDAToolkit_ROOT)")
+  else()
+    message(STATUS "libfsdp: no CUDA toolkit found; building without the CUDA device")
+  endif()
 endif()
 if(NOT FSDP_WITH_MPI STREQUAL "OFF")
   if(FSDP_WITH_MPI STREQUAL "ON")

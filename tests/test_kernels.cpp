@@ -15,6 +15,7 @@
 
 #include "device/cpu/cpu_device.h"
 #include "kernels/cast.h"
+#include "kernels/norm.h"
 
 using namespace fsdp::kernels;
 
@@ -286,6 +287,23 @@ TEST(CpuSumSquares, IsReproducibleAndCloseToTheExactSum) {
     dev.adam(AdamArgs{adam_op(Opt::kAdamW), nullptr, nullptr, nullptr, nullptr, nullptr, DType::kFp32, 0, true, &sq});
     EXPECT_EQ(sq, 0.0) << "an empty pass still writes its sum of squares";
     EXPECT_EQ(dev.sum_squares(nullptr, 0), 0.0);
+  }
+}
+
+// kernels/norm.h fixes the order of a step's sum (16 lanes, folded pairwise),
+// which the CUDA kernel follows too: the CPU's vectorised loop must give the
+// scalar reference's bits for every length a step can have.
+TEST(CpuSumSquares, FollowsTheOrderOfKernelsNorm) {
+  std::mt19937 rng(11);
+  std::uniform_real_distribution<float> wide(-1e3f, 1e3f);
+  std::vector<float> x(fsdp::kernels::kSqStep);
+  for (float& v : x) v = wide(rng);
+  for (int threads : kThreads) {
+    CpuDevice dev(threads, fsdp::device::Pool::kDevice);
+    for (size_t n = 1; n <= x.size(); ++n) {
+      double want = fsdp::kernels::step_sum_squares(x.data(), 0, n);
+      ASSERT_EQ(dev.sum_squares(x.data(), n), want) << "n=" << n << " threads=" << threads;
+    }
   }
 }
 

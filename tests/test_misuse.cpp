@@ -240,7 +240,7 @@ TEST(Config, BadValuesFailListingValidChoicesAndChangeNothing) {
 TEST(Config, OptionsOfOtherBuildsAreUnsupported) {
   ConfigPtr cfg = make_config({{"sharding", "NO_SHARD"}});
   ASSERT_TRUE(cfg);
-  std::vector<std::pair<const char*, const char*>> other = {{"device", "cuda"}, {"comm", "nccl"}};
+  std::vector<std::pair<const char*, const char*>> other = {{"device", "cuda"}, {"device", "cuda:0"}, {"comm", "nccl"}};
   const bool have_mpi = std::string(fsdp_build_info()).find("mpi") != std::string::npos;
   if (!have_mpi) other.push_back({"comm", "mpi"});
   for (const auto& kv : other) {

@@ -130,6 +130,11 @@ const std::vector<Choice<Sharding>> kShardings = {
     {{"HYBRID_SHARD_ZERO2", "_HYBRID_SHARD_ZERO2"}, Sharding::kHybridShardZero2}};
 const std::vector<Choice<MpiAlgorithm>> kMpiAlgorithms = {
     {{"auto"}, MpiAlgorithm::kAuto}, {{"ring"}, MpiAlgorithm::kRing}, {{"native"}, MpiAlgorithm::kNative}};
+#ifdef FSDP_HAVE_CUDA
+constexpr bool kHaveCuda = true;
+#else
+constexpr bool kHaveCuda = false;
+#endif
 #ifdef FSDP_HAVE_MPI
 constexpr bool kHaveMpi = true;
 const std::vector<Choice<CommKind>> kComms = {
@@ -265,10 +270,13 @@ const std::vector<Entry>& table() {
        [](Options&, const std::string& v) {
          std::string l = lower(trim(v));
          if (l == "cpu") return;
-         if (l == "cuda" || l == "gpu") {
-           fail(FSDP_ERR_UNSUPPORTED, "config: device " + base::quote(v) +
-                                          " needs the CUDA device, which this build does not "
-                                          "have (see fsdp_build_info()); use cpu");
+         if (l == "cuda" || l == "gpu" || l.rfind("cuda:", 0) == 0) {
+           fail(FSDP_ERR_UNSUPPORTED,
+                "config: device " + base::quote(v) +
+                    (kHaveCuda ? " is not available yet: this build has the CUDA device's kernels and streams, but "
+                                 "the engine does not run on them yet (docs/gpu.md); use cpu"
+                               : " needs the CUDA device, which this build does not have (see fsdp_build_info()); "
+                                 "use cpu"));
          }
          bad_value("device", v, "cpu");
        },
@@ -284,9 +292,10 @@ const std::vector<Entry>& table() {
          }
          if (l == "nccl") {
            fail(FSDP_ERR_UNSUPPORTED,
-                "config: comm 'nccl' needs the CUDA device, which this build does not have "
-                "(see fsdp_build_info()); use " +
-                    std::string(kHaveMpi ? "mpi or local" : "local"));
+                std::string("config: comm 'nccl' is not in this build: ") +
+                    (kHaveCuda ? "the NCCL communicator is not written yet (docs/gpu.md)"
+                               : "it needs the CUDA device, which this build does not have (see fsdp_build_info())") +
+                    "; use " + (kHaveMpi ? "mpi or local" : "local"));
          }
          o.comm = parse_choice("comm", v, kComms);
        },

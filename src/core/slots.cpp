@@ -1,7 +1,6 @@
 // src/core/slots.cpp - see slots.h.
 #include "slots.h"
 
-
 namespace fsdp::core {
 
 Buffer SlotPool::acquire(size_t numel, device::Stream& s, bool zeroed) {

@@ -9,6 +9,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "../../../kernels/norm.h"
 #include "../../base/dtype_dispatch.h"
 #include "../../base/error.h"
 #include "../../base/simd.h"
@@ -31,16 +32,17 @@ FSDP_HD void store_out(T* out, size_t i, float v) {
   kernels::store(out, i, v);
 }
 
-// Squares of one step of grads summed in fp32, in 16 interleaved lane sums
-// added pairwise at the end: a fixed order that every vector width computes
-// alike (so sum_squares and the fused optimizer passes agree bit for bit in
-// every clone), and one that vectorises without the reassociation a single
-// running sum would need. The lanes are four 4-wide GCC vectors: the loop
-// vectoriser turns an array of lane sums into shuffles, and GCC lowers a
-// 16-wide vector type through memory where the target has no 16-wide registers.
+// Squares of one step of grads summed in the order of kernels/norm.h (16
+// interleaved fp32 lane sums, folded pairwise), which a CUDA kernel computes
+// too; vectorised here as four 4-wide GCC vectors, which hold the 16 lanes in
+// order: the loop vectoriser turns an array of lane sums into shuffles, and
+// GCC lowers a 16-wide vector type through memory where the target has no
+// 16-wide registers. Test: CpuSumSquares.FollowsTheOrderOfKernelsNorm.
 typedef float Lanes4 __attribute__((vector_size(4 * sizeof(float))));
+static_assert(kernels::kSqLanes == 16, "four Lanes4 hold the lanes");
+static_assert(base::kStreamStep == kernels::kSqStep, "a streaming step is a norm step");
 FSDP_HD float block_sum_squares(const float* x, size_t b, size_t e) {
-  constexpr size_t kLanes = 16;
+  constexpr size_t kLanes = kernels::kSqLanes;
   Lanes4 acc[4] = {};
   size_t i = b;
   for (; i + kLanes <= e; i += kLanes) {
@@ -53,11 +55,8 @@ FSDP_HD float block_sum_squares(const float* x, size_t b, size_t e) {
   }
   float lane[kLanes];
   std::memcpy(lane, acc, sizeof lane);
-  for (size_t l = 0; i + l < e; ++l) lane[l] += x[i + l] * x[i + l];
-  for (size_t w = kLanes / 2; w > 0; w /= 2) {
-    for (size_t l = 0; l < w; ++l) lane[l] += lane[l + w];
-  }
-  return lane[0];
+  for (size_t l = 0; i + l < e; ++l) lane[l] = kernels::add_square(lane[l], x[i + l]);
+  return kernels::fold_lanes(lane);
 }
 
 static_assert(kGrain % kStreamStep == 0, "chunks start on a step boundary");

@@ -1,0 +1,116 @@
+// benchmarks/bench_cuda_kernels.cpp - the CUDA device's kernels beside the
+// GPU's device-to-device copy bandwidth measured in the same run: the fused
+// AdamW pass (+ the bf16 params copy, + clearing the grads) and the casts.
+// Each line is one JSON object: bytes moved per second and its ratio to the
+// copy's (goal for the optimizer pass: >= 0.85). Without a GPU it prints one
+// line saying it was skipped and exits 0.
+//
+//   bench_cuda_kernels [--log2n 28] [--reps 20]
+#include <cuda_runtime_api.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <string>
+
+#include "bench_util.h"
+#include "device/cuda/cuda_device.h"
+
+using fsdp::DType;
+using fsdp::bench::JsonLine;
+using fsdp::device::cuda::CudaDevice;
+using fsdp::device::cuda::CudaStream;
+
+namespace {
+
+// Best of `reps` GPU timings of fn() run as a task of `s` (so the device
+// queues its kernels there), between CUDA events on `s`, after one warm-up.
+double best_gpu_seconds(CudaStream& s, int reps, const std::function<void()>& fn) {
+  cudaStream_t native = s.native();
+  cudaEvent_t a, b;
+  cudaEventCreate(&a);
+  cudaEventCreate(&b);
+  s.submit("warm-up", fn)->wait(0);
+  double best = 1e30;
+  for (int i = 0; i < reps; ++i) {
+    cudaEventRecord(a, native);
+    s.submit("timed", fn);
+    cudaEventRecord(b, native);
+    cudaEventSynchronize(b);
+    float ms = 0;
+    cudaEventElapsedTime(&ms, a, b);
+    best = std::min(best, ms * 1e-3);
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  return best;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int log2n = 28, reps = 20;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    if (!std::strcmp(argv[i], "--log2n")) log2n = std::atoi(argv[i + 1]);
+    if (!std::strcmp(argv[i], "--reps")) reps = std::atoi(argv[i + 1]);
+  }
+  if (CudaDevice::count() == 0) {
+    std::printf(
+        "%s\n",
+        JsonLine().add("bench", "cuda_kernels").add("skipped", "no CUDA device can be used here").str().c_str());
+    return 0;
+  }
+  CudaDevice gpu(0);
+  cudaDeviceProp prop{};
+  cudaGetDeviceProperties(&prop, 0);
+  const size_t n = size_t(1) << log2n;
+  float* p = static_cast<float*>(gpu.alloc(n * 4));
+  float* g = static_cast<float*>(gpu.alloc(n * 4));
+  float* m = static_cast<float*>(gpu.alloc(n * 4));
+  float* v = static_cast<float*>(gpu.alloc(n * 4));
+  void* lowp = gpu.alloc(n * 2);
+  for (float* x : {p, g, m, v}) gpu.zero(x, n * 4);
+
+  auto stream = gpu.create_stream("bench", 0, fsdp::device::StreamHooks{});
+  auto& s = static_cast<CudaStream&>(*stream);
+  double copy_s = best_gpu_seconds(s, reps, [&] { gpu.copy(m, p, n * 4); });
+  double copy_bw = 2.0 * n * 4 / copy_s;  // read + write
+  auto report = [&](const char* what, double bytes, double t) {
+    std::printf("%s\n", JsonLine()
+                            .add("bench", "cuda_kernels")
+                            .add("gpu", prop.name)
+                            .add("kernel", what)
+                            .add("numel", static_cast<double>(n))
+                            .add("seconds", t)
+                            .add("GBps", bytes / t / 1e9)
+                            .add("copy_GBps", copy_bw / 1e9)
+                            .add("ratio_to_copy", bytes / t / copy_bw)
+                            .str()
+                            .c_str());
+  };
+  report("copy_d2d", 2.0 * n * 4, copy_s);
+  auto op = fsdp::kernels::AdamOp::make(1e-3f, 0.9f, 0.999f, 1e-8f, 0.01f, true, 10, 1.0f);
+  struct Variant {
+    const char* name;
+    void* out;
+    bool zero_grads;
+    double bytes_per_elem;  // reads p g m v, writes p m v (+ bf16 copy, + zeroed grads)
+  };
+  for (const Variant& var : {Variant{"adamw", nullptr, false, 28}, Variant{"adamw+bf16", lowp, false, 30},
+                             Variant{"adamw+bf16+zero_grads", lowp, true, 34}}) {
+    double t = best_gpu_seconds(s, reps, [&] {
+      fsdp::device::AdamArgs a{op, p, g, m, v, var.out, DType::kBf16, n, var.zero_grads, nullptr};
+      gpu.adam(a);
+    });
+    report(var.name, var.bytes_per_elem * n, t);
+  }
+  report("cast_fp32_to_bf16", 6.0 * n,
+         best_gpu_seconds(s, reps, [&] { gpu.cast(lowp, DType::kBf16, p, DType::kFp32, n); }));
+  report("cast_bf16_to_fp32", 6.0 * n,
+         best_gpu_seconds(s, reps, [&] { gpu.cast(p, DType::kFp32, lowp, DType::kBf16, n); }));
+  report("sum_squares", 4.0 * n, best_gpu_seconds(s, reps, [&] { (void)gpu.sum_squares(g, n); }));
+  for (void* x : {static_cast<void*>(p), static_cast<void*>(g), static_cast<void*>(m), static_cast<void*>(v), lowp})
+    gpu.free(x);
+  return 0;
+}

@@ -1,0 +1,297 @@
+// kernels/cuda/elementwise.cu - cast, accumulate and the fused optimizer
+// passes as CUDA kernels over the kernels/ functors (see launch.h).
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+
+#include "../cast.h"
+#include "../norm.h"
+#include "../optim.h"
+#include "launch.h"
+
+namespace fsdp::kernels::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr size_t kMaxBlocks = 4096;  // grid-stride beyond: enough to fill any current GPU
+
+// 4 consecutive elements of a storage type, loaded and stored as one 16-byte
+// (fp32) or 8-byte (16-bit) access, converted with the functions of cast.h.
+__device__ __forceinline__ void load4(const float* p, size_t j, float (&x)[4]) {
+  float4 r = reinterpret_cast<const float4*>(p)[j];
+  x[0] = r.x;
+  x[1] = r.y;
+  x[2] = r.z;
+  x[3] = r.w;
+}
+__device__ __forceinline__ void store4(float* p, size_t j, const float (&x)[4]) {
+  reinterpret_cast<float4*>(p)[j] = make_float4(x[0], x[1], x[2], x[3]);
+}
+template <typename Half>
+__device__ __forceinline__ float half_to_f32(uint16_t h);
+template <>
+__device__ __forceinline__ float half_to_f32<bf16_t>(uint16_t h) {
+  return bf16_bits_to_f32(h);
+}
+template <>
+__device__ __forceinline__ float half_to_f32<fp16_t>(uint16_t h) {
+  return fp16_bits_to_f32(h);
+}
+template <typename Half>
+__device__ __forceinline__ uint32_t f32_to_half(float f);
+template <>
+__device__ __forceinline__ uint32_t f32_to_half<bf16_t>(float f) {
+  return f32_to_bf16_bits(f);
+}
+template <>
+__device__ __forceinline__ uint32_t f32_to_half<fp16_t>(float f) {
+  return f32_to_fp16_bits(f);
+}
+template <typename Half>
+__device__ __forceinline__ void load4(const Half* p, size_t j, float (&x)[4]) {
+  uint2 r = reinterpret_cast<const uint2*>(p)[j];  // little endian: element 0 in the low half
+  x[0] = half_to_f32<Half>(static_cast<uint16_t>(r.x & 0xffffu));
+  x[1] = half_to_f32<Half>(static_cast<uint16_t>(r.x >> 16));
+  x[2] = half_to_f32<Half>(static_cast<uint16_t>(r.y & 0xffffu));
+  x[3] = half_to_f32<Half>(static_cast<uint16_t>(r.y >> 16));
+}
+template <typename Half>
+__device__ __forceinline__ void store4(Half* p, size_t j, const float (&x)[4]) {
+  uint2 r;
+  r.x = f32_to_half<Half>(x[0]) | (f32_to_half<Half>(x[1]) << 16);
+  r.y = f32_to_half<Half>(x[2]) | (f32_to_half<Half>(x[3]) << 16);
+  reinterpret_cast<uint2*>(p)[j] = r;
+}
+template <typename T>
+__device__ __forceinline__ void zero4(T* p, size_t j) {
+  const float z[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  store4(p, j, z);
+}
+
+using kernels::load;
+using kernels::store;
+
+// "No param_dtype copy" as a type, so that the kernels have no branch on it.
+struct NoOut {};
+__device__ __forceinline__ void store(NoOut*, size_t, float) {}
+__device__ __forceinline__ void store4(NoOut*, size_t, const float (&)[4]) {}
+
+// Runs body.vec(j) over the groups of 4 when `vec` (every array aligned for
+// its vector access), then body.one(i) over what is left, grid-stride.
+template <typename Body>
+__global__ void __launch_bounds__(kThreads) for_each(Body body, size_t n, bool vec) {
+  size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
+  size_t t = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  size_t done = 0;
+  if (vec) {
+    size_t n4 = n / 4;
+    for (size_t j = t; j < n4; j += stride) body.vec(j);
+    done = n4 * 4;
+  }
+  for (size_t i = done + t; i < n; i += stride) body.one(i);
+}
+
+bool aligned(const void* p, size_t bytes) { return p == nullptr || reinterpret_cast<uintptr_t>(p) % bytes == 0; }
+template <typename T>
+bool aligned4(const T* p) {
+  return aligned(p, 4 * sizeof(T));
+}
+bool aligned4(const NoOut*) { return true; }
+
+template <typename Body>
+cudaError_t launch(const Body& body, size_t n, bool vec, cudaStream_t s) {
+  if (n == 0) return cudaSuccess;
+  size_t work = vec ? n / 4 + 4 : n;
+  size_t blocks = std::min(kMaxBlocks, (work + kThreads - 1) / kThreads);
+  for_each<<<static_cast<unsigned>(blocks), kThreads, 0, s>>>(body, n, vec);
+  return cudaGetLastError();
+}
+
+// Calls fn(typed pointer) with `p` cast to the storage type of `dtype`.
+template <typename Fn>
+cudaError_t with_dtype(fsdp_dtype_t dtype, void* p, Fn&& fn) {
+  switch (dtype) {
+    case FSDP_DTYPE_FP32:
+      return fn(static_cast<float*>(p));
+    case FSDP_DTYPE_BF16:
+      return fn(static_cast<bf16_t*>(p));
+    case FSDP_DTYPE_FP16:
+      return fn(static_cast<fp16_t*>(p));
+  }
+  return cudaErrorInvalidValue;
+}
+// The same with "no output" for a null `p`.
+template <typename Fn>
+cudaError_t with_out(fsdp_dtype_t dtype, void* p, Fn&& fn) {
+  if (p == nullptr) return fn(static_cast<NoOut*>(nullptr));
+  return with_dtype(dtype, p, fn);
+}
+
+template <typename Out, typename In, bool kClear>
+struct CastBody {
+  Out* out;
+  In* in;
+  __device__ void one(size_t i) const {
+    CastOp{}(out, in, i);
+    if (kClear) store(in, i, 0.0f);
+  }
+  __device__ void vec(size_t j) const {
+    float x[4];
+    load4(in, j, x);
+    store4(out, j, x);
+    if (kClear) zero4(in, j);
+  }
+};
+
+template <typename In, bool kClear>
+struct AccumulateBody {
+  float* acc;
+  In* src;
+  float scale;
+  __device__ void one(size_t i) const {
+    AccumulateOp{scale}(acc, src, i);
+    if (kClear) store(src, i, 0.0f);
+  }
+  __device__ void vec(size_t j) const {
+    float a[4], x[4];
+    load4(acc, j, a);
+    load4(src, j, x);
+    for (int k = 0; k < 4; ++k) a[k] += scale * x[k];
+    store4(acc, j, a);
+    if (kClear) zero4(src, j);
+  }
+};
+
+template <typename Out, bool kZero>
+struct AdamBody {
+  AdamOp op;
+  float* p;
+  float* g;
+  float* m;
+  float* v;
+  Out* out;
+  __device__ void one(size_t i) const {
+    float pi = p[i], gi = g[i], mi = m[i], vi = v[i];
+    if (kZero) g[i] = 0.0f;
+    op(pi, gi, mi, vi);
+    p[i] = pi;
+    m[i] = mi;
+    v[i] = vi;
+    store(out, i, pi);
+  }
+  __device__ void vec(size_t j) const {
+    float pi[4], gi[4], mi[4], vi[4];
+    load4(p, j, pi);
+    load4(g, j, gi);
+    load4(m, j, mi);
+    load4(v, j, vi);
+    if (kZero) zero4(g, j);
+    for (int k = 0; k < 4; ++k) op(pi[k], gi[k], mi[k], vi[k]);
+    store4(p, j, pi);
+    store4(m, j, mi);
+    store4(v, j, vi);
+    store4(out, j, pi);
+  }
+};
+
+template <typename Out, bool kZero, bool kMomentum>
+struct SgdBody {
+  SgdOp op;
+  float* p;
+  float* g;
+  float* buf;
+  Out* out;
+  __device__ void step(float& pi, float gi, float& bi) const {
+    if (kMomentum) {
+      op(pi, gi, bi);
+    } else {
+      op(pi, gi);
+    }
+  }
+  __device__ void one(size_t i) const {
+    float pi = p[i], gi = g[i], bi = kMomentum ? buf[i] : 0.0f;
+    if (kZero) g[i] = 0.0f;
+    step(pi, gi, bi);
+    p[i] = pi;
+    if (kMomentum) buf[i] = bi;
+    store(out, i, pi);
+  }
+  __device__ void vec(size_t j) const {
+    float pi[4], gi[4], bi[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    load4(p, j, pi);
+    load4(g, j, gi);
+    if (kMomentum) load4(buf, j, bi);
+    if (kZero) zero4(g, j);
+    for (int k = 0; k < 4; ++k) step(pi[k], gi[k], bi[k]);
+    store4(p, j, pi);
+    if (kMomentum) store4(buf, j, bi);
+    store4(out, j, pi);
+  }
+};
+
+__global__ void __launch_bounds__(kThreads) non_finite_kernel(const float* x, size_t n, int* flag) {
+  size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
+  bool bad = false;
+  for (size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
+    bad |= non_finite(x[i]);
+  }
+  if (__syncthreads_or(bad) && threadIdx.x == 0) *flag = 1;
+}
+
+}  // namespace
+
+cudaError_t cast(void* out, fsdp_dtype_t out_dtype, void* in, fsdp_dtype_t in_dtype, size_t n, bool clear,
+                 cudaStream_t s) {
+  return with_dtype(out_dtype, out, [&](auto* o) {
+    return with_dtype(in_dtype, in, [&](auto* i) {
+      using O = std::remove_pointer_t<decltype(o)>;
+      using I = std::remove_pointer_t<decltype(i)>;
+      bool vec = aligned4(o) && aligned4(i);
+      return clear ? launch(CastBody<O, I, true>{o, i}, n, vec, s) : launch(CastBody<O, I, false>{o, i}, n, vec, s);
+    });
+  });
+}
+
+cudaError_t accumulate(float* acc, void* src, fsdp_dtype_t src_dtype, float scale, size_t n, bool clear,
+                       cudaStream_t s) {
+  return with_dtype(src_dtype, src, [&](auto* in) {
+    using I = std::remove_pointer_t<decltype(in)>;
+    bool vec = aligned4(acc) && aligned4(in);
+    return clear ? launch(AccumulateBody<I, true>{acc, in, scale}, n, vec, s)
+                 : launch(AccumulateBody<I, false>{acc, in, scale}, n, vec, s);
+  });
+}
+
+cudaError_t adam(const AdamOp& op, float* params, float* grads, float* exp_avg, float* exp_avg_sq, void* out,
+                 fsdp_dtype_t out_dtype, size_t n, bool zero_grads, cudaStream_t s) {
+  return with_out(out_dtype, out, [&](auto* o) {
+    using O = std::remove_pointer_t<decltype(o)>;
+    bool vec = aligned4(params) && aligned4(grads) && aligned4(exp_avg) && aligned4(exp_avg_sq) && aligned4(o);
+    return zero_grads ? launch(AdamBody<O, true>{op, params, grads, exp_avg, exp_avg_sq, o}, n, vec, s)
+                      : launch(AdamBody<O, false>{op, params, grads, exp_avg, exp_avg_sq, o}, n, vec, s);
+  });
+}
+
+cudaError_t sgd(const SgdOp& op, float* params, float* grads, float* momentum, void* out, fsdp_dtype_t out_dtype,
+                size_t n, bool zero_grads, cudaStream_t s) {
+  return with_out(out_dtype, out, [&](auto* o) {
+    using O = std::remove_pointer_t<decltype(o)>;
+    bool vec = aligned4(params) && aligned4(grads) && aligned4(momentum) && aligned4(o);
+    auto go = [&](auto zero, auto mom) {
+      return launch(SgdBody<O, decltype(zero)::value, decltype(mom)::value>{op, params, grads, momentum, o}, n, vec, s);
+    };
+    using T = std::true_type;
+    using F = std::false_type;
+    if (momentum != nullptr) return zero_grads ? go(T{}, T{}) : go(F{}, T{});
+    return zero_grads ? go(T{}, F{}) : go(F{}, F{});
+  });
+}
+
+cudaError_t flag_non_finite(const float* x, size_t n, int* flag, cudaStream_t s) {
+  if (n == 0) return cudaSuccess;
+  size_t blocks = std::min(kMaxBlocks, (n + kThreads - 1) / kThreads);
+  non_finite_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, s>>>(x, n, flag);
+  return cudaGetLastError();
+}
+
+}  // namespace fsdp::kernels::cuda

@@ -1,0 +1,44 @@
+// kernels/cuda/launch.h - the CUDA kernels' host launchers. Each kernel runs
+// the kernels/ functor that the CPU loops run, one element per thread
+// iteration, with 16-byte loads and stores (8-byte for 16-bit arrays) in a
+// grid-stride loop and a scalar tail; the kernels are compiled with
+// --fmad=false, so they compute the CPU's bits (tests/test_cuda.cpp). Every
+// launcher queues its work on `s` and returns the launch's error (it never
+// synchronizes); the device (src/device/cuda) turns errors into Error.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+
+#include "../optim.h"
+#include "fsdp.h"
+
+namespace fsdp::kernels::cuda {
+
+// out = cast(in); with `clear`, in[i] = 0 once read.
+cudaError_t cast(void* out, fsdp_dtype_t out_dtype, void* in, fsdp_dtype_t in_dtype, size_t n, bool clear,
+                 cudaStream_t s);
+// acc[i] += scale * src[i] (AccumulateOp); with `clear`, src[i] = 0 once read.
+cudaError_t accumulate(float* acc, void* src, fsdp_dtype_t src_dtype, float scale, size_t n, bool clear,
+                       cudaStream_t s);
+// One AdamOp / SgdOp pass; `out` (may be null) receives the updated params in
+// `out_dtype`; with `zero_grads`, grads[i] = 0 once read. `momentum` null: SGD
+// without state.
+cudaError_t adam(const AdamOp& op, float* params, float* grads, float* exp_avg, float* exp_avg_sq, void* out,
+                 fsdp_dtype_t out_dtype, size_t n, bool zero_grads, cudaStream_t s);
+cudaError_t sgd(const SgdOp& op, float* params, float* grads, float* momentum, void* out, fsdp_dtype_t out_dtype,
+                size_t n, bool zero_grads, cudaStream_t s);
+
+// The squares of x[0, n) summed in the order of kernels/norm.h into *out (a
+// device double): each step's fp32 sum is the CPU's bit for bit; the steps'
+// sums are added in double in a fixed tree, so every run gives the same bits.
+// `scratch` is device memory of sum_squares_scratch_nbytes(n) bytes.
+size_t sum_squares_scratch_nbytes(size_t n);
+cudaError_t sum_squares(const float* x, size_t n, double* out, void* scratch, cudaStream_t s);
+
+// *flag (a device int) is set to 1 when some x[i] is an infinity or a NaN;
+// left as it is otherwise (the caller clears it once per step).
+cudaError_t flag_non_finite(const float* x, size_t n, int* flag, cudaStream_t s);
+
+}  // namespace fsdp::kernels::cuda

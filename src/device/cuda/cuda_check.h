@@ -1,0 +1,49 @@
+// src/device/cuda/cuda_check.h - CUDA runtime errors as libfsdp Errors, and
+// the calling thread bound to a device before it issues work there.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <string>
+
+#include "../../base/error.h"
+
+namespace fsdp::device::cuda {
+
+// The status a CUDA error maps to: out of memory, a handle or value the host
+// passed that CUDA refuses, no usable device; anything else is a device fault
+// (a kernel that failed, a lost device), which CUDA makes sticky.
+inline fsdp_status_t status_of(cudaError_t e) {
+  switch (e) {
+    case cudaErrorMemoryAllocation:
+      return FSDP_ERR_OUT_OF_MEMORY;
+    case cudaErrorInvalidValue:
+    case cudaErrorInvalidResourceHandle:
+    case cudaErrorInvalidDevice:
+      return FSDP_ERR_INVALID_ARGUMENT;
+    case cudaErrorNoDevice:
+    case cudaErrorInsufficientDriver:
+      return FSDP_ERR_UNSUPPORTED;
+    default:
+      return FSDP_ERR_INTERNAL;
+  }
+}
+
+inline std::string describe(cudaError_t e) { return std::string(cudaGetErrorName(e)) + ": " + cudaGetErrorString(e); }
+
+// Throws the Error of `e` (if it is one), naming `what` was being done.
+inline void check(cudaError_t e, const std::string& what) {
+  if (e != cudaSuccess) fail(status_of(e), "cuda device: " + what + " failed (" + describe(e) + ")");
+}
+
+// Makes `ordinal` the calling thread's current device (each host thread has
+// its own; the API's caller may be any thread).
+inline void bind(int ordinal) {
+  thread_local int bound = -1;
+  if (bound != ordinal) {
+    check(cudaSetDevice(ordinal), "cudaSetDevice(" + std::to_string(ordinal) + ")");
+    bound = ordinal;
+  }
+}
+
+}  // namespace fsdp::device::cuda

@@ -1,0 +1,91 @@
+// src/device/cuda/cuda_device.h - the CUDA Device: memory from the device's
+// stream-ordered pool (cudaMallocAsync, kept cached by a release threshold),
+// the engine's streams as CUDA streams (cuda_stream.h), and the kernels of
+// kernels/cuda, which run the CPU device's functors.
+//
+// Where work goes: an operation called inside a CudaStream's task is queued on
+// that stream and returns at once (its results are there once the task's
+// event completes, host-side outputs such as a sum of squares included);
+// called outside any task, it runs on the device's own stream and returns
+// when it is done, as the CPU device's operations do.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <map>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "../device.h"
+#include "cuda_stream.h"
+
+namespace fsdp::device::cuda {
+
+class CudaDevice final : public Device {
+ public:
+  // Device `ordinal` (as CUDA numbers them after CUDA_VISIBLE_DEVICES).
+  // Throws UNSUPPORTED when no CUDA device can be used, INVALID_ARGUMENT for
+  // an ordinal out of range.
+  explicit CudaDevice(int ordinal);
+  ~CudaDevice() override;
+  CudaDevice(const CudaDevice&) = delete;
+  CudaDevice& operator=(const CudaDevice&) = delete;
+
+  // How many CUDA devices this process can use (0 when there is no driver or
+  // no GPU): what GPU tests check before they run.
+  static int count();
+
+  const char* name() const override { return "cuda"; }
+  Pool pool() const override { return Pool::kDevice; }
+  bool host_visible() const override { return false; }
+  int ordinal() const { return ordinal_; }
+
+  std::unique_ptr<Stream> create_stream(std::string name, int priority, StreamHooks hooks) override;
+  // `native` is a cudaStream_t of this device (NULL: the legacy default stream).
+  Stream& caller_stream(void* native, const char* call) override;
+
+  void* alloc(size_t nbytes) override;
+  void free(void* ptr) noexcept override;
+  void* alloc_zeroed(size_t nbytes) override;
+  void free_zeroed(void* ptr) noexcept override { free(ptr); }
+  void zero(void* ptr, size_t nbytes) override;
+  void copy(void* dst, const void* src, size_t nbytes) override;
+  void copy_from_host(void* dst, const void* host_src, size_t nbytes) override;
+  void copy_to_host(void* host_dst, const void* src, size_t nbytes) override;
+
+  void cast(void* dst, DType dst_dtype, const void* src, DType src_dtype, size_t numel) override;
+  void accumulate(float* acc, const void* src, DType src_dtype, float scale, size_t numel, double* acc_sq) override;
+  void cast_clear(void* dst, DType dst_dtype, void* src, DType src_dtype, size_t numel) override;
+  void accumulate_clear(float* acc, void* src, DType src_dtype, float scale, size_t numel, double* acc_sq) override;
+  void adam(const AdamArgs& args) override;
+  void sgd(const SgdArgs& args) override;
+  // Reads the sum on the host: waits for the stream it was queued on.
+  double sum_squares(const float* x, size_t numel) override;
+
+  // Pinned host doubles for results the host reads (sums of squares); handed
+  // back from a host callback, which may make no CUDA call.
+  double* take_pinned();
+  void give_pinned(double* p);
+
+ private:
+  // The stream an operation is queued on, and what follows its queueing: a
+  // check of the launch, and outside a task a wait for it to finish.
+  cudaStream_t target() const;
+  void issued(cudaError_t e, const char* what);
+  // Sum of squares of x into the device double `out_dev` on `s` (scratch
+  // from the stream-ordered pool).
+  void queue_sum_squares(const float* x, size_t numel, double* out_dev, cudaStream_t s);
+  // Queues on `s`: *host_dst = the sum of squares of x, written by a host
+  // callback from a pinned copy once `s` gets there.
+  void queue_squares_to_host(const float* x, size_t numel, double* host_dst, cudaStream_t s);
+
+  int ordinal_;
+  std::unique_ptr<CudaStream> ops_;  // operations called outside any task
+  std::mutex mu_;
+  std::map<cudaStream_t, std::unique_ptr<CudaStream>> callers_;  // the host's streams, wrapped
+  std::vector<double*> pinned_free_;
+  std::vector<void*> pinned_blocks_;
+};
+
+}  // namespace fsdp::device::cuda

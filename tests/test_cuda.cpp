@@ -1,0 +1,347 @@
+// The CUDA device against the CPU device: every kernel on random data (the
+// same bits where the order of operations is the same, which is everywhere
+// but the double sum of a sum of squares's steps), and the streams and events
+// that order the engine's work. Skips, saying so, where no GPU can be used.
+#include <gtest/gtest.h>
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "base/error.h"
+#include "device/cpu/cpu_device.h"
+#include "device/cuda/cuda_device.h"
+#include "kernels/cast.h"
+#include "kernels/cuda/launch.h"
+#include "kernels/norm.h"
+
+using fsdp::DType;
+using fsdp::device::AdamArgs;
+using fsdp::device::CpuDevice;
+using fsdp::device::EventPtr;
+using fsdp::device::Pool;
+using fsdp::device::SgdArgs;
+using fsdp::device::Stream;
+using fsdp::device::StreamHooks;
+using fsdp::device::cuda::CudaDevice;
+using fsdp::device::cuda::CudaStream;
+
+namespace {
+
+#define SKIP_WITHOUT_GPU()                                                                             \
+  do {                                                                                                 \
+    if (CudaDevice::count() == 0) GTEST_SKIP() << "no CUDA device can be used here: GPU test not run"; \
+  } while (0)
+
+// Sizes: below a vector, a vector plus a tail, over a norm step (256), and
+// over a level of the norm's fold (2048 steps); none a multiple of 4.
+const size_t kSizes[] = {1, 7, 257, 3 * 256 + 5, 2048 * 256 + 1027};
+
+std::vector<float> random_floats(size_t n, unsigned seed, float scale = 1.0f) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> d(-scale, scale);
+  std::vector<float> x(n);
+  for (size_t i = 0; i < n; ++i) x[i] = i % 11 == 5 ? 0.0f : d(rng);
+  return x;
+}
+
+// A device copy of host bytes, freed with the device.
+struct DeviceArray {
+  CudaDevice* dev;
+  void* ptr;
+  size_t nbytes;
+  DeviceArray(CudaDevice& d, const void* host, size_t n) : dev(&d), ptr(d.alloc(n)), nbytes(n) {
+    if (host != nullptr) d.copy_from_host(ptr, host, n);
+  }
+  ~DeviceArray() { dev->free(ptr); }
+  DeviceArray(const DeviceArray&) = delete;
+  DeviceArray& operator=(const DeviceArray&) = delete;
+  template <typename T>
+  std::vector<T> read() const {
+    std::vector<T> out(nbytes / sizeof(T));
+    dev->copy_to_host(out.data(), ptr, nbytes);
+    return out;
+  }
+  template <typename T>
+  T* as() const {
+    return static_cast<T*>(ptr);
+  }
+};
+
+template <typename T>
+DeviceArray upload(CudaDevice& d, const std::vector<T>& v) {
+  return DeviceArray(d, v.data(), v.size() * sizeof(T));
+}
+
+template <typename T>
+long first_difference(const std::vector<T>& a, const std::vector<T>& b) {
+  if (a.size() != b.size()) return static_cast<long>(std::min(a.size(), b.size()));
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (std::memcmp(&a[i], &b[i], sizeof(T)) != 0) return static_cast<long>(i);
+  }
+  return -1;
+}
+
+// Raw storage of `n` elements of `t` filled from fp32 values.
+std::vector<uint8_t> storage(CpuDevice& cpu, DType t, const std::vector<float>& values) {
+  std::vector<uint8_t> out(values.size() * fsdp::dtype_size(t));
+  cpu.cast(out.data(), t, values.data(), DType::kFp32, values.size());
+  return out;
+}
+
+const DType kDtypes[] = {DType::kFp32, DType::kBf16, DType::kFp16};
+
+// fn() throws an fsdp::Error of `status` whose message holds `text`.
+template <typename Fn>
+void expect_error(fsdp_status_t status, const std::string& text, Fn&& fn) {
+  try {
+    fn();
+    ADD_FAILURE() << "expected an error holding '" << text << "'";
+  } catch (const fsdp::Error& e) {
+    EXPECT_EQ(e.status(), status) << e.what();
+    EXPECT_NE(std::string(e.what()).find(text), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+
+TEST(CudaKernels, CastMatchesTheCpuBitwiseAndClearsItsSource) {
+  SKIP_WITHOUT_GPU();
+  CudaDevice gpu(0);
+  CpuDevice cpu(1, Pool::kDevice);
+  for (size_t n : kSizes) {
+    for (DType from : kDtypes) {
+      for (DType to : kDtypes) {
+        for (bool clear : {false, true}) {
+          SCOPED_TRACE("n=" + std::to_string(n) + " " + fsdp::dtype_name(from) + "->" + fsdp::dtype_name(to) +
+                       (clear ? " clear" : ""));
+          std::vector<uint8_t> src = storage(cpu, from, random_floats(n, 1, 7e4f));
+          std::vector<uint8_t> want(n * fsdp::dtype_size(to));
+          std::vector<uint8_t> cpu_src = src;
+          clear ? cpu.cast_clear(want.data(), to, cpu_src.data(), from, n)
+                : cpu.cast(want.data(), to, cpu_src.data(), from, n);
+          DeviceArray d_src = upload(gpu, src), d_out(gpu, nullptr, want.size());
+          clear ? gpu.cast_clear(d_out.ptr, to, d_src.ptr, from, n) : gpu.cast(d_out.ptr, to, d_src.ptr, from, n);
+          EXPECT_EQ(first_difference(want, d_out.read<uint8_t>()), -1);
+          EXPECT_EQ(first_difference(cpu_src, d_src.read<uint8_t>()), -1) << "source after the pass";
+        }
+      }
+    }
+  }
+}
+
+TEST(CudaKernels, UnalignedArraysTakeTheScalarPathWithTheSameBits) {
+  SKIP_WITHOUT_GPU();
+  CudaDevice gpu(0);
+  CpuDevice cpu(1, Pool::kDevice);
+  const size_t n = 1001;
+  std::vector<float> acc = random_floats(n + 1, 2), src = random_floats(n + 1, 3);
+  std::vector<float> want = acc;
+  cpu.accumulate(want.data() + 1, src.data() + 1, DType::kFp32, 0.5f, n, nullptr);
+  DeviceArray d_acc = upload(gpu, acc), d_src = upload(gpu, src);
+  gpu.accumulate(d_acc.as<float>() + 1, d_src.as<float>() + 1, DType::kFp32, 0.5f, n, nullptr);
+  EXPECT_EQ(first_difference(want, d_acc.read<float>()), -1);
+}
+
+TEST(CudaKernels, AccumulateMatchesTheCpuBitwiseAndItsSumOfSquaresClosely) {
+  SKIP_WITHOUT_GPU();
+  CudaDevice gpu(0);
+  CpuDevice cpu(1, Pool::kDevice);
+  for (size_t n : kSizes) {
+    for (DType from : kDtypes) {
+      for (bool clear : {false, true}) {
+        SCOPED_TRACE("n=" + std::to_string(n) + " src=" + fsdp::dtype_name(from) + (clear ? " clear" : ""));
+        std::vector<float> acc = random_floats(n, 4);
+        std::vector<uint8_t> src = storage(cpu, from, random_floats(n, 5));
+        std::vector<float> want = acc;
+        std::vector<uint8_t> cpu_src = src;
+        double want_sq = 0, got_sq = -1;
+        clear ? cpu.accumulate_clear(want.data(), cpu_src.data(), from, 0.25f, n, &want_sq)
+              : cpu.accumulate(want.data(), cpu_src.data(), from, 0.25f, n, &want_sq);
+        DeviceArray d_acc = upload(gpu, acc), d_src = upload(gpu, src);
+        clear ? gpu.accumulate_clear(d_acc.as<float>(), d_src.ptr, from, 0.25f, n, &got_sq)
+              : gpu.accumulate(d_acc.as<float>(), d_src.ptr, from, 0.25f, n, &got_sq);
+        EXPECT_EQ(first_difference(want, d_acc.read<float>()), -1);
+        EXPECT_EQ(first_difference(cpu_src, d_src.read<uint8_t>()), -1) << "source after the pass";
+        // The steps' fp32 sums are the same bits; only their double sum's
+        // order differs: a few double roundings per step, relative 1e-13.
+        EXPECT_NEAR(got_sq, want_sq, 1e-13 * want_sq);
+      }
+    }
+  }
+}
+
+TEST(CudaKernels, SumSquaresIsReproducibleAndClose) {
+  SKIP_WITHOUT_GPU();
+  CudaDevice gpu(0);
+  CpuDevice cpu(1, Pool::kDevice);
+  for (size_t n : kSizes) {
+    SCOPED_TRACE("n=" + std::to_string(n));
+    std::vector<float> x = random_floats(n, 6, 3e3f);
+    DeviceArray d = upload(gpu, x);
+    double got = gpu.sum_squares(d.as<float>(), n);
+    double want = cpu.sum_squares(x.data(), n);
+    if (n <= fsdp::kernels::kSqStep) {
+      EXPECT_EQ(got, want) << "one step: the same bits";
+    } else {
+      EXPECT_NEAR(got, want, 1e-13 * want);
+    }
+    EXPECT_EQ(gpu.sum_squares(d.as<float>(), n), got) << "the same bits every run";
+  }
+  EXPECT_EQ(gpu.sum_squares(nullptr, 0), 0.0);
+}
+
+TEST(CudaKernels, OptimizerPassesMatchTheCpuBitwise) {
+  SKIP_WITHOUT_GPU();
+  CudaDevice gpu(0);
+  CpuDevice cpu(1, Pool::kDevice);
+  for (size_t n : kSizes) {
+    for (int opt = 0; opt < 4; ++opt) {    // AdamW, Adam (L2), SGD, SGD with Nesterov momentum
+      for (int out = 0; out < 4; ++out) {  // none, fp32, bf16, fp16
+        for (bool zero_grads : {false, true}) {
+          SCOPED_TRACE("n=" + std::to_string(n) + " opt=" + std::to_string(opt) + " out=" + std::to_string(out) +
+                       " zero_grads=" + std::to_string(zero_grads));
+          std::vector<float> p = random_floats(n, 7), g = random_floats(n, 8, 3.0f), m = random_floats(n, 9, 1e-2f),
+                             v = random_floats(n, 10, 1e-2f);
+          for (float& x : v) x = std::abs(x);
+          DType out_dtype = out == 2 ? DType::kBf16 : out == 3 ? DType::kFp16 : DType::kFp32;
+          std::vector<uint8_t> out_host(out == 0 ? 0 : n * fsdp::dtype_size(out_dtype), 0xab);
+          std::vector<float> cp = p, cg = g, cm = m, cv = v;
+          std::vector<uint8_t> cout = out_host;
+          DeviceArray dp = upload(gpu, p), dg = upload(gpu, g), dm = upload(gpu, m), dv = upload(gpu, v),
+                      dout(gpu, out_host.data(), out_host.size());
+          double want_sq = 0, got_sq = -1;
+          void* cpu_out = out == 0 ? nullptr : cout.data();
+          void* gpu_out = out == 0 ? nullptr : dout.ptr;
+          if (opt < 2) {
+            auto op = fsdp::kernels::AdamOp::make(1e-3f, 0.9f, 0.999f, 1e-8f, 0.1f, opt == 0, 3, 0.75f);
+            cpu.adam(
+                AdamArgs{op, cp.data(), cg.data(), cm.data(), cv.data(), cpu_out, out_dtype, n, zero_grads, &want_sq});
+            gpu.adam(AdamArgs{op, dp.as<float>(), dg.as<float>(), dm.as<float>(), dv.as<float>(), gpu_out, out_dtype, n,
+                              zero_grads, &got_sq});
+          } else {
+            bool momentum = opt == 3;
+            fsdp::kernels::SgdOp op{0.05f, 0.01f, momentum ? 0.9f : 0.0f, 0.75f, momentum, false};
+            cpu.sgd(SgdArgs{op, cp.data(), cg.data(), momentum ? cm.data() : nullptr, cpu_out, out_dtype, n, zero_grads,
+                            &want_sq});
+            gpu.sgd(SgdArgs{op, dp.as<float>(), dg.as<float>(), momentum ? dm.as<float>() : nullptr, gpu_out, out_dtype,
+                            n, zero_grads, &got_sq});
+          }
+          EXPECT_EQ(first_difference(cp, dp.read<float>()), -1) << "params";
+          EXPECT_EQ(first_difference(cg, dg.read<float>()), -1) << "grads";
+          EXPECT_EQ(first_difference(cm, dm.read<float>()), -1) << "exp_avg / momentum";
+          EXPECT_EQ(first_difference(cv, dv.read<float>()), -1) << "exp_avg_sq";
+          if (out != 0) {
+            EXPECT_EQ(first_difference(cout, dout.read<uint8_t>()), -1) << "params copy";
+          }
+          EXPECT_NEAR(got_sq, want_sq, 1e-13 * want_sq) << "sum of squares of the raw grads";
+        }
+      }
+    }
+  }
+}
+
+TEST(CudaKernels, NonFiniteFlagFindsOneInfOrNanAnywhere) {
+  SKIP_WITHOUT_GPU();
+  CudaDevice gpu(0);
+  const size_t n = 100003;
+  for (float bad : {std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity(),
+                    std::numeric_limits<float>::quiet_NaN(), 0.0f}) {
+    for (size_t at : {size_t(0), n / 2, n - 1}) {
+      std::vector<float> x = random_floats(n, 12, 3e38f);
+      x[at] = bad;
+      DeviceArray d = upload(gpu, x);
+      int zero = 0;
+      DeviceArray flag(gpu, &zero, sizeof(int));
+      ASSERT_EQ(fsdp::kernels::cuda::flag_non_finite(d.as<float>(), n, flag.as<int>(), nullptr), cudaSuccess);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      EXPECT_EQ(flag.read<int>()[0], bad == 0.0f ? 0 : 1) << "bad=" << bad << " at " << at;
+    }
+  }
+}
+
+// ---- streams and events ---------------------------------------------------
+
+TEST(CudaStreams, OperationsInATaskAreQueuedOnItsStreamAndOrderedByEvents) {
+  SKIP_WITHOUT_GPU();
+  CudaDevice gpu(0);
+  auto producer = gpu.create_stream("producer", 0, StreamHooks{});
+  auto consumer = gpu.create_stream("consumer", 1, StreamHooks{});
+  const size_t n = size_t(1) << 26;  // long enough that the consumer would overtake an unordered producer
+  DeviceArray a(gpu, nullptr, n * sizeof(float)), b(gpu, nullptr, n * sizeof(float));
+  gpu.zero(a.ptr, a.nbytes);
+  std::vector<float> ones(n, 1.0f);
+  DeviceArray src = upload(gpu, ones);
+  CudaStream* seen = nullptr;
+  EventPtr written = producer->submit("write a", [&] {
+    seen = CudaStream::current();
+    for (int k = 0; k < 8; ++k) gpu.accumulate(a.as<float>(), src.ptr, DType::kFp32, 1.0f, n, nullptr);
+  });
+  EXPECT_EQ(seen, producer.get()) << "the task runs with its stream current";
+  EXPECT_EQ(CudaStream::current(), nullptr);
+  consumer->wait(written);
+  EventPtr copied = consumer->submit("copy a to b", [&] { gpu.copy(b.ptr, a.ptr, a.nbytes); });
+  copied->wait(60);
+  EXPECT_TRUE(written->done());
+  std::vector<float> got = b.read<float>();
+  EXPECT_EQ(got.front(), 8.0f);
+  EXPECT_EQ(got.back(), 8.0f);
+}
+
+TEST(CudaStreams, AFailedTaskFailsItsEventTheStreamAndTheWorkThatWaitsForIt) {
+  SKIP_WITHOUT_GPU();
+  CudaDevice gpu(0);
+  auto s1 = gpu.create_stream("one", 0, StreamHooks{});
+  auto s2 = gpu.create_stream("two", 0, StreamHooks{});
+  EventPtr bad = s1->submit("a failing task", [] { fsdp::fail(FSDP_ERR_COMM, "the collective failed"); });
+  EXPECT_TRUE(bad->done());
+  EXPECT_EQ(bad->status(), FSDP_ERR_COMM);
+  EXPECT_EQ(s1->failure(), FSDP_ERR_COMM);
+  s2->wait(bad);
+  bool ran = false;
+  EventPtr after = s2->submit("work after it", [&] { ran = true; });
+  EXPECT_FALSE(ran);
+  EXPECT_EQ(after->status(), FSDP_ERR_COMM);
+  expect_error(FSDP_ERR_COMM, "the collective failed", [&] { s1->synchronize(10); });
+}
+
+TEST(CudaStreams, TheHostsStreamIsWrappedOncePerHandle) {
+  SKIP_WITHOUT_GPU();
+  CudaDevice gpu(0);
+  cudaStream_t mine = nullptr;
+  ASSERT_EQ(cudaStreamCreate(&mine), cudaSuccess);
+  Stream& wrapped = gpu.caller_stream(mine, "fsdp_forward_begin");
+  EXPECT_EQ(&wrapped, &gpu.caller_stream(mine, "fsdp_forward_end")) << "one wrapper per handle";
+  EXPECT_EQ(static_cast<CudaStream&>(wrapped).native(), mine);
+  Stream& legacy = gpu.caller_stream(nullptr, "fsdp_step");
+  EXPECT_EQ(static_cast<CudaStream&>(legacy).native(), nullptr);
+  ASSERT_EQ(cudaStreamDestroy(mine), cudaSuccess);
+}
+
+// (A pointer that is no stream at all cannot be tested: CUDA may dereference it.)
+TEST(CudaStreams, AStreamOfAnotherGpuIsRefused) {
+  if (CudaDevice::count() < 2) GTEST_SKIP() << "needs 2 GPUs, " << CudaDevice::count() << " here: GPU test not run";
+  CudaDevice gpu(0);
+  cudaStream_t other = nullptr;
+  ASSERT_EQ(cudaSetDevice(1), cudaSuccess);
+  ASSERT_EQ(cudaStreamCreate(&other), cudaSuccess);
+  expect_error(FSDP_ERR_INVALID_ARGUMENT, "belongs to cuda:1",
+               [&] { gpu.caller_stream(other, "fsdp_backward_begin"); });
+  ASSERT_EQ(cudaStreamDestroy(other), cudaSuccess);
+}
+
+TEST(CudaDeviceErrors, AnOrdinalOutOfRangeIsRefusedNamingTheCount) {
+  SKIP_WITHOUT_GPU();
+  expect_error(FSDP_ERR_INVALID_ARGUMENT, "CUDA device(s)", [] { CudaDevice bad(CudaDevice::count()); });
+}
+
+TEST(CudaDeviceErrors, WithoutAGpuTheDeviceIsUnsupportedWithAReason) {
+  if (CudaDevice::count() > 0) GTEST_SKIP() << "a GPU is present: this checks the machines without one";
+  expect_error(FSDP_ERR_UNSUPPORTED, "no CUDA device", [] { CudaDevice none(0); });
+}

@@ -1,0 +1,108 @@
+#!/usr/bin/env bash
+# The GPU check, on a machine with an NVIDIA GPU: builds libfsdp with the CUDA
+# parts, runs the GPU suite (the tests named Cuda*; on a GPU none may skip),
+# runs it again under compute-sanitizer (memcheck, then racecheck), runs the
+# CUDA benchmarks, and ends with a summary. Works without a package
+# registry: build dependencies the machine lacks come from .gpu-deps/ (Debian
+# packages that tools/gpu-deps.sh downloads elsewhere), unpacked into a prefix.
+#
+#   tools/gpu-check.sh [build dir, default build/gpu]
+# Environment: FSDP_CUDA_ARCHS (default: native, the GPU present),
+# FSDP_GPU_CHECK_OUT (a folder for the logs and JSON, default the build dir).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+build=${1:-build/gpu}
+out=${FSDP_GPU_CHECK_OUT:-$build}
+mkdir -p "$build" "$out"
+summary=()
+failed=0
+note() { summary+=("$*"); echo "gpu-check: $*"; }
+
+if ! command -v nvidia-smi >/dev/null || ! nvidia-smi -L >/dev/null 2>&1; then
+  echo "gpu-check: no NVIDIA GPU is visible here (nvidia-smi -L failed); this check needs one" >&2
+  exit 2
+fi
+note "GPU: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | head -1)"
+
+cmake_args=(-DFSDP_WITH_CUDA=ON -DFSDP_WITH_MPI=OFF -DCMAKE_BUILD_TYPE=RelWithDebInfo
+            "-DCMAKE_CUDA_ARCHITECTURES=${FSDP_CUDA_ARCHS:-native}")
+if [ -d .gpu-deps ] && compgen -G ".gpu-deps/*.deb" >/dev/null; then
+  prefix=/tmp/fsdp-gpu-deps
+  mkdir -p "$prefix"
+  for f in .gpu-deps/*.deb; do dpkg -x "$f" "$prefix"; done
+  multiarch=$prefix/usr/lib/x86_64-linux-gnu
+  export PATH=$prefix/usr/bin:$PATH
+  export LD_LIBRARY_PATH=$multiarch${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  export PKG_CONFIG_PATH=$multiarch/pkgconfig:$prefix/usr/share/pkgconfig
+  sed -i "s|=/usr|=$prefix/usr|" "$multiarch"/pkgconfig/*.pc  # their paths say /usr
+  cmake_args+=("-DCMAKE_PREFIX_PATH=$prefix/usr" "-DCMAKE_LIBRARY_PATH=$multiarch" "-DCMAKE_INCLUDE_PATH=$prefix/usr/include")
+  [ -d "$prefix/usr/src/googletest" ] && cmake_args+=("-DFSDP_GTEST_SOURCE_DIR=$prefix/usr/src/googletest")
+  note "build dependencies from .gpu-deps ($(ls .gpu-deps/*.deb | wc -l) packages) in $prefix"
+fi
+command -v ninja >/dev/null && cmake_args+=(-G Ninja)
+
+if ! cmake -S . -B "$build" "${cmake_args[@]}" >"$out/configure.log" 2>&1; then
+  tail -30 "$out/configure.log"
+  note "configure FAILED (log: $out/configure.log)"
+  printf '%s\n' "${summary[@]}"
+  exit 1
+fi
+if ! cmake --build "$build" -j"$(nproc)" >"$out/build.log" 2>&1; then
+  grep -m20 -B2 -A8 "error" "$out/build.log"
+  note "build FAILED (log: $out/build.log)"
+  printf '%s\n' "${summary[@]}"
+  exit 1
+fi
+note "built: $(python3 -c '
+import ctypes, sys
+lib = ctypes.CDLL(sys.argv[1]); lib.fsdp_build_info.restype = ctypes.c_char_p
+print(lib.fsdp_build_info().decode())' "$build/src/libfsdp.so")"
+
+# The GPU suite: every test named Cuda*. On a GPU, a skip is a failure, but
+# for the tests of machines without one (*WithoutAGpu*) and, with one GPU,
+# those that need two (*AnotherGpu*), which are left out.
+gpus=$(nvidia-smi -L | grep -c '^GPU')
+exclude='WithoutAGpu'
+[ "$gpus" -lt 2 ] && exclude+='|AnotherGpu' && note "1 GPU: the tests that need 2 (*AnotherGpu*) are left out"
+ctest --test-dir "$build" -R '^Cuda' -E "$exclude" -j4 --output-on-failure >"$out/gpu-suite.log" 2>&1
+rc=$?
+passed=$(grep -c " Passed " "$out/gpu-suite.log")
+skipped=$(grep -c "(Skipped)\| Skipped " "$out/gpu-suite.log")
+failures=$(grep -c "\*\*\*Failed\|\*\*\*Exception\|\*\*\*Timeout" "$out/gpu-suite.log")
+if [ $rc -ne 0 ] || [ "$skipped" -ne 0 ] || [ "$passed" -eq 0 ]; then
+  failed=1
+  grep -A30 "\*\*\*Failed\|Skipped" "$out/gpu-suite.log" | head -80
+  note "GPU suite FAILED: $passed passed, $failures failed, $skipped skipped (log: $out/gpu-suite.log)"
+else
+  note "GPU suite: $passed passed, 0 failed, 0 skipped"
+fi
+
+# The same tests under compute-sanitizer.
+if command -v compute-sanitizer >/dev/null; then
+  for tool in memcheck racecheck; do
+    if compute-sanitizer --tool "$tool" --error-exitcode 99 "$build/tests/test_cuda" >"$out/sanitizer-$tool.log" 2>&1; then
+      note "compute-sanitizer $tool: clean ($(grep -o '[0-9]* tests\? ran\|PASSED.*' "$out/sanitizer-$tool.log" | tail -1))"
+    else
+      failed=1
+      tail -40 "$out/sanitizer-$tool.log"
+      note "compute-sanitizer $tool FAILED (log: $out/sanitizer-$tool.log)"
+    fi
+  done
+else
+  failed=1
+  note "compute-sanitizer not found: the sanitizer runs did not happen"
+fi
+
+# Benchmarks (JSON lines).
+if [ -x "$build/benchmarks/bench_cuda_kernels" ]; then
+  "$build/benchmarks/bench_cuda_kernels" | tee "$out/bench_cuda_kernels.json"
+  note "bench_cuda_kernels: $(python3 -c '
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+print(", ".join("%s %.2f of copy" % (r["kernel"], r["ratio_to_copy"]) for r in rows if "kernel" in r) or rows)
+' "$out/bench_cuda_kernels.json")"
+fi
+
+echo "== gpu-check summary =="
+printf '%s\n' "${summary[@]}"
+exit $failed
