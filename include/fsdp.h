@@ -209,7 +209,8 @@ FSDP_API fsdp_status_t fsdp_backward_begin(fsdp_unit_t* unit, void* stream);
  * gradient sync is off) and frees the full params and grads. */
 FSDP_API fsdp_status_t fsdp_backward_end(fsdp_unit_t* unit, void* stream);
 /* Pointer to param `param_index`'s full values (param_dtype, row-major),
- * valid between a *_begin and its *_end. Read only. */
+ * valid between a *_begin and its *_end. Read only. On device=cuda it is GPU
+ * memory (so is fsdp_grad_ptr's). */
 FSDP_API fsdp_status_t fsdp_param_ptr(fsdp_unit_t* unit, size_t param_index, void** ptr);
 /* Pointer to param `param_index`'s grad (param_dtype), valid between
  * fsdp_backward_begin and fsdp_backward_end. Add grads into it. */
@@ -263,7 +264,7 @@ FSDP_API fsdp_status_t fsdp_gather_param(fsdp_unit_t* unit, size_t param_index, 
  * the flat buffer in registration order, each start aligned to align_bytes;
  * gaps and the tail are padding. The shard is over the shard group (the world,
  * or shard_group_size ranks for HYBRID_SHARD); with offload=cpu it is host
- * memory. */
+ * memory, on device=cuda otherwise GPU memory. */
 FSDP_API fsdp_status_t fsdp_shard_info(fsdp_unit_t* unit, float** ptr, size_t* offset, size_t* numel);
 /* Where param `param_index` lies in the unit's flat buffer. */
 FSDP_API fsdp_status_t fsdp_param_flat_range(fsdp_unit_t* unit, size_t param_index, size_t* offset, size_t* numel);

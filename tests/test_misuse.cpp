@@ -44,6 +44,8 @@ std::string get_option(const fsdp_config_t* cfg, const char* key) {
 
 bool contains(const std::string& hay, const std::string& needle) { return hay.find(needle) != std::string::npos; }
 
+bool have_cuda() { return contains(fsdp_build_info(), "cuda"); }
+
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
@@ -240,14 +242,67 @@ TEST(Config, BadValuesFailListingValidChoicesAndChangeNothing) {
 TEST(Config, OptionsOfOtherBuildsAreUnsupported) {
   ConfigPtr cfg = make_config({{"sharding", "NO_SHARD"}});
   ASSERT_TRUE(cfg);
-  std::vector<std::pair<const char*, const char*>> other = {{"device", "cuda"}, {"device", "cuda:0"}, {"comm", "nccl"}};
+  std::vector<std::pair<const char*, const char*>> other = {{"comm", "nccl"}};
   const bool have_mpi = std::string(fsdp_build_info()).find("mpi") != std::string::npos;
   if (!have_mpi) other.push_back({"comm", "mpi"});
+  if (!have_cuda()) {
+    for (const char* d : {"cuda", "cuda:0", "gpu"}) other.push_back({"device", d});
+  }
   for (const auto& kv : other) {
     SCOPED_TRACE(std::string(kv.first) + "=" + kv.second);
     EXPECT_STATUS(FSDP_ERR_UNSUPPORTED, fsdp_config_set(cfg.get(), kv.first, kv.second));
   }
   EXPECT_EQ(get_option(cfg.get(), "sharding"), "NO_SHARD");
+}
+
+// device=cuda[:N] reads back with the ordinal it resolved to: N, else the
+// launcher's LOCAL_RANK, else 0.
+TEST(Config, DeviceCudaReadsBackWithItsOrdinal) {
+  if (!have_cuda()) GTEST_SKIP() << "this build has no CUDA device: device=cuda is checked as unsupported above";
+  ConfigPtr cfg = make_config({});
+  ASSERT_TRUE(cfg);
+  ASSERT_OK(fsdp_config_set(cfg.get(), "device", "cuda:3"));
+  EXPECT_EQ(get_option(cfg.get(), "device"), "cuda:3");
+  ASSERT_EQ(setenv("LOCAL_RANK", "2", 1), 0);
+  ASSERT_OK(fsdp_config_set(cfg.get(), "device", "cuda"));
+  EXPECT_EQ(get_option(cfg.get(), "device"), "cuda:2");
+  ASSERT_EQ(unsetenv("LOCAL_RANK"), 0);
+  ASSERT_OK(fsdp_config_set(cfg.get(), "device", "GPU"));
+  EXPECT_EQ(get_option(cfg.get(), "device"), "cuda:0");
+  for (const char* bad : {"cuda:", "cuda:x", "cuda:-1", "cuda:1024", "tpu"}) {
+    EXPECT_STATUS(FSDP_ERR_INVALID_ARGUMENT, fsdp_config_set(cfg.get(), "device", bad)) << bad;
+  }
+  EXPECT_EQ(get_option(cfg.get(), "device"), "cuda:0") << "a refused value changes nothing";
+  ASSERT_OK(fsdp_config_set(cfg.get(), "device", "cpu"));
+  EXPECT_EQ(get_option(cfg.get(), "device"), "cpu");
+}
+
+// What device=cuda does not run yet is refused on every rank with a reason,
+// before any GPU is touched; on a machine without a GPU, so is the rest.
+TEST(Config, DeviceCudaRefusesWhatItCannotRunYet) {
+  if (!have_cuda()) GTEST_SKIP() << "this build has no CUDA device";
+  run_ranks(2, [](int rank, fsdp_local_group_t* group) {
+    ConfigPtr cfg = make_config({{"device", "cuda:0"}});
+    ASSERT_TRUE(cfg);
+    fsdp_ctx_t* raw = nullptr;
+    EXPECT_STATUS(FSDP_ERR_UNSUPPORTED, fsdp_ctx_create(cfg.get(), group, rank, &raw));
+    EXPECT_TRUE(contains(fsdp_last_error(), "one rank per context")) << fsdp_last_error();
+    EXPECT_EQ(raw, nullptr);
+  });
+  ConfigPtr offload = make_config({{"device", "cuda:0"}, {"offload", "cpu"}});
+  ASSERT_TRUE(offload);
+  fsdp_ctx_t* raw = nullptr;
+  EXPECT_STATUS(FSDP_ERR_UNSUPPORTED, fsdp_ctx_create(offload.get(), nullptr, 0, &raw));
+  EXPECT_TRUE(contains(fsdp_last_error(), "pinned host pool")) << fsdp_last_error();
+  ConfigPtr plain = make_config({{"device", "cuda:0"}});
+  ASSERT_TRUE(plain);
+  const fsdp_status_t st = fsdp_ctx_create(plain.get(), nullptr, 0, &raw);
+  if (st == FSDP_OK) {
+    fsdp_ctx_destroy(raw);  // a GPU is here: tests/test_cuda_engine.cpp trains on it
+  } else {
+    EXPECT_EQ(st, FSDP_ERR_UNSUPPORTED) << fsdp_last_error();
+    EXPECT_TRUE(contains(fsdp_last_error(), "no CUDA device")) << fsdp_last_error();
+  }
 }
 
 TEST(Config, AliasesReadBackAsCanonicalNames) {

@@ -103,8 +103,9 @@ func RunRanks(n int, fn func(rank int, g *Group) error) error {
 
 // Context is one rank's view of the job. It owns its units.
 type Context struct {
-	ptr   *C.fsdp_ctx_t
-	units []*Unit
+	ptr    *C.fsdp_ctx_t
+	units  []*Unit
+	device string // "cpu" or "cuda:N": where unit buffers live
 }
 
 // NewContext (collective) creates this rank's context. group nil means a
@@ -121,14 +122,23 @@ func NewContext(cfg *Config, group *Group, rank int) (*Context, error) {
 		}
 		gp = group.ptr
 	}
+	device, err := cfg.Get("device")
+	if err != nil {
+		return nil, err
+	}
 	var p *C.fsdp_ctx_t
 	if err := call("fsdp_ctx_create", func() C.fsdp_status_t {
 		return C.fsdp_ctx_create(cfg.ptr, gp, C.int(rank), &p)
 	}); err != nil {
 		return nil, err
 	}
-	return &Context{ptr: p}, nil
+	return &Context{ptr: p, device: device}, nil
 }
+
+// Device is where the context's unit buffers live: "cpu" or "cuda:N". On
+// CUDA, Param/Grad slices cannot be made (the host cannot read GPU memory);
+// use ParamPtr/GradPtr with a CUDA library.
+func (c *Context) Device() string { return c.device }
 
 func (c *Context) live(op string) error {
 	if c == nil || c.ptr == nil {

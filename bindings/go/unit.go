@@ -186,10 +186,34 @@ func (u *Unit) raw(i int, grad bool, want16 bool) (unsafe.Pointer, error) {
 	return p, err
 }
 
+// hostOnly refuses a Go slice over memory the host cannot read.
+func (u *Unit) hostOnly(op string) error {
+	if d := u.ctx.device; d != "cpu" {
+		return newError(op, StatusUnsupported, fmt.Sprintf(
+			"the context runs on %s: its buffers are GPU memory, which a Go slice cannot view; use ParamPtr/GradPtr with a CUDA library", d))
+	}
+	return nil
+}
+
+// ParamPtr is param i's full values (param dtype) as a pointer on the
+// context's device (Device()): GPU memory on CUDA. Valid as Param's slice is.
+func (u *Unit) ParamPtr(i int) (unsafe.Pointer, error) {
+	return u.raw(i, false, u.dtype != FP32)
+}
+
+// GradPtr is param i's grad buffer (param dtype) as a pointer on the
+// context's device. Valid as Grad's slice is; add grads into it.
+func (u *Unit) GradPtr(i int) (unsafe.Pointer, error) {
+	return u.raw(i, true, u.dtype != FP32)
+}
+
 // Param is param i's full values, a slice over library memory valid only
 // until the end of the current forward or backward block. Read only.
 // fp32 contexts only (else ParamU16).
 func (u *Unit) Param(i int) ([]float32, error) {
+	if err := u.hostOnly("fsdp_param_ptr"); err != nil {
+		return nil, err
+	}
 	p, err := u.raw(i, false, false)
 	if err != nil || p == nil {
 		return nil, err
@@ -200,6 +224,9 @@ func (u *Unit) Param(i int) ([]float32, error) {
 // Grad is param i's grad buffer, a slice over library memory valid only
 // between BackwardBegin and BackwardEnd. Add grads into it. fp32 only.
 func (u *Unit) Grad(i int) ([]float32, error) {
+	if err := u.hostOnly("fsdp_grad_ptr"); err != nil {
+		return nil, err
+	}
 	p, err := u.raw(i, true, false)
 	if err != nil || p == nil {
 		return nil, err
@@ -209,6 +236,9 @@ func (u *Unit) Grad(i int) ([]float32, error) {
 
 // ParamU16 is Param for bf16/fp16 contexts: the raw 16-bit values.
 func (u *Unit) ParamU16(i int) ([]uint16, error) {
+	if err := u.hostOnly("fsdp_param_ptr"); err != nil {
+		return nil, err
+	}
 	p, err := u.raw(i, false, true)
 	if err != nil || p == nil {
 		return nil, err
@@ -218,6 +248,9 @@ func (u *Unit) ParamU16(i int) ([]uint16, error) {
 
 // GradU16 is Grad for bf16/fp16 contexts: the raw 16-bit values.
 func (u *Unit) GradU16(i int) ([]uint16, error) {
+	if err := u.hostOnly("fsdp_grad_ptr"); err != nil {
+		return nil, err
+	}
 	p, err := u.raw(i, true, true)
 	if err != nil || p == nil {
 		return nil, err
@@ -246,6 +279,9 @@ func (u *Unit) Gather(i int) ([]float32, error) {
 // the unit's flat buffer and a slice over it (library memory, valid while the
 // Context lives).
 func (u *Unit) ShardInfo() (offset int, shard []float32, err error) {
+	if err = u.hostOnly("fsdp_shard_info"); err != nil {
+		return 0, nil, err
+	}
 	var p *C.float
 	var off, n C.size_t
 	if err = u.simple("fsdp_shard_info", func() C.fsdp_status_t { return C.fsdp_shard_info(u.ptr, &p, &off, &n) }); err != nil {

@@ -93,18 +93,18 @@ int fsdp_version(void) { return FSDP_VERSION_NUMBER; }
 #define FSDP_COMMS "local"
 #endif
 
-// With the CUDA parts built: their toolkit and GPU architectures, and that
-// the engine does not run on them yet (docs/gpu.md).
+// With the CUDA parts built: the device, its toolkit and GPU architectures.
 #ifdef FSDP_HAVE_CUDA
-#define FSDP_CUDA_INFO \
-  " cuda=" FSDP_CUDA_VERSION " (kernels and streams for sm " FSDP_CUDA_ARCHS "; device=cuda not yet in the engine)"
+#define FSDP_DEVICES "cpu,cuda"
+#define FSDP_CUDA_INFO " cuda=" FSDP_CUDA_VERSION " (sm " FSDP_CUDA_ARCHS ")"
 #else
+#define FSDP_DEVICES "cpu"
 #define FSDP_CUDA_INFO ""
 #endif
 
 const char* fsdp_build_info(void) {
   return "libfsdp " FSDP_STR(FSDP_VERSION_MAJOR) "." FSDP_STR(FSDP_VERSION_MINOR) "." FSDP_STR(
-      FSDP_VERSION_PATCH) " devices=cpu comms=" FSDP_COMMS FSDP_CUDA_INFO;
+      FSDP_VERSION_PATCH) " devices=" FSDP_DEVICES " comms=" FSDP_COMMS FSDP_CUDA_INFO;
 }
 
 fsdp_status_t fsdp_config_create(fsdp_config_t** out) {

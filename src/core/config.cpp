@@ -267,20 +267,31 @@ const std::vector<Entry>& table() {
        [](const Options& o) { return std::to_string(o.threads); }},
       {"device",
        {},
-       [](Options&, const std::string& v) {
+       [](Options& o, const std::string& v) {
          std::string l = lower(trim(v));
-         if (l == "cpu") return;
-         if (l == "cuda" || l == "gpu" || l.rfind("cuda:", 0) == 0) {
-           fail(FSDP_ERR_UNSUPPORTED,
-                "config: device " + base::quote(v) +
-                    (kHaveCuda ? " is not available yet: this build has the CUDA device's kernels and streams, but "
-                                 "the engine does not run on them yet (docs/gpu.md); use cpu"
-                               : " needs the CUDA device, which this build does not have (see fsdp_build_info()); "
-                                 "use cpu"));
+         if (l == "cpu") {
+           o.cuda_ordinal = -1;
+           return;
          }
-         bad_value("device", v, "cpu");
+         if (l == "cuda" || l == "gpu" || l.rfind("cuda:", 0) == 0) {
+           if (!kHaveCuda) {
+             fail(FSDP_ERR_UNSUPPORTED, "config: device " + base::quote(v) +
+                                            " needs the CUDA device, which this build does not have (see "
+                                            "fsdp_build_info()); use cpu");
+           }
+           if (l.rfind("cuda:", 0) == 0) {
+             o.cuda_ordinal = static_cast<int>(parse_int("device", l.substr(5), 0, 1023));
+           } else {
+             // The launcher's local rank picks the GPU, as torchrun's users expect.
+             const char* local = std::getenv("LOCAL_RANK");
+             if (local == nullptr) local = std::getenv("OMPI_COMM_WORLD_LOCAL_RANK");
+             o.cuda_ordinal = local != nullptr ? static_cast<int>(parse_int("LOCAL_RANK", local, 0, 1023)) : 0;
+           }
+           return;
+         }
+         bad_value("device", v, kHaveCuda ? "cpu, cuda, cuda:N" : "cpu");
        },
-       [](const Options&) { return std::string("cpu"); }},
+       [](const Options& o) { return o.on_cuda() ? "cuda:" + std::to_string(o.cuda_ordinal) : std::string("cpu"); }},
       {"comm",
        {"communicator", "backend"},
        [](Options& o, const std::string& v) {

@@ -61,6 +61,10 @@ struct Options {
   MpiAlgorithm mpi_algorithm = MpiAlgorithm::kAuto;
   int shard_group_size = 0;  // HYBRID_SHARD: ranks per shard group; 0 = the local world size
   bool offload_cpu = false;  // master shard, sharded grads, optimizer state in host memory
+  // The compute device: the CPU (cuda_ordinal < 0) or CUDA device
+  // `cuda_ordinal` (device=cuda[:N]; N defaults to LOCAL_RANK, else 0).
+  int cuda_ordinal = -1;
+  bool on_cuda() const { return cuda_ordinal >= 0; }
 
   DType reduce_dtype() const { return reduce_dtype_auto ? param_dtype : reduce_dtype_set; }
   bool hybrid() const { return sharding == Sharding::kHybridShard || sharding == Sharding::kHybridShardZero2; }

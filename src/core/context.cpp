@@ -8,6 +8,7 @@
 #include "../base/error.h"
 #include "../base/text.h"
 #include "../device/cpu/cpu_device.h"
+#include "../device/factory.h"
 #include "consensus.h"
 
 namespace fsdp::core {
@@ -28,7 +29,8 @@ std::string describe(const Options& o) {
      << o.loss_scale_static << "," << o.loss_scale_init << "," << o.loss_scale_growth << "," << o.loss_scale_backoff
      << "," << o.loss_scale_growth_interval << "\nsync_module_states=" << o.sync_module_states
      << "\ncomm=" << static_cast<int>(o.comm) << "\nmpi_algorithm=" << static_cast<int>(o.mpi_algorithm)
-     << "\nshard_group_size=" << o.shard_group_size << "\noffload=" << o.offload_cpu << "\nno_weight_decay=";
+     << "\nshard_group_size=" << o.shard_group_size << "\noffload=" << o.offload_cpu
+     << "\ndevice=" << (o.on_cuda() ? "cuda" : "cpu") << "\nno_weight_decay=";
   for (const auto& p : o.no_weight_decay) os << p << ",";
   return os.str();
 }
@@ -45,6 +47,22 @@ std::string describe(size_t index, const std::string& name, const std::vector<Pa
   return os.str();
 }
 
+// What device=cuda does not run yet, refused on every rank alike (the check
+// depends only on options every rank shares and the world size).
+void check_cuda_supports(const Options& o, int world) {
+  if (world > 1) {
+    fail(FSDP_ERR_UNSUPPORTED,
+         "fsdp_ctx_create: device=cuda runs one rank per context for now (this world has " + std::to_string(world) +
+             "): the local and mpi communicators do not move GPU memory yet and NCCL is not built in "
+             "(docs/gpu.md)");
+  }
+  if (o.offload_cpu) {
+    fail(FSDP_ERR_UNSUPPORTED,
+         "fsdp_ctx_create: offload=cpu with device=cuda is not available yet: it needs the pinned host pool "
+         "(docs/gpu.md)");
+  }
+}
+
 }  // namespace
 
 Context::Context(const Options& opts, std::unique_ptr<comm::Communicator> world)
@@ -52,7 +70,8 @@ Context::Context(const Options& opts, std::unique_ptr<comm::Communicator> world)
   world_ = std::move(world);
   rt_.rank = world_->rank();
   rt_.world = world_->world_size();
-  dev_ = std::make_unique<device::CpuDevice>(opts.threads, device::Pool::kDevice);
+  if (opts.on_cuda()) check_cuda_supports(opts, rt_.world);
+  dev_ = device::make_compute_device(opts.cuda_ordinal, opts.threads);
   rt_.dev = dev_.get();
   rt_.state_dev = dev_.get();
   Trace* trace = &rt_.trace;

@@ -479,7 +479,9 @@ class Unit:
         return out
 
     def shard_info(self):
-        """(copy of this rank's flat fp32 master shard, its offset in the unit's flat buffer)."""
+        """(copy of this rank's flat fp32 master shard, its offset in the unit's flat buffer). device=cpu only:
+        on a CUDA context the shard is GPU memory (use gather())."""
+        self._numpy_only("shard_info")
         p, off, n = ctypes.c_void_p(), ctypes.c_size_t(), ctypes.c_size_t()
         check(LIB.fsdp_shard_info(self._handle(), ctypes.byref(p), ctypes.byref(off), ctypes.byref(n)),
               "fsdp_shard_info")
