@@ -85,6 +85,18 @@ void write_grad(fsdp_unit_t* u, fsdp_dtype_t dt, const std::vector<float>& g, bo
   }
 }
 
+// The model's units: kUnits square weights named layer0, layer1, ...
+void register_units(fsdp_ctx_t* ctx, std::vector<fsdp_unit_t*>* units) {
+  units->assign(kUnits, nullptr);
+  for (int k = 0; k < kUnits; ++k) {
+    const char* names[] = {"weight"};
+    int32_t ndims[] = {2};
+    int64_t dims[] = {kDim, kDim};
+    std::string name = "layer" + std::to_string(k);
+    CHECK_OK(fsdp_unit_register(ctx, name.c_str(), 1, names, ndims, dims, &(*units)[k]));
+  }
+}
+
 // Trains kSteps of AdamW on a fixed batch; `opts` plus device=cpu or cuda:0.
 void train(const std::map<std::string, std::string>& opts, bool gpu, bool keep_open, TrainedRun* out) {
   fsdp_config_t* cfg = nullptr;
@@ -103,13 +115,10 @@ void train(const std::map<std::string, std::string>& opts, bool gpu, bool keep_o
   CHECK_OK(fsdp_ctx_param_dtype(ctx, &dt));
   std::mt19937 rng(7);
   std::normal_distribution<float> nd(0.0f, 1.0f);
-  std::vector<fsdp_unit_t*> units(kUnits);
+  std::vector<fsdp_unit_t*> units;
+  register_units(ctx, &units);
+  if (::testing::Test::HasFatalFailure()) return;
   for (int k = 0; k < kUnits; ++k) {
-    const char* names[] = {"weight"};
-    int32_t ndims[] = {2};
-    int64_t dims[] = {kDim, kDim};
-    std::string name = "layer" + std::to_string(k);
-    CHECK_OK(fsdp_unit_register(ctx, name.c_str(), 1, names, ndims, dims, &units[k]));
     std::vector<float> w(kDim * kDim);
     for (float& x : w) x = nd(rng) / std::sqrt(float(kDim));
     CHECK_OK(fsdp_param_set_values(units[k], 0, w.data(), w.size()));
@@ -234,14 +243,9 @@ TEST(CudaEngine, ACheckpointSavedOnTheGpuLoadsOnTheCpuBitwise) {
   fsdp_status_t created = fsdp_ctx_create(cfg, nullptr, 0, &ctx);
   fsdp_config_destroy(cfg);
   CHECK_OK(created);
-  std::vector<fsdp_unit_t*> units(kUnits);
-  for (int k = 0; k < kUnits; ++k) {
-    const char* names[] = {"weight"};
-    int32_t ndims[] = {2};
-    int64_t dims[] = {kDim, kDim};
-    std::string name = "layer" + std::to_string(k);
-    CHECK_OK(fsdp_unit_register(ctx, name.c_str(), 1, names, ndims, dims, &units[k]));
-  }
+  std::vector<fsdp_unit_t*> units;
+  register_units(ctx, &units);
+  if (::testing::Test::HasFatalFailure()) return;
   CHECK_OK(fsdp_load(ctx, dir.c_str()));
   for (int k = 0; k < kUnits; ++k) {
     std::vector<float> w(kDim * kDim);
