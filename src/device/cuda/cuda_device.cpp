@@ -198,20 +198,21 @@ void CudaDevice::queue_squares_to_host(const float* x, size_t numel, double* hos
   check(cudaLaunchHostFunc(s, write_host_result, new HostResult{this, pinned, host_dst}), "cudaLaunchHostFunc");
 }
 
-void CudaDevice::accumulate(float* acc, const void* src, DType src_dtype, float scale, size_t numel, double* acc_sq) {
+void CudaDevice::accumulate_pass(float* acc, void* src, DType src_dtype, float scale, size_t numel, bool clear,
+                                 double* acc_sq) {
   bind(ordinal_);
   cudaStream_t s = target();
-  check(k::accumulate(acc, const_cast<void*>(src), code(src_dtype), scale, numel, false, s), "accumulate");
-  if (acc_sq != nullptr) queue_squares_to_host(acc, numel, acc_sq, s);
+  check(k::accumulate(acc, src, code(src_dtype), scale, numel, clear, s), "accumulate");
+  if (acc_sq != nullptr) queue_squares_to_host(acc, numel, acc_sq, s);  // of the sums, as the CPU's pass
   issued(cudaSuccess, "accumulate");
 }
 
+void CudaDevice::accumulate(float* acc, const void* src, DType src_dtype, float scale, size_t numel, double* acc_sq) {
+  accumulate_pass(acc, const_cast<void*>(src), src_dtype, scale, numel, false, acc_sq);
+}
+
 void CudaDevice::accumulate_clear(float* acc, void* src, DType src_dtype, float scale, size_t numel, double* acc_sq) {
-  bind(ordinal_);
-  cudaStream_t s = target();
-  check(k::accumulate(acc, src, code(src_dtype), scale, numel, true, s), "accumulate_clear");
-  if (acc_sq != nullptr) queue_squares_to_host(acc, numel, acc_sq, s);
-  issued(cudaSuccess, "accumulate_clear");
+  accumulate_pass(acc, src, src_dtype, scale, numel, true, acc_sq);
 }
 
 void CudaDevice::adam(const AdamArgs& a) {

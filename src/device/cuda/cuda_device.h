@@ -73,6 +73,8 @@ class CudaDevice final : public Device {
   // check of the launch, and outside a task a wait for it to finish.
   cudaStream_t target() const;
   void issued(cudaError_t e, const char* what);
+  // accumulate (with `clear`: accumulate_clear).
+  void accumulate_pass(float* acc, void* src, DType src_dtype, float scale, size_t numel, bool clear, double* acc_sq);
   // Sum of squares of x into the device double `out_dev` on `s` (scratch
   // from the stream-ordered pool).
   void queue_sum_squares(const float* x, size_t numel, double* out_dev, cudaStream_t s);
