@@ -27,10 +27,23 @@ def test_bad_value_lists_valid_values():
         fsdp.Config(lr=-1)
 
 
-def test_cuda_is_unsupported_in_this_build():
-    with pytest.raises(fsdp.Unsupported, match="cuda") as e:
-        fsdp.Config(device="cuda")
-    assert e.value.status == 3
+def test_cuda_is_unsupported_where_it_cannot_run():
+    devices = fsdp.build_info().split("devices=")[1].split()[0].split(",")
+    if "cuda" not in devices:
+        with pytest.raises(fsdp.Unsupported, match="cuda") as e:
+            fsdp.Config(device="cuda")
+        assert e.value.status == 3
+        return
+    cfg = fsdp.Config(device="cuda:0")
+    assert cfg.get("device") == "cuda:0"
+    # What the CUDA device does not run yet is refused before any GPU is touched.
+    with pytest.raises(fsdp.Unsupported, match="pinned host pool"):
+        fsdp.Context(fsdp.Config(device="cuda:0", offload="cpu"))
+    try:
+        with fsdp.Context(cfg):
+            pass  # a GPU is here
+    except fsdp.Unsupported as e:
+        assert "no CUDA device" in str(e)
 
 
 @pytest.fixture
