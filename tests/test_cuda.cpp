@@ -308,6 +308,7 @@ TEST(CudaStreams, AFailedTaskFailsItsEventTheStreamAndTheWorkThatWaitsForIt) {
   EventPtr after = s2->submit("work after it", [&] { ran = true; });
   EXPECT_FALSE(ran);
   EXPECT_EQ(after->status(), FSDP_ERR_COMM);
+  EXPECT_EQ(s2->failure(), FSDP_ERR_COMM) << "a failed wait sticks to the waiting stream, as on the CPU";
   expect_error(FSDP_ERR_COMM, "the collective failed", [&] { s1->synchronize(10); });
 }
 

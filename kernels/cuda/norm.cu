@@ -16,6 +16,8 @@ constexpr size_t kPerThread = 8;                        // doubles a thread adds
 constexpr size_t kFanIn = kThreads * kPerThread;        // a level's block folds this many sums into one
 
 size_t steps_of(size_t n) { return (n + kSqStep - 1) / kSqStep; }
+// The steps' fp32 sums at the start of the scratch, in whole doubles.
+size_t partial_doubles(size_t steps) { return (steps * sizeof(float) + sizeof(double) - 1) / sizeof(double); }
 size_t blocks_of(size_t n, size_t per_block) { return (n + per_block - 1) / per_block; }
 
 __global__ void __launch_bounds__(kThreads) step_sums(const float* x, size_t n, float* out) {
@@ -51,7 +53,7 @@ __global__ void __launch_bounds__(kThreads) fold(const In* in, size_t n, double*
 
 size_t sum_squares_scratch_nbytes(size_t n) {
   size_t steps = steps_of(n);
-  size_t bytes = (steps * sizeof(float) + sizeof(double) - 1) / sizeof(double) * sizeof(double);
+  size_t bytes = partial_doubles(steps) * sizeof(double);
   for (size_t m = blocks_of(steps, kFanIn); m > 1; m = blocks_of(m, kFanIn)) bytes += m * sizeof(double);
   return bytes;
 }
@@ -61,8 +63,7 @@ cudaError_t sum_squares(const float* x, size_t n, double* out, void* scratch, cu
   size_t steps = steps_of(n);
   auto* partial = static_cast<float*>(scratch);
   step_sums<<<static_cast<unsigned>(blocks_of(steps, kStepsPerBlock)), kThreads, 0, s>>>(x, n, partial);
-  size_t used = (steps * sizeof(float) + sizeof(double) - 1) / sizeof(double);
-  double* level = static_cast<double*>(scratch) + used;
+  double* level = static_cast<double*>(scratch) + partial_doubles(steps);
   size_t m = blocks_of(steps, kFanIn);
   fold<float><<<static_cast<unsigned>(m), kThreads, 0, s>>>(partial, steps, m == 1 ? out : level);
   const double* in = level;

@@ -123,25 +123,22 @@ EventPtr CudaStream::submit(std::string name, Task task) {
     failed_wait = std::move(failed_wait_);
     failed_wait_.reset();
   }
-  if (failed_wait) {
-    Outcome o = capture([&] { failed_wait->wait(0); });
-    return std::make_shared<CudaEvent>(o.status,
-                                       "'" + name + "' on the " + name_ + " stream did not run: " + o.message);
-  }
+  // As on a CPU stream: a failed wait fails the task without running it, and
+  // either failure sticks to the stream.
   Outcome o = capture([&] {
+    if (failed_wait) failed_wait->wait(0);  // throws its failure
     bind(ordinal_);
     CurrentStream scope(this);
     if (hooks_.observer) hooks_.observer(name, true);
-    task();
+    Outcome ran = capture(task);
     if (hooks_.observer) hooks_.observer(name, false);
+    if (!ran.ok()) fail(ran.status, ran.message);
   });
   if (!o.ok()) {
     fail_with(o.status, o.message);
     return std::make_shared<CudaEvent>(o.status, o.message);
   }
-  cudaEvent_t ev = new_event(ordinal_);
-  check(cudaEventRecord(ev, stream_), "recording the event of '" + name + "' on the " + name_ + " stream");
-  return std::make_shared<CudaEvent>(ordinal_, ev, "'" + name + "' on the " + name_ + " stream");
+  return recorded("'" + name + "' on the " + name_ + " stream");
 }
 
 void CudaStream::wait(const EventPtr& ev) {
@@ -160,10 +157,14 @@ void CudaStream::wait(const EventPtr& ev) {
   }
 }
 
-EventPtr CudaStream::record() {
+EventPtr CudaStream::record() { return recorded("the work queued on the " + name_ + " stream"); }
+
+EventPtr CudaStream::recorded(std::string what) {
   cudaEvent_t ev = new_event(ordinal_);
-  check(cudaEventRecord(ev, stream_), "recording an event on the " + name_ + " stream");
-  return std::make_shared<CudaEvent>(ordinal_, ev, "the work queued on the " + name_ + " stream");
+  cudaError_t e = cudaEventRecord(ev, stream_);
+  if (e != cudaSuccess) cudaEventDestroy(ev);
+  check(e, "recording an event on the " + name_ + " stream");
+  return std::make_shared<CudaEvent>(ordinal_, ev, std::move(what));
 }
 
 void CudaStream::synchronize(double timeout_s) {

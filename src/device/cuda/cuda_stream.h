@@ -75,7 +75,8 @@ class CudaStream final : public Stream {
 
  private:
   void fail_with(fsdp_status_t status, const std::string& message);
-  EventPtr failed_event() const;
+  // An event recorded now on this stream; `what` names it in a timeout.
+  EventPtr recorded(std::string what);
 
   int ordinal_;
   std::string name_;
