@@ -1,5 +1,6 @@
-// kernels/cuda/elementwise.cu - cast, accumulate and the fused optimizer
-// passes as CUDA kernels over the kernels/ functors (see launch.h).
+// kernels/cuda/elementwise.cu - cast, accumulate, the reduction over ranks and
+// the fused optimizer passes as CUDA kernels over the kernels/ functors (see
+// launch.h).
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
@@ -7,6 +8,7 @@
 #include "../cast.h"
 #include "../norm.h"
 #include "../optim.h"
+#include "../reduce.h"
 #include "launch.h"
 
 namespace fsdp::kernels::cuda {
@@ -229,6 +231,34 @@ struct SgdBody {
   }
 };
 
+template <typename T, bool kClear>
+struct ReduceBody {
+  ReduceSumOp op;
+  T* out;
+  T* ins[kMaxReduceInputs];
+  size_t n_ins;
+  __device__ void one(size_t i) const {
+    op(out, ins, n_ins, i);
+    if (kClear) {
+      for (size_t k = 0; k < n_ins; ++k) store(ins[k], i, 0.0f);
+    }
+  }
+  // rank_sum's order, four elements at a time.
+  __device__ void vec(size_t j) const {
+    float acc[4], x[4];
+    load4(ins[0], j, acc);
+    for (size_t k = 1; k < n_ins; ++k) {
+      load4(ins[k], j, x);
+      for (int e = 0; e < 4; ++e) acc[e] += x[e];
+    }
+    for (int e = 0; e < 4; ++e) acc[e] *= op.scale;
+    store4(out, j, acc);
+    if (kClear) {
+      for (size_t k = 0; k < n_ins; ++k) zero4(ins[k], j);
+    }
+  }
+};
+
 __global__ void __launch_bounds__(kThreads) non_finite_kernel(const float* x, size_t n, int* flag) {
   size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
   bool bad = false;
@@ -284,6 +314,26 @@ cudaError_t sgd(const SgdOp& op, float* params, float* grads, float* momentum, v
     using F = std::false_type;
     if (momentum != nullptr) return zero_grads ? go(T{}, T{}) : go(F{}, T{});
     return zero_grads ? go(T{}, F{}) : go(F{}, F{});
+  });
+}
+
+cudaError_t reduce_sum(void* out, void* const* ins, size_t n_ins, fsdp_dtype_t dtype, size_t n, float scale,
+                       bool clear, cudaStream_t s) {
+  if (n_ins == 0 || n_ins > kMaxReduceInputs) return cudaErrorInvalidValue;
+  return with_dtype(dtype, out, [&](auto* o) {
+    using T = std::remove_pointer_t<decltype(o)>;
+    auto go = [&](auto body) {
+      body.op = ReduceSumOp{scale};
+      body.out = o;
+      body.n_ins = n_ins;
+      bool vec = aligned4(o);
+      for (size_t k = 0; k < n_ins; ++k) {
+        body.ins[k] = static_cast<T*>(ins[k]);
+        vec = vec && aligned4(body.ins[k]);
+      }
+      return launch(body, n, vec, s);
+    };
+    return clear ? go(ReduceBody<T, true>{}) : go(ReduceBody<T, false>{});
   });
 }
 

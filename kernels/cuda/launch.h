@@ -30,6 +30,14 @@ cudaError_t adam(const AdamOp& op, float* params, float* grads, float* exp_avg, 
 cudaError_t sgd(const SgdOp& op, float* params, float* grads, float* momentum, void* out, fsdp_dtype_t out_dtype,
                 size_t n, bool zero_grads, cudaStream_t s);
 
+// out[i] = scale * the sum over k < n_ins of ins[k][i] (ReduceSumOp of
+// kernels/reduce.h: fp32 in rank order, one rounding); with `clear`, every
+// ins[k][i] = 0 once read. At most kMaxReduceInputs inputs, passed by value
+// (no device array of pointers to keep alive); more is cudaErrorInvalidValue.
+constexpr size_t kMaxReduceInputs = 64;
+cudaError_t reduce_sum(void* out, void* const* ins, size_t n_ins, fsdp_dtype_t dtype, size_t n, float scale,
+                       bool clear, cudaStream_t s);
+
 // The squares of x[0, n) summed in the order of kernels/norm.h into *out (a
 // device double): each step's fp32 sum is the CPU's bit for bit; the steps'
 // sums are added in double in a fixed tree, so every run gives the same bits.

@@ -1,7 +1,8 @@
 // src/comm/communicator.h - Communicator: the collectives the engine needs, with
 // the same argument order everywhere (send, recv, numel, dtype, op, label).
-// Implementations: local (threads of one process) and mpi (processes); later
-// nccl. The engine only ever sees this interface.
+// Implementations: local (threads of one process; host memory, or a GPU's
+// through a DataPlane) and mpi (processes; host memory); later nccl. The
+// engine only ever sees this interface.
 #pragma once
 
 #include <cstddef>
@@ -9,6 +10,7 @@
 #include <string>
 
 #include "../base/dtype.h"
+#include "data_plane.h"
 #include "fsdp.h"
 
 namespace fsdp::comm {
@@ -47,6 +49,15 @@ class Communicator {
   // How many ranks of this communicator share this rank's host (the default
   // shard group size of HYBRID_SHARD).
   virtual int local_world_size() const = 0;
+
+  // From now on, collectives over memory that `plane` owns move it through
+  // the plane (and so do the communicators split from this one). Returns
+  // false when this communicator cannot move such memory (its ranks do not
+  // share an address space); it then stays as it was.
+  virtual bool attach_data_plane(std::shared_ptr<DataPlane> plane) {
+    (void)plane;
+    return false;
+  }
 
   // FSDP_OK, or the status of the failure that made this communicator unusable
   // (a timeout, an abort, ranks out of step).

@@ -1,23 +1,18 @@
-// src/comm/reduce.h - the element-wise sum that reductions of every CPU
-// communicator run (local: over peers' buffers; mpi: a ring step's received
-// partial plus this rank's own part). One fixed order, fp32 accumulation and
-// one rounding per call, so results do not depend on thread timing.
+// src/comm/reduce.h - the reductions of the CPU communicators: the element-wise
+// sums of base/reduce.h, and the small double reductions every rank combines
+// in the same order.
 #pragma once
 
 #include <cstddef>
 
-#include "../base/dtype.h"
+#include "../base/reduce.h"
 #include "communicator.h"
 
 namespace fsdp::comm {
 
-// out[i] = scale * sum over k in order of ins[k][i], accumulated in fp32 and
-// rounded once to `dtype`. `out` must not overlap any input.
-void reduce_sum(void* out, const void* const* ins, size_t n_ins, size_t numel, DType dtype, float scale);
-// The same, and every input element is set to zero right after it is read
-// (while its block is in L1): a reduce-scatter of grads leaves the grad buffer
-// ready for the next backward with no pass of its own.
-void reduce_sum_clear(void* out, void* const* ins, size_t n_ins, size_t numel, DType dtype, float scale);
+// The host's element-wise sums (base/reduce.h), as every CPU communicator runs them.
+using base::reduce_sum;
+using base::reduce_sum_clear;
 
 // out[i] = op over ranks r in order of rank_values(r)[i], for the small double
 // reductions (norms, flags, host metrics): every rank combines the same

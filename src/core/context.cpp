@@ -10,6 +10,7 @@
 #include "../device/cpu/cpu_device.h"
 #include "../device/factory.h"
 #include "consensus.h"
+#include "device_plane.h"
 
 namespace fsdp::core {
 namespace {
@@ -48,14 +49,8 @@ std::string describe(size_t index, const std::string& name, const std::vector<Pa
 }
 
 // What device=cuda does not run yet, refused on every rank alike (the check
-// depends only on options every rank shares and the world size).
-void check_cuda_supports(const Options& o, int world) {
-  if (world > 1) {
-    fail(FSDP_ERR_UNSUPPORTED,
-         "fsdp_ctx_create: device=cuda runs one rank per context for now (this world has " + std::to_string(world) +
-             "): the local and mpi communicators do not move GPU memory yet and NCCL is not built in "
-             "(docs/gpu.md)");
-  }
+// depends only on options every rank shares).
+void check_cuda_supports(const Options& o) {
   if (o.offload_cpu) {
     fail(FSDP_ERR_UNSUPPORTED,
          "fsdp_ctx_create: offload=cpu with device=cuda is not available yet: it needs the pinned host pool "
@@ -70,8 +65,17 @@ Context::Context(const Options& opts, std::unique_ptr<comm::Communicator> world)
   world_ = std::move(world);
   rt_.rank = world_->rank();
   rt_.world = world_->world_size();
-  if (opts.on_cuda()) check_cuda_supports(opts, rt_.world);
+  if (opts.on_cuda()) check_cuda_supports(opts);
   dev_ = device::make_compute_device(opts.cuda_ordinal, opts.threads);
+  // Memory the host cannot read (a GPU's) is moved by the communicator with
+  // the device's own copies and reductions, where its ranks share it.
+  if (!dev_->host_visible() && !world_->attach_data_plane(make_device_plane(*dev_)) && rt_.world > 1) {
+    fail(FSDP_ERR_UNSUPPORTED, "fsdp_ctx_create: device=" + std::string(dev_->name()) +
+                                   " at a world of " + std::to_string(rt_.world) +
+                                   " needs ranks that share the GPU's memory: the local communicator (ranks as "
+                                   "threads of one process, fsdp_local_group_create); comm=mpi moves host "
+                                   "memory only, and NCCL is not built in yet (docs/gpu.md)");
+  }
   rt_.dev = dev_.get();
   rt_.state_dev = dev_.get();
   Trace* trace = &rt_.trace;

@@ -106,6 +106,25 @@ class Device {
   virtual void sgd(const SgdArgs& args) = 0;
   // Sum of x[i]^2 in double, the same bits on every run.
   virtual double sum_squares(const float* x, size_t numel) = 0;
+  // out[i] = scale * the sum over k of ins[k][i], in fp32 in the order of
+  // kernels/reduce.h, rounded once to `dtype`; with `clear`, every input
+  // element is zeroed once read. `out` overlaps no input. What a communicator
+  // runs over its ranks' buffers when the host cannot read them.
+  virtual void reduce_sum(void* out, void* const* ins, size_t n_ins, size_t numel, DType dtype, float scale,
+                          bool clear) = 0;
+
+  // What a communicator needs to move this device's memory itself (ranks as
+  // threads of one process sharing a GPU): which pointers only the device
+  // reaches, and points in the work queued so far that the other ranks'
+  // streams wait for. An operation goes where the next one would: inside a
+  // stream's task, that stream; elsewhere the operations are synchronous.
+  // Whether `ptr` is memory the host cannot read through (a GPU's).
+  virtual bool device_only(const void* ptr) const = 0;
+  // An event that completes after the operations queued so far.
+  virtual EventPtr mark() = 0;
+  // The operations queued from now on start after `ev` (the host does not
+  // block where the device can order them itself).
+  virtual void wait_mark(const EventPtr& ev) = 0;
 };
 
 }  // namespace fsdp::device

@@ -17,7 +17,9 @@ namespace {
 // `out` (pointing at that range of the output).
 // With `clear`, the range of every rank's `send` is zeroed as it is read:
 // ranks reduce disjoint ranges, so together they clear every buffer whole.
-void reduce_range(LocalGroup& g, void* out, size_t first, size_t numel, DType dtype, RedOp op, bool clear = false) {
+// With a `plane`, the plane's reduction does it on the rank's stream.
+void reduce_range(LocalGroup& g, DataPlane* plane, void* out, size_t first, size_t numel, DType dtype, RedOp op,
+                  bool clear = false) {
   if (op == RedOp::kMax || op == RedOp::kMin) fail(FSDP_ERR_INTERNAL, "local comm: max/min of tensors is not used");
   int world = g.world_size();
   float scale = op == RedOp::kAvg ? 1.0f / static_cast<float>(world) : 1.0f;
@@ -27,7 +29,9 @@ void reduce_range(LocalGroup& g, void* out, size_t first, size_t numel, DType dt
     ins[static_cast<size_t>(r)] =
         const_cast<char*>(static_cast<const char*>(g.slot(r).send)) + first * dtype_size(dtype);
   }
-  if (clear) {
+  if (plane != nullptr) {
+    plane->reduce(out, ins.data(), ins.size(), numel, dtype, scale, clear);
+  } else if (clear) {
     reduce_sum_clear(out, ins.data(), ins.size(), numel, dtype, scale);
   } else {
     reduce_sum(out, ins.data(), ins.size(), numel, dtype, scale);
@@ -38,12 +42,14 @@ std::string describe(const CollectiveDesc& d) {
   std::string s = std::string(d.kind) + "(" + d.label + ", size " + std::to_string(d.size);
   if (d.dtype >= 0) s += std::string(", ") + dtype_name(static_cast<DType>(d.dtype));
   if (d.root >= 0) s += ", root " + std::to_string(d.root);
+  if (d.device) s += ", device memory";
   return s + ")";
 }
 
 bool same(const CollectiveDesc& a, const CollectiveDesc& b) {
   return std::strcmp(a.kind, b.kind) == 0 && a.size == b.size && a.dtype == b.dtype && a.op == b.op &&
-         a.root == b.root && a.label == b.label;
+         a.root == b.root && a.device == b.device &&
+         a.label == b.label;
 }
 
 }  // namespace
@@ -55,9 +61,39 @@ LocalComm::LocalComm(std::shared_ptr<LocalGroup> group, int rank, double timeout
 
 LocalComm::~LocalComm() { group_->release(rank_); }
 
-void LocalComm::sync(const std::string& what) { group_->arrive_and_wait(rank_, timeout_s_, what); }
+void LocalComm::sync(const std::string& what) {
+  if (on_plane_) publish_mark();
+  group_->arrive_and_wait(rank_, timeout_s_, what);
+  if (on_plane_) wait_for_peers_marks();
+}
+
+void LocalComm::publish_mark() { group_->slot(rank_).marks[plane_phases_ & 1] = plane_->mark(); }
+
+void LocalComm::wait_for_peers_marks() {
+  for (int r = 0; r < world_size(); ++r) {
+    if (r != rank_) plane_->wait(group_->slot(r).marks[plane_phases_ & 1]);
+  }
+  ++plane_phases_;
+}
+
+void LocalComm::move(void* dst, const void* src, size_t nbytes) {
+  if (on_plane_) {
+    plane_->copy(dst, src, nbytes);
+  } else {
+    std::memcpy(dst, src, nbytes);
+  }
+}
+
+bool LocalComm::attach_data_plane(std::shared_ptr<DataPlane> plane) {
+  plane_ = std::move(plane);
+  return true;
+}
 
 void LocalComm::run(CollectiveDesc desc, const void* send, void* recv, const std::function<void()>& body) {
+  // Each rank decides from its own buffers; the check below makes sure that
+  // all took the same path.
+  desc.device = plane_ != nullptr && (plane_->owns(send) || plane_->owns(recv));
+  on_plane_ = desc.device;
   if (world_size() == 1 && failure_.load() == FSDP_OK) {
     // Alone: nobody to wait for or to compare with. The group may still have
     // been aborted (a destroyed context, an external abort): then the full path
@@ -87,7 +123,10 @@ void LocalComm::run_checked(CollectiveDesc desc, const void* send, void* recv, c
   mine.seq = seq_;
   mine.send = send;
   mine.recv = recv;
-  sync(what);
+  // The first phase's mark is waited for only once every rank is known to
+  // run the same collective (a rank on the host path publishes none).
+  if (on_plane_) publish_mark();
+  group_->arrive_and_wait(rank_, timeout_s_, what);
   for (int r = 0; r < world_size(); ++r) {
     const Slot& other = group_->slot(r);
     if (!same(other.desc, mine.desc) || other.seq != mine.seq) {
@@ -101,6 +140,7 @@ void LocalComm::run_checked(CollectiveDesc desc, const void* send, void* recv, c
       fail(FSDP_ERR_MISMATCH, msg);
     }
   }
+  if (on_plane_) wait_for_peers_marks();
   body();
   sync(what);
 }
@@ -112,8 +152,8 @@ void LocalComm::all_gather(const void* send, void* recv, size_t nbytes_per_rank,
     // Start at our own rank so that ranks read different peers at a time.
     for (int k = 0; k < world; ++k) {
       int r = (rank_ + k) % world;
-      std::memcpy(static_cast<char*>(recv) + static_cast<size_t>(r) * nbytes_per_rank, group_->slot(r).send,
-                  nbytes_per_rank);
+      move(static_cast<char*>(recv) + static_cast<size_t>(r) * nbytes_per_rank, group_->slot(r).send,
+           nbytes_per_rank);
     }
   });
 }
@@ -122,7 +162,7 @@ void LocalComm::reduce_scatter(const void* send, void* recv, size_t numel_per_ra
                                const std::string& label) {
   CollectiveDesc d{"reduce_scatter", numel_per_rank, static_cast<int>(dtype), static_cast<int>(op), -1, label};
   run(d, send, recv,
-      [&] { reduce_range(*group_, recv, static_cast<size_t>(rank_) * numel_per_rank, numel_per_rank, dtype, op); });
+      [&] { reduce_range(*group_, plane(), recv, static_cast<size_t>(rank_) * numel_per_rank, numel_per_rank, dtype, op); });
 }
 
 void LocalComm::reduce_scatter_clear(void* send, void* recv, size_t numel_per_rank, DType dtype, RedOp op,
@@ -131,7 +171,8 @@ void LocalComm::reduce_scatter_clear(void* send, void* recv, size_t numel_per_ra
   // clears and one that does not still agree on the data.
   CollectiveDesc d{"reduce_scatter", numel_per_rank, static_cast<int>(dtype), static_cast<int>(op), -1, label};
   run(d, send, recv, [&] {
-    reduce_range(*group_, recv, static_cast<size_t>(rank_) * numel_per_rank, numel_per_rank, dtype, op, true);
+    reduce_range(*group_, plane(), recv, static_cast<size_t>(rank_) * numel_per_rank, numel_per_rank, dtype, op,
+                 true);
   });
 }
 
@@ -148,13 +189,13 @@ void LocalComm::all_reduce(const void* send, void* recv, size_t numel, DType dty
   run(d, send, recv, [&] {
     // Phase 1: each rank reduces its own chunk; phase 2: it copies the others'.
     auto [b, n] = range(static_cast<size_t>(rank_));
-    reduce_range(*group_, static_cast<char*>(recv) + b * es, b, n, dtype, op);
+    reduce_range(*group_, plane(), static_cast<char*>(recv) + b * es, b, n, dtype, op);
     sync(label + " (all_reduce, collective #" + std::to_string(seq_) + ", second phase)");
     for (size_t r = 0; r < world; ++r) {
       if (r == static_cast<size_t>(rank_)) continue;
       auto [rb, rn] = range(r);
-      std::memcpy(static_cast<char*>(recv) + rb * es,
-                  static_cast<const char*>(group_->slot(static_cast<int>(r)).recv) + rb * es, rn * es);
+      move(static_cast<char*>(recv) + rb * es, static_cast<const char*>(group_->slot(static_cast<int>(r)).recv) + rb * es,
+           rn * es);
     }
   });
 }
@@ -170,7 +211,7 @@ void LocalComm::all_reduce_f64(double* values, size_t n, RedOp op, const std::st
 void LocalComm::broadcast(void* buf, size_t nbytes, int root, const std::string& label) {
   CollectiveDesc d{"broadcast", nbytes, -1, -1, root, label};
   run(d, buf, buf, [&] {
-    if (rank_ != root) std::memcpy(buf, group_->slot(root).send, nbytes);
+    if (rank_ != root) move(buf, group_->slot(root).send, nbytes);
   });
 }
 
@@ -204,7 +245,9 @@ std::unique_ptr<Communicator> LocalComm::split(int color, int key, const std::st
     names.push_back(group_->world_rank(members[i]));
   }
   // seq_ is the same on every rank here, so it tells this split from others.
-  return std::make_unique<LocalComm>(group_->child(seq_, color, names), new_rank, timeout_s_);
+  auto child = std::make_unique<LocalComm>(group_->child(seq_, color, names), new_rank, timeout_s_);
+  child->attach_data_plane(plane_);
+  return child;
 }
 
 }  // namespace fsdp::comm

@@ -1,6 +1,12 @@
 // src/comm/local/local_comm.h - the `local` Communicator: ranks are threads of
 // one process joined by a LocalGroup; each collective publishes buffer pointers
-// and every rank copies or reduces straight from its peers' memory.
+// and every rank copies or reduces straight from its peers' memory: with the
+// host's loops, or, for memory of an attached DataPlane (a GPU that the ranks
+// share), with the plane's copies and reductions queued on each rank's
+// stream. Then every phase also publishes a mark of the rank's stream, and
+// each rank's stream waits for its peers' marks: a peer's buffer is read only
+// after the work that wrote it, and a rank's buffers are reused only after
+// the peers' reads of them, with no host thread waiting for the data.
 #pragma once
 
 #include <atomic>
@@ -34,6 +40,7 @@ class LocalComm final : public Communicator {
   int local_world_size() const override { return world_size(); }  // every rank is a thread of this process
   fsdp_status_t failure() const override { return failure_.load(); }
   void abort(const std::string& reason) override;
+  bool attach_data_plane(std::shared_ptr<DataPlane> plane) override;
 
  private:
   // Publishes (desc, send, recv), waits for every rank, checks that all ranks
@@ -43,11 +50,22 @@ class LocalComm final : public Communicator {
   void run(CollectiveDesc desc, const void* send, void* recv, const std::function<void()>& body);
   void run_checked(CollectiveDesc desc, const void* send, void* recv, const std::function<void()>& body);
   void sync(const std::string& what);
+  // The device path's halves of a phase: publish this rank's mark, and make
+  // this rank's stream wait for every peer's.
+  void publish_mark();
+  void wait_for_peers_marks();
+  // dst = src (n bytes): a host copy, or the plane's in the device path.
+  void move(void* dst, const void* src, size_t nbytes);
+  // The plane the running collective's reductions go through (null: the host's).
+  DataPlane* plane() const { return on_plane_ ? plane_.get() : nullptr; }
 
   std::shared_ptr<LocalGroup> group_;
   int rank_;
   double timeout_s_;
   uint64_t seq_ = 0;
+  std::shared_ptr<DataPlane> plane_;  // null: host memory only
+  bool on_plane_ = false;             // the collective running now moves plane_'s memory
+  uint64_t plane_phases_ = 0;         // device-path phases so far (the parity picks the mark)
   std::atomic<fsdp_status_t> failure_{FSDP_OK};
 };
 

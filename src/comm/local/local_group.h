@@ -1,6 +1,7 @@
 // src/comm/local/local_group.h - LocalGroup: the shared state of N ranks that
-// live as threads of one process: a slot per rank through which buffers are
-// published, and a phase barrier with a timeout that names the missing rank.
+// live as threads of one process: a slot per rank through which buffers (and,
+// for device memory, stream marks) are published, and a phase barrier with a
+// timeout that names the missing rank.
 #pragma once
 
 #include <atomic>
@@ -26,6 +27,7 @@ struct CollectiveDesc {
   int op = -1;
   int root = -1;
   std::string label;
+  bool device = false;  // moves memory of the communicator's DataPlane (set by the rank's run)
 };
 
 struct Slot {
@@ -33,6 +35,12 @@ struct Slot {
   uint64_t seq = 0;  // this rank's collective sequence number
   const void* send = nullptr;
   void* recv = nullptr;
+  // Collectives over DataPlane memory: the point in this rank's stream that
+  // each phase of the collective starts after (its buffers are written, or
+  // its reads of the peers' buffers are queued). Two, by the parity of the
+  // rank's phase count: a rank is at most one phase ahead of any other, so a
+  // peer still reading the previous phase's mark never sees it overwritten.
+  std::shared_ptr<void> marks[2];
 };
 
 class LocalGroup {

@@ -12,6 +12,7 @@
 #include "../../../kernels/norm.h"
 #include "../../base/dtype_dispatch.h"
 #include "../../base/error.h"
+#include "../../base/reduce.h"
 #include "../../base/simd.h"
 
 namespace fsdp::device {
@@ -335,6 +336,27 @@ void CpuDevice::sgd(const SgdArgs& a) {
 
 double CpuDevice::sum_squares(const float* x, size_t numel) {
   return sum_over_chunks(pool_, numel, [&](size_t b, size_t e) { return sum_squares_loop(x, b, e); });
+}
+
+void CpuDevice::reduce_sum(void* out, void* const* ins, size_t n_ins, size_t numel, DType dtype, float scale,
+                           bool clear) {
+  size_t es = dtype_size(dtype);
+  pool_.parallel_for(numel, kGrain, [&](size_t b, size_t e) {
+    std::vector<void*> from(n_ins);
+    for (size_t k = 0; k < n_ins; ++k) from[k] = static_cast<char*>(ins[k]) + b * es;
+    void* to = static_cast<char*>(out) + b * es;
+    if (clear) {
+      base::reduce_sum_clear(to, from.data(), n_ins, e - b, dtype, scale);
+    } else {
+      base::reduce_sum(to, from.data(), n_ins, e - b, dtype, scale);
+    }
+  });
+}
+
+EventPtr CpuDevice::mark() { return CpuEvent::completed(); }
+
+void CpuDevice::wait_mark(const EventPtr& ev) {
+  if (ev) ev->wait(0);
 }
 
 }  // namespace fsdp::device

@@ -49,6 +49,13 @@ class CpuDevice final : public Device {
   void adam(const AdamArgs& args) override;
   void sgd(const SgdArgs& args) override;
   double sum_squares(const float* x, size_t numel) override;
+  void reduce_sum(void* out, void* const* ins, size_t n_ins, size_t numel, DType dtype, float scale,
+                  bool clear) override;
+  // The host reads all of this device's memory, and its operations are done
+  // when they return: a mark has completed, and waiting for one blocks.
+  bool device_only(const void*) const override { return false; }
+  EventPtr mark() override;
+  void wait_mark(const EventPtr& ev) override;
 
  private:
   template <bool kClear>

@@ -241,4 +241,40 @@ double CudaDevice::sum_squares(const float* x, size_t numel) {
   return v;
 }
 
+void CudaDevice::reduce_sum(void* out, void* const* ins, size_t n_ins, size_t numel, DType dtype, float scale,
+                            bool clear) {
+  if (n_ins > k::kMaxReduceInputs) {
+    fail(FSDP_ERR_UNSUPPORTED, "cuda device: a reduction over " + std::to_string(n_ins) +
+                                   " ranks sharing one GPU; at most " + std::to_string(k::kMaxReduceInputs) +
+                                   " ranks can share a GPU");
+  }
+  bind(ordinal_);
+  issued(k::reduce_sum(out, ins, n_ins, code(dtype), numel, scale, clear, target()), "reduce_sum");
+}
+
+bool CudaDevice::device_only(const void* ptr) const {
+  if (ptr == nullptr) return false;
+  cudaPointerAttributes a{};
+  if (cudaPointerGetAttributes(&a, ptr) != cudaSuccess) {
+    cudaGetLastError();  // not sticky: an unknown pointer is the host's
+    return false;
+  }
+  return a.type == cudaMemoryTypeDevice;
+}
+
+EventPtr CudaDevice::mark() {
+  bind(ordinal_);
+  CudaStream* cur = CudaStream::current();
+  return cur != nullptr ? cur->record() : ops_->record();
+}
+
+void CudaDevice::wait_mark(const EventPtr& ev) {
+  if (!ev) return;
+  if (CudaStream* cur = CudaStream::current()) {
+    cur->wait(ev);
+    return;
+  }
+  ev->wait(0);  // outside a task the next operation is synchronous anyway
+}
+
 }  // namespace fsdp::device::cuda

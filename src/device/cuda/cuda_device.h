@@ -62,6 +62,16 @@ class CudaDevice final : public Device {
   void sgd(const SgdArgs& args) override;
   // Reads the sum on the host: waits for the stream it was queued on.
   double sum_squares(const float* x, size_t numel) override;
+  void reduce_sum(void* out, void* const* ins, size_t n_ins, size_t numel, DType dtype, float scale,
+                  bool clear) override;
+  // Device memory (cudaMalloc*, the pool) is; host memory, pinned or not, and
+  // managed memory are not.
+  bool device_only(const void* ptr) const override;
+  // A CUDA event recorded where the next operation goes; waiting for it is
+  // cudaStreamWaitEvent there (outside a task, operations are synchronous and
+  // the host waits).
+  EventPtr mark() override;
+  void wait_mark(const EventPtr& ev) override;
 
   // Pinned host doubles for results the host reads (sums of squares); handed
   // back from a host callback, which may make no CUDA call.

@@ -1,4 +1,4 @@
-// src/comm/reduce.cpp - see reduce.h. Compiled with -O3 and SIMD clones: the
+// src/base/reduce.cpp - see reduce.h. Compiled with -O3 and SIMD clones: the
 // block passes must vectorise.
 #include "reduce.h"
 
@@ -8,10 +8,10 @@
 #include <vector>
 
 #include "../../kernels/cast.h"
-#include "../base/dtype_dispatch.h"
-#include "../base/simd.h"
+#include "dtype_dispatch.h"
+#include "simd.h"
 
-namespace fsdp::comm {
+namespace fsdp::base {
 namespace {
 
 constexpr size_t kBlock = 512;
@@ -54,7 +54,7 @@ FSDP_SIMD_CLONES void reduce_blocks(T* out, const std::vector<const T*>& ins, si
 
 template <bool kClear>
 void reduce_sum_impl(void* out, const void* const* ins, size_t n_ins, size_t numel, DType dtype, float scale) {
-  base::with_dtype(dtype, out, [&](auto* typed_out) {
+  with_dtype(dtype, out, [&](auto* typed_out) {
     using T = std::remove_pointer_t<decltype(typed_out)>;
     std::vector<const T*> typed(n_ins);
     for (size_t k = 0; k < n_ins; ++k) typed[k] = static_cast<const T*>(ins[k]);
@@ -72,4 +72,4 @@ void reduce_sum_clear(void* out, void* const* ins, size_t n_ins, size_t numel, D
   reduce_sum_impl<true>(out, ins, n_ins, numel, dtype, scale);
 }
 
-}  // namespace fsdp::comm
+}  // namespace fsdp::base
