@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -267,6 +268,82 @@ TEST(CudaKernels, NonFiniteFlagFindsOneInfOrNanAnywhere) {
 }
 
 // ---- streams and events ---------------------------------------------------
+
+// The reduction over ranks of the local communicator on a GPU: 1 to 4 inputs
+// (and the most one launch takes), every dtype, with and without clearing.
+TEST(CudaKernels, ReduceSumMatchesTheCpuBitwiseAndClearsItsInputs) {
+  SKIP_WITHOUT_GPU();
+  CudaDevice gpu(0);
+  CpuDevice cpu(1, Pool::kDevice);
+  for (size_t n : kSizes) {
+    for (size_t n_ins : {size_t(1), size_t(2), size_t(3), size_t(4), fsdp::kernels::cuda::kMaxReduceInputs}) {
+      if (n_ins > 4 && n > 4096) continue;  // the widest launch on the small sizes only
+      for (DType t : kDtypes) {
+        for (bool clear : {false, true}) {
+          SCOPED_TRACE("n=" + std::to_string(n) + " inputs=" + std::to_string(n_ins) + " " + fsdp::dtype_name(t) +
+                       (clear ? " clear" : ""));
+          std::vector<std::vector<uint8_t>> ins;
+          std::vector<void*> cpu_ins;
+          std::vector<std::unique_ptr<DeviceArray>> d_ins;
+          std::vector<void*> gpu_ins;
+          for (size_t k = 0; k < n_ins; ++k) ins.push_back(storage(cpu, t, random_floats(n, 10 + unsigned(k), 3e3f)));
+          for (size_t k = 0; k < n_ins; ++k) {
+            cpu_ins.push_back(ins[k].data());
+            d_ins.push_back(std::make_unique<DeviceArray>(gpu, ins[k].data(), ins[k].size()));
+            gpu_ins.push_back(d_ins.back()->ptr);
+          }
+          std::vector<uint8_t> want(n * fsdp::dtype_size(t));
+          cpu.reduce_sum(want.data(), cpu_ins.data(), n_ins, n, t, 0.25f, clear);
+          DeviceArray d_out(gpu, nullptr, want.size());
+          gpu.reduce_sum(d_out.ptr, gpu_ins.data(), n_ins, n, t, 0.25f, clear);
+          EXPECT_EQ(first_difference(want, d_out.read<uint8_t>()), -1);
+          for (size_t k = 0; k < n_ins; ++k) {
+            EXPECT_EQ(first_difference(ins[k], d_ins[k]->read<uint8_t>()), -1) << "input " << k << " after the pass";
+          }
+        }
+      }
+    }
+  }
+  std::vector<void*> too_many(fsdp::kernels::cuda::kMaxReduceInputs + 1, nullptr);
+  expect_error(FSDP_ERR_UNSUPPORTED, "ranks can share a GPU",
+               [&] { gpu.reduce_sum(nullptr, too_many.data(), too_many.size(), 1, DType::kFp32, 1.0f, false); });
+}
+
+// What the local communicator's DataPlane asks of the device: which memory is
+// the GPU's, and marks that order one stream after another's work.
+TEST(CudaStreams, DeviceOnlyMemoryAndMarksOrderAnotherStream) {
+  SKIP_WITHOUT_GPU();
+  CudaDevice gpu(0);
+  const size_t n = size_t(1) << 26;
+  DeviceArray a(gpu, nullptr, n * sizeof(float)), b(gpu, nullptr, n * sizeof(float));
+  std::vector<float> host(4);
+  void* pinned = nullptr;
+  ASSERT_EQ(cudaMallocHost(&pinned, 64), cudaSuccess);
+  EXPECT_TRUE(gpu.device_only(a.ptr));
+  EXPECT_TRUE(gpu.device_only(a.as<float>() + 100)) << "inside a block";
+  EXPECT_FALSE(gpu.device_only(host.data()));
+  EXPECT_FALSE(gpu.device_only(pinned)) << "pinned host memory is the host's";
+  EXPECT_FALSE(gpu.device_only(nullptr));
+  cudaFreeHost(pinned);
+  gpu.zero(a.ptr, a.nbytes);
+  std::vector<float> ones(n, 1.0f);
+  DeviceArray src = upload(gpu, ones);
+  auto producer = gpu.create_stream("producer", 0, StreamHooks{});
+  auto consumer = gpu.create_stream("consumer", 1, StreamHooks{});
+  EventPtr mark;
+  producer->submit("write a", [&] {
+    for (int k = 0; k < 8; ++k) gpu.accumulate(a.as<float>(), src.ptr, DType::kFp32, 1.0f, n, nullptr);
+    mark = gpu.mark();
+  });
+  EventPtr copied = consumer->submit("copy a to b after the mark", [&] {
+    gpu.wait_mark(mark);
+    gpu.copy(b.ptr, a.ptr, a.nbytes);
+  });
+  copied->wait(60);
+  std::vector<float> got = b.read<float>();
+  EXPECT_EQ(got.front(), 8.0f);
+  EXPECT_EQ(got.back(), 8.0f);
+}
 
 TEST(CudaStreams, OperationsInATaskAreQueuedOnItsStreamAndOrderedByEvents) {
   SKIP_WITHOUT_GPU();

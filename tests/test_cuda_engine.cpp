@@ -16,6 +16,7 @@
 #include <map>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <unistd.h>
@@ -58,7 +59,7 @@ void from_host(void* dst, const void* src, size_t n, bool gpu) {
   }
 }
 
-// The unit's weights as fp32, read through fsdp_param_ptr.
+// The unit's weights as fp32 (from fp32, bf16 or fp16), read through fsdp_param_ptr.
 std::vector<float> read_param(fsdp_unit_t* u, fsdp_dtype_t dt, bool gpu) {
   void* p = nullptr;
   EXPECT_EQ(fsdp_param_ptr(u, 0, &p), FSDP_OK) << fsdp_last_error();
@@ -68,7 +69,9 @@ std::vector<float> read_param(fsdp_unit_t* u, fsdp_dtype_t dt, bool gpu) {
   } else {
     std::vector<uint16_t> raw(w.size());
     to_host(raw.data(), p, raw.size() * 2, gpu);
-    for (size_t i = 0; i < w.size(); ++i) w[i] = fsdp::kernels::bf16_bits_to_f32(raw[i]);
+    for (size_t i = 0; i < w.size(); ++i) {
+      w[i] = dt == FSDP_DTYPE_BF16 ? fsdp::kernels::bf16_bits_to_f32(raw[i]) : fsdp::kernels::fp16_bits_to_f32(raw[i]);
+    }
   }
   return w;
 }
@@ -80,7 +83,9 @@ void write_grad(fsdp_unit_t* u, fsdp_dtype_t dt, const std::vector<float>& g, bo
     from_host(p, g.data(), g.size() * 4, gpu);
   } else {
     std::vector<uint16_t> raw(g.size());
-    for (size_t i = 0; i < g.size(); ++i) raw[i] = fsdp::kernels::f32_to_bf16_bits(g[i]);
+    for (size_t i = 0; i < g.size(); ++i) {
+      raw[i] = dt == FSDP_DTYPE_BF16 ? fsdp::kernels::f32_to_bf16_bits(g[i]) : fsdp::kernels::f32_to_fp16_bits(g[i]);
+    }
     from_host(p, raw.data(), raw.size() * 2, gpu);
   }
 }
@@ -97,8 +102,11 @@ void register_units(fsdp_ctx_t* ctx, std::vector<fsdp_unit_t*>* units) {
   }
 }
 
-// Trains kSteps of AdamW on a fixed batch; `opts` plus device=cpu or cuda:0.
-void train(const std::map<std::string, std::string>& opts, bool gpu, bool keep_open, TrainedRun* out) {
+// Rank `rank` of `world` (in `group`; null for a world of one) trains
+// kSteps of AdamW on its rows of a fixed batch; `opts` plus device=cpu or
+// cuda:0 (every rank of a world on the one GPU).
+void train_rank(const std::map<std::string, std::string>& opts, bool gpu, fsdp_local_group_t* group, int rank,
+                int world, bool keep_open, TrainedRun* out) {
   fsdp_config_t* cfg = nullptr;
   CHECK_OK(fsdp_config_create(&cfg));
   std::map<std::string, std::string> all = opts;
@@ -108,7 +116,7 @@ void train(const std::map<std::string, std::string>& opts, bool gpu, bool keep_o
   all["weight_decay"] = "0.01";
   for (const auto& kv : all) CHECK_OK(fsdp_config_set(cfg, kv.first.c_str(), kv.second.c_str()));
   fsdp_ctx_t* ctx = nullptr;
-  fsdp_status_t created = fsdp_ctx_create(cfg, nullptr, 0, &ctx);
+  fsdp_status_t created = fsdp_ctx_create(cfg, group, rank, &ctx);
   fsdp_config_destroy(cfg);
   CHECK_OK(created);
   fsdp_dtype_t dt = FSDP_DTYPE_FP32;
@@ -126,6 +134,12 @@ void train(const std::map<std::string, std::string>& opts, bool gpu, bool keep_o
   std::vector<float> x(kBatch * kDim), y(kBatch * kDim);
   for (float& v : x) v = nd(rng);
   for (float& v : y) v = 0.5f * nd(rng);
+  // This rank's rows of the batch (every rank drew the whole batch).
+  const int rows = kBatch / world;
+  x.erase(x.begin(), x.begin() + rank * rows * kDim);
+  x.resize(static_cast<size_t>(rows) * kDim);
+  y.erase(y.begin(), y.begin() + rank * rows * kDim);
+  y.resize(static_cast<size_t>(rows) * kDim);
   for (int step = 0; step < kSteps; ++step) {
     // Forward: h[k+1] = tanh(h[k] W_k^T), row-major batch x dim.
     std::vector<std::vector<float>> h(kUnits + 1);
@@ -134,8 +148,8 @@ void train(const std::map<std::string, std::string>& opts, bool gpu, bool keep_o
       CHECK_OK(fsdp_forward_begin(units[k], nullptr));
       std::vector<float> w = read_param(units[k], dt, gpu);
       CHECK_OK(fsdp_forward_end(units[k], nullptr));
-      h[k + 1].assign(kBatch * kDim, 0.0f);
-      for (int b = 0; b < kBatch; ++b) {
+      h[k + 1].assign(rows * kDim, 0.0f);
+      for (int b = 0; b < rows; ++b) {
         for (int o = 0; o < kDim; ++o) {
           float acc = 0.0f;
           for (int i = 0; i < kDim; ++i) acc += h[k][b * kDim + i] * w[o * kDim + i];
@@ -144,14 +158,14 @@ void train(const std::map<std::string, std::string>& opts, bool gpu, bool keep_o
       }
     }
     // Backward of 0.5 * mean over the batch of |h - y|^2.
-    std::vector<float> dh(kBatch * kDim);
-    for (size_t i = 0; i < dh.size(); ++i) dh[i] = (h[kUnits][i] - y[i]) / kBatch;
+    std::vector<float> dh(rows * kDim);
+    for (size_t i = 0; i < dh.size(); ++i) dh[i] = (h[kUnits][i] - y[i]) / rows;
     for (int k = kUnits - 1; k >= 0; --k) {
       CHECK_OK(fsdp_backward_begin(units[k], nullptr));
       std::vector<float> w = read_param(units[k], dt, gpu);
-      std::vector<float> dz(kBatch * kDim), dw(kDim * kDim, 0.0f), dprev(kBatch * kDim, 0.0f);
+      std::vector<float> dz(rows * kDim), dw(kDim * kDim, 0.0f), dprev(rows * kDim, 0.0f);
       for (size_t i = 0; i < dz.size(); ++i) dz[i] = dh[i] * (1.0f - h[k + 1][i] * h[k + 1][i]);
-      for (int b = 0; b < kBatch; ++b) {
+      for (int b = 0; b < rows; ++b) {
         for (int o = 0; o < kDim; ++o) {
           for (int i = 0; i < kDim; ++i) {
             dw[o * kDim + i] += dz[b * kDim + o] * h[k][b * kDim + i];
@@ -178,6 +192,25 @@ void train(const std::map<std::string, std::string>& opts, bool gpu, bool keep_o
   }
 }
 
+// train_rank on `world` ranks (threads sharing the device); `out` gets rank
+// 0's result (every rank gathers the same full params).
+void train(const std::map<std::string, std::string>& opts, bool gpu, int world, bool keep_open, TrainedRun* out) {
+  if (world == 1) {
+    train_rank(opts, gpu, nullptr, 0, 1, keep_open, out);
+    return;
+  }
+  fsdp_local_group_t* group = nullptr;
+  CHECK_OK(fsdp_local_group_create(world, &group));
+  std::vector<TrainedRun> runs(static_cast<size_t>(world));
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < world; ++r) {
+    ranks.emplace_back([&, r] { train_rank(opts, gpu, group, r, world, false, &runs[static_cast<size_t>(r)]); });
+  }
+  for (auto& t : ranks) t.join();
+  fsdp_local_group_destroy(group);
+  *out = runs[0];
+}
+
 long first_difference(const std::vector<float>& a, const std::vector<float>& b) {
   for (size_t i = 0; i < a.size(); ++i) {
     if (std::memcmp(&a[i], &b[i], 4) != 0) return static_cast<long>(i);
@@ -200,10 +233,38 @@ TEST(CudaEngine, TrainsBitwiseLikeTheCpuDevice) {
       SCOPED_TRACE(std::string(sharding) + " " + dtype);
       std::map<std::string, std::string> opts = {{"sharding", sharding}, {"param_dtype", dtype}};
       TrainedRun cpu, gpu;
-      train(opts, false, false, &cpu);
-      train(opts, true, false, &gpu);
+      train(opts, false, 1, false, &cpu);
+      train(opts, true, 1, false, &gpu);
       if (::testing::Test::HasFatalFailure()) return;
       for (int k = 0; k < kUnits; ++k) EXPECT_EQ(first_difference(cpu.params[k], gpu.params[k]), -1) << "unit " << k;
+    }
+  }
+}
+
+// Ranks as threads sharing one GPU: the local communicator moves the GPU's
+// memory with the device's copies and reduce kernel (kernels/reduce.h's
+// order), so every world trains bit for bit like the same world on the CPU
+// device (whose own equivalence with one unsharded rank tests/test_equivalence
+// checks).
+TEST(CudaEngine, RanksSharingOneGpuTrainBitwiseLikeTheSameWorldOnTheCpu) {
+  SKIP_WITHOUT_GPU();
+  for (int world : {2, 4}) {
+    for (const char* sharding : {"FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"}) {
+      // fp16 runs with dynamic loss scaling (its default): the inf/nan check
+      // and the scale's updates take the same path on both devices.
+      for (const char* dtype : {"fp32", "bf16", "fp16"}) {
+        SCOPED_TRACE("world " + std::to_string(world) + " " + sharding + " " + dtype);
+        std::map<std::string, std::string> opts = {
+            {"sharding", sharding}, {"param_dtype", dtype}, {"timeout_s", "60"}, {"shard_group_size", "2"}};
+        if (std::string(sharding) != "HYBRID_SHARD") opts.erase("shard_group_size");
+        TrainedRun cpu, gpu;
+        train(opts, false, world, false, &cpu);
+        train(opts, true, world, false, &gpu);
+        if (::testing::Test::HasFatalFailure()) return;
+        for (int k = 0; k < kUnits; ++k) {
+          EXPECT_EQ(first_difference(cpu.params[k], gpu.params[k]), -1) << "unit " << k;
+        }
+      }
     }
   }
 }
@@ -212,8 +273,8 @@ TEST(CudaEngine, ClippingMatchesTheCpuDeviceClosely) {
   SKIP_WITHOUT_GPU();
   std::map<std::string, std::string> opts = {{"sharding", "FULL_SHARD"}, {"max_grad_norm", "0.05"}};
   TrainedRun cpu, gpu;
-  train(opts, false, false, &cpu);
-  train(opts, true, false, &gpu);
+  train(opts, false, 1, false, &cpu);
+  train(opts, true, 1, false, &gpu);
   if (::testing::Test::HasFatalFailure()) return;
   // The clip coefficient differs in its last bits at most (a double sum's
   // order); after 5 AdamW steps that is far below fp32 resolution of 1e-6.
@@ -230,7 +291,7 @@ TEST(CudaEngine, ACheckpointSavedOnTheGpuLoadsOnTheCpuBitwise) {
   std::string dir = (std::filesystem::temp_directory_path() / ("fsdp_cuda_ckpt_" + std::to_string(getpid()))).string();
   std::filesystem::remove_all(dir);
   TrainedRun gpu;
-  train({{"sharding", "FULL_SHARD"}}, true, true, &gpu);
+  train({{"sharding", "FULL_SHARD"}}, true, 1, true, &gpu);
   if (::testing::Test::HasFatalFailure()) return;
   CHECK_OK(fsdp_save(gpu.ctx, dir.c_str(), "sharded"));
   CHECK_OK(fsdp_ctx_finalize(gpu.ctx));

@@ -2,7 +2,8 @@
 // an independent reference (exact rational rounding done in double), and that
 // the CPU device's optimizer passes compute the scalar functors' bits in every
 // variant: with the params copy, with the grads cleared and their squares
-// summed in the same pass.
+// summed in the same pass; and that the host's reduction over ranks computes
+// kernels/reduce.h's bits.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -13,9 +14,11 @@
 #include <string>
 #include <vector>
 
+#include "base/reduce.h"
 #include "device/cpu/cpu_device.h"
 #include "kernels/cast.h"
 #include "kernels/norm.h"
+#include "kernels/reduce.h"
 
 using namespace fsdp::kernels;
 
@@ -408,6 +411,58 @@ TEST(CpuClearingPasses, CastClearConvertsLikeCastAndLeavesZeros) {
         EXPECT_EQ(first_difference(want.f32, got.f32), -1);
         EXPECT_EQ(first_difference(want.u16, got.u16), -1);
         EXPECT_TRUE(src.all_zero()) << "the source reads as zeros after the pass";
+      }
+    }
+  }
+}
+
+// The reduction over ranks: the host's block loops (what the CPU
+// communicators run, and the CPU device's reduce_sum over threads) compute
+// kernels/reduce.h's scalar functor bit for bit, which the CUDA reduce kernel
+// runs too; the clearing variant leaves every input zero.
+TEST(CpuReduceSum, MatchesTheRankOrderFunctorBitwiseAndClearsItsInputs) {
+  for (int threads : kThreads) {
+    CpuDevice dev(threads, fsdp::device::Pool::kDevice);
+    for (size_t n : kSizes) {
+      for (size_t n_ins : {1, 2, 3, 5}) {
+        for (DType dtype : {DType::kFp32, DType::kBf16, DType::kFp16}) {
+          for (bool through_device : {false, true}) {
+            for (bool clear : {false, true}) {
+              SCOPED_TRACE("n=" + std::to_string(n) + " inputs=" + std::to_string(n_ins) + " " +
+                           fsdp::dtype_name(dtype) + (through_device ? " CpuDevice" : " base") +
+                           (clear ? " clear" : "") + " threads=" + std::to_string(threads));
+              std::vector<Source> ins;
+              std::vector<void*> ptrs;
+              for (size_t k = 0; k < n_ins; ++k) ins.push_back(make_source(dtype, n, 20 + unsigned(k)));
+              for (Source& s : ins) ptrs.push_back(s.data());
+              Source want = make_source(dtype, n, 40), got = want;
+              const ReduceSumOp op{0.125f};
+              for (size_t i = 0; i < n; ++i) {
+                if (dtype == DType::kFp32) {
+                  op(want.f32.data(), reinterpret_cast<float* const*>(ptrs.data()), n_ins, i);
+                } else if (dtype == DType::kBf16) {
+                  op(reinterpret_cast<bf16_t*>(want.u16.data()), reinterpret_cast<bf16_t* const*>(ptrs.data()), n_ins,
+                     i);
+                } else {
+                  op(reinterpret_cast<fp16_t*>(want.u16.data()), reinterpret_cast<fp16_t* const*>(ptrs.data()), n_ins,
+                     i);
+                }
+              }
+              if (through_device) {
+                dev.reduce_sum(got.data(), ptrs.data(), n_ins, n, dtype, 0.125f, clear);
+              } else if (clear) {
+                fsdp::base::reduce_sum_clear(got.data(), ptrs.data(), n_ins, n, dtype, 0.125f);
+              } else {
+                fsdp::base::reduce_sum(got.data(), const_cast<const void* const*>(ptrs.data()), n_ins, n, dtype, 0.125f);
+              }
+              EXPECT_EQ(first_difference(want.f32, got.f32), -1);
+              EXPECT_EQ(first_difference(want.u16, got.u16), -1);
+              for (size_t k = 0; k < n_ins; ++k) {
+                EXPECT_EQ(ins[k].all_zero(), clear) << "input " << k;
+              }
+            }
+          }
+        }
       }
     }
   }
