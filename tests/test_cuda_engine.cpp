@@ -269,6 +269,29 @@ TEST(CudaEngine, RanksSharingOneGpuTrainBitwiseLikeTheSameWorldOnTheCpu) {
   }
 }
 
+// offload=cpu on a GPU: state in pinned host memory, the optimizer on the
+// host, copies on the copy streams; the same bits as offload on the CPU
+// device, alone and with ranks sharing the GPU.
+TEST(CudaEngine, OffloadTrainsBitwiseLikeOffloadOnTheCpu) {
+  SKIP_WITHOUT_GPU();
+  for (int world : {1, 2}) {
+    for (const char* sharding : {"FULL_SHARD", "NO_SHARD"}) {
+      for (const char* dtype : {"fp32", "bf16"}) {
+        SCOPED_TRACE("world " + std::to_string(world) + " " + sharding + " " + dtype);
+        std::map<std::string, std::string> opts = {
+            {"sharding", sharding}, {"param_dtype", dtype}, {"offload", "cpu"}, {"timeout_s", "60"}};
+        TrainedRun cpu, gpu;
+        train(opts, false, world, false, &cpu);
+        train(opts, true, world, false, &gpu);
+        if (::testing::Test::HasFatalFailure()) return;
+        for (int k = 0; k < kUnits; ++k) {
+          EXPECT_EQ(first_difference(cpu.params[k], gpu.params[k]), -1) << "unit " << k;
+        }
+      }
+    }
+  }
+}
+
 TEST(CudaEngine, ClippingMatchesTheCpuDeviceClosely) {
   SKIP_WITHOUT_GPU();
   std::map<std::string, std::string> opts = {{"sharding", "FULL_SHARD"}, {"max_grad_norm", "0.05"}};

@@ -19,18 +19,54 @@
 namespace fsdp::core {
 namespace {
 
-// Streams `nbytes` of `dev` memory into the writer (staged through the host
-// when the device's memory is not host-visible).
-void write_from(ckpt::Writer& w, device::Device* dev, const void* src, size_t nbytes) {
+constexpr size_t kStageBytes = 8u << 20;
+
+// Host memory that a device's memory is staged through for files: the
+// device's own host memory (pinned on a GPU, which copies to and from it at
+// full speed), taken on first use and grown as asked.
+class HostStage {
+ public:
+  explicit HostStage(const device::Device& dev) : mem_(dev.host_memory()) {}
+  ~HostStage() {
+    if (data_ != nullptr) mem_.free(data_);
+  }
+  HostStage(const HostStage&) = delete;
+  HostStage& operator=(const HostStage&) = delete;
+  // At least `nbytes` (the contents are not kept when it grows).
+  void* get(size_t nbytes) {
+    if (nbytes > nbytes_) {
+      if (data_ != nullptr) mem_.free(data_);
+      data_ = nullptr;
+      nbytes_ = 0;
+      data_ = mem_.alloc(nbytes);
+      if (data_ == nullptr) {
+        fail(FSDP_ERR_OUT_OF_MEMORY, "checkpoint: could not allocate " + std::to_string(nbytes) +
+                                         " bytes of host memory to stage device memory through");
+      }
+      nbytes_ = nbytes;
+    }
+    return data_;
+  }
+
+ private:
+  device::HostMemory mem_;
+  void* data_ = nullptr;
+  size_t nbytes_ = 0;
+};
+
+// Streams `nbytes` of `dev` memory into the writer (staged through `stage`
+// in pieces when the device's memory is not host-visible).
+void write_from(ckpt::Writer& w, device::Device* dev, HostStage& stage, const void* src, size_t nbytes) {
   if (dev->host_visible()) {
     w.write(src, nbytes);
     return;
   }
-  std::vector<char> stage(std::min<size_t>(nbytes, 8u << 20));
-  for (size_t off = 0; off < nbytes; off += stage.size()) {
-    size_t k = std::min(stage.size(), nbytes - off);
-    dev->copy_to_host(stage.data(), static_cast<const char*>(src) + off, k);
-    w.write(stage.data(), k);
+  size_t piece = std::min(nbytes, kStageBytes);
+  char* buf = static_cast<char*>(stage.get(piece));
+  for (size_t off = 0; off < nbytes; off += piece) {
+    size_t k = std::min(piece, nbytes - off);
+    dev->copy_to_host(buf, static_cast<const char*>(src) + off, k);
+    w.write(buf, k);
   }
 }
 
@@ -82,11 +118,12 @@ std::vector<ckpt::FileRecord> Context::write_shard_file(const std::string& stage
                           ": injected by FSDP_CKPT_FAULT");
   }
   std::unique_ptr<ckpt::Writer> w = ckpt::create_shard_file(staged, meta, rt_.shard_rank());
+  HostStage stage(*rt_.state_dev);
   for (size_t k = 0; k < units_.size(); ++k) {
     size_t nbytes = units_[k]->shard_numel() * sizeof(float);
-    write_from(*w, rt_.state_dev, units_[k]->master(), nbytes);
+    write_from(*w, rt_.state_dev, stage, units_[k]->master(), nbytes);
     for (size_t i = 0; i < meta.optimizer.state.size(); ++i) {
-      write_from(*w, rt_.state_dev, optimizer_.state(k, i).data(), nbytes);
+      write_from(*w, rt_.state_dev, stage, optimizer_.state(k, i).data(), nbytes);
     }
   }
   return {w->finish()};
@@ -110,6 +147,7 @@ std::vector<ckpt::FileRecord> Context::write_full_files(const std::string& stage
   // unit one state at a time.
   on_root([&] { files = ckpt::create_full_files(staged, meta, std::move(entries)); });
   bool gather = rt_.shard_world() > 1;
+  HostStage stage(*rt_.dev);  // the full unit is on the compute device, or the shard on the state device
   for (size_t k = 0; k < units_.size(); ++k) {
     Unit& u = *units_[k];
     const FlatLayout& lay = u.layout();
@@ -140,7 +178,7 @@ std::vector<ckpt::FileRecord> Context::write_full_files(const std::string& stage
       on_root([&] {
         ckpt::Writer& w = s == 0 ? *files.model : *files.optimizer;
         for (size_t i = 0; i < lay.n_params(); ++i) {
-          write_from(w, where, flat + lay.param_offset(i), lay.param(i).numel * sizeof(float));
+          write_from(w, where, stage, flat + lay.param_offset(i), lay.param(i).numel * sizeof(float));
         }
       });
     }
@@ -267,14 +305,11 @@ void Context::load(const std::string& dir) {
     ckpt::CheckpointReader r(dir);
     check_loadable(r.meta(), ckpt::join(dir, ckpt::kMetaFile));
     const std::vector<std::string>& names = r.meta().optimizer.state;
-    std::vector<float> host;  // staging, only for a device the host cannot see
+    HostStage stage(*rt_.state_dev);  // only for a device the host cannot see
     auto read_into = [&](Buffer& b, size_t k, const std::string& kind) {
       const Unit& u = *units_[k];
       float* out = b.as<float>();
-      if (!rt_.state_dev->host_visible()) {
-        host.resize(u.shard_numel());
-        out = host.data();
-      }
+      if (!rt_.state_dev->host_visible()) out = static_cast<float*>(stage.get(u.shard_numel() * sizeof(float)));
       r.read_shard(k, kind, u.layout(), rt_.shard_rank(), out);
       if (out != b.data()) rt_.state_dev->copy_from_host(b.data(), out, u.shard_numel() * sizeof(float));
     };

@@ -48,16 +48,6 @@ std::string describe(size_t index, const std::string& name, const std::vector<Pa
   return os.str();
 }
 
-// What device=cuda does not run yet, refused on every rank alike (the check
-// depends only on options every rank shares).
-void check_cuda_supports(const Options& o) {
-  if (o.offload_cpu) {
-    fail(FSDP_ERR_UNSUPPORTED,
-         "fsdp_ctx_create: offload=cpu with device=cuda is not available yet: it needs the pinned host pool "
-         "(docs/gpu.md)");
-  }
-}
-
 }  // namespace
 
 Context::Context(const Options& opts, std::unique_ptr<comm::Communicator> world)
@@ -65,7 +55,6 @@ Context::Context(const Options& opts, std::unique_ptr<comm::Communicator> world)
   world_ = std::move(world);
   rt_.rank = world_->rank();
   rt_.world = world_->world_size();
-  if (opts.on_cuda()) check_cuda_supports(opts);
   dev_ = device::make_compute_device(opts.cuda_ordinal, opts.threads);
   // Memory the host cannot read (a GPU's) is moved by the communicator with
   // the device's own copies and reductions, where its ranks share it.
@@ -80,14 +69,17 @@ Context::Context(const Options& opts, std::unique_ptr<comm::Communicator> world)
   rt_.state_dev = dev_.get();
   Trace* trace = &rt_.trace;
   if (opts.offload_cpu) {
-    // The optimizer runs here, on the host's SIMD kernels and thread pool.
-    host_ = std::make_unique<device::CpuDevice>(opts.threads, device::Pool::kHost);
+    // The optimizer runs here, on the host's SIMD kernels and thread pool,
+    // over memory the device copies to and from fastest (pinned for a GPU).
+    host_ = std::make_unique<device::CpuDevice>(opts.threads, device::Pool::kHost, dev_->host_memory());
     rt_.state_dev = host_.get();
     auto on_copy = [trace](const std::string& name, bool begin) { trace->add(name, begin ? 'B' : 'E', Track::kCopy); };
     copy_in_ = dev_->create_stream("copy_in", 0, {on_copy, nullptr, opts.timeout_s});
     copy_out_ = dev_->create_stream("copy_out", 0, {on_copy, nullptr, opts.timeout_s});
+    host_work_ = host_->create_stream("host_work", 0, {on_copy, nullptr, opts.timeout_s});
     rt_.copy_in = copy_in_.get();
     rt_.copy_out = copy_out_.get();
+    rt_.host_work = host_work_.get();
   }
   stream_ = dev_->create_stream(
       "comm", 1,
@@ -149,7 +141,7 @@ fsdp_status_t Context::async_error() const {
   }
   // Work that failed on a stream: the engine's own, and the host's streams
   // the transitions were given (a gather the host's stream waited for failed).
-  for (const device::Stream* s : {stream_.get(), copy_in_.get(), copy_out_.get()}) {
+  for (const device::Stream* s : {stream_.get(), copy_in_.get(), copy_out_.get(), host_work_.get()}) {
     if (s != nullptr && s->failure() != FSDP_OK) return s->failure();
   }
   for (const device::Stream* s : rt_.async_callers) {

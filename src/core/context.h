@@ -92,6 +92,7 @@ class Context {
   // stream stops before the copy streams, whose tasks may wait for it.
   std::unique_ptr<device::Stream> copy_in_;
   std::unique_ptr<device::Stream> copy_out_;
+  std::unique_ptr<device::Stream> host_work_;  // waits for copy_out_: stops before it
   std::unique_ptr<device::Stream> stream_;
   std::unique_ptr<SyncComm> sync_world_;
   std::unique_ptr<SyncComm> sync_shard_;

@@ -43,6 +43,16 @@ void Optimizer::restore(long step, double last_grad_norm, std::vector<std::vecto
   }
 }
 
+void Optimizer::on_state_device(const char* what, const std::function<void()>& launches) {
+  if (rt_.state_dev->host_visible()) {
+    launches();  // the host's loops: done when they return
+    return;
+  }
+  // A GPU: every launch is queued on the comm stream (idle now: the step
+  // waited for the reductions) and the host waits once, not once per launch.
+  rt_.stream->submit(what, launches)->wait(rt_.opts.timeout_s);
+}
+
 double Optimizer::grad_sum_squares(const std::vector<std::unique_ptr<Unit>>& units) {
   // The reduction that wrote a grad shard summed its squares as it went; only
   // shards the host wrote itself (alone, fp32) take a pass here. Padding in
@@ -65,7 +75,9 @@ void Optimizer::step(const std::vector<std::unique_ptr<Unit>>& units) {
   bool finite = std::isfinite(sq);
   scaler_.update(finite);
   if (!finite) {
-    for (const auto& u : units) rt_.state_dev->zero(u->sharded_grad(), u->shard_numel() * sizeof(float));
+    on_state_device("zero the grads of a skipped step", [&] {
+      for (const auto& u : units) rt_.state_dev->zero(u->sharded_grad(), u->shard_numel() * sizeof(float));
+    });
     return;
   }
   float grad_scale = static_cast<float>(1.0 / scale);
@@ -74,6 +86,11 @@ void Optimizer::step(const std::vector<std::unique_ptr<Unit>>& units) {
     if (coef < 1.0) grad_scale = static_cast<float>(coef / scale);
   }
   ++step_;
+  on_state_device("optimizer step", [&] { update(units, grad_scale); });
+}
+
+void Optimizer::update(const std::vector<std::unique_ptr<Unit>>& units, float grad_scale) {
+  const Options& o = rt_.opts;
   for (size_t k = 0; k < units.size(); ++k) {
     Unit& u = *units[k];
     State& st = states_[k];

@@ -4,6 +4,7 @@
 // next step's param_dtype shard.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -48,6 +49,12 @@ class Optimizer {
     Buffer exp_avg_sq;  // Adam second moment
   };
   double grad_sum_squares(const std::vector<std::unique_ptr<Unit>>& units);
+  // The update of every unit's shard (grads scaled by `grad_scale`), which
+  // also writes the param_dtype copy and clears the grads.
+  void update(const std::vector<std::unique_ptr<Unit>>& units, float grad_scale);
+  // Runs `launches` (state device operations) so that they are done on
+  // return, with one host wait where the state device is a GPU.
+  void on_state_device(const char* what, const std::function<void()>& launches);
 
   Runtime& rt_;
   LossScaler scaler_;

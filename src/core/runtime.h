@@ -45,6 +45,10 @@ struct Runtime {
   // device -> host copies of reduced grad shards (and their accumulation).
   device::Stream* copy_in = nullptr;
   device::Stream* copy_out = nullptr;
+  // offload=cpu: the host's own work on what copy_out brought (the reduced
+  // grads added into the host grad shard), after the copy's event: on a GPU
+  // a copy completes after its task returns, so the host must wait for it.
+  device::Stream* host_work = nullptr;
   Scheduler* sched = nullptr;
   // Gathered params (param_dtype) and the grads the host writes (param_dtype),
   // on the compute device.

@@ -356,17 +356,20 @@ EventPtr Unit::submit_reduction(device::Stream& s) {
   size_t n_reduced = rt_.sharded() ? shard : padded;
   if (rt_.alone()) {
     // offload=cpu alone: no collective, only the device -> host copy and the
-    // accumulation, on the copy stream. A copy cannot clear the grads: the
-    // slot is zeroed when taken again.
+    // accumulation on the host. A copy cannot clear the grads: the slot is
+    // zeroed when taken again.
+    auto on_host = std::make_shared<Buffer>();
     rt_.copy_out->wait(written);
     EventPtr copied =
         rt_.copy_out->submit(label("device to host copy") + " " + std::to_string(padded * dtype_size(pd)) + " B", [=] {
-          Buffer on_host(rt->state_dev, &rt->mem, MemCategory::kScratch, pd, padded, /*zeroed=*/false);
-          rt->dev->copy_to_host(on_host.data(), grads, padded * dtype_size(pd));
-          accumulate_rounded(*rt, sgrad, on_host.data(), pd, rd, padded, sq, /*clear=*/false);
+          *on_host = Buffer(rt->state_dev, &rt->mem, MemCategory::kScratch, pd, padded, /*zeroed=*/false);
+          rt->dev->copy_to_host(on_host->data(), grads, padded * dtype_size(pd));
         });
     rt_.grad_slots->release(std::move(ugrad_), copied, /*zero=*/false);
-    return copied;
+    return on_host_after(copied, [=] {
+      accumulate_rounded(*rt, sgrad, on_host->data(), pd, rd, padded, sq, /*clear=*/false);
+      on_host->reset();
+    });
   }
   // Each path clears the grads in a pass that reads them anyway (the cast to
   // reduce_dtype, the reduce-scatter or the accumulation into the grad
@@ -423,16 +426,24 @@ EventPtr Unit::submit_reduction(device::Stream& s) {
     rt_.grad_slots->release(std::move(ugrad_), ev, clears);
     return ev;
   }
+  auto on_host = std::make_shared<Buffer>();
   rt_.copy_out->wait(ev);
   EventPtr copied =
       rt_.copy_out->submit(label("device to host copy") + " " + std::to_string(n_reduced * dtype_size(rd)) + " B", [=] {
-        Buffer on_host(rt->state_dev, &rt->mem, MemCategory::kScratch, rd, n_reduced, /*zeroed=*/false);
-        rt->dev->copy_to_host(on_host.data(), reduced->data, n_reduced * dtype_size(rd));
-        reduced->owned.reset();
-        rt->state_dev->accumulate(sgrad, on_host.data(), rd, 1.0f, n_reduced, sq);
+        *on_host = Buffer(rt->state_dev, &rt->mem, MemCategory::kScratch, rd, n_reduced, /*zeroed=*/false);
+        rt->dev->copy_to_host(on_host->data(), reduced->data, n_reduced * dtype_size(rd));
+        reduced->owned.reset();  // stream-ordered: after the copy
       });
   rt_.grad_slots->release(std::move(ugrad_), copied, clears);
-  return copied;
+  return on_host_after(copied, [=] {
+    rt->state_dev->accumulate(sgrad, on_host->data(), rd, 1.0f, n_reduced, sq);
+    on_host->reset();
+  });
+}
+
+EventPtr Unit::on_host_after(const EventPtr& copied, device::Stream::Task work) {
+  rt_.host_work->wait(copied);
+  return rt_.host_work->submit(label("accumulate on the host"), std::move(work));
 }
 
 void Unit::accumulate_alone(device::Stream& s) {

@@ -109,6 +109,9 @@ class Unit {
   void free_gathered(device::Stream& s);
   // The reduction of the grads that the caller's stream `s` wrote.
   EventPtr submit_reduction(device::Stream& s);
+  // offload=cpu: `work` on the host's data that the copy of event `copied`
+  // brought, on the host work stream; returns its event.
+  EventPtr on_host_after(const EventPtr& copied, device::Stream::Task work);
   // World of one: the grads reach the grad shard on the caller's stream `s`, no comm task.
   void accumulate_alone(device::Stream& s);
   // Whether this backward may hand out the grad shard itself as the grad buffer.

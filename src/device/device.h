@@ -46,6 +46,18 @@ struct SgdArgs {
   double* grad_sq = nullptr;  // if set, receives sum(grads[i]^2)
 };
 
+// Host memory as a device copies to and from it fastest: plain aligned
+// memory for the CPU; page-locked (pinned) memory for a GPU, which its copy
+// engines reach asynchronously. Plain functions, so that any allocator (the
+// CPU device's block cache) can take them. `alloc` returns 64-byte aligned
+// memory, or null when there is none left.
+struct HostMemory {
+  void* (*alloc)(size_t nbytes);
+  void (*free)(void* ptr);
+};
+// 64-byte aligned memory from the system (std::aligned_alloc / std::free).
+HostMemory plain_host_memory();
+
 // Where a Device's memory lives: the accelerator's (or, for the CPU device,
 // the pool standing in for it) or the host's, where offload=cpu keeps state.
 enum class Pool { kDevice, kHost };
@@ -70,6 +82,9 @@ class Device {
   // pointers (checkpoint files are then written from and read into it
   // directly, with no staging copy).
   virtual bool host_visible() const = 0;
+  // The host memory this device's copies to and from the host want: where
+  // offload=cpu keeps the state it copies from and into every step.
+  virtual HostMemory host_memory() const = 0;
 
   // A stream of the engine's own (the comm stream, the offload copy
   // streams); `priority` > 0 runs ahead of compute where the device can.

@@ -13,13 +13,17 @@
 #include <mutex>
 #include <unordered_map>
 
+#include "../device.h"
+
 namespace fsdp::device {
 
 class BlockCache {
  public:
   // `enabled` false: every alloc and free goes to the system (sanitizer
   // builds, so that AddressSanitizer sees each use after free).
-  explicit BlockCache(bool enabled) : enabled_(enabled) {}
+  // Blocks come from and go back to `system` (a GPU's pinned memory for the
+  // host half of offload=cpu).
+  BlockCache(bool enabled, HostMemory system) : enabled_(enabled), system_(system) {}
   ~BlockCache();
   BlockCache(const BlockCache&) = delete;
   BlockCache& operator=(const BlockCache&) = delete;
@@ -36,7 +40,6 @@ class BlockCache {
   void free_zeroed(void* ptr) noexcept;
 
  private:
-  static void* system_alloc(size_t nbytes);
   // Frees cached blocks, largest first (those not known zero first), until
   // cached + in use <= limit.
   void trim_locked(size_t limit);
@@ -45,6 +48,7 @@ class BlockCache {
   void* take_locked(std::multimap<size_t, void*>& from, size_t n);
 
   const bool enabled_;
+  const HostMemory system_;
   mutable std::mutex mu_;
   std::multimap<size_t, void*> free_;         // rounded size -> block
   std::multimap<size_t, void*> zero_;         // the same, for blocks known to be all zero

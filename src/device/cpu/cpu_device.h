@@ -18,9 +18,13 @@ class CpuDevice final : public Device {
  public:
   // `mem_pool` labels the memory for accounting: with offload=cpu a context
   // has two CPU devices, so that the device <-> host copy path really runs.
-  CpuDevice(int n_threads, Pool mem_pool) : pool_(n_threads), mem_pool_(mem_pool), cache_(kCacheBlocks) {}
+  // `memory`: where its blocks come from (a GPU's pinned host memory when
+  // this device holds offload=cpu's state for a CUDA context).
+  CpuDevice(int n_threads, Pool mem_pool, HostMemory memory = plain_host_memory())
+      : pool_(n_threads), mem_pool_(mem_pool), memory_(memory), cache_(kCacheBlocks, memory) {}
   const char* name() const override { return "cpu"; }
   bool host_visible() const override { return true; }
+  HostMemory host_memory() const override { return memory_; }
   Pool pool() const override { return mem_pool_; }
 
   std::unique_ptr<Stream> create_stream(std::string name, int priority, StreamHooks hooks) override;
@@ -73,6 +77,7 @@ class CpuDevice final : public Device {
   std::mutex host_streams_mu_;
   std::vector<std::unique_ptr<WorkerStream>> host_streams_;
   Pool mem_pool_;
+  HostMemory memory_;
   BlockCache cache_;
 };
 

@@ -30,7 +30,20 @@ void CUDART_CB write_host_result(void* arg) {  // no CUDA calls allowed here
   delete r;
 }
 
+void* pinned_alloc(size_t nbytes) {
+  void* p = nullptr;
+  if (cudaHostAlloc(&p, nbytes == 0 ? 1 : nbytes, cudaHostAllocPortable) != cudaSuccess) {
+    cudaGetLastError();  // out of pinned memory is not sticky: the caller reports it
+    return nullptr;
+  }
+  return p;  // page-aligned
+}
+
+void pinned_free(void* p) { cudaFreeHost(p); }
+
 }  // namespace
+
+HostMemory CudaDevice::host_memory() const { return {pinned_alloc, pinned_free}; }
 
 int CudaDevice::count() {
   int n = 0;

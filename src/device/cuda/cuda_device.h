@@ -39,6 +39,10 @@ class CudaDevice final : public Device {
   const char* name() const override { return "cuda"; }
   Pool pool() const override { return Pool::kDevice; }
   bool host_visible() const override { return false; }
+  // Pinned (page-locked, portable) host memory: copies to and from it are
+  // asynchronous on the copy streams. The CPU device that holds offload=cpu's
+  // state takes its blocks from here and caches them.
+  HostMemory host_memory() const override;
   int ordinal() const { return ordinal_; }
 
   std::unique_ptr<Stream> create_stream(std::string name, int priority, StreamHooks hooks) override;
