@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check, on a machine with an NVIDIA GPU: builds libfsdp with the CUDA
 # parts, runs the GPU suite (the tests named Cuda*; on a GPU none may skip),
-# runs it again under compute-sanitizer (memcheck, then racecheck), runs the
+# runs the Python binding's GPU test (torch and cupy, zero-copy), runs the
+# suite again under compute-sanitizer (memcheck, then racecheck), runs the
 # CUDA benchmarks, and ends with a summary. Works without a package
 # registry: build dependencies the machine lacks come from .gpu-deps/ (Debian
 # packages that tools/gpu-deps.sh downloads elsewhere), unpacked into a prefix.
@@ -77,16 +78,42 @@ else
   note "GPU suite: $passed passed, 0 failed, 0 skipped"
 fi
 
-# The same tests under compute-sanitizer.
+# The Python binding on the GPU (torch and cupy zero-copy), with that
+# machine's Python; pytest from .gpu-deps/wheels when it has none.
+pyenv=()
+if ! python3 -c "import pytest" 2>/dev/null && [ -d .gpu-deps/wheels ]; then
+  python3 -m pip install -q --no-index --find-links .gpu-deps/wheels --target /tmp/fsdp-gpu-pytest pytest \
+    >"$out/pytest-install.log" 2>&1 && pyenv=(PYTHONPATH=/tmp/fsdp-gpu-pytest)
+fi
+if env "${pyenv[@]}" python3 -c "import pytest" 2>/dev/null; then
+  if env "${pyenv[@]}" FSDP_LIBRARY="$PWD/$build/src/libfsdp.so" PYTHONPATH="$PWD/bindings/python${pyenv:+:/tmp/fsdp-gpu-pytest}" \
+      python3 -m pytest -q -rs -p no:cacheprovider bindings/python/tests/test_cuda.py >"$out/python-gpu.log" 2>&1 &&
+      ! grep -q "skipped" "$out/python-gpu.log"; then
+    note "Python GPU test: $(tail -1 "$out/python-gpu.log")"
+  else
+    failed=1
+    tail -40 "$out/python-gpu.log"
+    note "Python GPU test FAILED or skipped (log: $out/python-gpu.log)"
+  fi
+else
+  failed=1
+  note "pytest not found (run tools/gpu-deps.sh elsewhere and carry .gpu-deps): the Python GPU test did not run"
+fi
+
+# The GPU suite's binaries again under compute-sanitizer.
 if command -v compute-sanitizer >/dev/null; then
   for tool in memcheck racecheck; do
-    if compute-sanitizer --tool "$tool" --error-exitcode 99 "$build/tests/test_cuda" >"$out/sanitizer-$tool.log" 2>&1; then
-      note "compute-sanitizer $tool: clean ($(grep -o '[0-9]* tests\? ran\|PASSED.*' "$out/sanitizer-$tool.log" | tail -1))"
-    else
-      failed=1
-      tail -40 "$out/sanitizer-$tool.log"
-      note "compute-sanitizer $tool FAILED (log: $out/sanitizer-$tool.log)"
-    fi
+    for t in test_cuda test_cuda_engine; do
+      log="$out/sanitizer-$tool-$t.log"
+      if compute-sanitizer --tool "$tool" --error-exitcode 99 "$build/tests/$t" --gtest_filter=-'*WithoutAGpu*:*AnotherGpu*' \
+          >"$log" 2>&1; then
+        note "compute-sanitizer $tool $t: clean ($(grep -o 'PASSED.*' "$log" | tail -1))"
+      else
+        failed=1
+        tail -40 "$log"
+        note "compute-sanitizer $tool $t FAILED (log: $log)"
+      fi
+    done
   done
 else
   failed=1
@@ -101,6 +128,15 @@ import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
 print(", ".join("%s %.2f of copy" % (r["kernel"], r["ratio_to_copy"]) for r in rows if "kernel" in r) or rows)
 ' "$out/bench_cuda_kernels.json")"
+fi
+
+if [ -x "$build/benchmarks/bench_cuda_engine" ]; then
+  "$build/benchmarks/bench_cuda_engine" | tee "$out/bench_cuda_engine.json"
+  note "bench_cuda_engine: $(python3 -c '
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+print("; ".join(", ".join("%s=%s" % kv for kv in r.items() if kv[0] != "bench") for r in rows))
+' "$out/bench_cuda_engine.json")"
 fi
 
 echo "== gpu-check summary =="

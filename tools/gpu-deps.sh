@@ -16,4 +16,8 @@ cd .gpu-deps
 rm -f ./*.deb
 apt-get download googletest nlohmann-json3-dev libdeflate-dev libdeflate0 zlib1g-dev zlib1g pkgconf pkgconf-bin \
   libpkgconf3
-ls -la
+# pytest (pure-Python wheels) for the binding's GPU test, which that machine's
+# Python (with torch and cupy) runs; installed there into a folder of its own.
+rm -rf wheels
+python3 -m pip download -q --only-binary=:all: --dest wheels pytest
+ls -la . wheels
