@@ -31,14 +31,19 @@ struct AdamOp {
                      float grad_scale) {
     double bc1 = 1.0 - std::pow(static_cast<double>(beta1), static_cast<double>(step));
     double bc2 = 1.0 - std::pow(static_cast<double>(beta2), static_cast<double>(step));
-    return AdamOp{beta1,
-                  beta2,
-                  eps,
-                  decoupled ? 1.0f - lr * weight_decay : 1.0f,
-                  decoupled ? 0.0f : weight_decay,
-                  static_cast<float>(lr / bc1),
-                  static_cast<float>(1.0 / std::sqrt(bc2)),
-                  grad_scale};
+    AdamOp op{beta1, beta2, eps, 1.0f, 0.0f, static_cast<float>(lr / bc1), static_cast<float>(1.0 / std::sqrt(bc2)),
+              grad_scale};
+    return op.with_weight_decay(lr, weight_decay, decoupled);
+  }
+
+  // This op for a param whose weight decay is `weight_decay`: what a
+  // multi-tensor pass computes for each param on the device, in the same
+  // float arithmetic as make().
+  FSDP_HD AdamOp with_weight_decay(float lr, float weight_decay, bool decoupled) const {
+    AdamOp op = *this;
+    op.param_decay = decoupled ? 1.0f - lr * weight_decay : 1.0f;
+    op.grad_decay = decoupled ? 0.0f : weight_decay;
+    return op;
   }
 
   FSDP_HD void operator()(float& p, float g, float& m, float& v) const {
@@ -70,6 +75,18 @@ struct SgdOp {
     g = g * grad_scale + weight_decay * p;
     p -= lr * g;
   }
+};
+
+// One param's range of a unit's flat shard, as the multi-tensor optimizer
+// passes take a model: every range's arrays and its weight decay.
+struct OptimSpan {
+  float* params;
+  float* grads;
+  float* state1;  // Adam's exp_avg, SGD's momentum buffer (null: SGD without momentum)
+  float* state2;  // Adam's exp_avg_sq (null for SGD)
+  void* out;      // the next step's param_dtype copy (null: none)
+  size_t numel;
+  float weight_decay;
 };
 
 // acc[i] += scale * src[i], src in any storage dtype (grad shard accumulation).

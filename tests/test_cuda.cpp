@@ -248,6 +248,65 @@ TEST(CudaKernels, OptimizerPassesMatchTheCpuBitwise) {
   }
 }
 
+// The multi-tensor passes: one launch over spans of one flat model (sizes
+// below, at and over a chunk, each with its own weight decay) gives the bits
+// of the CPU device's pass span by span.
+TEST(CudaKernels, MultiTensorOptimizerPassesMatchTheCpuSpanBySpan) {
+  SKIP_WITHOUT_GPU();
+  CudaDevice gpu(0);
+  CpuDevice cpu(1, Pool::kDevice);
+  const size_t chunk = fsdp::kernels::cuda::kSpanChunk;
+  const std::vector<size_t> sizes = {7, chunk, chunk + 3, 1, 3 * chunk + 129, 256};
+  size_t total = 0;
+  for (size_t n : sizes) total += n + 16;  // gaps between the spans, as a layout's padding
+  for (int opt = 0; opt < 4; ++opt) {    // AdamW, Adam (L2), SGD, SGD with momentum
+    for (int out = 0; out < 3; ++out) {  // none, bf16, fp16
+      SCOPED_TRACE("opt=" + std::to_string(opt) + " out=" + std::to_string(out));
+      DType out_dtype = out == 1 ? DType::kBf16 : DType::kFp16;
+      size_t es = fsdp::dtype_size(out_dtype);
+      std::vector<float> p = random_floats(total, 17), g = random_floats(total, 18, 3.0f),
+                         m = random_floats(total, 19, 1e-2f), v = random_floats(total, 20, 1e-2f);
+      for (float& x : v) x = std::abs(x);
+      std::vector<uint8_t> out_host(out == 0 ? 0 : total * es, 0xab);
+      std::vector<float> cp = p, cg = g, cm = m, cv = v;
+      std::vector<uint8_t> cout = out_host;
+      DeviceArray dp = upload(gpu, p), dg = upload(gpu, g), dm = upload(gpu, m), dv = upload(gpu, v),
+                  dout(gpu, out_host.data(), out_host.size());
+      bool sgd = opt >= 2, momentum = opt == 3;
+      std::vector<fsdp::device::ShardSpan> cspans, gspans;
+      size_t at = 0;
+      for (size_t k = 0; k < sizes.size(); ++k) {
+        float wd = k % 2 == 0 ? 0.1f : 0.0f;
+        auto span = [&](float* pp, float* gg, float* mm, float* vv, uint8_t* oo) {
+          return fsdp::device::ShardSpan{pp + at, gg + at, sgd && !momentum ? nullptr : mm + at,
+                                         sgd ? nullptr : vv + at, out == 0 ? nullptr : oo + at * es, sizes[k], wd};
+        };
+        cspans.push_back(span(cp.data(), cg.data(), cm.data(), cv.data(), cout.data()));
+        gspans.push_back(span(dp.as<float>(), dg.as<float>(), dm.as<float>(), dv.as<float>(), dout.as<uint8_t>()));
+        at += sizes[k] + 16;
+      }
+      auto ctable = cpu.make_span_table(cspans);
+      auto gtable = gpu.make_span_table(gspans);
+      if (!sgd) {
+        auto op = fsdp::kernels::AdamOp::make(1e-3f, 0.9f, 0.999f, 1e-8f, 0.0f, opt == 0, 3, 0.75f);
+        cpu.adam_spans(*ctable, op, 1e-3f, opt == 0, out_dtype, true);
+        gpu.adam_spans(*gtable, op, 1e-3f, opt == 0, out_dtype, true);
+      } else {
+        fsdp::kernels::SgdOp op{0.05f, 0.0f, momentum ? 0.9f : 0.0f, 0.75f, momentum, false};
+        cpu.sgd_spans(*ctable, op, out_dtype, true);
+        gpu.sgd_spans(*gtable, op, out_dtype, true);
+      }
+      EXPECT_EQ(first_difference(cp, dp.read<float>()), -1) << "params";
+      EXPECT_EQ(first_difference(cg, dg.read<float>()), -1) << "grads";
+      EXPECT_EQ(first_difference(cm, dm.read<float>()), -1) << "exp_avg / momentum";
+      EXPECT_EQ(first_difference(cv, dv.read<float>()), -1) << "exp_avg_sq";
+      if (out != 0) {
+        EXPECT_EQ(first_difference(cout, dout.read<uint8_t>()), -1) << "params copy";
+      }
+    }
+  }
+}
+
 TEST(CudaKernels, NonFiniteFlagFindsOneInfOrNanAnywhere) {
   SKIP_WITHOUT_GPU();
   CudaDevice gpu(0);

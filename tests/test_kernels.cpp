@@ -467,3 +467,47 @@ TEST(CpuReduceSum, MatchesTheRankOrderFunctorBitwiseAndClearsItsInputs) {
     }
   }
 }
+
+// The CPU device's multi-tensor passes (what the optimizer runs every step)
+// update each span as adam / sgd does with that span's weight decay, and leave
+// the gaps between spans (a layout's padding) untouched.
+TEST(CpuOptimizerPass, MultiTensorPassesUpdateEachSpanWithItsOwnWeightDecay) {
+  CpuDevice dev(2, fsdp::device::Pool::kDevice);
+  const std::vector<size_t> sizes = {13, 1024, 1, 3000};
+  const std::vector<float> wds = {0.1f, 0.0f, 0.5f, 0.0f};
+  for (bool sgd : {false, true}) {
+    SCOPED_TRACE(sgd ? "sgd" : "adamw");
+    size_t total = 0;
+    for (size_t n : sizes) total += n + 8;
+    PassState all = make_state(total, 31), want = all;
+    std::vector<fsdp::device::ShardSpan> spans;
+    size_t at = 0;
+    for (size_t k = 0; k < sizes.size(); ++k) {
+      spans.push_back({all.p.data() + at, all.g.data() + at, all.m.data() + at, sgd ? nullptr : all.v.data() + at,
+                       nullptr, sizes[k], wds[k]});
+      // The reference: the scalar functor, span by span, with the span's weight decay.
+      for (size_t i = at; i < at + sizes[k]; ++i) {
+        if (sgd) {
+          SgdOp{0.05f, wds[k], 0.9f, 0.5f, false, false}(want.p[i], want.g[i], want.m[i]);
+        } else {
+          AdamOp::make(1e-3f, 0.9f, 0.999f, 1e-8f, wds[k], true, 4, 0.5f)(want.p[i], want.g[i], want.m[i], want.v[i]);
+        }
+        want.g[i] = 0.0f;
+      }
+      at += sizes[k] + 8;
+    }
+    auto table = dev.make_span_table(spans);
+    if (sgd) {
+      dev.sgd_spans(*table, SgdOp{0.05f, 0.0f, 0.9f, 0.5f, false, false}, DType::kFp32, true);
+    } else {
+      dev.adam_spans(*table, AdamOp::make(1e-3f, 0.9f, 0.999f, 1e-8f, 0.0f, true, 4, 0.5f), 1e-3f, true, DType::kFp32,
+                     true);
+    }
+    EXPECT_EQ(first_difference(want.p, all.p), -1);
+    EXPECT_EQ(first_difference(want.g, all.g), -1);
+    EXPECT_EQ(first_difference(want.m, all.m), -1);
+    if (!sgd) {
+      EXPECT_EQ(first_difference(want.v, all.v), -1);
+    }
+  }
+}

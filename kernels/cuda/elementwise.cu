@@ -259,6 +259,38 @@ struct ReduceBody {
   }
 };
 
+// One chunk of one span per block: the per-element bodies of AdamBody::one
+// and SgdBody::one with the span's op.
+template <typename Out, bool kZero>
+__global__ void __launch_bounds__(kThreads)
+    adam_spans_kernel(const OptimSpan* spans, const SpanChunk* chunks, AdamOp base, float lr, bool decoupled) {
+  const SpanChunk c = chunks[blockIdx.x];
+  const OptimSpan sp = spans[c.span];
+  const AdamBody<Out, kZero> body{base.with_weight_decay(lr, sp.weight_decay, decoupled), sp.params, sp.grads,
+                                  sp.state1, sp.state2, static_cast<Out*>(sp.out)};
+  const size_t end = c.begin + kSpanChunk < sp.numel ? c.begin + kSpanChunk : sp.numel;
+  for (size_t i = c.begin + threadIdx.x; i < end; i += blockDim.x) body.one(i);
+}
+
+template <typename Out, bool kZero, bool kMomentum>
+__global__ void __launch_bounds__(kThreads)
+    sgd_spans_kernel(const OptimSpan* spans, const SpanChunk* chunks, SgdOp base) {
+  const SpanChunk c = chunks[blockIdx.x];
+  const OptimSpan sp = spans[c.span];
+  SgdOp op = base;
+  op.weight_decay = sp.weight_decay;
+  const SgdBody<Out, kZero, kMomentum> body{op, sp.params, sp.grads, sp.state1, static_cast<Out*>(sp.out)};
+  const size_t end = c.begin + kSpanChunk < sp.numel ? c.begin + kSpanChunk : sp.numel;
+  for (size_t i = c.begin + threadIdx.x; i < end; i += blockDim.x) body.one(i);
+}
+
+// Calls fn(typed null pointer) for the spans' output type.
+template <typename Fn>
+cudaError_t with_span_out(bool has_out, fsdp_dtype_t dtype, Fn&& fn) {
+  if (!has_out) return fn(static_cast<NoOut*>(nullptr));
+  return with_dtype(dtype, nullptr, fn);
+}
+
 __global__ void __launch_bounds__(kThreads) non_finite_kernel(const float* x, size_t n, int* flag) {
   size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
   bool bad = false;
@@ -334,6 +366,46 @@ cudaError_t reduce_sum(void* out, void* const* ins, size_t n_ins, fsdp_dtype_t d
       return launch(body, n, vec, s);
     };
     return clear ? go(ReduceBody<T, true>{}) : go(ReduceBody<T, false>{});
+  });
+}
+
+std::vector<SpanChunk> span_chunks(const OptimSpan* spans, size_t n) {
+  std::vector<SpanChunk> chunks;
+  for (size_t k = 0; k < n; ++k) {
+    for (size_t b = 0; b < spans[k].numel; b += kSpanChunk) chunks.push_back({k, b});
+  }
+  return chunks;
+}
+
+cudaError_t adam_spans(const OptimSpan* spans, const SpanChunk* chunks, size_t n_chunks, const AdamOp& op, float lr,
+                       bool decoupled, bool has_out, fsdp_dtype_t out_dtype, bool zero_grads, cudaStream_t s) {
+  if (n_chunks == 0) return cudaSuccess;
+  return with_span_out(has_out, out_dtype, [&](auto* o) {
+    using O = std::remove_pointer_t<decltype(o)>;
+    auto grid = static_cast<unsigned>(n_chunks);
+    if (zero_grads) {
+      adam_spans_kernel<O, true><<<grid, kThreads, 0, s>>>(spans, chunks, op, lr, decoupled);
+    } else {
+      adam_spans_kernel<O, false><<<grid, kThreads, 0, s>>>(spans, chunks, op, lr, decoupled);
+    }
+    return cudaGetLastError();
+  });
+}
+
+cudaError_t sgd_spans(const OptimSpan* spans, const SpanChunk* chunks, size_t n_chunks, const SgdOp& op,
+                      bool momentum, bool has_out, fsdp_dtype_t out_dtype, bool zero_grads, cudaStream_t s) {
+  if (n_chunks == 0) return cudaSuccess;
+  return with_span_out(has_out, out_dtype, [&](auto* o) {
+    using O = std::remove_pointer_t<decltype(o)>;
+    auto grid = static_cast<unsigned>(n_chunks);
+    auto go = [&](auto zero, auto mom) {
+      sgd_spans_kernel<O, decltype(zero)::value, decltype(mom)::value><<<grid, kThreads, 0, s>>>(spans, chunks, op);
+      return cudaGetLastError();
+    };
+    using T = std::true_type;
+    using F = std::false_type;
+    if (momentum) return zero_grads ? go(T{}, T{}) : go(F{}, T{});
+    return zero_grads ? go(T{}, F{}) : go(F{}, F{});
   });
 }
 

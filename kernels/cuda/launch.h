@@ -10,6 +10,8 @@
 #include <cuda_runtime_api.h>
 
 #include <cstddef>
+#include <cstdint>
+#include <vector>
 
 #include "../optim.h"
 #include "fsdp.h"
@@ -37,6 +39,24 @@ cudaError_t sgd(const SgdOp& op, float* params, float* grads, float* momentum, v
 constexpr size_t kMaxReduceInputs = 64;
 cudaError_t reduce_sum(void* out, void* const* ins, size_t n_ins, fsdp_dtype_t dtype, size_t n, float scale,
                        bool clear, cudaStream_t s);
+
+// Multi-tensor optimizer passes: one launch over many spans (OptimSpan, in
+// device memory), each block taking one chunk of at most kSpanChunk elements
+// of one span (the chunk table, in device memory too, says which). Each span
+// gets AdamOp::with_weight_decay(lr, its weight decay, decoupled), or the SGD
+// op with its weight decay; `has_out`: every span has a params copy in
+// `out_dtype` (else none has); SGD's `momentum`: every span has state1.
+struct SpanChunk {
+  uint64_t span;
+  uint64_t begin;
+};
+constexpr size_t kSpanChunk = 16384;
+// The chunks of spans[0, n) (host memory), in span order.
+std::vector<SpanChunk> span_chunks(const OptimSpan* spans, size_t n);
+cudaError_t adam_spans(const OptimSpan* spans, const SpanChunk* chunks, size_t n_chunks, const AdamOp& op, float lr,
+                       bool decoupled, bool has_out, fsdp_dtype_t out_dtype, bool zero_grads, cudaStream_t s);
+cudaError_t sgd_spans(const OptimSpan* spans, const SpanChunk* chunks, size_t n_chunks, const SgdOp& op,
+                      bool momentum, bool has_out, fsdp_dtype_t out_dtype, bool zero_grads, cudaStream_t s);
 
 // The squares of x[0, n) summed in the order of kernels/norm.h into *out (a
 // device double): each step's fp32 sum is the CPU's bit for bit; the steps'

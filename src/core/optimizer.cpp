@@ -89,33 +89,56 @@ void Optimizer::step(const std::vector<std::unique_ptr<Unit>>& units) {
   on_state_device("optimizer step", [&] { update(units, grad_scale); });
 }
 
+std::vector<device::ShardSpan> Optimizer::spans(const std::vector<std::unique_ptr<Unit>>& units) const {
+  std::vector<device::ShardSpan> out;
+  size_t out_es = dtype_size(rt_.opts.param_dtype);
+  for (size_t k = 0; k < units.size(); ++k) {
+    const Unit& u = *units[k];
+    const State& st = states_[k];
+    for (const ShardSegment& seg : u.segments()) {
+      size_t b = seg.shard_begin;
+      out.push_back({u.master() + b, u.sharded_grad() + b, st.exp_avg.empty() ? nullptr : st.exp_avg.as<float>() + b,
+                     st.exp_avg_sq.empty() ? nullptr : st.exp_avg_sq.as<float>() + b,
+                     u.lowp_shard() == nullptr ? nullptr : static_cast<char*>(u.lowp_shard()) + b * out_es, seg.numel,
+                     static_cast<float>(u.weight_decay(seg.param_index))});
+    }
+    // Padding between and after params is never written: it stays zero.
+  }
+  return out;
+}
+
+namespace {
+
+bool same_spans(const std::vector<device::ShardSpan>& a, const std::vector<device::ShardSpan>& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i) {
+    const device::ShardSpan &x = a[i], &y = b[i];
+    if (x.params != y.params || x.grads != y.grads || x.state1 != y.state1 || x.state2 != y.state2 ||
+        x.out != y.out || x.numel != y.numel || x.weight_decay != y.weight_decay) {
+      return false;
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
 void Optimizer::update(const std::vector<std::unique_ptr<Unit>>& units, float grad_scale) {
   const Options& o = rt_.opts;
-  for (size_t k = 0; k < units.size(); ++k) {
-    Unit& u = *units[k];
-    State& st = states_[k];
-    DType out_dtype = o.param_dtype;
-    size_t out_es = dtype_size(out_dtype);
-    for (const ShardSegment& seg : u.segments()) {
-      float* p = u.master() + seg.shard_begin;
-      float* g = u.sharded_grad() + seg.shard_begin;  // read, then zeroed by the same pass
-      void* out = u.lowp_shard() == nullptr ? nullptr : static_cast<char*>(u.lowp_shard()) + seg.shard_begin * out_es;
-      float wd = static_cast<float>(u.weight_decay(seg.param_index));
-      if (o.optimizer == OptimizerKind::kSgd) {
-        kernels::SgdOp op{
-            static_cast<float>(o.lr), wd, static_cast<float>(o.momentum), grad_scale, o.nesterov, step_ == 1};
-        float* buf = st.exp_avg.empty() ? nullptr : st.exp_avg.as<float>() + seg.shard_begin;
-        rt_.state_dev->sgd({op, p, g, buf, out, out_dtype, seg.numel, /*zero_grads=*/true});
-      } else {
-        auto op = kernels::AdamOp::make(static_cast<float>(o.lr), static_cast<float>(o.beta1),
-                                        static_cast<float>(o.beta2), static_cast<float>(o.eps), wd,
-                                        o.optimizer == OptimizerKind::kAdamW, step_, grad_scale);
-        rt_.state_dev->adam({op, p, g, st.exp_avg.as<float>() + seg.shard_begin,
-                             st.exp_avg_sq.as<float>() + seg.shard_begin, out, out_dtype, seg.numel,
-                             /*zero_grads=*/true});
-      }
-    }
-    // Padding between and after params was never written: it is still zero.
+  // The table is made again only when a span changed (a unit registered, a
+  // checkpoint loaded new buffers, a param's weight decay set): on a GPU that
+  // is an upload, so the step itself sends nothing but its scalars.
+  std::vector<device::ShardSpan> now = spans(units);
+  if (!table_ || !same_spans(table_->spans(), now)) table_ = rt_.state_dev->make_span_table(std::move(now));
+  const auto lr = static_cast<float>(o.lr);
+  if (o.optimizer == OptimizerKind::kSgd) {
+    kernels::SgdOp op{lr, 0.0f, static_cast<float>(o.momentum), grad_scale, o.nesterov, step_ == 1};
+    rt_.state_dev->sgd_spans(*table_, op, o.param_dtype, /*zero_grads=*/true);
+  } else {
+    bool decoupled = o.optimizer == OptimizerKind::kAdamW;
+    auto op = kernels::AdamOp::make(lr, static_cast<float>(o.beta1), static_cast<float>(o.beta2),
+                                    static_cast<float>(o.eps), 0.0f, decoupled, step_, grad_scale);
+    rt_.state_dev->adam_spans(*table_, op, lr, decoupled, o.param_dtype, /*zero_grads=*/true);
   }
 }
 

@@ -52,6 +52,8 @@ class Optimizer {
   // The update of every unit's shard (grads scaled by `grad_scale`), which
   // also writes the param_dtype copy and clears the grads.
   void update(const std::vector<std::unique_ptr<Unit>>& units, float grad_scale);
+  // Every param range of every unit's shard, with its state and weight decay.
+  std::vector<device::ShardSpan> spans(const std::vector<std::unique_ptr<Unit>>& units) const;
   // Runs `launches` (state device operations) so that they are done on
   // return, with one host wait where the state device is a GPU.
   void on_state_device(const char* what, const std::function<void()>& launches);
@@ -59,6 +61,7 @@ class Optimizer {
   Runtime& rt_;
   LossScaler scaler_;
   std::vector<State> states_;
+  std::unique_ptr<device::SpanTable> table_;  // spans() as the state device keeps it
   long step_ = 0;
   double last_grad_norm_ = 0.0;
 };

@@ -8,6 +8,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "../../kernels/optim.h"
 #include "../base/dtype.h"
@@ -57,6 +58,20 @@ struct HostMemory {
 };
 // 64-byte aligned memory from the system (std::aligned_alloc / std::free).
 HostMemory plain_host_memory();
+
+// A model's param ranges (kernels::OptimSpan) as a device keeps them for its
+// multi-tensor optimizer passes: on a GPU also a table in device memory,
+// uploaded once and reused for every step while the ranges stay the same.
+using ShardSpan = kernels::OptimSpan;
+class SpanTable {
+ public:
+  explicit SpanTable(std::vector<ShardSpan> spans) : spans_(std::move(spans)) {}
+  virtual ~SpanTable() = default;
+  const std::vector<ShardSpan>& spans() const { return spans_; }
+
+ private:
+  std::vector<ShardSpan> spans_;
+};
 
 // Where a Device's memory lives: the accelerator's (or, for the CPU device,
 // the pool standing in for it) or the host's, where offload=cpu keeps state.
@@ -119,6 +134,16 @@ class Device {
   virtual void accumulate_clear(float* acc, void* src, DType src_dtype, float scale, size_t numel, double* acc_sq) = 0;
   virtual void adam(const AdamArgs& args) = 0;
   virtual void sgd(const SgdArgs& args) = 0;
+  // Multi-tensor passes: one pass over every span of `table` (made by this
+  // device), each span with `op` for its own weight decay
+  // (AdamOp::with_weight_decay(lr, span.weight_decay, decoupled); SGD: the
+  // span's as op.weight_decay), the params copy in `out_dtype` where a span
+  // has `out`, the grads cleared with `zero_grads`: the bits of adam / sgd per
+  // span, in one launch on a GPU instead of one per param.
+  virtual std::unique_ptr<SpanTable> make_span_table(std::vector<ShardSpan> spans) = 0;
+  virtual void adam_spans(const SpanTable& table, const kernels::AdamOp& op, float lr, bool decoupled,
+                          DType out_dtype, bool zero_grads) = 0;
+  virtual void sgd_spans(const SpanTable& table, const kernels::SgdOp& op, DType out_dtype, bool zero_grads) = 0;
   // Sum of x[i]^2 in double, the same bits on every run.
   virtual double sum_squares(const float* x, size_t numel) = 0;
   // out[i] = scale * the sum over k of ins[k][i], in fp32 in the order of

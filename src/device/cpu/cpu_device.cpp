@@ -353,6 +353,26 @@ void CpuDevice::reduce_sum(void* out, void* const* ins, size_t n_ins, size_t num
   });
 }
 
+std::unique_ptr<SpanTable> CpuDevice::make_span_table(std::vector<ShardSpan> spans) {
+  return std::make_unique<SpanTable>(std::move(spans));
+}
+
+void CpuDevice::adam_spans(const SpanTable& table, const kernels::AdamOp& op, float lr, bool decoupled,
+                           DType out_dtype, bool zero_grads) {
+  for (const ShardSpan& s : table.spans()) {
+    adam({op.with_weight_decay(lr, s.weight_decay, decoupled), s.params, s.grads, s.state1, s.state2, s.out, out_dtype,
+          s.numel, zero_grads});
+  }
+}
+
+void CpuDevice::sgd_spans(const SpanTable& table, const kernels::SgdOp& op, DType out_dtype, bool zero_grads) {
+  for (const ShardSpan& s : table.spans()) {
+    kernels::SgdOp o = op;
+    o.weight_decay = s.weight_decay;
+    sgd({o, s.params, s.grads, s.state1, s.out, out_dtype, s.numel, zero_grads});
+  }
+}
+
 EventPtr CpuDevice::mark() { return CpuEvent::completed(); }
 
 void CpuDevice::wait_mark(const EventPtr& ev) {

@@ -53,6 +53,11 @@ class CpuDevice final : public Device {
   void adam(const AdamArgs& args) override;
   void sgd(const SgdArgs& args) override;
   double sum_squares(const float* x, size_t numel) override;
+  // The host's passes span by span (adam / sgd per span).
+  std::unique_ptr<SpanTable> make_span_table(std::vector<ShardSpan> spans) override;
+  void adam_spans(const SpanTable& table, const kernels::AdamOp& op, float lr, bool decoupled, DType out_dtype,
+                  bool zero_grads) override;
+  void sgd_spans(const SpanTable& table, const kernels::SgdOp& op, DType out_dtype, bool zero_grads) override;
   void reduce_sum(void* out, void* const* ins, size_t n_ins, size_t numel, DType dtype, float scale,
                   bool clear) override;
   // The host reads all of this device's memory, and its operations are done

@@ -23,6 +23,52 @@ struct HostResult {
   double* dst;
 };
 
+// A SpanTable with its device copy: the spans, and the chunk table of the
+// multi-tensor launches.
+class CudaSpanTable final : public SpanTable {
+ public:
+  CudaSpanTable(int ordinal, std::vector<ShardSpan> spans) : SpanTable(std::move(spans)) {
+    const std::vector<ShardSpan>& sp = this->spans();
+    std::vector<k::SpanChunk> chunks = k::span_chunks(sp.data(), sp.size());
+    n_chunks_ = chunks.size();
+    bind(ordinal);
+    has_out_ = !sp.empty() && sp.front().out != nullptr;
+    momentum_ = !sp.empty() && sp.front().state1 != nullptr;
+    for (const ShardSpan& s : sp) {
+      if ((s.out != nullptr) != has_out_ || (s.state1 != nullptr) != momentum_) {
+        fail(FSDP_ERR_INTERNAL, "cuda device: a span table whose spans differ in having a params copy or state");
+      }
+    }
+    upload(reinterpret_cast<void**>(&spans_), sp.data(), sp.size() * sizeof(ShardSpan));
+    upload(reinterpret_cast<void**>(&chunks_), chunks.data(), chunks.size() * sizeof(k::SpanChunk));
+  }
+  ~CudaSpanTable() override {
+    cudaFree(spans_);  // synchronizes: no launch may still read them
+    cudaFree(chunks_);
+  }
+  CudaSpanTable(const CudaSpanTable&) = delete;
+  CudaSpanTable& operator=(const CudaSpanTable&) = delete;
+
+  const ShardSpan* spans_dev() const { return spans_; }
+  const k::SpanChunk* chunks() const { return chunks_; }
+  size_t n_chunks() const { return n_chunks_; }
+  bool has_out() const { return has_out_; }
+  bool momentum() const { return momentum_; }
+
+ private:
+  static void upload(void** dst, const void* src, size_t nbytes) {
+    if (nbytes == 0) return;
+    check(cudaMalloc(dst, nbytes), "cudaMalloc (span table)");
+    check(cudaMemcpy(*dst, src, nbytes, cudaMemcpyHostToDevice), "uploading the span table");
+  }
+
+  ShardSpan* spans_ = nullptr;
+  k::SpanChunk* chunks_ = nullptr;
+  size_t n_chunks_ = 0;
+  bool has_out_ = false;
+  bool momentum_ = false;
+};
+
 void CUDART_CB write_host_result(void* arg) {  // no CUDA calls allowed here
   auto* r = static_cast<HostResult*>(arg);
   *r->dst = *r->pinned;
@@ -263,6 +309,27 @@ void CudaDevice::reduce_sum(void* out, void* const* ins, size_t n_ins, size_t nu
   }
   bind(ordinal_);
   issued(k::reduce_sum(out, ins, n_ins, code(dtype), numel, scale, clear, target()), "reduce_sum");
+}
+
+std::unique_ptr<SpanTable> CudaDevice::make_span_table(std::vector<ShardSpan> spans) {
+  return std::make_unique<CudaSpanTable>(ordinal_, std::move(spans));
+}
+
+void CudaDevice::adam_spans(const SpanTable& table, const kernels::AdamOp& op, float lr, bool decoupled,
+                            DType out_dtype, bool zero_grads) {
+  const auto& t = dynamic_cast<const CudaSpanTable&>(table);
+  bind(ordinal_);
+  issued(k::adam_spans(t.spans_dev(), t.chunks(), t.n_chunks(), op, lr, decoupled, t.has_out(), code(out_dtype),
+                       zero_grads, target()),
+         "adam (multi-tensor)");
+}
+
+void CudaDevice::sgd_spans(const SpanTable& table, const kernels::SgdOp& op, DType out_dtype, bool zero_grads) {
+  const auto& t = dynamic_cast<const CudaSpanTable&>(table);
+  bind(ordinal_);
+  issued(k::sgd_spans(t.spans_dev(), t.chunks(), t.n_chunks(), op, t.momentum(), t.has_out(), code(out_dtype),
+                      zero_grads, target()),
+         "sgd (multi-tensor)");
 }
 
 bool CudaDevice::device_only(const void* ptr) const {

@@ -68,6 +68,13 @@ class CudaDevice final : public Device {
   double sum_squares(const float* x, size_t numel) override;
   void reduce_sum(void* out, void* const* ins, size_t n_ins, size_t numel, DType dtype, float scale,
                   bool clear) override;
+  // The spans and their chunks uploaded to device memory (synchronously: a
+  // table is made at registration or after a load, not per step); one launch
+  // per pass.
+  std::unique_ptr<SpanTable> make_span_table(std::vector<ShardSpan> spans) override;
+  void adam_spans(const SpanTable& table, const kernels::AdamOp& op, float lr, bool decoupled, DType out_dtype,
+                  bool zero_grads) override;
+  void sgd_spans(const SpanTable& table, const kernels::SgdOp& op, DType out_dtype, bool zero_grads) override;
   // Device memory (cudaMalloc*, the pool) is; host memory, pinned or not, and
   // managed memory are not.
   bool device_only(const void* ptr) const override;
