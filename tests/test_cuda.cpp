@@ -110,6 +110,20 @@ void expect_error(fsdp_status_t status, const std::string& text, Fn&& fn) {
   }
 }
 
+// An optimizer pass's arrays on the CPU (params, grads, the two states and the
+// params copy, empty when there is none) against the GPU's, bit for bit.
+void expect_same_pass(const std::vector<float>& p, const std::vector<float>& g, const std::vector<float>& m,
+                      const std::vector<float>& v, const std::vector<uint8_t>& out, const DeviceArray& dp,
+                      const DeviceArray& dg, const DeviceArray& dm, const DeviceArray& dv, const DeviceArray& dout) {
+  EXPECT_EQ(first_difference(p, dp.read<float>()), -1) << "params";
+  EXPECT_EQ(first_difference(g, dg.read<float>()), -1) << "grads";
+  EXPECT_EQ(first_difference(m, dm.read<float>()), -1) << "exp_avg / momentum";
+  EXPECT_EQ(first_difference(v, dv.read<float>()), -1) << "exp_avg_sq";
+  if (!out.empty()) {
+    EXPECT_EQ(first_difference(out, dout.read<uint8_t>()), -1) << "params copy";
+  }
+}
+
 }  // namespace
 
 TEST(CudaKernels, CastMatchesTheCpuBitwiseAndClearsItsSource) {
@@ -234,13 +248,7 @@ TEST(CudaKernels, OptimizerPassesMatchTheCpuBitwise) {
             gpu.sgd(SgdArgs{op, dp.as<float>(), dg.as<float>(), momentum ? dm.as<float>() : nullptr, gpu_out, out_dtype,
                             n, zero_grads, &got_sq});
           }
-          EXPECT_EQ(first_difference(cp, dp.read<float>()), -1) << "params";
-          EXPECT_EQ(first_difference(cg, dg.read<float>()), -1) << "grads";
-          EXPECT_EQ(first_difference(cm, dm.read<float>()), -1) << "exp_avg / momentum";
-          EXPECT_EQ(first_difference(cv, dv.read<float>()), -1) << "exp_avg_sq";
-          if (out != 0) {
-            EXPECT_EQ(first_difference(cout, dout.read<uint8_t>()), -1) << "params copy";
-          }
+          expect_same_pass(cp, cg, cm, cv, cout, dp, dg, dm, dv, dout);
           EXPECT_NEAR(got_sq, want_sq, 1e-13 * want_sq) << "sum of squares of the raw grads";
         }
       }
@@ -296,13 +304,7 @@ TEST(CudaKernels, MultiTensorOptimizerPassesMatchTheCpuSpanBySpan) {
         cpu.sgd_spans(*ctable, op, out_dtype, true);
         gpu.sgd_spans(*gtable, op, out_dtype, true);
       }
-      EXPECT_EQ(first_difference(cp, dp.read<float>()), -1) << "params";
-      EXPECT_EQ(first_difference(cg, dg.read<float>()), -1) << "grads";
-      EXPECT_EQ(first_difference(cm, dm.read<float>()), -1) << "exp_avg / momentum";
-      EXPECT_EQ(first_difference(cv, dv.read<float>()), -1) << "exp_avg_sq";
-      if (out != 0) {
-        EXPECT_EQ(first_difference(cout, dout.read<uint8_t>()), -1) << "params copy";
-      }
+      expect_same_pass(cp, cg, cm, cv, cout, dp, dg, dm, dv, dout);
     }
   }
 }

@@ -218,6 +218,15 @@ long first_difference(const std::vector<float>& a, const std::vector<float>& b) 
   return -1;
 }
 
+// `opts` trained at `world` on device=cuda:0 gives device=cpu's params, bit for bit.
+void expect_gpu_trains_like_cpu(const std::map<std::string, std::string>& opts, int world) {
+  TrainedRun cpu, gpu;
+  train(opts, false, world, false, &cpu);
+  train(opts, true, world, false, &gpu);
+  if (::testing::Test::HasFatalFailure()) return;
+  for (int k = 0; k < kUnits; ++k) EXPECT_EQ(first_difference(cpu.params[k], gpu.params[k]), -1) << "unit " << k;
+}
+
 #define SKIP_WITHOUT_GPU()                                                 \
   do {                                                                     \
     if (fsdp::device::cuda::CudaDevice::count() == 0)                      \
@@ -232,11 +241,8 @@ TEST(CudaEngine, TrainsBitwiseLikeTheCpuDevice) {
     for (const char* dtype : {"fp32", "bf16"}) {
       SCOPED_TRACE(std::string(sharding) + " " + dtype);
       std::map<std::string, std::string> opts = {{"sharding", sharding}, {"param_dtype", dtype}};
-      TrainedRun cpu, gpu;
-      train(opts, false, 1, false, &cpu);
-      train(opts, true, 1, false, &gpu);
+      expect_gpu_trains_like_cpu(opts, 1);
       if (::testing::Test::HasFatalFailure()) return;
-      for (int k = 0; k < kUnits; ++k) EXPECT_EQ(first_difference(cpu.params[k], gpu.params[k]), -1) << "unit " << k;
     }
   }
 }
@@ -257,13 +263,8 @@ TEST(CudaEngine, RanksSharingOneGpuTrainBitwiseLikeTheSameWorldOnTheCpu) {
         std::map<std::string, std::string> opts = {
             {"sharding", sharding}, {"param_dtype", dtype}, {"timeout_s", "60"}, {"shard_group_size", "2"}};
         if (std::string(sharding) != "HYBRID_SHARD") opts.erase("shard_group_size");
-        TrainedRun cpu, gpu;
-        train(opts, false, world, false, &cpu);
-        train(opts, true, world, false, &gpu);
+        expect_gpu_trains_like_cpu(opts, world);
         if (::testing::Test::HasFatalFailure()) return;
-        for (int k = 0; k < kUnits; ++k) {
-          EXPECT_EQ(first_difference(cpu.params[k], gpu.params[k]), -1) << "unit " << k;
-        }
       }
     }
   }
@@ -280,13 +281,8 @@ TEST(CudaEngine, OffloadTrainsBitwiseLikeOffloadOnTheCpu) {
         SCOPED_TRACE("world " + std::to_string(world) + " " + sharding + " " + dtype);
         std::map<std::string, std::string> opts = {
             {"sharding", sharding}, {"param_dtype", dtype}, {"offload", "cpu"}, {"timeout_s", "60"}};
-        TrainedRun cpu, gpu;
-        train(opts, false, world, false, &cpu);
-        train(opts, true, world, false, &gpu);
+        expect_gpu_trains_like_cpu(opts, world);
         if (::testing::Test::HasFatalFailure()) return;
-        for (int k = 0; k < kUnits; ++k) {
-          EXPECT_EQ(first_difference(cpu.params[k], gpu.params[k]), -1) << "unit " << k;
-        }
       }
     }
   }

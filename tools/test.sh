@@ -15,6 +15,9 @@ case "${1:-}" in
   *) echo "usage: $0 [--asan|--tsan]" >&2; exit 2 ;;
 esac
 tools/deps.sh
+# ccache keys on paths relative to the checkout, so that a clone elsewhere (CI's
+# fresh one) reuses what earlier builds compiled.
+export CCACHE_BASEDIR="${CCACHE_BASEDIR:-$PWD}" CCACHE_NOHASHDIR="${CCACHE_NOHASHDIR:-true}"
 # Explicit ON: a build tree configured by hand with tests off must not pass silently.
 cmake --preset "$preset" -DFSDP_BUILD_TESTS=ON >/dev/null
 cmake --build --preset "$preset" -j"$(nproc)"
