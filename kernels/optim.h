@@ -31,8 +31,9 @@ struct AdamOp {
                      float grad_scale) {
     double bc1 = 1.0 - std::pow(static_cast<double>(beta1), static_cast<double>(step));
     double bc2 = 1.0 - std::pow(static_cast<double>(beta2), static_cast<double>(step));
-    AdamOp op{beta1, beta2, eps, 1.0f, 0.0f, static_cast<float>(lr / bc1), static_cast<float>(1.0 / std::sqrt(bc2)),
-              grad_scale};
+    float step_size = static_cast<float>(lr / bc1);
+    float inv_bc2_sqrt = static_cast<float>(1.0 / std::sqrt(bc2));
+    AdamOp op{beta1, beta2, eps, 1.0f, 0.0f, step_size, inv_bc2_sqrt, grad_scale};
     return op.with_weight_decay(lr, weight_decay, decoupled);
   }
 

@@ -267,8 +267,8 @@ TEST(CudaKernels, MultiTensorOptimizerPassesMatchTheCpuSpanBySpan) {
   const std::vector<size_t> sizes = {7, chunk, chunk + 3, 1, 3 * chunk + 129, 256};
   size_t total = 0;
   for (size_t n : sizes) total += n + 16;  // gaps between the spans, as a layout's padding
-  for (int opt = 0; opt < 4; ++opt) {    // AdamW, Adam (L2), SGD, SGD with momentum
-    for (int out = 0; out < 3; ++out) {  // none, bf16, fp16
+  for (int opt = 0; opt < 4; ++opt) {      // AdamW, Adam (L2), SGD, SGD with momentum
+    for (int out = 0; out < 3; ++out) {    // none, bf16, fp16
       SCOPED_TRACE("opt=" + std::to_string(opt) + " out=" + std::to_string(out));
       DType out_dtype = out == 1 ? DType::kBf16 : DType::kFp16;
       size_t es = fsdp::dtype_size(out_dtype);
@@ -286,8 +286,13 @@ TEST(CudaKernels, MultiTensorOptimizerPassesMatchTheCpuSpanBySpan) {
       for (size_t k = 0; k < sizes.size(); ++k) {
         float wd = k % 2 == 0 ? 0.1f : 0.0f;
         auto span = [&](float* pp, float* gg, float* mm, float* vv, uint8_t* oo) {
-          return fsdp::device::ShardSpan{pp + at, gg + at, sgd && !momentum ? nullptr : mm + at,
-                                         sgd ? nullptr : vv + at, out == 0 ? nullptr : oo + at * es, sizes[k], wd};
+          return fsdp::device::ShardSpan{pp + at,
+                                         gg + at,
+                                         sgd && !momentum ? nullptr : mm + at,
+                                         sgd ? nullptr : vv + at,
+                                         out == 0 ? nullptr : oo + at * es,
+                                         sizes[k],
+                                         wd};
         };
         cspans.push_back(span(cp.data(), cg.data(), cm.data(), cv.data(), cout.data()));
         gspans.push_back(span(dp.as<float>(), dg.as<float>(), dm.as<float>(), dv.as<float>(), dout.as<uint8_t>()));

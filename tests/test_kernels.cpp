@@ -453,7 +453,8 @@ TEST(CpuReduceSum, MatchesTheRankOrderFunctorBitwiseAndClearsItsInputs) {
               } else if (clear) {
                 fsdp::base::reduce_sum_clear(got.data(), ptrs.data(), n_ins, n, dtype, 0.125f);
               } else {
-                fsdp::base::reduce_sum(got.data(), const_cast<const void* const*>(ptrs.data()), n_ins, n, dtype, 0.125f);
+                fsdp::base::reduce_sum(got.data(), const_cast<const void* const*>(ptrs.data()), n_ins, n, dtype,
+                                       0.125f);
               }
               EXPECT_EQ(first_difference(want.f32, got.f32), -1);
               EXPECT_EQ(first_difference(want.u16, got.u16), -1);

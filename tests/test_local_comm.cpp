@@ -42,8 +42,7 @@ constexpr double kTimeoutS = 30;
 class StreamPlane final : public DataPlane {
  public:
   explicit StreamPlane(int rank)
-      : stream_("rank " + std::to_string(rank), {},
-                std::chrono::microseconds(rank == kLateRank ? 3000 : 0)) {}
+      : stream_("rank " + std::to_string(rank), {}, std::chrono::microseconds(rank == kLateRank ? 3000 : 0)) {}
   WorkerStream& stream() { return stream_; }
   // Memory of this plane: zero-filled, owned by the plane.
   float* alloc(size_t numel) {
@@ -66,8 +65,7 @@ class StreamPlane final : public DataPlane {
   void copy(void* dst, const void* src, size_t nbytes) override {
     stream_.submit("copy", [=] { std::memcpy(dst, src, nbytes); });
   }
-  void reduce(void* out, void* const* ins, size_t n_ins, size_t numel, DType dtype, float scale,
-              bool clear) override {
+  void reduce(void* out, void* const* ins, size_t n_ins, size_t numel, DType dtype, float scale, bool clear) override {
     std::vector<void*> in(ins, ins + n_ins);
     stream_.submit("reduce", [=] {
       if (clear) {
@@ -253,6 +251,7 @@ TEST(LocalCommDevicePath, HostBuffersTakeTheHostPathAndMixedPathsAreAMismatch) {
   });
   for (int r = 0; r < kWorld; ++r) {
     EXPECT_EQ(status[static_cast<size_t>(r)], FSDP_ERR_MISMATCH) << "rank " << r;
-    EXPECT_NE(message[static_cast<size_t>(r)].find("device memory"), std::string::npos) << message[static_cast<size_t>(r)];
+    EXPECT_NE(message[static_cast<size_t>(r)].find("device memory"), std::string::npos)
+        << message[static_cast<size_t>(r)];
   }
 }

@@ -266,8 +266,12 @@ __global__ void __launch_bounds__(kThreads)
     adam_spans_kernel(const OptimSpan* spans, const SpanChunk* chunks, AdamOp base, float lr, bool decoupled) {
   const SpanChunk c = chunks[blockIdx.x];
   const OptimSpan sp = spans[c.span];
-  const AdamBody<Out, kZero> body{base.with_weight_decay(lr, sp.weight_decay, decoupled), sp.params, sp.grads,
-                                  sp.state1, sp.state2, static_cast<Out*>(sp.out)};
+  const AdamBody<Out, kZero> body{base.with_weight_decay(lr, sp.weight_decay, decoupled),
+                                  sp.params,
+                                  sp.grads,
+                                  sp.state1,
+                                  sp.state2,
+                                  static_cast<Out*>(sp.out)};
   const size_t end = c.begin + kSpanChunk < sp.numel ? c.begin + kSpanChunk : sp.numel;
   for (size_t i = c.begin + threadIdx.x; i < end; i += blockDim.x) body.one(i);
 }
@@ -349,8 +353,8 @@ cudaError_t sgd(const SgdOp& op, float* params, float* grads, float* momentum, v
   });
 }
 
-cudaError_t reduce_sum(void* out, void* const* ins, size_t n_ins, fsdp_dtype_t dtype, size_t n, float scale,
-                       bool clear, cudaStream_t s) {
+cudaError_t reduce_sum(void* out, void* const* ins, size_t n_ins, fsdp_dtype_t dtype, size_t n, float scale, bool clear,
+                       cudaStream_t s) {
   if (n_ins == 0 || n_ins > kMaxReduceInputs) return cudaErrorInvalidValue;
   return with_dtype(dtype, out, [&](auto* o) {
     using T = std::remove_pointer_t<decltype(o)>;
@@ -392,8 +396,8 @@ cudaError_t adam_spans(const OptimSpan* spans, const SpanChunk* chunks, size_t n
   });
 }
 
-cudaError_t sgd_spans(const OptimSpan* spans, const SpanChunk* chunks, size_t n_chunks, const SgdOp& op,
-                      bool momentum, bool has_out, fsdp_dtype_t out_dtype, bool zero_grads, cudaStream_t s) {
+cudaError_t sgd_spans(const OptimSpan* spans, const SpanChunk* chunks, size_t n_chunks, const SgdOp& op, bool momentum,
+                      bool has_out, fsdp_dtype_t out_dtype, bool zero_grads, cudaStream_t s) {
   if (n_chunks == 0) return cudaSuccess;
   return with_span_out(has_out, out_dtype, [&](auto* o) {
     using O = std::remove_pointer_t<decltype(o)>;

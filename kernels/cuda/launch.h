@@ -37,8 +37,8 @@ cudaError_t sgd(const SgdOp& op, float* params, float* grads, float* momentum, v
 // ins[k][i] = 0 once read. At most kMaxReduceInputs inputs, passed by value
 // (no device array of pointers to keep alive); more is cudaErrorInvalidValue.
 constexpr size_t kMaxReduceInputs = 64;
-cudaError_t reduce_sum(void* out, void* const* ins, size_t n_ins, fsdp_dtype_t dtype, size_t n, float scale,
-                       bool clear, cudaStream_t s);
+cudaError_t reduce_sum(void* out, void* const* ins, size_t n_ins, fsdp_dtype_t dtype, size_t n, float scale, bool clear,
+                       cudaStream_t s);
 
 // Multi-tensor optimizer passes: one launch over many spans (OptimSpan, in
 // device memory), each block taking one chunk of at most kSpanChunk elements
@@ -55,8 +55,8 @@ constexpr size_t kSpanChunk = 16384;
 std::vector<SpanChunk> span_chunks(const OptimSpan* spans, size_t n);
 cudaError_t adam_spans(const OptimSpan* spans, const SpanChunk* chunks, size_t n_chunks, const AdamOp& op, float lr,
                        bool decoupled, bool has_out, fsdp_dtype_t out_dtype, bool zero_grads, cudaStream_t s);
-cudaError_t sgd_spans(const OptimSpan* spans, const SpanChunk* chunks, size_t n_chunks, const SgdOp& op,
-                      bool momentum, bool has_out, fsdp_dtype_t out_dtype, bool zero_grads, cudaStream_t s);
+cudaError_t sgd_spans(const OptimSpan* spans, const SpanChunk* chunks, size_t n_chunks, const SgdOp& op, bool momentum,
+                      bool has_out, fsdp_dtype_t out_dtype, bool zero_grads, cudaStream_t s);
 
 // The squares of x[0, n) summed in the order of kernels/norm.h into *out (a
 // device double): each step's fp32 sum is the CPU's bit for bit; the steps'

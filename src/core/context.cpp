@@ -59,8 +59,8 @@ Context::Context(const Options& opts, std::unique_ptr<comm::Communicator> world)
   // Memory the host cannot read (a GPU's) is moved by the communicator with
   // the device's own copies and reductions, where its ranks share it.
   if (!dev_->host_visible() && !world_->attach_data_plane(make_device_plane(*dev_)) && rt_.world > 1) {
-    fail(FSDP_ERR_UNSUPPORTED, "fsdp_ctx_create: device=" + std::string(dev_->name()) +
-                                   " at a world of " + std::to_string(rt_.world) +
+    fail(FSDP_ERR_UNSUPPORTED, "fsdp_ctx_create: device=" + std::string(dev_->name()) + " at a world of " +
+                                   std::to_string(rt_.world) +
                                    " needs ranks that share the GPU's memory: the local communicator (ranks as "
                                    "threads of one process, fsdp_local_group_create); comm=mpi moves host "
                                    "memory only, and NCCL is not built in yet (docs/gpu.md)");

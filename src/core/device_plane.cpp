@@ -11,8 +11,7 @@ class DevicePlane final : public comm::DataPlane {
   Mark mark() override { return dev_.mark(); }
   void wait(const Mark& m) override { dev_.wait_mark(std::static_pointer_cast<device::Event>(m)); }
   void copy(void* dst, const void* src, size_t nbytes) override { dev_.copy(dst, src, nbytes); }
-  void reduce(void* out, void* const* ins, size_t n_ins, size_t numel, DType dtype, float scale,
-              bool clear) override {
+  void reduce(void* out, void* const* ins, size_t n_ins, size_t numel, DType dtype, float scale, bool clear) override {
     dev_.reduce_sum(out, ins, n_ins, numel, dtype, scale, clear);
   }
 

@@ -113,8 +113,8 @@ bool same_spans(const std::vector<device::ShardSpan>& a, const std::vector<devic
   if (a.size() != b.size()) return false;
   for (size_t i = 0; i < a.size(); ++i) {
     const device::ShardSpan &x = a[i], &y = b[i];
-    if (x.params != y.params || x.grads != y.grads || x.state1 != y.state1 || x.state2 != y.state2 ||
-        x.out != y.out || x.numel != y.numel || x.weight_decay != y.weight_decay) {
+    if (x.params != y.params || x.grads != y.grads || x.state1 != y.state1 || x.state2 != y.state2 || x.out != y.out ||
+        x.numel != y.numel || x.weight_decay != y.weight_decay) {
       return false;
     }
   }

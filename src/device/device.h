@@ -141,8 +141,8 @@ class Device {
   // has `out`, the grads cleared with `zero_grads`: the bits of adam / sgd per
   // span, in one launch on a GPU instead of one per param.
   virtual std::unique_ptr<SpanTable> make_span_table(std::vector<ShardSpan> spans) = 0;
-  virtual void adam_spans(const SpanTable& table, const kernels::AdamOp& op, float lr, bool decoupled,
-                          DType out_dtype, bool zero_grads) = 0;
+  virtual void adam_spans(const SpanTable& table, const kernels::AdamOp& op, float lr, bool decoupled, DType out_dtype,
+                          bool zero_grads) = 0;
   virtual void sgd_spans(const SpanTable& table, const kernels::SgdOp& op, DType out_dtype, bool zero_grads) = 0;
   // Sum of x[i]^2 in double, the same bits on every run.
   virtual double sum_squares(const float* x, size_t numel) = 0;

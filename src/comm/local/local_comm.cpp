@@ -48,8 +48,7 @@ std::string describe(const CollectiveDesc& d) {
 
 bool same(const CollectiveDesc& a, const CollectiveDesc& b) {
   return std::strcmp(a.kind, b.kind) == 0 && a.size == b.size && a.dtype == b.dtype && a.op == b.op &&
-         a.root == b.root && a.device == b.device &&
-         a.label == b.label;
+         a.root == b.root && a.device == b.device && a.label == b.label;
 }
 
 }  // namespace
@@ -152,8 +151,7 @@ void LocalComm::all_gather(const void* send, void* recv, size_t nbytes_per_rank,
     // Start at our own rank so that ranks read different peers at a time.
     for (int k = 0; k < world; ++k) {
       int r = (rank_ + k) % world;
-      move(static_cast<char*>(recv) + static_cast<size_t>(r) * nbytes_per_rank, group_->slot(r).send,
-           nbytes_per_rank);
+      move(static_cast<char*>(recv) + static_cast<size_t>(r) * nbytes_per_rank, group_->slot(r).send, nbytes_per_rank);
     }
   });
 }
@@ -161,8 +159,9 @@ void LocalComm::all_gather(const void* send, void* recv, size_t nbytes_per_rank,
 void LocalComm::reduce_scatter(const void* send, void* recv, size_t numel_per_rank, DType dtype, RedOp op,
                                const std::string& label) {
   CollectiveDesc d{"reduce_scatter", numel_per_rank, static_cast<int>(dtype), static_cast<int>(op), -1, label};
-  run(d, send, recv,
-      [&] { reduce_range(*group_, plane(), recv, static_cast<size_t>(rank_) * numel_per_rank, numel_per_rank, dtype, op); });
+  run(d, send, recv, [&] {
+    reduce_range(*group_, plane(), recv, static_cast<size_t>(rank_) * numel_per_rank, numel_per_rank, dtype, op);
+  });
 }
 
 void LocalComm::reduce_scatter_clear(void* send, void* recv, size_t numel_per_rank, DType dtype, RedOp op,
@@ -171,8 +170,7 @@ void LocalComm::reduce_scatter_clear(void* send, void* recv, size_t numel_per_ra
   // clears and one that does not still agree on the data.
   CollectiveDesc d{"reduce_scatter", numel_per_rank, static_cast<int>(dtype), static_cast<int>(op), -1, label};
   run(d, send, recv, [&] {
-    reduce_range(*group_, plane(), recv, static_cast<size_t>(rank_) * numel_per_rank, numel_per_rank, dtype, op,
-                 true);
+    reduce_range(*group_, plane(), recv, static_cast<size_t>(rank_) * numel_per_rank, numel_per_rank, dtype, op, true);
   });
 }
 
@@ -194,8 +192,8 @@ void LocalComm::all_reduce(const void* send, void* recv, size_t numel, DType dty
     for (size_t r = 0; r < world; ++r) {
       if (r == static_cast<size_t>(rank_)) continue;
       auto [rb, rn] = range(r);
-      move(static_cast<char*>(recv) + rb * es, static_cast<const char*>(group_->slot(static_cast<int>(r)).recv) + rb * es,
-           rn * es);
+      move(static_cast<char*>(recv) + rb * es,
+           static_cast<const char*>(group_->slot(static_cast<int>(r)).recv) + rb * es, rn * es);
     }
   });
 }

@@ -357,8 +357,8 @@ std::unique_ptr<SpanTable> CpuDevice::make_span_table(std::vector<ShardSpan> spa
   return std::make_unique<SpanTable>(std::move(spans));
 }
 
-void CpuDevice::adam_spans(const SpanTable& table, const kernels::AdamOp& op, float lr, bool decoupled,
-                           DType out_dtype, bool zero_grads) {
+void CpuDevice::adam_spans(const SpanTable& table, const kernels::AdamOp& op, float lr, bool decoupled, DType out_dtype,
+                           bool zero_grads) {
   for (const ShardSpan& s : table.spans()) {
     adam({op.with_weight_decay(lr, s.weight_decay, decoupled), s.params, s.grads, s.state1, s.state2, s.out, out_dtype,
           s.numel, zero_grads});
