@@ -305,20 +305,24 @@ TEST(CudaEngine, ClippingMatchesTheCpuDeviceClosely) {
   }
 }
 
-TEST(CudaEngine, ACheckpointSavedOnTheGpuLoadsOnTheCpuBitwise) {
-  SKIP_WITHOUT_GPU();
+namespace {
+
+// A model trained on one device (the GPU, or the CPU) and saved loads on the
+// other bit for bit.
+void expect_checkpoint_moves(bool from_gpu) {
   std::string dir = (std::filesystem::temp_directory_path() / ("fsdp_cuda_ckpt_" + std::to_string(getpid()))).string();
   std::filesystem::remove_all(dir);
-  TrainedRun gpu;
-  train({{"sharding", "FULL_SHARD"}}, true, 1, true, &gpu);
+  TrainedRun src;
+  train({{"sharding", "FULL_SHARD"}}, from_gpu, 1, true, &src);
   if (::testing::Test::HasFatalFailure()) return;
-  CHECK_OK(fsdp_save(gpu.ctx, dir.c_str(), "sharded"));
-  CHECK_OK(fsdp_ctx_finalize(gpu.ctx));
-  fsdp_ctx_destroy(gpu.ctx);
-  // The same model on the CPU, loaded from it.
+  CHECK_OK(fsdp_save(src.ctx, dir.c_str(), "sharded"));
+  CHECK_OK(fsdp_ctx_finalize(src.ctx));
+  fsdp_ctx_destroy(src.ctx);
+  // The same model on the other device, loaded from it.
   fsdp_config_t* cfg = nullptr;
   CHECK_OK(fsdp_config_create(&cfg));
   CHECK_OK(fsdp_config_set(cfg, "optimizer", "adamw"));
+  CHECK_OK(fsdp_config_set(cfg, "device", from_gpu ? "cpu" : "cuda:0"));
   fsdp_ctx_t* ctx = nullptr;
   fsdp_status_t created = fsdp_ctx_create(cfg, nullptr, 0, &ctx);
   fsdp_config_destroy(cfg);
@@ -330,9 +334,21 @@ TEST(CudaEngine, ACheckpointSavedOnTheGpuLoadsOnTheCpuBitwise) {
   for (int k = 0; k < kUnits; ++k) {
     std::vector<float> w(kDim * kDim);
     CHECK_OK(fsdp_gather_param(units[k], 0, w.data(), w.size()));
-    EXPECT_EQ(first_difference(gpu.params[k], w), -1) << "unit " << k;
+    EXPECT_EQ(first_difference(src.params[k], w), -1) << "unit " << k;
   }
   CHECK_OK(fsdp_ctx_finalize(ctx));
   fsdp_ctx_destroy(ctx);
   std::filesystem::remove_all(dir);
+}
+
+}  // namespace
+
+TEST(CudaEngine, ACheckpointSavedOnTheGpuLoadsOnTheCpuBitwise) {
+  SKIP_WITHOUT_GPU();
+  expect_checkpoint_moves(/*from_gpu=*/true);
+}
+
+TEST(CudaEngine, ACheckpointSavedOnTheCpuLoadsOnTheGpuBitwise) {
+  SKIP_WITHOUT_GPU();
+  expect_checkpoint_moves(/*from_gpu=*/false);
 }
