@@ -5,7 +5,7 @@
 # (kernels/cuda) when CMake finds nvcc and the CUDA toolkit, ON requires them,
 # OFF leaves them out (device=cuda is then FSDP_ERR_UNSUPPORTED). The kernels
 # are compiled for CMAKE_CUDA_ARCHITECTURES (default 80;90: A100, H100/H200).
-foreach(opt FSDP_WITH_CUDA FSDP_WITH_MPI)
+foreach(opt FSDP_WITH_CUDA FSDP_WITH_MPI FSDP_WITH_NCCL)
   if(NOT ${opt} MATCHES "^(AUTO|ON|OFF)$")
     message(FATAL_ERROR "${opt} must be AUTO, ON or OFF, not '${${opt}}'")
   endif()
@@ -13,6 +13,7 @@ endforeach()
 
 set(FSDP_HAVE_CUDA OFF)
 set(FSDP_HAVE_MPI OFF)
+set(FSDP_HAVE_NCCL OFF)
 if(NOT FSDP_WITH_CUDA STREQUAL "OFF")
   include(CheckLanguage)
   check_language(CUDA)
@@ -49,4 +50,27 @@ if(NOT FSDP_WITH_MPI STREQUAL "OFF")
   else()
     message(STATUS "libfsdp: MPI not found; building without the mpi communicator (apt-get install libopenmpi-dev)")
   endif()
+endif()
+
+# NCCL: the nccl communicator, with the CUDA device only. AUTO builds it when
+# nccl.h is found (the CUDA toolkit's folders, NCCL_ROOT, or a Python
+# package's nvidia/nccl through CMAKE_PREFIX_PATH), ON requires it. The
+# library itself is opened at run time (src/comm/nccl/nccl_lib.h), so that
+# libfsdp.so loads where NCCL is not installed.
+if(NOT FSDP_WITH_NCCL STREQUAL "OFF" AND FSDP_HAVE_CUDA)
+  find_path(FSDP_NCCL_INCLUDE_DIR nccl.h HINTS ${NCCL_ROOT} ENV NCCL_ROOT ${CUDAToolkit_INCLUDE_DIRS}
+            PATH_SUFFIXES include)
+  if(FSDP_NCCL_INCLUDE_DIR)
+    set(FSDP_HAVE_NCCL ON)
+    add_library(fsdp_nccl INTERFACE IMPORTED)
+    target_include_directories(fsdp_nccl INTERFACE ${FSDP_NCCL_INCLUDE_DIR})
+    target_link_libraries(fsdp_nccl INTERFACE ${CMAKE_DL_LIBS})
+    message(STATUS "libfsdp: building the nccl communicator (nccl.h in ${FSDP_NCCL_INCLUDE_DIR}; libnccl.so.2 opened at run time)")
+  elseif(FSDP_WITH_NCCL STREQUAL "ON")
+    message(FATAL_ERROR "FSDP_WITH_NCCL=ON, but nccl.h was not found (set NCCL_ROOT)")
+  else()
+    message(STATUS "libfsdp: NCCL not found; building without the nccl communicator")
+  endif()
+elseif(FSDP_WITH_NCCL STREQUAL "ON")
+  message(FATAL_ERROR "FSDP_WITH_NCCL=ON needs the CUDA device (FSDP_WITH_CUDA)")
 endif()

@@ -118,6 +118,21 @@ FSDP_API fsdp_status_t fsdp_config_get(const fsdp_config_t* cfg, const char* key
  * alone. On a bad value nothing is changed. */
 FSDP_API fsdp_status_t fsdp_config_from_env(fsdp_config_t* cfg);
 
+/* ---- processes a host starts itself (comm=nccl) ------------------------- */
+
+/* Bytes fsdp_comm_id_create writes: 256 hex digits and a NUL. */
+#define FSDP_COMM_ID_NBYTES 257
+
+/* A new id for ranks that a host starts and connects itself (no torchrun or
+ * mpirun): call it on one process, send the text to every process over the
+ * host's own channel, and on each set comm=nccl, comm_id=<the text> and
+ * world_size=<the number of processes>, then fsdp_ctx_create(cfg, NULL,
+ * <this process's rank>, &ctx). `out` receives FSDP_COMM_ID_NBYTES bytes
+ * (`out_nbytes` must be at least that). An NCCL unique id: the process that
+ * made it listens for the others until the communicator forms.
+ * FSDP_ERR_UNSUPPORTED in a build without NCCL (fsdp_build_info). */
+FSDP_API fsdp_status_t fsdp_comm_id_create(char* out, size_t out_nbytes);
+
 /* ---- in-process ranks --------------------------------------------------- */
 
 /* A group of `world_size` ranks living as threads of this process (the

@@ -270,6 +270,22 @@ TEST(CudaEngine, RanksSharingOneGpuTrainBitwiseLikeTheSameWorldOnTheCpu) {
   }
 }
 
+// comm=nccl at a world of one (a process with no launcher): the NCCL
+// communicator forms, carries the context's host-memory collectives (config
+// and registration checks, staged through the GPU) and the engine trains as
+// on the CPU, bit for bit.
+TEST(CudaEngine, NcclAtAWorldOfOneTrainsBitwiseLikeTheCpu) {
+  SKIP_WITHOUT_GPU();
+  if (std::string(fsdp_build_info()).find("nccl") == std::string::npos) {
+    GTEST_SKIP() << "this build has no NCCL communicator";
+  }
+  TrainedRun cpu, gpu;
+  train({{"sharding", "FULL_SHARD"}}, false, 1, false, &cpu);
+  train({{"sharding", "FULL_SHARD"}, {"comm", "nccl"}, {"timeout_s", "60"}}, true, 1, false, &gpu);
+  if (::testing::Test::HasFatalFailure()) return;
+  for (int k = 0; k < kUnits; ++k) EXPECT_EQ(first_difference(cpu.params[k], gpu.params[k]), -1) << "unit " << k;
+}
+
 // offload=cpu on a GPU: state in pinned host memory, the optimizer on the
 // host, copies on the copy streams; the same bits as offload on the CPU
 // device, alone and with ranks sharing the GPU.

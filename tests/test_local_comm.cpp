@@ -75,6 +75,7 @@ class StreamPlane final : public DataPlane {
       }
     });
   }
+  void* native_stream() override { return nullptr; }  // a CPU stream has no native handle
   // Queues `fn` on the rank's stream: work of the rank's own before or after a collective.
   void later(std::function<void()> fn) { stream_.submit("host work", std::move(fn)); }
 

@@ -3,6 +3,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 #include <thread>
 #include <utility>
@@ -35,7 +36,7 @@ void make_single(Single& s, const std::map<std::string, std::string>& opts = {},
 }
 
 std::string get_option(const fsdp_config_t* cfg, const char* key) {
-  char buf[256] = {0};
+  char buf[512] = {0};
   size_t len = 0;
   EXPECT_OK(fsdp_config_get(cfg, key, buf, sizeof buf, &len));
   EXPECT_EQ(len, std::strlen(buf)) << key;
@@ -45,6 +46,7 @@ std::string get_option(const fsdp_config_t* cfg, const char* key) {
 bool contains(const std::string& hay, const std::string& needle) { return hay.find(needle) != std::string::npos; }
 
 bool have_cuda() { return contains(fsdp_build_info(), "cuda"); }
+bool have_nccl() { return contains(fsdp_build_info(), "nccl"); }
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -242,7 +244,12 @@ TEST(Config, BadValuesFailListingValidChoicesAndChangeNothing) {
 TEST(Config, OptionsOfOtherBuildsAreUnsupported) {
   ConfigPtr cfg = make_config({{"sharding", "NO_SHARD"}});
   ASSERT_TRUE(cfg);
-  std::vector<std::pair<const char*, const char*>> other = {{"comm", "nccl"}};
+  std::vector<std::pair<const char*, const char*>> other;
+  if (!have_nccl()) {
+    other.push_back({"comm", "nccl"});
+    static const std::string kId(256, 'a');
+    other.push_back({"comm_id", kId.c_str()});
+  }
   const bool have_mpi = std::string(fsdp_build_info()).find("mpi") != std::string::npos;
   if (!have_mpi) other.push_back({"comm", "mpi"});
   if (!have_cuda()) {
@@ -296,6 +303,58 @@ TEST(Config, DeviceCudaRunsOrSaysThereIsNoGpu) {
         EXPECT_EQ(ctx, nullptr);
       }
     });
+  }
+}
+
+// comm=nccl's options: a host-passed id reads back as given and must be 256
+// hex digits; world_size goes with it; an id goes with comm=nccl; nccl needs
+// device=cuda; fsdp_comm_id_create checks its buffer and makes an id (or says
+// that NCCL cannot be loaded here). All before any GPU is touched.
+TEST(Config, NcclOptionsAreCheckedBeforeAnyGpuIsTouched) {
+  if (!have_nccl()) GTEST_SKIP() << "this build has no NCCL communicator (checked as unsupported above)";
+  const std::string id(256, 'c');
+  ConfigPtr cfg = make_config({{"comm", "nccl"}, {"comm_id", id.c_str()}, {"world_size", "2"}});
+  ASSERT_TRUE(cfg);
+  EXPECT_EQ(get_option(cfg.get(), "comm"), "nccl");
+  EXPECT_EQ(get_option(cfg.get(), "comm_id"), id);
+  EXPECT_EQ(get_option(cfg.get(), "world_size"), "2");
+  for (const std::string& bad : {std::string(255, 'c'), std::string(256, 'g'), std::string("0x12")}) {
+    EXPECT_STATUS(FSDP_ERR_INVALID_ARGUMENT, fsdp_config_set(cfg.get(), "comm_id", bad.c_str()));
+    EXPECT_TRUE(contains(fsdp_last_error(), "256 hex digits")) << fsdp_last_error();
+  }
+  EXPECT_EQ(get_option(cfg.get(), "comm_id"), id) << "a refused value changes nothing";
+  fsdp_ctx_t* ctx = nullptr;
+  // comm=nccl needs the GPU device.
+  EXPECT_STATUS(FSDP_ERR_INVALID_ARGUMENT, fsdp_ctx_create(cfg.get(), nullptr, 0, &ctx));
+  EXPECT_TRUE(contains(fsdp_last_error(), "needs device=cuda")) << fsdp_last_error();
+  // world_size alone, and an id with another communicator.
+  ConfigPtr world_only = make_config({{"world_size", "2"}});
+  EXPECT_STATUS(FSDP_ERR_INVALID_ARGUMENT, fsdp_ctx_create(world_only.get(), nullptr, 0, &ctx));
+  EXPECT_TRUE(contains(fsdp_last_error(), "world_size goes with comm_id")) << fsdp_last_error();
+  ConfigPtr local_id = make_config({{"comm", "local"}, {"comm_id", id.c_str()}, {"world_size", "2"}});
+  EXPECT_STATUS(FSDP_ERR_INVALID_ARGUMENT, fsdp_ctx_create(local_id.get(), nullptr, 0, &ctx));
+  EXPECT_TRUE(contains(fsdp_last_error(), "goes with comm=nccl")) << fsdp_last_error();
+  // A group's threads are not NCCL ranks.
+  run_ranks(2, [](int rank, fsdp_local_group_t* group) {
+    ConfigPtr nccl = make_config({{"comm", "nccl"}});
+    fsdp_ctx_t* c = nullptr;
+    EXPECT_STATUS(FSDP_ERR_INVALID_ARGUMENT, fsdp_ctx_create(nccl.get(), group, rank, &c));
+    EXPECT_TRUE(contains(fsdp_last_error(), "pass group NULL")) << fsdp_last_error();
+  });
+  EXPECT_EQ(ctx, nullptr);
+  char small[16];
+  EXPECT_STATUS(FSDP_ERR_INVALID_ARGUMENT, fsdp_comm_id_create(nullptr, FSDP_COMM_ID_NBYTES));
+  EXPECT_STATUS(FSDP_ERR_INVALID_ARGUMENT, fsdp_comm_id_create(small, sizeof small));
+  EXPECT_TRUE(contains(fsdp_last_error(), "FSDP_COMM_ID_NBYTES")) << fsdp_last_error();
+  char out[FSDP_COMM_ID_NBYTES];
+  fsdp_status_t st = fsdp_comm_id_create(out, sizeof out);
+  if (st == FSDP_OK) {
+    ASSERT_EQ(std::strlen(out), 256u);
+    EXPECT_EQ(std::string(out).find_first_not_of("0123456789abcdef"), std::string::npos) << out;
+    EXPECT_STATUS(FSDP_OK, fsdp_config_set(cfg.get(), "comm_id", out));  // what the host passes on
+  } else {
+    EXPECT_EQ(st, FSDP_ERR_UNSUPPORTED) << fsdp_last_error();
+    EXPECT_TRUE(contains(fsdp_last_error(), "libnccl")) << fsdp_last_error();
   }
 }
 

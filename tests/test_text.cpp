@@ -383,6 +383,7 @@ TEST(Config, EveryNumericRangeInAMessageIsTheOneCheckedAndTheOneDocumented) {
                                          "align_bytes",
                                          "threads",
                                          "shard_group_size",
+                                         "world_size",
                                          "limit_all_gathers",
                                          "loss_scale_growth_interval"};
   const std::regex range(R"(in ([\[(])([-+0-9.e]+), ([-+0-9.e]+)([\])]))");

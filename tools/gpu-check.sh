@@ -40,6 +40,14 @@ if [ -d .gpu-deps ] && compgen -G ".gpu-deps/*.deb" >/dev/null; then
   [ -d "$prefix/usr/src/googletest" ] && cmake_args+=("-DFSDP_GTEST_SOURCE_DIR=$prefix/usr/src/googletest")
   note "build dependencies from .gpu-deps ($(ls .gpu-deps/*.deb | wc -l) packages) in $prefix"
 fi
+# NCCL: the toolkit's, or a Python package's (nvidia-nccl-cu*: headers to
+# build against, the library that comm=nccl opens at run time).
+nccl_dir=$(python3 -c 'import nvidia.nccl as n; print(list(n.__path__)[0])' 2>/dev/null || true)
+if [ -n "$nccl_dir" ] && [ -f "$nccl_dir/include/nccl.h" ]; then
+  cmake_args+=("-DNCCL_ROOT=$nccl_dir")
+  [ -f "$nccl_dir/lib/libnccl.so.2" ] && export FSDP_NCCL_LIBRARY="$nccl_dir/lib/libnccl.so.2"
+  note "NCCL from the Python package in $nccl_dir"
+fi
 command -v ninja >/dev/null && cmake_args+=(-G Ninja)
 
 if ! cmake -S . -B "$build" "${cmake_args[@]}" >"$out/configure.log" 2>&1; then

@@ -501,3 +501,17 @@ func TestConfigLongValue(t *testing.T) {
 		t.Errorf("Get of a %d-char value = %d chars, %v", len(long), len(v), err)
 	}
 }
+
+// CommIDCreate gives NCCL's id as 256 hex digits, or says why it cannot.
+func TestCommIDIsHexTextOrUnsupported(t *testing.T) {
+	id, err := CommIDCreate()
+	if err != nil {
+		if !errors.Is(err, ErrUnsupported) || !strings.Contains(strings.ToLower(err.Error()), "nccl") {
+			t.Fatalf("CommIDCreate: %v, want an id or ErrUnsupported naming NCCL", err)
+		}
+		return
+	}
+	if len(id) != 256 || strings.Trim(id, "0123456789abcdef") != "" {
+		t.Fatalf("CommIDCreate: %q is not 256 hex digits", id)
+	}
+}

@@ -10,6 +10,7 @@ import "C"
 import (
 	"fmt"
 	"runtime"
+	"unsafe"
 )
 
 // Status is an fsdp_status_t. Each non-OK Status is also an error, so the
@@ -94,6 +95,21 @@ func Version() int { return int(C.fsdp_version()) }
 
 // BuildInfo names the version and the compiled-in devices and communicators.
 func BuildInfo() string { return C.GoString(C.fsdp_build_info()) }
+
+// CommIDCreate makes a new id for comm=nccl processes that the host starts
+// itself: call it on one process, send the text to every process, and set
+// comm=nccl, comm_id=<text> and world_size=<N> on each (docs/launching.md).
+// ErrUnsupported in a build without NCCL.
+func CommIDCreate() (string, error) {
+	buf := (*C.char)(C.malloc(C.FSDP_COMM_ID_NBYTES))
+	defer C.free(unsafe.Pointer(buf))
+	if err := call("fsdp_comm_id_create", func() C.fsdp_status_t {
+		return C.fsdp_comm_id_create(buf, C.FSDP_COMM_ID_NBYTES)
+	}); err != nil {
+		return "", err
+	}
+	return C.GoString(buf), nil
+}
 
 // SetLogLevel sets the process-wide log level (0 error .. 3 debug).
 func SetLogLevel(level int) error {

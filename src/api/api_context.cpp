@@ -1,5 +1,6 @@
 // src/api/api_context.cpp - C ABI for errors, version, config, local groups and
 // contexts. Handles are the C++ objects themselves behind opaque pointers.
+#include <cstring>
 #include <memory>
 #include <string>
 
@@ -88,9 +89,14 @@ int fsdp_version(void) { return FSDP_VERSION_NUMBER; }
 #define FSDP_STR2(x) #x
 #define FSDP_STR(x) FSDP_STR2(x)
 #ifdef FSDP_HAVE_MPI
-#define FSDP_COMMS "local,mpi"
+#define FSDP_COMMS_MPI "local,mpi"
 #else
-#define FSDP_COMMS "local"
+#define FSDP_COMMS_MPI "local"
+#endif
+#ifdef FSDP_HAVE_NCCL
+#define FSDP_COMMS FSDP_COMMS_MPI ",nccl"
+#else
+#define FSDP_COMMS FSDP_COMMS_MPI
 #endif
 
 // With the CUDA parts built: the device, its toolkit and GPU architectures.
@@ -147,6 +153,19 @@ fsdp_status_t fsdp_config_from_env(fsdp_config_t* cfg) {
   return guard([&] {
     require(cfg, "fsdp_config_from_env", "cfg");
     cfg_of(cfg)->apply_env();
+  });
+}
+
+fsdp_status_t fsdp_comm_id_create(char* out, size_t out_nbytes) {
+  return guard([&] {
+    require(out, "fsdp_comm_id_create", "out");
+    if (out_nbytes < FSDP_COMM_ID_NBYTES) {
+      fail(FSDP_ERR_INVALID_ARGUMENT, "fsdp_comm_id_create: out_nbytes is " + std::to_string(out_nbytes) +
+                                          "; the id needs FSDP_COMM_ID_NBYTES (" + std::to_string(FSDP_COMM_ID_NBYTES) +
+                                          ") bytes");
+    }
+    std::string id = fsdp::core::new_comm_id();
+    std::memcpy(out, id.c_str(), id.size() + 1);
   });
 }
 

@@ -9,6 +9,9 @@
 #ifdef FSDP_HAVE_MPI
 #include "mpi/mpi_comm.h"
 #endif
+#ifdef FSDP_HAVE_NCCL
+#include "nccl/nccl_comm.h"
+#endif
 
 namespace fsdp::comm {
 namespace {
@@ -60,9 +63,46 @@ bool have_mpi() {
 #endif
 }
 
+bool have_nccl() {
+#ifdef FSDP_HAVE_NCCL
+  return true;
+#else
+  return false;
+#endif
+}
+
 std::unique_ptr<Communicator> make_world_comm(const Options& opts, std::shared_ptr<LocalGroup> group, bool group_given,
                                               int rank) {
   CommKind kind = opts.kind;
+  if (opts.world_size != 0 && opts.nccl_id.empty()) {
+    fail(FSDP_ERR_INVALID_ARGUMENT,
+         "fsdp_ctx_create: world_size goes with comm_id (a host-passed NCCL id); the "
+         "local communicator's world is its group's, mpi's and torchrun's the launcher's");
+  }
+  if (!opts.nccl_id.empty()) {
+    if (kind != CommKind::kAuto && kind != CommKind::kNccl) {
+      fail(FSDP_ERR_INVALID_ARGUMENT, "fsdp_ctx_create: comm_id is an NCCL id: it goes with comm=nccl (or auto)");
+    }
+    kind = CommKind::kNccl;
+  }
+  // On a GPU, processes a launcher started (torchrun, mpirun) talk over NCCL.
+  if (kind == CommKind::kAuto && opts.cuda_ordinal >= 0 && !group_given && have_nccl()) {
+#ifdef FSDP_HAVE_NCCL
+    if (launched_as_ranks()) kind = CommKind::kNccl;
+#endif
+  }
+  if (kind == CommKind::kNccl) {
+    if (group_given) {
+      fail(FSDP_ERR_INVALID_ARGUMENT,
+           "fsdp_ctx_create: comm=nccl ranks are processes: pass group NULL (and rank -1, "
+           "or with comm_id this process's rank)");
+    }
+#ifdef FSDP_HAVE_NCCL
+    return make_nccl_world(opts, rank);
+#else
+    fail(FSDP_ERR_UNSUPPORTED, "fsdp_ctx_create: comm=nccl is not built into this library (see fsdp_build_info())");
+#endif
+  }
   if (kind == CommKind::kAuto) {
     LaunchEnv env = group_given ? LaunchEnv{} : read_launch_env();
     if (env.present() && env.world > 1) {

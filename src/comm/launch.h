@@ -30,11 +30,14 @@ LaunchEnv read_launch_env();
 
 // The world communicator for a new context. `group` (may be null) and `rank`
 // are fsdp_ctx_create's arguments: a local group and a rank in it, or, for
-// mpi, null and -1 (or the launcher's rank, which is then checked).
+// mpi and nccl, null and -1 (or the launcher's rank, which is then checked;
+// with a host-passed comm_id, this process's rank). comm=auto on a GPU takes
+// nccl when a launcher started several processes.
 std::unique_ptr<Communicator> make_world_comm(const Options& opts, std::shared_ptr<LocalGroup> group, bool group_given,
                                               int rank);
 
-// Whether this build has the mpi communicator.
+// Whether this build has the mpi communicator; the nccl one.
 bool have_mpi();
+bool have_nccl();
 
 }  // namespace fsdp::comm

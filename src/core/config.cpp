@@ -137,12 +137,17 @@ constexpr bool kHaveCuda = false;
 #endif
 #ifdef FSDP_HAVE_MPI
 constexpr bool kHaveMpi = true;
-const std::vector<Choice<CommKind>> kComms = {
-    {{"auto"}, CommKind::kAuto}, {{"local"}, CommKind::kLocal}, {{"mpi"}, CommKind::kMpi}};
 #else
 constexpr bool kHaveMpi = false;
-const std::vector<Choice<CommKind>> kComms = {{{"auto"}, CommKind::kAuto}, {{"local"}, CommKind::kLocal}};
 #endif
+#ifdef FSDP_HAVE_NCCL
+constexpr bool kHaveNccl = true;
+#else
+constexpr bool kHaveNccl = false;
+#endif
+// Every kind is named (a value this build lacks is refused with a reason).
+const std::vector<Choice<CommKind>> kComms = {
+    {{"auto"}, CommKind::kAuto}, {{"local"}, CommKind::kLocal}, {{"mpi"}, CommKind::kMpi}, {{"nccl"}, CommKind::kNccl}};
 const std::vector<Choice<ReduceOp>> kReduceOps = {{{"avg", "mean"}, ReduceOp::kAvg}, {{"sum"}, ReduceOp::kSum}};
 const std::vector<Choice<OptimizerKind>> kOptimizers = {
     {{"adamw"}, OptimizerKind::kAdamW}, {{"adam"}, OptimizerKind::kAdam}, {{"sgd"}, OptimizerKind::kSgd}};
@@ -301,10 +306,10 @@ const std::vector<Entry>& table() {
                 "config: comm 'mpi' is not built into this library (it was configured "
                 "without MPI; rebuild with MPI installed, see fsdp_build_info()); use local");
          }
-         if (l == "nccl") {
+         if (l == "nccl" && !kHaveNccl) {
            fail(FSDP_ERR_UNSUPPORTED,
                 std::string("config: comm 'nccl' is not in this build: ") +
-                    (kHaveCuda ? "the NCCL communicator is not written yet (docs/gpu.md)"
+                    (kHaveCuda ? "CMake did not find NCCL (nccl.h and libnccl; FSDP_WITH_NCCL)"
                                : "it needs the CUDA device, which this build does not have (see fsdp_build_info())") +
                     "; use " + (kHaveMpi ? "mpi or local" : "local"));
          }
@@ -315,6 +320,24 @@ const std::vector<Entry>& table() {
        {},
        [](Options& o, const std::string& v) { o.mpi_algorithm = parse_choice("mpi_algorithm", v, kMpiAlgorithms); },
        [](const Options& o) { return choice_name(o.mpi_algorithm, kMpiAlgorithms); }},
+      {"comm_id",
+       {"nccl_id"},
+       [](Options& o, const std::string& v) {
+         std::string t = lower(trim(v));
+         if (!t.empty() && !kHaveNccl) {
+           fail(FSDP_ERR_UNSUPPORTED, "config: comm_id is the id of comm=nccl, which this build does not have");
+         }
+         bool hex = t.size() == 256 && t.find_first_not_of("0123456789abcdef") == std::string::npos;
+         if (!t.empty() && !hex) bad_value("comm_id", v, "the 256 hex digits fsdp_comm_id_create() wrote, or empty");
+         o.comm_id = t;
+       },
+       [](const Options& o) { return o.comm_id; }},
+      {"world_size",
+       {},
+       [](Options& o, const std::string& v) {
+         o.world_size = static_cast<int>(parse_int("world_size", v, 0, 1 << 24));
+       },
+       [](const Options& o) { return std::to_string(o.world_size); }},
       {"shard_group_size",
        {"hybrid_shard_group_size"},
        [](Options& o, const std::string& v) {

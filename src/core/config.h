@@ -64,6 +64,10 @@ struct Options {
   // The compute device: the CPU (cuda_ordinal < 0) or CUDA device
   // `cuda_ordinal` (device=cuda[:N]; N defaults to LOCAL_RANK, else 0).
   int cuda_ordinal = -1;
+  // comm=nccl started by a host that runs its own processes: the id made by
+  // fsdp_comm_id_create on one rank (hex) and the number of ranks joining it.
+  std::string comm_id;
+  int world_size = 0;
   bool on_cuda() const { return cuda_ordinal >= 0; }
 
   DType reduce_dtype() const { return reduce_dtype_auto ? param_dtype : reduce_dtype_set; }
@@ -71,7 +75,7 @@ struct Options {
   // FULL_SHARD and HYBRID_SHARD free full params after forward and gather them again for backward.
   bool reshard_after_forward() const { return sharding == Sharding::kFullShard || sharding == Sharding::kHybridShard; }
   // What the world communicator is told.
-  comm::Options comm_options() const { return {comm, timeout_s, mpi_algorithm}; }
+  comm::Options comm_options() const { return {comm, timeout_s, mpi_algorithm, cuda_ordinal, comm_id, world_size}; }
 };
 
 class Config {

@@ -19,6 +19,9 @@ namespace fsdp::core {
 std::shared_ptr<comm::LocalGroup> make_local_group(int world_size);
 // Fails every rank's pending and future collectives in `group` (fsdp_local_group_abort).
 void abort_local_group(comm::LocalGroup& group, const std::string& reason);
+// A new id for comm=nccl ranks that a host connects itself
+// (fsdp_comm_id_create): hex text. UNSUPPORTED in a build without NCCL.
+std::string new_comm_id();
 // The world communicator for fsdp_ctx_create's arguments: `group` (null for a
 // world of one, or comm=mpi) and `rank`.
 std::unique_ptr<comm::Communicator> make_world(const Options& opts, std::shared_ptr<comm::LocalGroup> group, int rank);

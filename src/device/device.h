@@ -165,6 +165,9 @@ class Device {
   // The operations queued from now on start after `ev` (the host does not
   // block where the device can order them itself).
   virtual void wait_mark(const EventPtr& ev) = 0;
+  // The stream the next operation goes to, as the device's own handle (a
+  // cudaStream_t); null on the CPU.
+  virtual void* native_stream() = 0;
 };
 
 }  // namespace fsdp::device

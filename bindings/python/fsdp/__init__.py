@@ -1,5 +1,7 @@
 # fsdp - Python binding of libfsdp (ctypes + numpy): ZeRO-3/FSDP training of numpy models.
 """Drive libfsdp from Python. See bindings/python/README.md."""
+import ctypes as _ctypes
+
 from ._lib import (LIB_PATH, FsdpError, InvalidArgument, InvalidState, Unsupported, OutOfMemory, Timeout,
                    Mismatch, CommError, Corrupt, FsdpIOError, Internal)
 from ._lib import LIB as _LIB, LOG_FN as _LOG_FN, check as _check
@@ -20,6 +22,15 @@ def version():
 
 def build_info():
     return _LIB.fsdp_build_info().decode()
+
+
+def comm_id_create():
+    """A new id for comm=nccl processes that the host starts itself: call on one process, pass the text to
+    every process, and give each Config(comm="nccl", comm_id=<text>, world_size=N) and its rank
+    (docs/launching.md). Unsupported in a build without NCCL."""
+    buf = _ctypes.create_string_buffer(257)
+    _check(_LIB.fsdp_comm_id_create(buf, 257), "fsdp_comm_id_create")
+    return buf.value.decode()
 
 
 def set_log_level(level):

@@ -246,3 +246,13 @@ def test_unclosed_handles_at_interpreter_exit():
     r = _python(code)
     assert r.returncode == 0, r.stderr
     assert "Exception ignored" not in r.stderr and "Traceback" not in r.stderr
+
+
+def test_comm_id_is_hex_text_or_unsupported_with_a_reason():
+    try:
+        text = fsdp.comm_id_create()
+    except fsdp.Unsupported as e:  # no NCCL in this build, or none that this machine can load
+        assert "nccl" in str(e).lower()
+        return
+    assert len(text) == 256 and set(text) <= set("0123456789abcdef")
+    assert fsdp.Config(comm="nccl", comm_id=text, world_size=2).get("comm_id") == text

@@ -65,6 +65,7 @@ class CpuDevice final : public Device {
   bool device_only(const void*) const override { return false; }
   EventPtr mark() override;
   void wait_mark(const EventPtr& ev) override;
+  void* native_stream() override { return nullptr; }
 
  private:
   template <bool kClear>

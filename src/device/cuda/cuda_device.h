@@ -83,6 +83,7 @@ class CudaDevice final : public Device {
   // the host waits).
   EventPtr mark() override;
   void wait_mark(const EventPtr& ev) override;
+  void* native_stream() override { return target(); }
 
   // Pinned host doubles for results the host reads (sums of squares); handed
   // back from a host callback, which may make no CUDA call.
