@@ -20,6 +20,7 @@
 
 #include "../base/error.h"
 #include "../base/log.h"
+#include "../base/spin.h"
 #include "../base/text.h"
 
 namespace fsdp::comm {
@@ -290,7 +291,7 @@ std::string fetch(const TcpExchange& x, Clock::time_point end) {
 
 std::string tcp_exchange_blob(const TcpExchange& x, const std::string& blob) {
   check_args(x);
-  auto end = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(x.timeout_s));
+  auto end = base::deadline_after(x.timeout_s);
   if (x.world == 1) return blob;
   return x.rank == 0 ? serve(x, blob, end) : fetch(x, end);
 }

@@ -10,6 +10,7 @@
 #include <sys/prctl.h>
 
 #include "../../base/error.h"
+#include "../../base/spin.h"
 #include "../../base/text.h"
 #include "../launch.h"
 #include "../reduce.h"
@@ -134,11 +135,6 @@ void abandon(std::vector<MPI_Request>& reqs, std::shared_ptr<void> buffers = nul
     MPI_Cancel(&r);
     MPI_Request_free(&r);
   }
-}
-
-std::chrono::steady_clock::time_point after(double seconds) {
-  return std::chrono::steady_clock::now() +
-         std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(seconds));
 }
 
 std::string seconds(double s) { return base::format_double(s); }
@@ -293,7 +289,7 @@ void MpiComm::check_in(const Desc& mine_in) {
       }
     }
     std::vector<int> arrived;
-    if (!poll(reqs, after(timeout_s_), bufs, /*for_peers=*/true)) {
+    if (!poll(reqs, base::deadline_after(timeout_s_), bufs, /*for_peers=*/true)) {
       std::string missing;
       int n_missing = 0;
       for (int r = 1; r < world_; ++r) {
@@ -333,7 +329,7 @@ void MpiComm::check_in(const Desc& mine_in) {
         MPI_Isend(&verdict, sizeof verdict, MPI_BYTE, arrived[i], kTagVerdict, comm_, &sends[i]);
       }
     }
-    if (!poll(sends, after(timeout_s_), bufs)) abandon(sends, bufs);
+    if (!poll(sends, base::deadline_after(timeout_s_), bufs)) abandon(sends, bufs);
   } else {
     std::vector<MPI_Request> reqs(2, MPI_REQUEST_NULL);
     {
@@ -343,7 +339,7 @@ void MpiComm::check_in(const Desc& mine_in) {
     }
     // Longer than rank 0's own wait, so that rank 0's verdict (which names a
     // missing rank) arrives first when rank 0 is alive.
-    if (!poll(reqs, after(2 * timeout_s_ + 1), bufs, /*for_peers=*/true)) {
+    if (!poll(reqs, base::deadline_after(2 * timeout_s_ + 1), bufs, /*for_peers=*/true)) {
       abandon(reqs, bufs);
       fail(FSDP_ERR_TIMEOUT, what + ": timed out after " + seconds(2 * timeout_s_ + 1) + " s waiting for " +
                                  rank_name(0) + " (seen from " + rank_name(rank_) + "), which checks that every " +
@@ -358,7 +354,7 @@ void MpiComm::check_in(const Desc& mine_in) {
 }
 
 void MpiComm::wait_data(std::vector<MPI_Request>& reqs, int peer) {
-  if (poll(reqs, after(timeout_s_))) return;
+  if (poll(reqs, base::deadline_after(timeout_s_))) return;
   abandon(reqs);
   fail(FSDP_ERR_TIMEOUT, what_ + ": timed out after " + seconds(timeout_s_) + " s waiting for data from " +
                              rank_name(peer) + " (seen from " + rank_name(rank_) +
@@ -367,7 +363,7 @@ void MpiComm::wait_data(std::vector<MPI_Request>& reqs, int peer) {
 
 void MpiComm::wait_native(MPI_Request req) {
   std::vector<MPI_Request> reqs{req};
-  if (poll(reqs, after(timeout_s_))) return;
+  if (poll(reqs, base::deadline_after(timeout_s_))) return;
   // A collective request can be neither cancelled nor freed: it is left to
   // MPI, and this communicator is not freed (see the destructor).
   fail(FSDP_ERR_TIMEOUT, what_ + ": timed out after " + seconds(timeout_s_) + " s inside MPI's collective (seen from " +
@@ -620,7 +616,8 @@ std::unique_ptr<Communicator> make_mpi_world(const Options& opts, int expected_r
     auto guard = mpi::lock();
     MPI_Comm_idup(MPI_COMM_WORLD, &dup, req.data());
   }
-  if (!poll_requests(req, after(opts.timeout_s), nullptr, Patience::kPeers)) {  // waits for the others to start
+  if (!poll_requests(req, base::deadline_after(opts.timeout_s), nullptr,
+                     Patience::kPeers)) {  // waits for the others to start
     mpi::note_failure();
     fail(FSDP_ERR_TIMEOUT, "fsdp_ctx_create: timed out after " + seconds(opts.timeout_s) + " s on rank " +
                                std::to_string(rank) + " waiting for all " + std::to_string(world) +

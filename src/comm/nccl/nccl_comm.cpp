@@ -4,6 +4,7 @@
 #include <algorithm>
 
 #include "../../base/error.h"
+#include "../../base/spin.h"
 #include "../../base/text.h"
 #include "nccl_check.h"
 
@@ -112,7 +113,7 @@ std::string NcclComm::begin(const char* kind, const std::string& label) {
 
 void NcclComm::queued(ncclResult_t r, const std::string& what, cudaStream_t s) {
   // Non-blocking: the call may still be getting its work onto the stream.
-  auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s_));
+  auto deadline = base::deadline_after(timeout_s_);
   while (r == ncclInProgress) {
     if (Clock::now() > deadline) {
       abort(what + " was not queued within timeout_s = " + base::format_double(timeout_s_) + " s");
@@ -207,7 +208,7 @@ void NcclComm::staged(const void* in, void* out, size_t in_nbytes, size_t out_nb
   cuda_check(cudaMemcpyAsync(out, dev_out, out_nbytes, cudaMemcpyDeviceToHost, s), "staging " + what);
   // The host reads the result now: wait for it, bounded, and give up (the
   // watchdog aborts) rather than hang.
-  auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s_));
+  auto deadline = base::deadline_after(timeout_s_);
   for (;;) {
     cudaError_t e = cudaStreamQuery(s);
     if (e == cudaSuccess) break;
@@ -299,7 +300,7 @@ std::unique_ptr<Communicator> NcclComm::split(int color, int key, const std::str
   config.blocking = 0;
   ncclComm_t child = nullptr;
   ncclResult_t r = nccl().CommSplit(comm_, color, key, &child, &config);
-  auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s_));
+  auto deadline = base::deadline_after(timeout_s_);
   while (r == ncclInProgress && child != nullptr) {
     if (Clock::now() > deadline) {
       nccl().CommAbort(child);

@@ -7,6 +7,7 @@
 #include <thread>
 
 #include "../../base/error.h"
+#include "../../base/spin.h"
 #include "../../base/text.h"
 #include "../launch.h"
 #include "../tcp_exchange.h"
@@ -107,7 +108,7 @@ ncclComm_t init(const ncclUniqueId& id, int rank, int world, int ordinal, double
   config.blocking = 0;
   ncclComm_t comm = nullptr;
   ncclResult_t r = nccl().CommInitRankConfig(&comm, world, id, rank, &config);
-  auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s));
+  auto deadline = base::deadline_after(timeout_s);
   while (r == ncclInProgress && comm != nullptr) {
     if (timeout_s > 0 && Clock::now() > deadline) {
       nccl().CommAbort(comm);
