@@ -72,7 +72,7 @@ print(lib.fsdp_build_info().decode())' "$build/src/libfsdp.so")"
 # those that need two (*AnotherGpu*), which are left out.
 gpus=$(nvidia-smi -L | grep -c '^GPU')
 exclude='WithoutAGpu'
-[ "$gpus" -lt 2 ] && exclude+='|AnotherGpu' && note "1 GPU: the tests that need 2 (*AnotherGpu*) are left out"
+[ "$gpus" -lt 2 ] && exclude+='|AnotherGpu|TwoGpus' && note "1 GPU: the tests that need 2 (*AnotherGpu*, *TwoGpus) are left out"
 ctest --test-dir "$build" -R '^Cuda' -E "$exclude" -j4 --output-on-failure >"$out/gpu-suite.log" 2>&1
 rc=$?
 passed=$(grep -c " Passed " "$out/gpu-suite.log")

@@ -155,6 +155,19 @@ std::unique_ptr<Communicator> make_nccl_world(const Options& opts, int rank) {
   if (opts.cuda_ordinal < 0) {
     fail(FSDP_ERR_INVALID_ARGUMENT, "fsdp_ctx_create: comm=nccl moves GPU memory: it needs device=cuda[:N]");
   }
+  // Before any bootstrap: a process without a usable GPU fails at once, and
+  // so does every other rank of a job on such machines, instead of waiting
+  // for its peers.
+  int gpus = 0;
+  cudaError_t e = cudaGetDeviceCount(&gpus);
+  if (e != cudaSuccess || gpus <= opts.cuda_ordinal) {
+    if (e != cudaSuccess) cudaGetLastError();
+    fail(FSDP_ERR_UNSUPPORTED, "comm=nccl: no CUDA device can be used by this process for device=cuda:" +
+                                   std::to_string(opts.cuda_ordinal) + " (" +
+                                   (e != cudaSuccess ? std::string(cudaGetErrorString(e))
+                                                     : std::to_string(gpus) + " GPU(s) visible") +
+                                   "; check the driver and CUDA_VISIBLE_DEVICES)");
+  }
   ncclUniqueId id{};
   int world = 0, local_world = 1;
   if (!opts.nccl_id.empty()) {
