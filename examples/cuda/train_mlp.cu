@@ -28,29 +28,29 @@
 
 namespace {
 
-#define FSDP_TRY(call)                                                                         \
-  do {                                                                                         \
-    fsdp_status_t s_ = (call);                                                                 \
-    if (s_ != FSDP_OK) {                                                                       \
-      std::fprintf(stderr, "%s: %s: %s\n", #call, fsdp_status_name(s_), fsdp_last_error());   \
-      std::exit(1);                                                                            \
-    }                                                                                          \
+#define FSDP_TRY(call)                                                                      \
+  do {                                                                                      \
+    fsdp_status_t s_ = (call);                                                              \
+    if (s_ != FSDP_OK) {                                                                    \
+      std::fprintf(stderr, "%s: %s: %s\n", #call, fsdp_status_name(s_), fsdp_last_error()); \
+      std::exit(1);                                                                         \
+    }                                                                                       \
   } while (0)
-#define CUDA_TRY(call)                                                                         \
-  do {                                                                                         \
-    cudaError_t e_ = (call);                                                                   \
-    if (e_ != cudaSuccess) {                                                                   \
-      std::fprintf(stderr, "%s: %s\n", #call, cudaGetErrorString(e_));                        \
-      std::exit(1);                                                                            \
-    }                                                                                          \
+#define CUDA_TRY(call)                                                 \
+  do {                                                                 \
+    cudaError_t e_ = (call);                                           \
+    if (e_ != cudaSuccess) {                                           \
+      std::fprintf(stderr, "%s: %s\n", #call, cudaGetErrorString(e_)); \
+      std::exit(1);                                                    \
+    }                                                                  \
   } while (0)
-#define BLAS_TRY(call)                                                                         \
-  do {                                                                                         \
-    cublasStatus_t b_ = (call);                                                                \
-    if (b_ != CUBLAS_STATUS_SUCCESS) {                                                         \
-      std::fprintf(stderr, "%s: cuBLAS status %d\n", #call, static_cast<int>(b_));            \
-      std::exit(1);                                                                            \
-    }                                                                                          \
+#define BLAS_TRY(call)                                                             \
+  do {                                                                             \
+    cublasStatus_t b_ = (call);                                                    \
+    if (b_ != CUBLAS_STATUS_SUCCESS) {                                             \
+      std::fprintf(stderr, "%s: cuBLAS status %d\n", #call, static_cast<int>(b_)); \
+      std::exit(1);                                                                \
+    }                                                                              \
   } while (0)
 
 struct Args {
@@ -233,7 +233,9 @@ int main(int argc, char** argv) {
   const cudaDataType_t pt = storage(a.bf16);
   // The matrix products take bf16 activations; with fp32 params, the params
   // take fp32 and so do the activations (h, dz as fp32).
-  auto act = [&](int k) -> const void* { return a.bf16 ? static_cast<const void*>(hb[static_cast<size_t>(k)]) : h[static_cast<size_t>(k)]; };
+  auto act = [&](int k) -> const void* {
+    return a.bf16 ? static_cast<const void*>(hb[static_cast<size_t>(k)]) : h[static_cast<size_t>(k)];
+  };
   float first_loss = -1.0f, loss = 0.0f;
   for (int step = 1; step <= a.steps; ++step) {
     CUDA_TRY(cudaMemsetAsync(loss_dev, 0, 4, s));
@@ -261,8 +263,8 @@ int main(int argc, char** argv) {
       tanh_backward<<<blocks(hn), kThreads, 0, s>>>(dh, h[static_cast<size_t>(k) + 1], dz, dzb, hn);
       const void* dz_in = a.bf16 ? static_cast<const void*>(dzb) : dz;
       // dW (w x w, row-major) += dz^T h[k]: column-major dW^T = h[k]^T-ish product.
-      BLAS_TRY(cublasGemmEx(blas, CUBLAS_OP_N, CUBLAS_OP_T, w, w, b, &one, act(k), pt, w, dz_in, pt, w, &one, gW, pt,
-                            w, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+      BLAS_TRY(cublasGemmEx(blas, CUBLAS_OP_N, CUBLAS_OP_T, w, w, b, &one, act(k), pt, w, dz_in, pt, w, &one, gW, pt, w,
+                            CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
       bias_grad<<<blocks(static_cast<size_t>(w)), kThreads, 0, s>>>(dz, gB, a.bf16, b, w);
       // dh[k] = dz W (the input's grad), into dh for the next unit down.
       BLAS_TRY(cublasGemmEx(blas, CUBLAS_OP_N, CUBLAS_OP_N, w, b, w, &one, W, pt, w, dz_in, pt, w, &zero, dh,
