@@ -9,6 +9,7 @@
 
 #include "../../base/error.h"
 #include "../reduce.h"
+#include "../split.h"
 
 namespace fsdp::comm {
 namespace {
@@ -229,13 +230,7 @@ std::unique_ptr<Communicator> LocalComm::split(int color, int key, const std::st
   int64_t mine[2] = {color, key};
   std::vector<int64_t> all(2 * world);
   all_gather(mine, all.data(), sizeof mine, label);
-  std::vector<int> members;  // group ranks of my color, ordered by (key, rank)
-  for (size_t r = 0; r < world; ++r) {
-    if (all[2 * r] == color) members.push_back(static_cast<int>(r));
-  }
-  std::stable_sort(members.begin(), members.end(), [&](int a, int b) {
-    return all[2 * static_cast<size_t>(a) + 1] < all[2 * static_cast<size_t>(b) + 1];
-  });
+  std::vector<int> members = split_members(all, color);  // group ranks of my color
   std::vector<int> names;
   int new_rank = 0;
   for (size_t i = 0; i < members.size(); ++i) {

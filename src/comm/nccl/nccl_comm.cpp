@@ -6,6 +6,7 @@
 #include "../../base/error.h"
 #include "../../base/spin.h"
 #include "../../base/text.h"
+#include "../split.h"
 #include "nccl_check.h"
 
 namespace fsdp::comm {
@@ -287,13 +288,7 @@ std::unique_ptr<Communicator> NcclComm::split(int color, int key, const std::str
   int64_t mine[2] = {color, key};
   std::vector<int64_t> all(2 * world_ranks_.size());
   all_gather(mine, all.data(), sizeof mine, label + " (members)");
-  std::vector<int> members;
-  for (size_t r = 0; r < world_ranks_.size(); ++r) {
-    if (all[2 * r] == color) members.push_back(static_cast<int>(r));
-  }
-  std::stable_sort(members.begin(), members.end(), [&](int a, int b) {
-    return all[2 * static_cast<size_t>(a) + 1] < all[2 * static_cast<size_t>(b) + 1];
-  });
+  std::vector<int> members = split_members(all, color);
   std::vector<int> names;
   for (int m : members) names.push_back(world_ranks_[static_cast<size_t>(m)]);
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
