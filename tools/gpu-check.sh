@@ -147,6 +147,22 @@ print("; ".join(", ".join("%s=%s" % kv for kv in r.items() if kv[0] != "bench") 
 ' "$out/bench_cuda_engine.json")"
 fi
 
+if [ -x "$build/benchmarks/bench_nccl" ] && [ "$gpus" -ge 2 ]; then
+  examples/cuda/launch_local.sh "$gpus" "$build/benchmarks/bench_nccl" | tee "$out/bench_nccl.json"
+  note "bench_nccl ($gpus GPUs): $(python3 -c '
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
+print(", ".join("%s %d MiB %.2f of NCCL" % (r["collective"], r["bytes"] / 2**20, r["ratio_to_nccl"]) for r in rows if "collective" in r))
+' "$out/bench_nccl.json")"
+fi
+# The example's step with and without prefetch (overlap), one GPU.
+if [ -x "$build/examples/cuda/train_mlp_cuda" ]; then
+  for p in 0 1; do
+    FSDP_FORWARD_PREFETCH=$p "$build/examples/cuda/train_mlp_cuda" --steps 100 >"$out/example-prefetch$p.log" 2>&1
+    note "train_mlp_cuda forward_prefetch=$p: $(grep -h 'step time\|FSDP_ERR' "$out/example-prefetch$p.log" | head -1)"
+  done
+fi
+
 echo "== gpu-check summary =="
 printf '%s\n' "${summary[@]}"
 exit $failed

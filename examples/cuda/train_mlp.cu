@@ -16,6 +16,8 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -237,7 +239,9 @@ int main(int argc, char** argv) {
     return a.bf16 ? static_cast<const void*>(hb[static_cast<size_t>(k)]) : h[static_cast<size_t>(k)];
   };
   float first_loss = -1.0f, loss = 0.0f;
+  std::vector<double> step_ms;  // host time of each step (fsdp_step returns when its update is done)
   for (int step = 1; step <= a.steps; ++step) {
+    auto t0 = std::chrono::steady_clock::now();
     CUDA_TRY(cudaMemsetAsync(loss_dev, 0, 4, s));
     for (int k = 0; k < L; ++k) {
       fsdp_unit_t* u = units[static_cast<size_t>(k)];
@@ -272,6 +276,7 @@ int main(int argc, char** argv) {
       FSDP_TRY(fsdp_backward_end(u, s));  // the reduce-scatter starts after s's backward
     }
     FSDP_TRY(fsdp_step(ctx, s));
+    step_ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
     if (step == 1 || step % 20 == 0 || step == a.steps) {
       CUDA_TRY(cudaMemcpyAsync(&loss, loss_dev, 4, cudaMemcpyDeviceToHost, s));
       CUDA_TRY(cudaStreamSynchronize(s));
@@ -291,6 +296,8 @@ int main(int argc, char** argv) {
   FSDP_TRY(fsdp_ctx_finalize(ctx));
   fsdp_ctx_destroy(ctx);
   bool learned = loss < 0.5f * first_loss;
+  std::sort(step_ms.begin(), step_ms.end());
+  if (rank == 0) std::printf("step time: %.3f ms (median of %zu steps)\n", step_ms[step_ms.size() / 2], step_ms.size());
   if (rank == 0) std::printf("loss %.6f -> %.6f: %s\n", first_loss, loss, learned ? "it learned" : "it did not learn");
   return a.check && !learned ? 1 : 0;
 }

@@ -63,6 +63,8 @@ class NcclComm final : public Communicator {
   void abort(const std::string& reason) override;
   // The plane names the stream each collective is queued on.
   bool attach_data_plane(std::shared_ptr<DataPlane> plane) override;
+  // The NCCL communicator itself (benchmarks call NCCL on it beside this).
+  ncclComm_t native() const { return comm_; }
 
  private:
   struct InFlight {
