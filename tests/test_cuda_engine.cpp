@@ -19,7 +19,13 @@
 #include <thread>
 #include <vector>
 
+#include <spawn.h>
+#include <sys/wait.h>
 #include <unistd.h>
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 
 #include "device/cuda/cuda_device.h"
 #include "fsdp.h"
@@ -110,7 +116,7 @@ void train_rank(const std::map<std::string, std::string>& opts, bool gpu, fsdp_l
   fsdp_config_t* cfg = nullptr;
   CHECK_OK(fsdp_config_create(&cfg));
   std::map<std::string, std::string> all = opts;
-  all["device"] = gpu ? "cuda:0" : "cpu";
+  if (!gpu || all.count("device") == 0) all["device"] = gpu ? "cuda:0" : "cpu";
   all["optimizer"] = "adamw";
   all["lr"] = "0.01";
   all["weight_decay"] = "0.01";
@@ -367,4 +373,93 @@ TEST(CudaEngine, ACheckpointSavedOnTheGpuLoadsOnTheCpuBitwise) {
 TEST(CudaEngine, ACheckpointSavedOnTheCpuLoadsOnTheGpuBitwise) {
   SKIP_WITHOUT_GPU();
   expect_checkpoint_moves(/*from_gpu=*/false);
+}
+
+// comm=nccl across processes: the parent spawns kNcclRanks copies of this
+// binary with torchrun's variables, one GPU each, each running
+// NcclChild.TrainsLikeTheSameWorldOnTheCpu: every rank trains through NCCL and
+// compares its params with the same world run as thread-ranks on the CPU
+// device in the same process. Two ranks' sums are the same in any order, so
+// fp32 matches bit for bit; bf16 to its rounding. Skipped with fewer GPUs.
+namespace {
+
+constexpr int kNcclRanks = 2;
+constexpr const char* kChildFlag = "FSDP_TEST_NCCL_CHILD";
+
+int free_port() {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
+  socklen_t len = sizeof a;
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  ::close(fd);
+  return ntohs(a.sin_port);
+}
+
+}  // namespace
+
+TEST(CudaEngine, NcclProcessesTrainLikeTheSameWorldOnTheCpu_OnTwoGpus) {
+  SKIP_WITHOUT_GPU();
+  if (std::string(fsdp_build_info()).find("nccl") == std::string::npos) GTEST_SKIP() << "no NCCL in this build";
+  if (fsdp::device::cuda::CudaDevice::count() < kNcclRanks) {
+    GTEST_SKIP() << kNcclRanks << " NCCL processes need " << kNcclRanks << " GPUs";
+  }
+  const std::string port = std::to_string(free_port());
+  std::vector<pid_t> pids;
+  for (int r = 0; r < kNcclRanks; ++r) {
+    std::vector<std::string> env_s = {std::string(kChildFlag) + "=1",
+                                      "RANK=" + std::to_string(r),
+                                      "WORLD_SIZE=" + std::to_string(kNcclRanks),
+                                      "LOCAL_RANK=" + std::to_string(r),
+                                      "LOCAL_WORLD_SIZE=" + std::to_string(kNcclRanks),
+                                      "MASTER_ADDR=127.0.0.1",
+                                      "MASTER_PORT=" + port};
+    for (char** e = environ; *e != nullptr; ++e) env_s.emplace_back(*e);
+    std::vector<char*> env;
+    for (std::string& e : env_s) env.push_back(e.data());
+    env.push_back(nullptr);
+    std::string self = std::filesystem::read_symlink("/proc/self/exe").string();
+    std::string filter = "--gtest_filter=NcclChild.*";
+    char* argv[] = {self.data(), filter.data(), nullptr};
+    pid_t pid = 0;
+    ASSERT_EQ(posix_spawn(&pid, self.c_str(), nullptr, nullptr, argv, env.data()), 0);
+    pids.push_back(pid);
+  }
+  for (size_t r = 0; r < pids.size(); ++r) {
+    int status = 0;
+    ASSERT_EQ(waitpid(pids[r], &status, 0), pids[r]);
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "rank " << r << " failed (its output is above)";
+  }
+}
+
+TEST(NcclChild, TrainsLikeTheSameWorldOnTheCpu) {
+  if (std::getenv(kChildFlag) == nullptr) {
+    GTEST_SKIP() << "runs only as a process of CudaEngine.NcclProcessesTrainLikeTheSameWorldOnTheCpu_OnTwoGpus";
+  }
+  const int rank = std::atoi(std::getenv("RANK"));
+  const int world = std::atoi(std::getenv("WORLD_SIZE"));
+  ASSERT_EQ(cudaSetDevice(rank), cudaSuccess);
+  for (const char* sharding : {"FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"}) {
+    for (const char* dtype : {"fp32", "bf16"}) {
+      SCOPED_TRACE(std::string("rank ") + std::to_string(rank) + " " + sharding + " " + dtype);
+      std::map<std::string, std::string> opts = {{"sharding", sharding}, {"param_dtype", dtype}, {"timeout_s", "60"}};
+      // HYBRID_SHARD: shard groups of one rank, replicated across the two.
+      if (std::string(sharding) == "HYBRID_SHARD") opts["shard_group_size"] = "1";
+      TrainedRun cpu, gpu;
+      train(opts, false, world, false, &cpu);  // the same world as thread-ranks on the CPU
+      opts["device"] = "cuda:" + std::to_string(rank);
+      opts["comm"] = "nccl";
+      train_rank(opts, true, nullptr, rank, world, false, &gpu);
+      if (::testing::Test::HasFatalFailure()) return;
+      const float tol = std::string(dtype) == "fp32" ? 0.0f : 1e-2f;
+      for (int k = 0; k < kUnits; ++k) {
+        for (size_t i = 0; i < cpu.params[k].size(); ++i) {
+          ASSERT_NEAR(gpu.params[k][i], cpu.params[k][i], tol * (1.0f + std::fabs(cpu.params[k][i])))
+              << "unit " << k << " element " << i;
+        }
+      }
+    }
+  }
 }
