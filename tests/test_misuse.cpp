@@ -447,6 +447,32 @@ class EnvVars {
   std::vector<std::pair<std::string, std::string>> vars_;
 };
 
+// comm=auto on a GPU takes NCCL when a launcher (torchrun's variables) says
+// this process is one of several, and the local communicator otherwise. Seen
+// through the error of the path taken: without a GPU, the nccl path says so
+// before any bootstrap, the local one when the context makes its device;
+// with a GPU, rank 0 of 2 waits for a rank 1 that never comes and names it.
+TEST(Config, AutoTakesNcclOnAGpuUnderALauncher) {
+  if (!have_nccl()) GTEST_SKIP() << "this build has no NCCL communicator";
+  ConfigPtr cfg = make_config({{"device", "cuda:0"}, {"timeout_s", "1"}});
+  ASSERT_TRUE(cfg);
+  fsdp_ctx_t* ctx = nullptr;
+  {
+    EnvVars launcher({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", "1"}});
+    fsdp_status_t st = fsdp_ctx_create(cfg.get(), nullptr, -1, &ctx);
+    EXPECT_NE(st, FSDP_OK);
+    EXPECT_TRUE(contains(fsdp_last_error(), "comm=nccl: no CUDA device") ||
+                contains(fsdp_last_error(), "bootstrap: rank 1 did not connect"))
+        << fsdp_last_error();
+  }
+  fsdp_status_t st = fsdp_ctx_create(cfg.get(), nullptr, -1, &ctx);
+  if (st == FSDP_OK) {
+    fsdp_ctx_destroy(ctx);  // a GPU is here: alone, the local communicator
+  } else {
+    EXPECT_TRUE(contains(fsdp_last_error(), "device=cuda: no CUDA device")) << fsdp_last_error();
+  }
+}
+
 TEST(Config, FromEnvAppliesOptionsAndIgnoresOtherFsdpVariables) {
   ConfigPtr cfg = make_config({{"sharding", "NO_SHARD"}, {"lr", "0.5"}});
   ASSERT_TRUE(cfg);
