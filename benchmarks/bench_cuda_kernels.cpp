@@ -14,40 +14,15 @@
 #include <functional>
 #include <string>
 
+#include "bench_cuda_util.h"
 #include "bench_util.h"
 #include "device/cuda/cuda_device.h"
 
 using fsdp::DType;
+using fsdp::bench::best_gpu_seconds;
 using fsdp::bench::JsonLine;
 using fsdp::device::cuda::CudaDevice;
 using fsdp::device::cuda::CudaStream;
-
-namespace {
-
-// Best of `reps` GPU timings of fn() run as a task of `s` (so the device
-// queues its kernels there), between CUDA events on `s`, after one warm-up.
-double best_gpu_seconds(CudaStream& s, int reps, const std::function<void()>& fn) {
-  cudaStream_t native = s.native();
-  cudaEvent_t a, b;
-  cudaEventCreate(&a);
-  cudaEventCreate(&b);
-  s.submit("warm-up", fn)->wait(0);
-  double best = 1e30;
-  for (int i = 0; i < reps; ++i) {
-    cudaEventRecord(a, native);
-    s.submit("timed", fn);
-    cudaEventRecord(b, native);
-    cudaEventSynchronize(b);
-    float ms = 0;
-    cudaEventElapsedTime(&ms, a, b);
-    best = std::min(best, ms * 1e-3);
-  }
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
-  return best;
-}
-
-}  // namespace
 
 int main(int argc, char** argv) {
   int log2n = 28, reps = 20;

@@ -17,6 +17,7 @@
 #include <string>
 #include <tuple>
 
+#include "bench_cuda_util.h"
 #include "bench_util.h"
 #include "comm/nccl/nccl_comm.h"
 #include "comm/nccl/nccl_lib.h"
@@ -24,35 +25,10 @@
 #include "device/cuda/cuda_device.h"
 
 using fsdp::DType;
+using fsdp::bench::best_gpu_seconds;
 using fsdp::bench::JsonLine;
 using fsdp::device::cuda::CudaDevice;
 using fsdp::device::cuda::CudaStream;
-
-namespace {
-
-// Best of `reps` GPU timings of fn() queued as a task of `s` (so that
-// libfsdp's collectives go to it), between CUDA events, after a warm-up.
-double best_seconds(CudaStream& s, int reps, const std::function<void()>& fn) {
-  cudaEvent_t a, b;
-  cudaEventCreate(&a);
-  cudaEventCreate(&b);
-  s.submit("warm-up", fn)->wait(0);
-  double best = 1e30;
-  for (int i = 0; i < reps; ++i) {
-    cudaEventRecord(a, s.native());
-    s.submit("timed", fn);
-    cudaEventRecord(b, s.native());
-    cudaEventSynchronize(b);
-    float ms = 0;
-    cudaEventElapsedTime(&ms, a, b);
-    best = std::min(best, ms * 1e-3);
-  }
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
-  return best;
-}
-
-}  // namespace
 
 int main(int argc, char** argv) {
   int reps = 20, max_log2 = 28;
@@ -84,15 +60,15 @@ int main(int argc, char** argv) {
   for (size_t total = size_t(1) << 20; total <= max_bytes; total <<= 2) {
     // all_gather: `total` bytes gathered, total / world from each rank.
     size_t per_rank = total / static_cast<size_t>(world);
-    double ours = best_seconds(s, reps, [&] { comm->all_gather(send, recv, per_rank, "bench all_gather"); });
-    double theirs = best_seconds(
+    double ours = best_gpu_seconds(s, reps, [&] { comm->all_gather(send, recv, per_rank, "bench all_gather"); });
+    double theirs = best_gpu_seconds(
         s, reps, [&] { fsdp::comm::nccl().AllGather(send, recv, per_rank, ncclUint8, nccl.native(), s.native()); });
     // reduce_scatter of `total` bytes of bf16 grads.
     size_t numel_per_rank = per_rank / 2;
-    double ours_rs = best_seconds(s, reps, [&] {
+    double ours_rs = best_gpu_seconds(s, reps, [&] {
       comm->reduce_scatter(send, recv, numel_per_rank, DType::kBf16, fsdp::comm::RedOp::kAvg, "bench reduce_scatter");
     });
-    double theirs_rs = best_seconds(s, reps, [&] {
+    double theirs_rs = best_gpu_seconds(s, reps, [&] {
       fsdp::comm::nccl().ReduceScatter(send, recv, numel_per_rank, ncclBfloat16, ncclAvg, nccl.native(), s.native());
     });
     if (comm->rank() == 0) {

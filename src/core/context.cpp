@@ -61,9 +61,9 @@ Context::Context(const Options& opts, std::unique_ptr<comm::Communicator> world)
   if (!dev_->host_visible() && !world_->attach_data_plane(make_device_plane(*dev_)) && rt_.world > 1) {
     fail(FSDP_ERR_UNSUPPORTED, "fsdp_ctx_create: device=" + std::string(dev_->name()) + " at a world of " +
                                    std::to_string(rt_.world) +
-                                   " needs ranks that share the GPU's memory: the local communicator (ranks as "
-                                   "threads of one process, fsdp_local_group_create); comm=mpi moves host "
-                                   "memory only, and NCCL is not built in yet (docs/gpu.md)");
+                                   " needs a communicator that moves GPU memory: comm=nccl (processes with a GPU "
+                                   "each) or the local communicator (ranks as threads of one process sharing the "
+                                   "GPU); comm=mpi moves host memory only (docs/gpu.md)");
   }
   rt_.dev = dev_.get();
   rt_.state_dev = dev_.get();
