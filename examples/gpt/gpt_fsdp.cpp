@@ -1,0 +1,163 @@
+// gpt_fsdp.cpp - the GPT through libfsdp (see gpt_fsdp.h).
+#include "gpt_fsdp.h"
+
+#include <functional>
+
+namespace gpt {
+
+void check_fsdp(fsdp_status_t st, const char* call) {
+  if (st != FSDP_OK)
+    throw std::runtime_error(std::string(call) + ": " + fsdp_status_name(st) + ": " + fsdp_last_error());
+}
+#define CHECK(call) check_fsdp((call), #call)
+
+// A unit's params as fp32 for the model, and where its grads go. With
+// param_dtype=fp32 the model works on libfsdp's buffers directly; with bf16 the
+// gathered unit is cast to fp32 once per use, and the grads of a use are
+// accumulated in fp32 and added into libfsdp's bf16 grad buffers at its end.
+class FsdpGpt::Access {
+ public:
+  Access(fsdp_unit_t* unit, const UnitSpec& spec, fsdp_dtype_t dt) : unit_(unit), spec_(spec), dt_(dt) {
+    for (const ParamSpec& p : spec.params) total_ += p.numel();
+  }
+  fsdp_unit_t* unit() const { return unit_; }
+
+  UnitView<float> params(std::vector<float>& cast) const {
+    UnitView<float> v;
+    if (dt_ == FSDP_DTYPE_BF16) cast.resize(total_);
+    size_t off = 0;
+    for (size_t i = 0; i < spec_.params.size(); ++i) {
+      void* p;
+      CHECK(fsdp_param_ptr(unit_, i, &p));
+      const size_t n = spec_.params[i].numel();
+      if (dt_ == FSDP_DTYPE_FP32) {
+        v.p.push_back(static_cast<const float*>(p));
+      } else {
+        const auto* h = static_cast<const uint16_t*>(p);
+        for (size_t k = 0; k < n; ++k) cast[off + k] = bf16_to_float(h[k]);
+        v.p.push_back(cast.data() + off);
+      }
+      off += n;
+    }
+    return v;
+  }
+  UnitView<float> grads(std::vector<float>& cast, std::vector<float>& grad) const {
+    UnitView<float> v = params(cast);
+    if (dt_ == FSDP_DTYPE_BF16) grad.assign(total_, 0.0f);
+    size_t off = 0;
+    for (size_t i = 0; i < spec_.params.size(); ++i) {
+      void* g;
+      CHECK(fsdp_grad_ptr(unit_, i, &g));
+      v.g.push_back(dt_ == FSDP_DTYPE_FP32 ? static_cast<float*>(g) : grad.data() + off);
+      off += spec_.params[i].numel();
+    }
+    return v;
+  }
+  // bf16: adds this use's fp32 grads into libfsdp's grad buffers.
+  void flush(const std::vector<float>& grad) const {
+    if (dt_ == FSDP_DTYPE_FP32) return;
+    size_t off = 0;
+    for (size_t i = 0; i < spec_.params.size(); ++i) {
+      void* g;
+      CHECK(fsdp_grad_ptr(unit_, i, &g));
+      auto* h = static_cast<uint16_t*>(g);
+      const size_t n = spec_.params[i].numel();
+      for (size_t k = 0; k < n; ++k) h[k] = float_to_bf16(bf16_to_float(h[k]) + grad[off + k]);
+      off += n;
+    }
+  }
+
+ private:
+  fsdp_unit_t* unit_;
+  const UnitSpec& spec_;
+  fsdp_dtype_t dt_;
+  size_t total_ = 0;
+};
+
+FsdpGpt::FsdpGpt(fsdp_ctx_t* ctx, const Shape& shape, int batch, bool recompute, uint64_t seed)
+    : ctx_(ctx), shape_(shape), specs_(model_units(shape)), model_(shape, batch, recompute) {
+  fsdp_dtype_t dt;
+  CHECK(fsdp_ctx_param_dtype(ctx, &dt));
+  if (dt != FSDP_DTYPE_FP32 && dt != FSDP_DTYPE_BF16)
+    throw std::runtime_error("the GPT example computes with param_dtype fp32 or bf16");
+  for (const UnitSpec& u : specs_) {
+    std::vector<const char*> names;
+    std::vector<int32_t> ndims;
+    std::vector<int64_t> dims;
+    for (const ParamSpec& p : u.params) {
+      names.push_back(p.name.c_str());
+      ndims.push_back(static_cast<int32_t>(p.dims.size()));
+      dims.insert(dims.end(), p.dims.begin(), p.dims.end());
+    }
+    fsdp_unit_t* unit;
+    CHECK(fsdp_unit_register(ctx, u.name.c_str(), names.size(), names.data(), ndims.data(), dims.data(), &unit));
+    std::vector<float> values;
+    for (size_t i = 0; i < u.params.size(); ++i) {
+      values.resize(u.params[i].numel());
+      init_param(shape, u.params[i], seed, values.data());
+      CHECK(fsdp_param_set_values(unit, i, values.data(), values.size()));
+    }
+    units_.push_back(std::make_unique<Access>(unit, u, dt));
+  }
+}
+
+FsdpGpt::~FsdpGpt() = default;
+
+double FsdpGpt::forward(const uint8_t* inputs, const uint8_t* targets, bool train) {
+  const size_t L = static_cast<size_t>(shape_.layers);
+  const Access& embed = *units_[0];
+  CHECK(fsdp_forward_begin(embed.unit(), nullptr));
+  model_.embed_forward(embed.params(cast_), inputs, shape_.context);
+  CHECK(fsdp_forward_end(embed.unit(), nullptr));
+  for (size_t l = 0; l < L; ++l) {
+    const Access& b = *units_[1 + l];
+    CHECK(fsdp_forward_begin(b.unit(), nullptr));
+    model_.block_forward(static_cast<int>(l), b.params(cast_));
+    CHECK(fsdp_forward_end(b.unit(), nullptr));
+  }
+  const Access& lnf = *units_[1 + L];
+  CHECK(fsdp_forward_begin(lnf.unit(), nullptr));
+  model_.final_forward(lnf.params(cast_));
+  CHECK(fsdp_forward_end(lnf.unit(), nullptr));
+  double scale = 1.0;  // the loss scale (1 unless loss scaling is on)
+  if (train) {
+    uint64_t skipped;
+    CHECK(fsdp_loss_scale(ctx_, &scale, &skipped));
+  }
+  CHECK(fsdp_forward_begin(embed.unit(), nullptr));  // the tied head: the embed unit's second use
+  const double loss = model_.head_forward(embed.params(cast_), targets, scale);
+  CHECK(fsdp_forward_end(embed.unit(), nullptr));
+  return loss;
+}
+
+double FsdpGpt::eval(const uint8_t* inputs, const uint8_t* targets) { return forward(inputs, targets, false); }
+
+double FsdpGpt::train_step(const uint8_t* inputs, const uint8_t* targets) {
+  const double loss = forward(inputs, targets, true);
+  const size_t L = static_cast<size_t>(shape_.layers);
+  auto backward = [&](const Access& a, const std::function<void(const UnitView<float>&)>& fn) {
+    CHECK(fsdp_backward_begin(a.unit(), nullptr));
+    fn(a.grads(cast_, grad_));  // with --recompute, block_backward runs the block's forward again here
+    a.flush(grad_);
+    CHECK(fsdp_backward_end(a.unit(), nullptr));
+  };
+  backward(*units_[0], [&](const UnitView<float>& v) { model_.head_backward(v); });
+  backward(*units_[1 + L], [&](const UnitView<float>& v) { model_.final_backward(v); });
+  for (size_t l = L; l-- > 0;)
+    backward(*units_[1 + l], [&](const UnitView<float>& v) { model_.block_backward(static_cast<int>(l), v); });
+  backward(*units_[0], [&](const UnitView<float>& v) { model_.embed_backward(v); });
+  CHECK(fsdp_step(ctx_, nullptr));
+  return loss;
+}
+
+std::vector<std::vector<float>> FsdpGpt::gather_params() {
+  std::vector<std::vector<float>> out;
+  for (size_t u = 0; u < units_.size(); ++u)
+    for (size_t i = 0; i < specs_[u].params.size(); ++i) {
+      out.emplace_back(specs_[u].params[i].numel());
+      CHECK(fsdp_gather_param(units_[u]->unit(), i, out.back().data(), out.back().size()));
+    }
+  return out;
+}
+
+}  // namespace gpt

@@ -1,0 +1,751 @@
+// train_gpt.cpp - the libfsdp main job: a small GPT learning English prose on
+// several ranks, sharded (FULL_SHARD, bf16 params, fp32 grad reduction, AdamW,
+// clipping, prefetch), with a sharded checkpoint resumed at another world size.
+//
+//   train_gpt                      the demo: 4 thread-ranks of this process, then
+//                                  the checkpoint resumed on 2 (usage: --help)
+//   mpirun -np N train_gpt ...     one rank per process (comm=auto picks mpi)
+//   train_gpt --bench-json F ...   the timing run of benchmarks/vs_pytorch
+//
+// The model's math is gpt_model.{h,cpp}; this file is what a host framework
+// writes around it: one libfsdp unit per block, one for the embeddings (used
+// at the input and again at the tied head), one for the final norm, and the
+// begin/end brackets around each use.
+#include <cblas.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "fsdp.h"
+#include "gpt_fsdp.h"
+#include "gpt_model.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using Json = nlohmann::json;
+
+#ifndef FSDP_GPT_SOURCE_DIR
+#define FSDP_GPT_SOURCE_DIR "."
+#endif
+
+struct Options {
+  gpt::Shape shape;
+  int ranks = 4, resume_ranks = 2, steps = 300, switch_step = 240, batch = 16, print_every = 20, eval_batches = 4;
+  int sample_chars = 300;
+  double lr = 3e-3, weight_decay = 0.1, max_grad_norm = 1.0;
+  std::string dtype = "bf16", sharding = "FULL_SHARD", text, ckpt, trace, plot, bench_json, save, resume;
+  bool recompute = false, check = false, persistent_bf16 = true;
+  uint64_t seed = 1234;
+};
+
+[[noreturn]] void fail(const std::string& what) { throw std::runtime_error(what); }
+
+#define CHECK(call) gpt::check_fsdp((call), #call)
+
+// What one phase of training reports (filled by rank 0).
+struct Memory {
+  double params = 0, grads = 0, optim = 0, gathered_peak = 0, total_peak = 0;
+};
+struct Progress {
+  int64_t step;
+  double train_loss, val_loss, tokens_per_s, grad_norm;
+  std::vector<Memory> ranks;  // per rank, at this point
+};
+struct PhaseResult {
+  std::vector<Progress> lines;
+  std::vector<double> step_losses, step_seconds;
+  double val_at_start = NAN;  // before the first step (after --resume: the loaded params)
+  double unsharded_params = 0, unsharded_grads = 0, unsharded_optim = 0;
+  std::vector<std::vector<float>> final_params;  // full fp32 params (when asked), rank 0
+  std::vector<double> peak_rss;
+  std::vector<Memory> memory;  // per rank, at the end
+  size_t activation_bytes = 0;
+};
+
+struct Phase {
+  int world = 1;                          // thread-ranks; 0: this process is one rank of an mpirun job
+  int64_t first_step = 0, last_step = 0;  // trains steps first_step+1 .. last_step
+  std::string resume, save, trace;
+  bool want_params = false, bench = false, report = true;
+};
+
+double peak_rss_bytes() {
+  rusage ru{};
+  getrusage(RUSAGE_SELF, &ru);
+  return static_cast<double>(ru.ru_maxrss) * 1024.0;
+}
+
+// The learning rate of step `step` (1-based): linear warmup over the first 5%
+// of `total` steps, then cosine decay to a tenth.
+double lr_at(const Options& o, int64_t step, int64_t total) {
+  const double warm = std::max<double>(1.0, 0.05 * total);
+  if (step <= warm) return o.lr * static_cast<double>(step) / warm;
+  const double f = std::min(1.0, (static_cast<double>(step) - warm) / std::max(1.0, total - warm));
+  return o.lr * (0.1 + 0.9 * 0.5 * (1 + std::cos(3.141592653589793 * f)));
+}
+
+struct Shared {  // what the ranks of one phase share
+  const Options* opt;
+  const gpt::Corpus* corpus;
+  Phase phase;
+  int64_t total_steps;
+  fsdp_local_group_t* group = nullptr;
+  PhaseResult* result;
+  std::mutex mu;
+  std::string error;
+};
+
+fsdp_config_t* make_config(const Options& o, bool unsharded) {
+  fsdp_config_t* cfg;
+  CHECK(fsdp_config_create(&cfg));
+  std::unique_ptr<fsdp_config_t, void (*)(fsdp_config_t*)> guard(cfg, fsdp_config_destroy);
+  auto set = [&](const char* k, const std::string& v) { CHECK(fsdp_config_set(cfg, k, v.c_str())); };
+  set("sharding", unsharded ? "NO_SHARD" : o.sharding);
+  if (unsharded) set("comm", "local");  // a world of one, also inside an mpirun job
+  set("param_dtype", o.dtype);
+  set("reduce_dtype", "fp32");
+  set("optimizer", "adamw");
+  set("lr", std::to_string(o.lr));
+  set("beta2", "0.95");
+  set("weight_decay", std::to_string(o.weight_decay));
+  set("no_weight_decay", gpt::kNoWeightDecay);
+  set("max_grad_norm", std::to_string(o.max_grad_norm));
+  set("forward_prefetch", "1");
+  set("backward_prefetch", "pre");
+  CHECK(fsdp_config_from_env(cfg));  // FSDP_* variables override the above
+  return guard.release();
+}
+
+Memory memory_of(fsdp_ctx_t* ctx) {
+  fsdp_memory_stats_t m{};
+  m.struct_size = sizeof m;
+  CHECK(fsdp_memory_stats(ctx, &m));
+  return {static_cast<double>(m.sharded_params_nbytes), static_cast<double>(m.sharded_grads_nbytes),
+          static_cast<double>(m.optimizer_state_nbytes), static_cast<double>(m.gathered_params_peak_nbytes),
+          static_cast<double>(m.total_peak_nbytes)};
+}
+
+// Every rank's memory, on every rank (rank r fills row r, the sum fills all).
+std::vector<Memory> all_memory(fsdp_ctx_t* ctx, int rank, int world) {
+  std::vector<double> rows(static_cast<size_t>(world) * 5, 0.0);
+  const Memory m = memory_of(ctx);
+  const double mine[5] = {m.params, m.grads, m.optim, m.gathered_peak, m.total_peak};
+  std::copy(mine, mine + 5, rows.begin() + static_cast<ptrdiff_t>(rank) * 5);
+  CHECK(fsdp_metrics_reduce(ctx, rows.data(), rows.size(), FSDP_REDUCE_SUM));
+  std::vector<Memory> out(static_cast<size_t>(world));
+  for (int r = 0; r < world; ++r) {
+    const double* v = rows.data() + static_cast<size_t>(r) * 5;
+    out[static_cast<size_t>(r)] = {v[0], v[1], v[2], v[3], v[4]};
+  }
+  return out;
+}
+
+// One rank of a phase.
+class Rank {
+ public:
+  Rank(Shared& sh, int thread_rank) : sh_(sh), o_(*sh.opt) {
+    fsdp_config_t* cfg = make_config(o_, false);
+    const fsdp_status_t st = fsdp_ctx_create(cfg, sh.group, thread_rank, &ctx_);
+    fsdp_config_destroy(cfg);
+    gpt::check_fsdp(st, "fsdp_ctx_create");
+    CHECK(fsdp_ctx_rank(ctx_, &rank_));
+    CHECK(fsdp_ctx_world_size(ctx_, &world_));
+    if (o_.batch % world_)
+      fail("the batch of " + std::to_string(o_.batch) + " sequences must divide over " + std::to_string(world_) +
+           " ranks");
+    local_ = o_.batch / world_;
+    model_ = std::make_unique<gpt::FsdpGpt>(ctx_, o_.shape, local_, o_.recompute, o_.seed);
+    if (!sh.phase.resume.empty()) CHECK(fsdp_load(ctx_, sh.phase.resume.c_str()));
+    const int t = o_.shape.context;
+    window_.resize(static_cast<size_t>(local_) * (t + 1));
+    inputs_.resize(static_cast<size_t>(local_) * t);
+    targets_.resize(inputs_.size());
+  }
+  ~Rank() {
+    if (ctx_) fsdp_ctx_destroy(ctx_);
+  }
+
+  void run() {
+    const Phase& ph = sh_.phase;
+    PhaseResult& res = *sh_.result;
+    const bool root = rank_ == 0;
+    const double tokens_per_step = static_cast<double>(o_.batch) * o_.shape.context;
+    if (ph.report && !ph.bench) {
+      const double v = val_loss();
+      if (root) {
+        res.val_at_start = v;
+        std::printf("step %5lld  val %.4f  (%s)\n", static_cast<long long>(ph.first_step), v,
+                    ph.resume.empty() ? "initial params" : "the loaded params");
+        std::fflush(stdout);
+      }
+    }
+    double interval_s = 0, interval_loss = 0;
+    int interval_steps = 0;
+    for (int64_t step = ph.first_step + 1; step <= ph.last_step; ++step) {
+      if (!ph.trace.empty() && step == ph.last_step - 1) CHECK(fsdp_trace_begin(ctx_));
+      const auto t0 = Clock::now();
+      CHECK(fsdp_set_lr(ctx_, lr_at(o_, step, sh_.total_steps)));
+      double loss = train_step(step);
+      const double dt = std::chrono::duration<double>(Clock::now() - t0).count();
+      CHECK(fsdp_metrics_reduce(ctx_, &loss, 1, FSDP_REDUCE_AVG));
+      if (root) {
+        res.step_losses.push_back(loss);
+        res.step_seconds.push_back(dt);
+      }
+      interval_s += dt;
+      interval_loss += loss;
+      ++interval_steps;
+      const bool line =
+          ph.report && !ph.bench && ((step - ph.first_step) % o_.print_every == 0 || step == ph.last_step);
+      if (line) {
+        double norm = 0;
+        CHECK(fsdp_last_grad_norm(ctx_, &norm));
+        double tps = tokens_per_step * interval_steps / interval_s;
+        CHECK(fsdp_metrics_reduce(ctx_, &tps, 1, FSDP_REDUCE_MIN));  // the slowest rank sets the pace
+        const double v = val_loss();
+        std::vector<Memory> mem = all_memory(ctx_, rank_, world_);
+        if (root) {
+          res.lines.push_back({step, interval_loss / interval_steps, v, tps, norm, mem});
+          print_line(res.lines.back(), res);
+        }
+        interval_s = interval_loss = 0;
+        interval_steps = 0;
+      }
+    }
+    if (!ph.trace.empty()) CHECK(fsdp_trace_write(ctx_, (ph.trace + ".rank" + std::to_string(rank_)).c_str()));
+    if (!ph.save.empty()) CHECK(fsdp_save(ctx_, ph.save.c_str(), "sharded"));
+    std::vector<Memory> mem = all_memory(ctx_, rank_, world_);
+    std::vector<double> rss(static_cast<size_t>(world_), 0.0);
+    rss[static_cast<size_t>(rank_)] = peak_rss_bytes();
+    CHECK(fsdp_metrics_reduce(ctx_, rss.data(), rss.size(), FSDP_REDUCE_SUM));
+    if (ph.want_params) {  // every rank joins the gathers; rank 0 keeps them
+      std::vector<std::vector<float>> full = model_->gather_params();
+      if (root) res.final_params = std::move(full);
+    }
+    if (root) {
+      res.memory = mem;
+      res.peak_rss = rss;
+      res.activation_bytes = model_->activation_bytes();
+    }
+    CHECK(fsdp_ctx_finalize(ctx_));
+  }
+
+ private:
+  // Fills inputs/targets with this rank's sequences of the global batch of `step`.
+  void load_batch(const std::vector<uint8_t>& data, uint64_t seed, int64_t step) {
+    const int t = o_.shape.context;
+    for (int i = 0; i < local_; ++i) {
+      uint8_t* w = window_.data() + static_cast<size_t>(i) * (t + 1);
+      gpt::sample_window(data, seed, step, rank_ * local_ + i, t, w);
+      std::memcpy(inputs_.data() + static_cast<size_t>(i) * t, w, static_cast<size_t>(t));
+      std::memcpy(targets_.data() + static_cast<size_t>(i) * t, w + 1, static_cast<size_t>(t));
+    }
+  }
+
+  double train_step(int64_t step) {
+    load_batch(sh_.corpus->train, o_.seed, step);
+    return model_->train_step(inputs_.data(), targets_.data());
+  }
+
+  // The mean loss over eval_batches x batch fixed windows of the validation
+  // text, split over the ranks (forward only).
+  double val_loss() {
+    double sum = 0;
+    for (int k = 0; k < o_.eval_batches; ++k) {
+      load_batch(sh_.corpus->val, o_.seed + 77, k);
+      sum += model_->eval(inputs_.data(), targets_.data());
+    }
+    sum /= o_.eval_batches;
+    CHECK(fsdp_metrics_reduce(ctx_, &sum, 1, FSDP_REDUCE_AVG));
+    return sum;
+  }
+
+  void print_line(const Progress& p, const PhaseResult& res) const {
+    Memory worst;
+    for (const Memory& m : p.ranks) {
+      worst.params = std::max(worst.params, m.params);
+      worst.grads = std::max(worst.grads, m.grads);
+      worst.optim = std::max(worst.optim, m.optim);
+    }
+    const double mib = 1024.0 * 1024.0;
+    std::printf(
+        "step %5lld  train %.4f  val %.4f  tokens/s %7.0f  per-rank MiB params %.2f grads %.2f optim %.2f"
+        "  (unsharded %.2f %.2f %.2f)\n",
+        static_cast<long long>(p.step), p.train_loss, p.val_loss, p.tokens_per_s, worst.params / mib, worst.grads / mib,
+        worst.optim / mib, res.unsharded_params / mib, res.unsharded_grads / mib, res.unsharded_optim / mib);
+    std::fflush(stdout);
+  }
+
+  Shared& sh_;
+  const Options& o_;
+  fsdp_ctx_t* ctx_ = nullptr;
+  int rank_ = 0, world_ = 1, local_ = 1;
+  std::unique_ptr<gpt::FsdpGpt> model_;
+  std::vector<uint8_t> window_, inputs_, targets_;
+};
+
+// Runs a phase on `phase.world` thread-ranks (0: as this process's one rank).
+void run_phase(const Options& o, const gpt::Corpus& corpus, const Phase& phase, int64_t total_steps, PhaseResult& res) {
+  Shared sh;
+  sh.opt = &o;
+  sh.corpus = &corpus;
+  sh.phase = phase;
+  sh.total_steps = total_steps;
+  sh.result = &res;
+  const int n = phase.world == 0 ? 1 : phase.world;
+  if (phase.world > 0) CHECK(fsdp_local_group_create(phase.world, &sh.group));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        Rank rank(sh, phase.world == 0 ? -1 : r);  // -1: the launcher's rank
+        rank.run();
+      } catch (const std::exception& e) {
+        std::lock_guard<std::mutex> lock(sh.mu);
+        if (sh.error.empty()) sh.error = e.what();
+        if (sh.group) fsdp_local_group_abort(sh.group, e.what());  // the peers fail instead of waiting
+      }
+    });
+  for (std::thread& t : threads) t.join();
+  if (sh.group) fsdp_local_group_destroy(sh.group);
+  if (!sh.error.empty()) fail(sh.error);
+}
+
+// What an unsharded single rank holds: the same model on one NO_SHARD rank
+// after one (zero-grad) step, so its optimizer state exists.
+void measure_unsharded(const Options& o, PhaseResult& res) {
+  fsdp_config_t* cfg = make_config(o, true);
+  fsdp_ctx_t* ctx;
+  const fsdp_status_t st = fsdp_ctx_create(cfg, nullptr, 0, &ctx);
+  fsdp_config_destroy(cfg);
+  gpt::check_fsdp(st, "fsdp_ctx_create (unsharded)");
+  gpt::FsdpGpt model(ctx, o.shape, 1, false, o.seed);
+  CHECK(fsdp_step(ctx, nullptr));
+  const Memory m = memory_of(ctx);
+  res.unsharded_params = m.params;
+  res.unsharded_grads = m.grads;
+  res.unsharded_optim = m.optim;
+  fsdp_ctx_destroy(ctx);
+}
+
+// The optimizer step a checkpoint was saved at (docs/checkpoints.md).
+int64_t checkpoint_step(const std::string& dir) {
+  std::ifstream in(dir + "/fsdp_checkpoint.json");
+  if (!in) fail("cannot read " + dir + "/fsdp_checkpoint.json");
+  return Json::parse(in).at("optimizer").at("step").get<int64_t>();
+}
+
+int launcher_world() {
+  for (const char* k : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "WORLD_SIZE"})
+    if (const char* v = std::getenv(k)) return std::atoi(v);
+  return 0;
+}
+int launcher_rank() {
+  for (const char* k : {"OMPI_COMM_WORLD_RANK", "PMI_RANK", "RANK"})
+    if (const char* v = std::getenv(k)) return std::atoi(v);
+  return 0;
+}
+
+double median(std::vector<double> v) {
+  if (v.empty()) return NAN;
+  std::sort(v.begin(), v.end());
+  return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
+}
+
+void print_memory_table(const char* title, const PhaseResult& r) {
+  const double mib = 1024.0 * 1024.0;
+  std::printf(
+      "\n%s: per-rank MiB (params = fp32 master + bf16 shard; grads = fp32 grad shard; optim = AdamW m, v;\n"
+      "gathered-peak = most held in gathered full params; total-peak = most held by libfsdp at once)\n",
+      title);
+  std::printf("  %-14s %8s %8s %8s %14s %11s\n", "", "params", "grads", "optim", "gathered-peak", "total-peak");
+  for (size_t k = 0; k < r.memory.size(); ++k)
+    std::printf("  rank %-9zu %8.2f %8.2f %8.2f %14.2f %11.2f\n", k, r.memory[k].params / mib, r.memory[k].grads / mib,
+                r.memory[k].optim / mib, r.memory[k].gathered_peak / mib, r.memory[k].total_peak / mib);
+  std::printf("  %-14s %8.2f %8.2f %8.2f\n", "unsharded", r.unsharded_params / mib, r.unsharded_grads / mib,
+              r.unsharded_optim / mib);
+  std::printf("  activations per rank: %.2f MiB (the model's own buffers, outside libfsdp)\n",
+              static_cast<double>(r.activation_bytes) / mib);
+}
+
+// Samples `n` bytes after `prompt` from the full params (rank 0, no libfsdp).
+std::string sample_text(const Options& o, const std::vector<std::vector<float>>& params, const std::string& prompt,
+                        int n) {
+  const std::vector<gpt::UnitSpec> specs = gpt::model_units(o.shape);
+  std::vector<gpt::UnitView<float>> views(specs.size());
+  size_t k = 0;
+  for (size_t u = 0; u < specs.size(); ++u)
+    for (size_t i = 0; i < specs[u].params.size(); ++i) views[u].p.push_back(params[k++].data());
+  gpt::Model<float> model(o.shape, 1, false);
+  std::string text = prompt;
+  std::mt19937_64 rng(o.seed);
+  const size_t L = static_cast<size_t>(o.shape.layers);
+  for (int c = 0; c < n; ++c) {
+    const size_t t = std::min(text.size(), static_cast<size_t>(o.shape.context));
+    const auto* tokens = reinterpret_cast<const uint8_t*>(text.data() + text.size() - t);
+    model.embed_forward(views[0], tokens, static_cast<int>(t));
+    for (size_t l = 0; l < L; ++l) model.block_forward(static_cast<int>(l), views[1 + l]);
+    model.final_forward(views[1 + L]);
+    model.head_forward(views[0], nullptr);
+    const float* logits = model.last_logits();
+    std::vector<double> p(gpt::kVocab);
+    const double temperature = 0.8;
+    const float mx = *std::max_element(logits, logits + gpt::kVocab);
+    for (int v = 0; v < gpt::kVocab; ++v) p[static_cast<size_t>(v)] = std::exp((logits[v] - mx) / temperature);
+    std::discrete_distribution<int> pick(p.begin(), p.end());
+    text.push_back(static_cast<char>(pick(rng)));
+  }
+  for (char& ch : text)  // what a terminal shows: bytes outside printable ASCII as '?'
+    if (ch != '\n' && (static_cast<unsigned char>(ch) < 32 || static_cast<unsigned char>(ch) > 126)) ch = '?';
+  return text;
+}
+
+void merge_traces(const std::string& out, int world) {
+  Json merged = {{"traceEvents", Json::array()}};
+  for (int r = 0; r < world; ++r) {
+    const std::string part = out + ".rank" + std::to_string(r);
+    std::ifstream in(part);
+    Json j = Json::parse(in);
+    for (auto& e : j["traceEvents"]) merged["traceEvents"].push_back(e);
+    std::filesystem::remove(part);
+  }
+  std::ofstream(out) << merged.dump() << "\n";
+}
+
+Json memory_json(const std::vector<Memory>& mem) {
+  Json a = Json::array();
+  for (const Memory& m : mem)
+    a.push_back({{"params", m.params},
+                 {"grads", m.grads},
+                 {"optim", m.optim},
+                 {"gathered_peak", m.gathered_peak},
+                 {"total_peak", m.total_peak}});
+  return a;
+}
+
+void usage(const char* argv0) {
+  std::fprintf(stderr,
+               "usage: %s [options]\n"
+               "  --ranks N          thread-ranks of the first phase (4)\n"
+               "  --resume-ranks M   thread-ranks that load its checkpoint and train on (2; 0: no second phase)\n"
+               "  --steps S          optimizer steps in all (300); --switch-step K: the first phase ends at K (240)\n"
+               "  --layers L --width C --heads H --context T   the GPT's shape (4, 128, 4, 128)\n"
+               "  --batch B          sequences per step over all ranks (16)\n"
+               "  --dtype bf16|fp32  param_dtype (bf16); --sharding S (FULL_SHARD); --lr X (3e-3)\n"
+               "  --recompute        drop each block's activations after forward, recompute them in backward\n"
+               "  --text FILE        the corpus (examples/gpt/data/alice29.txt)\n"
+               "  --ckpt DIR         where the checkpoint goes (a temporary directory, removed at the end)\n"
+               "  --trace FILE       the timeline of the first phase's last 2 steps (Chrome trace JSON)\n"
+               "  --plot DIR         metrics.json and trace.json into DIR, then PNGs via examples/gpt/plot.py\n"
+               "  --print-every N (20) --eval-batches N (4) --sample N (300 bytes of text at the end)\n"
+               "  --check            a small, short run that fails unless it learns and resumes exactly\n"
+               "  --save DIR / --resume DIR   (under mpirun: one phase) write / load a sharded checkpoint\n"
+               "  --bench-json FILE  timing run on random bytes: 2 warm-up steps, then --steps timed; writes JSON\n",
+               argv0);
+}
+
+Options parse(int argc, char** argv) {
+  Options o;
+  bool check_mode = false, switch_given = false;
+  for (int a = 1; a < argc; ++a)
+    if (!std::strcmp(argv[a], "--check")) check_mode = true;
+  if (check_mode) {  // the CTest size: small and quick, still a GPT
+    o.shape = {2, 64, 4, 64};
+    o.steps = 40;
+    o.switch_step = 30;
+    o.batch = 8;
+    o.print_every = 10;
+    o.eval_batches = 2;
+    o.sample_chars = 80;
+    o.check = true;
+  }
+  for (int a = 1; a < argc; ++a) {
+    const std::string k = argv[a];
+    if (k == "--check") continue;
+    if (k == "--recompute") {
+      o.recompute = true;
+      continue;
+    }
+    if (k == "--help" || k == "-h") {
+      usage(argv[0]);
+      std::exit(0);
+    }
+    if (a + 1 >= argc) fail("option " + k + " needs a value (--help)");
+    const std::string v = argv[++a];
+    auto num = [&]() {
+      char* end = nullptr;
+      const long x = std::strtol(v.c_str(), &end, 10);
+      if (*end || v.empty()) fail("option " + k + " takes an integer, not '" + v + "'");
+      return static_cast<int>(x);
+    };
+    if (k == "--ranks")
+      o.ranks = num();
+    else if (k == "--resume-ranks")
+      o.resume_ranks = num();
+    else if (k == "--steps")
+      o.steps = num();
+    else if (k == "--switch-step")
+      o.switch_step = num(), switch_given = true;
+    else if (k == "--layers")
+      o.shape.layers = num();
+    else if (k == "--width")
+      o.shape.width = num();
+    else if (k == "--heads")
+      o.shape.heads = num();
+    else if (k == "--context")
+      o.shape.context = num();
+    else if (k == "--batch")
+      o.batch = num();
+    else if (k == "--print-every")
+      o.print_every = num();
+    else if (k == "--eval-batches")
+      o.eval_batches = num();
+    else if (k == "--sample")
+      o.sample_chars = num();
+    else if (k == "--dtype")
+      o.dtype = v;
+    else if (k == "--sharding")
+      o.sharding = v;
+    else if (k == "--lr")
+      o.lr = std::atof(v.c_str());
+    else if (k == "--text")
+      o.text = v;
+    else if (k == "--ckpt")
+      o.ckpt = v;
+    else if (k == "--trace")
+      o.trace = v;
+    else if (k == "--plot")
+      o.plot = v;
+    else if (k == "--save")
+      o.save = v;
+    else if (k == "--resume")
+      o.resume = v;
+    else if (k == "--bench-json")
+      o.bench_json = v;
+    else
+      fail("unknown option " + k + " (--help)");
+  }
+  if (!switch_given && o.switch_step >= o.steps) o.switch_step = o.steps * 4 / 5;
+  const std::string why = gpt::shape_error(o.shape);
+  if (!why.empty()) fail(why);
+  if (o.ranks < 1 || o.ranks > 64 || o.resume_ranks < 0 || o.resume_ranks > 64) fail("--ranks must be in [1, 64]");
+  if (o.steps < 1 || o.batch < 1 || o.print_every < 1 || o.eval_batches < 1)
+    fail("--steps, --batch, --print-every and --eval-batches must be >= 1");
+  if (o.resume_ranks > 0 && (o.switch_step < 1 || o.switch_step >= o.steps))
+    fail("--switch-step must be in [1, --steps)");
+  if (o.dtype != "bf16" && o.dtype != "fp32") fail("--dtype must be bf16 or fp32");
+  return o;
+}
+
+int main_bench(const Options& o) {
+  const gpt::Corpus corpus = gpt::random_corpus(1 << 20, o.seed);
+  const int launched = launcher_world();
+  Phase ph;
+  ph.world = launched > 1 ? 0 : o.ranks;
+  ph.first_step = 0;
+  ph.last_step = o.steps + 2;
+  ph.bench = true;
+  ph.report = false;
+  PhaseResult res;
+  run_phase(o, corpus, ph, ph.last_step, res);
+  if (launcher_rank() != 0) return 0;
+  std::vector<double> timed(res.step_seconds.begin() + 2, res.step_seconds.end());
+  const int world = launched > 1 ? launched : o.ranks;
+  Json j = {{"framework", "libfsdp"},
+            {"variant", o.persistent_bf16 ? "default" : "no-bf16-shard"},
+            {"world", world},
+            {"device", "cpu"},
+            {"layers", o.shape.layers},
+            {"width", o.shape.width},
+            {"heads", o.shape.heads},
+            {"context", o.shape.context},
+            {"global_batch", o.batch},
+            {"dtype", o.dtype},
+            {"steps", o.steps},
+            {"median_step_s", median(timed)},
+            {"tokens_per_s", o.batch * o.shape.context / median(timed)},
+            {"step_times_s", timed},
+            {"peak_rss_bytes", res.peak_rss},
+            {"threads_per_rank", openblas_get_num_threads()}};
+  Json p = Json::array(), g = Json::array(), op = Json::array(), dev = Json::array(), tot = Json::array();
+  for (const Memory& m : res.memory) {
+    p.push_back(m.params), g.push_back(m.grads), op.push_back(m.optim), tot.push_back(m.total_peak);
+    dev.push_back(nullptr);
+  }
+  j["params_bytes"] = p, j["grads_bytes"] = g, j["optim_bytes"] = op, j["device_peak_bytes"] = dev;
+  j["libfsdp_total_peak_bytes"] = tot;
+  j["build"] = fsdp_build_info();
+  std::ofstream(o.bench_json) << j.dump(1) << "\n";
+  std::printf("%s\n", j.dump().c_str());
+  return 0;
+}
+
+int main_launched(const Options& o, const gpt::Corpus& corpus) {  // one rank of an mpirun job
+  Phase ph;
+  ph.world = 0;
+  ph.first_step = o.resume.empty() ? 0 : checkpoint_step(o.resume);
+  ph.last_step = ph.first_step + o.steps;
+  ph.resume = o.resume;
+  ph.save = o.save;
+  ph.want_params = o.sample_chars > 0;
+  PhaseResult res;
+  if (launcher_rank() == 0) {
+    measure_unsharded(o, res);
+    std::printf("%s\nGPT %d layers, width %d, %d heads, context %d (%zu params) on %d processes, %s, param_dtype %s\n",
+                fsdp_build_info(), o.shape.layers, o.shape.width, o.shape.heads, o.shape.context,
+                gpt::param_count(o.shape), launcher_world(), o.sharding.c_str(), o.dtype.c_str());
+  }
+  run_phase(o, corpus, ph, ph.last_step, res);
+  if (launcher_rank() != 0) return 0;
+  print_memory_table("memory", res);
+  if (o.check && !(res.step_losses.back() < 0.8 * res.step_losses.front()))
+    fail("check: the loss did not fall (" + std::to_string(res.step_losses.front()) + " -> " +
+         std::to_string(res.step_losses.back()) + ")");
+  if (o.sample_chars > 0)
+    std::printf("\nsample:\n%s\n", sample_text(o, res.final_params, "Alice ", o.sample_chars).c_str());
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    Options o = parse(argc, argv);
+    const int launched = launcher_world();
+    const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+    // OpenBLAS threads per rank: the cores shared out over the ranks of this machine.
+    const int ranks_here = launched > 1 ? launched : o.ranks;
+    openblas_set_num_threads(static_cast<int>(std::max(1u, cores / static_cast<unsigned>(ranks_here))));
+    if (!o.bench_json.empty()) return main_bench(o);
+    if (o.text.empty()) o.text = std::string(FSDP_GPT_SOURCE_DIR) + "/data/alice29.txt";
+    const gpt::Corpus corpus = gpt::load_corpus(o.text);
+    if (launched > 1) return main_launched(o, corpus);
+
+    const double unigram = gpt::unigram_loss(corpus.train, corpus.val);
+    bool temp_ckpt = false;
+    std::string ckpt = o.ckpt;
+    if (ckpt.empty()) {
+      ckpt = (std::filesystem::temp_directory_path() / ("libfsdp-gpt-" + std::to_string(getpid()))).string();
+      temp_ckpt = true;
+    }
+    const bool two_phases = o.resume_ranks > 0;
+    const int64_t first_end = two_phases ? o.switch_step : o.steps;
+    std::printf("%s\n", fsdp_build_info());
+    std::printf("GPT: %d layers, width %d, %d heads, context %d, byte vocab, tied embeddings: %zu params, %d units\n",
+                o.shape.layers, o.shape.width, o.shape.heads, o.shape.context, gpt::param_count(o.shape),
+                o.shape.layers + 2);
+    std::printf("text: %s (%zu train / %zu validation bytes); unigram baseline (validation): %.4f nats/byte\n",
+                o.text.c_str(), corpus.train.size(), corpus.val.size(), unigram);
+    std::printf(
+        "training: %s, param_dtype %s, reduce fp32, AdamW (wd %.2g, 0 on biases, norms, embeddings), lr %.2g,"
+        " clip %.1f, prefetch on%s; %d sequences x %d tokens per step\n",
+        o.sharding.c_str(), o.dtype.c_str(), o.weight_decay, o.lr, o.max_grad_norm,
+        o.recompute ? ", activations recomputed" : "", o.batch, o.shape.context);
+    std::printf(
+        "train/val: mean cross-entropy in nats/byte (train: over the steps since the last line); tokens/s:"
+        " the slowest rank's;\nper-rank MiB: the largest rank's sharded params/grads/optimizer state, beside"
+        " one unsharded rank's\n\n");
+
+    PhaseResult a, b;
+    measure_unsharded(o, a);
+    b.unsharded_params = a.unsharded_params, b.unsharded_grads = a.unsharded_grads,
+    b.unsharded_optim = a.unsharded_optim;
+    Phase pa;
+    pa.world = o.ranks;
+    pa.last_step = first_end;
+    pa.save = ckpt;
+    pa.trace = o.trace.empty() && o.plot.empty() ? "" : (o.trace.empty() ? o.plot + "/trace.json" : o.trace);
+    pa.want_params = !two_phases && o.sample_chars > 0;
+    if (!o.plot.empty()) std::filesystem::create_directories(o.plot);
+    std::printf("== %d ranks, steps 1-%lld\n", o.ranks, static_cast<long long>(first_end));
+    run_phase(o, corpus, pa, o.steps, a);
+    if (!pa.trace.empty()) merge_traces(pa.trace, o.ranks);
+    print_memory_table("first phase", a);
+    std::printf("\nsaved a sharded checkpoint of step %lld to %s\n", static_cast<long long>(first_end), ckpt.c_str());
+    const PhaseResult* last = &a;
+    if (two_phases) {
+      Phase pb;
+      pb.world = o.resume_ranks;
+      pb.first_step = first_end;
+      pb.last_step = o.steps;
+      pb.resume = ckpt;
+      pb.want_params = o.sample_chars > 0;
+      std::printf("\n== %d ranks, resumed from the checkpoint, steps %lld-%d\n", o.resume_ranks,
+                  static_cast<long long>(first_end + 1), o.steps);
+      run_phase(o, corpus, pb, o.steps, b);
+      print_memory_table("second phase", b);
+      last = &b;
+    }
+    if (temp_ckpt) std::filesystem::remove_all(ckpt);
+    const double final_val = last->lines.back().val_loss;
+    std::printf("\nvalidation loss %.4f nats/byte against the unigram baseline's %.4f (%.0f%% of it)\n", final_val,
+                unigram, 100.0 * final_val / unigram);
+    if (o.sample_chars > 0)
+      std::printf("\nsample (temperature 0.8):\n%s\n",
+                  sample_text(o, last->final_params, "Alice ", o.sample_chars).c_str());
+    if (!o.plot.empty()) {
+      Json m = {{"unigram", unigram}, {"phases", Json::array()}};
+      for (const PhaseResult* r : {&a, &b}) {
+        if (r->lines.empty()) continue;
+        Json lines = Json::array();
+        for (const Progress& p : r->lines)
+          lines.push_back({{"step", p.step},
+                           {"train", p.train_loss},
+                           {"val", p.val_loss},
+                           {"tokens_per_s", p.tokens_per_s},
+                           {"memory", memory_json(p.ranks)}});
+        m["phases"].push_back(
+            {{"world", r == &a ? o.ranks : o.resume_ranks},
+             {"lines", lines},
+             {"memory", memory_json(r->memory)},
+             {"unsharded",
+              {{"params", r->unsharded_params}, {"grads", r->unsharded_grads}, {"optim", r->unsharded_optim}}}});
+      }
+      std::ofstream(o.plot + "/metrics.json") << m.dump(1) << "\n";
+      const std::string cmd = "python3 " FSDP_GPT_SOURCE_DIR "/plot.py " + o.plot;
+      std::printf("\n%s\n", cmd.c_str());
+      std::fflush(stdout);
+      if (std::system(cmd.c_str()) != 0)
+        fail(
+            "--plot: the PNGs were not written (plot.py needs matplotlib: pip install matplotlib); "
+            "the data is in " +
+            o.plot);
+    }
+    if (o.check) {
+      const double first = a.step_losses.front(), last_a = a.step_losses.back();
+      if (!(last_a < 0.8 * first))
+        fail("check: the loss did not fall (" + std::to_string(first) + " -> " + std::to_string(last_a) + ")");
+      if (two_phases) {
+        const double saved = a.lines.back().val_loss, loaded = b.val_at_start;
+        if (!(std::fabs(saved - loaded) <= 1e-3 * saved))
+          fail("check: the resumed run does not continue where the saved one was (validation loss " +
+               std::to_string(saved) + " saved, " + std::to_string(loaded) + " loaded)");
+        if (!(b.step_losses.back() < first)) fail("check: the resumed run's loss is not below the start's");
+      }
+      std::printf("\ncheck passed\n");
+    }
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "train_gpt: %s\n", e.what());
+    return 1;
+  }
+}
