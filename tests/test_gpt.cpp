@@ -223,6 +223,9 @@ struct Case {
   const char* sharding;
   int group;  // shard_group_size for HYBRID_SHARD
   bool recompute;
+  const char* dtype = "fp32";
+  bool keep_shard = true;              // keep_param_dtype_shard
+  fsdp_memory_stats_t* mem = nullptr;  // rank 0's memory after training, when asked
 };
 std::string case_name(const testing::TestParamInfo<Case>& info) {
   return std::string(info.param.sharding) + "_world" + std::to_string(info.param.world) +
@@ -245,7 +248,8 @@ std::vector<std::vector<float>> train_fsdp(const Case& c) {
         fsdp_config_t* cfg;
         gpt::check_fsdp(fsdp_config_create(&cfg), "config");
         const std::pair<const char*, std::string> kv[] = {{"sharding", c.sharding},
-                                                          {"param_dtype", "fp32"},
+                                                          {"param_dtype", c.dtype},
+                                                          {"keep_param_dtype_shard", c.keep_shard ? "1" : "0"},
                                                           {"optimizer", "adamw"},
                                                           {"lr", std::to_string(kLr)},
                                                           {"beta1", std::to_string(kB1)},
@@ -269,6 +273,10 @@ std::vector<std::vector<float>> train_fsdp(const Case& c) {
         }
         auto params = model.gather_params();
         if (r == 0) out = std::move(params);
+        if (r == 0 && c.mem) {
+          c.mem->struct_size = sizeof *c.mem;
+          gpt::check_fsdp(fsdp_memory_stats(ctx, c.mem), "fsdp_memory_stats");
+        }
         gpt::check_fsdp(fsdp_ctx_finalize(ctx), "fsdp_ctx_finalize");
       } catch (const std::exception& e) {
         errors[static_cast<size_t>(r)] = e.what();
@@ -324,6 +332,37 @@ TEST(GptFsdpRecompute, IsBitwiseTheSameTraining) {
   const auto keep = train_fsdp({3, "FULL_SHARD", 0, false});
   const auto again = train_fsdp({3, "FULL_SHARD", 0, true});
   EXPECT_EQ(keep, again);
+}
+
+// keep_param_dtype_shard=0 casts the fp32 master at each gather instead of
+// keeping a bf16 copy: the gathered bf16 params are the same bits (both are
+// the master rounded to nearest even), so training is bitwise the same, and
+// each rank holds 2 bytes less per element of its shard.
+TEST(GptFsdpParamShard, CastAtGatherTrainsBitwiseLikeAKeptShard) {
+  for (const char* sharding : {"FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD"}) {
+    fsdp_memory_stats_t kept{}, cast{};
+    const auto a = train_fsdp({3, sharding, sharding[0] == 'H' ? 3 : 0, false, "bf16", true, &kept});
+    const auto b = train_fsdp({3, sharding, sharding[0] == 'H' ? 3 : 0, false, "bf16", false, &cast});
+    EXPECT_EQ(a, b) << sharding;
+    size_t shard_elems = kept.sharded_params_nbytes / 6;  // fp32 master + bf16 copy
+    EXPECT_EQ(kept.sharded_params_nbytes, shard_elems * 6) << sharding;
+    EXPECT_EQ(cast.sharded_params_nbytes, shard_elems * 4) << sharding;
+    // The stage of a gather is transient: nothing of it is held after training.
+    EXPECT_LE(cast.total_nbytes, kept.total_nbytes - shard_elems * 2) << sharding;
+  }
+}
+
+TEST(GptFsdpParamShard, CastAtGatherWithOffloadIsRefusedWithAReason) {
+  fsdp_config_t* cfg;
+  ASSERT_EQ(fsdp_config_create(&cfg), FSDP_OK);
+  ASSERT_EQ(fsdp_config_set(cfg, "param_dtype", "bf16"), FSDP_OK);
+  ASSERT_EQ(fsdp_config_set(cfg, "offload", "cpu"), FSDP_OK);
+  ASSERT_EQ(fsdp_config_set(cfg, "keep_param_dtype_shard", "0"), FSDP_OK);
+  fsdp_ctx_t* ctx = nullptr;
+  EXPECT_EQ(fsdp_ctx_create(cfg, nullptr, 0, &ctx), FSDP_ERR_UNSUPPORTED);
+  EXPECT_NE(std::string(fsdp_last_error()).find("offload=cpu"), std::string::npos) << fsdp_last_error();
+  EXPECT_EQ(ctx, nullptr);
+  fsdp_config_destroy(cfg);
 }
 
 }  // namespace

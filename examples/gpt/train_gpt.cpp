@@ -49,11 +49,13 @@ using Json = nlohmann::json;
 
 struct Options {
   gpt::Shape shape;
-  int ranks = 4, resume_ranks = 2, steps = 300, switch_step = 240, batch = 16, print_every = 20, eval_batches = 4;
+  int ranks = 4, resume_ranks = 2, steps = 600, switch_step = 480, batch = 16, print_every = 40, eval_batches = 4;
   int sample_chars = 300;
   double lr = 3e-3, weight_decay = 0.1, max_grad_norm = 1.0;
   std::string dtype = "bf16", sharding = "FULL_SHARD", text, ckpt, trace, plot, bench_json, save, resume;
-  bool recompute = false, check = false, persistent_bf16 = true;
+  bool recompute = false, check = false;
+  bool ranks_given = false;
+  int bf16_shard = -1;  // keep_param_dtype_shard: -1 libfsdp's default, 0, 1
   uint64_t seed = 1234;
 };
 
@@ -130,6 +132,7 @@ fsdp_config_t* make_config(const Options& o, bool unsharded) {
   set("no_weight_decay", gpt::kNoWeightDecay);
   set("max_grad_norm", std::to_string(o.max_grad_norm));
   set("forward_prefetch", "1");
+  if (o.bf16_shard >= 0) set("keep_param_dtype_shard", o.bf16_shard ? "1" : "0");
   set("backward_prefetch", "pre");
   CHECK(fsdp_config_from_env(cfg));  // FSDP_* variables override the above
   return guard.release();
@@ -447,16 +450,19 @@ void usage(const char* argv0) {
                "usage: %s [options]\n"
                "  --ranks N          thread-ranks of the first phase (4)\n"
                "  --resume-ranks M   thread-ranks that load its checkpoint and train on (2; 0: no second phase)\n"
-               "  --steps S          optimizer steps in all (300); --switch-step K: the first phase ends at K (240)\n"
+               "  --steps S          optimizer steps in all (600); --switch-step K: the first phase ends at K (480)\n"
                "  --layers L --width C --heads H --context T   the GPT's shape (4, 128, 4, 128)\n"
                "  --batch B          sequences per step over all ranks (16)\n"
                "  --dtype bf16|fp32  param_dtype (bf16); --sharding S (FULL_SHARD); --lr X (3e-3)\n"
                "  --recompute        drop each block's activations after forward, recompute them in backward\n"
+               "  --no-bf16-shard    keep_param_dtype_shard=0: no persistent bf16 shard, cast at each gather\n"
+               "  --bf16-shard       keep_param_dtype_shard=1\n"
                "  --text FILE        the corpus (examples/gpt/data/alice29.txt)\n"
                "  --ckpt DIR         where the checkpoint goes (a temporary directory, removed at the end)\n"
                "  --trace FILE       the timeline of the first phase's last 2 steps (Chrome trace JSON)\n"
                "  --plot DIR         metrics.json and trace.json into DIR, then PNGs via examples/gpt/plot.py\n"
-               "  --print-every N (20) --eval-batches N (4) --sample N (300 bytes of text at the end)\n"
+               "                     (matplotlib; $PYTHON, else python3, runs it)\n"
+               "  --print-every N (40) --eval-batches N (4) --sample N (300 bytes of text at the end)\n"
                "  --check            a small, short run that fails unless it learns and resumes exactly\n"
                "  --save DIR / --resume DIR   (under mpirun: one phase) write / load a sharded checkpoint\n"
                "  --bench-json FILE  timing run on random bytes: 2 warm-up steps, then --steps timed; writes JSON\n",
@@ -485,6 +491,10 @@ Options parse(int argc, char** argv) {
       o.recompute = true;
       continue;
     }
+    if (k == "--no-bf16-shard" || k == "--bf16-shard") {  // keep_param_dtype_shard=0 / 1
+      o.bf16_shard = k == "--bf16-shard" ? 1 : 0;
+      continue;
+    }
     if (k == "--help" || k == "-h") {
       usage(argv[0]);
       std::exit(0);
@@ -498,7 +508,7 @@ Options parse(int argc, char** argv) {
       return static_cast<int>(x);
     };
     if (k == "--ranks")
-      o.ranks = num();
+      o.ranks = num(), o.ranks_given = true;
     else if (k == "--resume-ranks")
       o.resume_ranks = num();
     else if (k == "--steps")
@@ -560,7 +570,10 @@ int main_bench(const Options& o) {
   const gpt::Corpus corpus = gpt::random_corpus(1 << 20, o.seed);
   const int launched = launcher_world();
   Phase ph;
-  ph.world = launched > 1 ? 0 : o.ranks;
+  // Under a launcher one rank per process; alone, one rank (the unsharded
+  // baseline) unless --ranks asks for thread-ranks.
+  const int ranks = o.ranks_given ? o.ranks : 1;
+  ph.world = launched > 1 ? 0 : ranks;
   ph.first_step = 0;
   ph.last_step = o.steps + 2;
   ph.bench = true;
@@ -569,9 +582,9 @@ int main_bench(const Options& o) {
   run_phase(o, corpus, ph, ph.last_step, res);
   if (launcher_rank() != 0) return 0;
   std::vector<double> timed(res.step_seconds.begin() + 2, res.step_seconds.end());
-  const int world = launched > 1 ? launched : o.ranks;
+  const int world = launched > 1 ? launched : ranks;
   Json j = {{"framework", "libfsdp"},
-            {"variant", o.persistent_bf16 ? "default" : "no-bf16-shard"},
+            {"variant", o.bf16_shard < 0 ? "default" : (o.bf16_shard ? "bf16-shard" : "no-bf16-shard")},
             {"world", world},
             {"device", "cpu"},
             {"layers", o.shape.layers},
@@ -679,6 +692,8 @@ int main(int argc, char** argv) {
     std::printf("== %d ranks, steps 1-%lld\n", o.ranks, static_cast<long long>(first_end));
     run_phase(o, corpus, pa, o.steps, a);
     if (!pa.trace.empty()) merge_traces(pa.trace, o.ranks);
+    if (!o.trace.empty() && !o.plot.empty())
+      std::filesystem::copy_file(o.trace, o.plot + "/trace.json", std::filesystem::copy_options::overwrite_existing);
     print_memory_table("first phase", a);
     std::printf("\nsaved a sharded checkpoint of step %lld to %s\n", static_cast<long long>(first_end), ckpt.c_str());
     const PhaseResult* last = &a;
@@ -721,7 +736,8 @@ int main(int argc, char** argv) {
               {{"params", r->unsharded_params}, {"grads", r->unsharded_grads}, {"optim", r->unsharded_optim}}}});
       }
       std::ofstream(o.plot + "/metrics.json") << m.dump(1) << "\n";
-      const std::string cmd = "python3 " FSDP_GPT_SOURCE_DIR "/plot.py " + o.plot;
+      const char* python = std::getenv("PYTHON");  // a venv's interpreter, say; python3 when unset
+      const std::string cmd = std::string(python ? python : "python3") + " " FSDP_GPT_SOURCE_DIR "/plot.py " + o.plot;
       std::printf("\n%s\n", cmd.c_str());
       std::fflush(stdout);
       if (std::system(cmd.c_str()) != 0)

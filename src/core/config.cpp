@@ -357,6 +357,10 @@ const std::vector<Entry>& table() {
          }
        },
        [](const Options& o) { return std::string(o.offload_cpu ? "cpu" : "none"); }},
+      {"keep_param_dtype_shard",
+       {},
+       [](Options& o, const std::string& v) { o.keep_param_dtype_shard = parse_bool("keep_param_dtype_shard", v); },
+       [](const Options& o) { return std::string(o.keep_param_dtype_shard ? "1" : "0"); }},
       {"forward_prefetch",
        {},
        [](Options& o, const std::string& v) { o.forward_prefetch = parse_bool("forward_prefetch", v); },

@@ -49,6 +49,10 @@ struct Options {
   int threads = 1;
   bool sync_module_states = false;
   bool forward_prefetch = false;
+  // param_dtype != fp32: keep a param_dtype copy of the shard beside the fp32
+  // master as the gathers' source (true), or cast the master into a transient
+  // stage at each gather (false: 2 bytes less per param share, a cast per gather).
+  bool keep_param_dtype_shard = true;
   BackwardPrefetch backward_prefetch = BackwardPrefetch::kPre;  // PyTorch's default
   int limit_all_gathers = 2;
   LossScaleMode loss_scale_mode = LossScaleMode::kAuto;  // auto: dynamic for fp16, off otherwise

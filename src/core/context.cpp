@@ -25,13 +25,13 @@ std::string describe(const Options& o) {
      << "\noptimizer=" << static_cast<int>(o.optimizer) << "\nlr=" << o.lr << "\nbeta1=" << o.beta1
      << "\nbeta2=" << o.beta2 << "\neps=" << o.eps << "\nweight_decay=" << o.weight_decay << "\nmomentum=" << o.momentum
      << "\nnesterov=" << o.nesterov << "\nmax_grad_norm=" << o.max_grad_norm << "\nalign_bytes=" << o.align_bytes
-     << "\nforward_prefetch=" << o.forward_prefetch << "\nbackward_prefetch=" << static_cast<int>(o.backward_prefetch)
-     << "\nlimit_all_gathers=" << o.limit_all_gathers << "\nloss_scale=" << static_cast<int>(o.loss_scale_mode) << ","
-     << o.loss_scale_static << "," << o.loss_scale_init << "," << o.loss_scale_growth << "," << o.loss_scale_backoff
-     << "," << o.loss_scale_growth_interval << "\nsync_module_states=" << o.sync_module_states
-     << "\ncomm=" << static_cast<int>(o.comm) << "\nmpi_algorithm=" << static_cast<int>(o.mpi_algorithm)
-     << "\nshard_group_size=" << o.shard_group_size << "\noffload=" << o.offload_cpu
-     << "\ndevice=" << (o.on_cuda() ? "cuda" : "cpu") << "\nno_weight_decay=";
+     << "\nkeep_param_dtype_shard=" << o.keep_param_dtype_shard << "\nforward_prefetch=" << o.forward_prefetch
+     << "\nbackward_prefetch=" << static_cast<int>(o.backward_prefetch) << "\nlimit_all_gathers=" << o.limit_all_gathers
+     << "\nloss_scale=" << static_cast<int>(o.loss_scale_mode) << "," << o.loss_scale_static << "," << o.loss_scale_init
+     << "," << o.loss_scale_growth << "," << o.loss_scale_backoff << "," << o.loss_scale_growth_interval
+     << "\nsync_module_states=" << o.sync_module_states << "\ncomm=" << static_cast<int>(o.comm)
+     << "\nmpi_algorithm=" << static_cast<int>(o.mpi_algorithm) << "\nshard_group_size=" << o.shard_group_size
+     << "\noffload=" << o.offload_cpu << "\ndevice=" << (o.on_cuda() ? "cuda" : "cpu") << "\nno_weight_decay=";
   for (const auto& p : o.no_weight_decay) os << p << ",";
   return os.str();
 }
@@ -64,6 +64,12 @@ Context::Context(const Options& opts, std::unique_ptr<comm::Communicator> world)
                                    " needs a communicator that moves GPU memory: comm=nccl (processes with a GPU "
                                    "each) or the local communicator (ranks as threads of one process sharing the "
                                    "GPU); comm=mpi moves host memory only (docs/gpu.md)");
+  }
+  if (!opts.keep_param_dtype_shard && opts.offload_cpu) {
+    fail(FSDP_ERR_UNSUPPORTED,
+         "fsdp_ctx_create: keep_param_dtype_shard=0 with offload=cpu: the param_dtype shard on the host is what "
+         "each gather copies to the device, half the bytes of the fp32 master; casting at the gather instead "
+         "would double that traffic to save host memory, so libfsdp keeps it (use keep_param_dtype_shard=1)");
   }
   rt_.dev = dev_.get();
   rt_.state_dev = dev_.get();

@@ -63,7 +63,8 @@ Unit::Unit(Runtime& rt, size_t index, std::string name, std::vector<ParamSpec> p
   }
   size_t s = layout_.shard_numel();
   master_ = Buffer(rt_.state_dev, &rt_.mem, MemCategory::kShardedParams, DType::kFp32, s);
-  if (rt_.opts.param_dtype != DType::kFp32) {
+  // Without gathers the param_dtype copy is the full params the host reads.
+  if (rt_.opts.param_dtype != DType::kFp32 && (rt_.opts.keep_param_dtype_shard || !rt_.gathers())) {
     lowp_ = Buffer(rt_.state_dev, &rt_.mem, MemCategory::kShardedParams, rt_.opts.param_dtype, s);
   }
   sgrad_ = Buffer(rt_.state_dev, &rt_.mem, MemCategory::kShardedGrads, DType::kFp32, s);
@@ -209,6 +210,27 @@ void Unit::issue_gather(bool prefetch) {
       return;
     }
     src = staged->data();
+  }
+  if (lowp_.empty() && rt_.opts.param_dtype != DType::kFp32) {
+    // keep_param_dtype_shard=0: the fp32 master is cast into a transient
+    // param_dtype stage on the comm stream, just before the collective reads it.
+    staged = std::make_shared<Buffer>(rt_.dev, &rt_.mem, MemCategory::kScratch, rt_.opts.param_dtype, shard_numel(),
+                                      /*zeroed=*/false);
+    device::Device* dev = rt_.dev;
+    const float* master = master_.as<float>();
+    void* stage = staged->data();
+    DType dt = rt_.opts.param_dtype;
+    size_t n = shard_numel();
+    gather_event_ = rt_.stream->submit(
+        what + " " + std::to_string(nbytes * static_cast<size_t>(rt_.shard_world())) + " B (cast from fp32)",
+        [shard, dev, master, stage, dt, n, dst, nbytes, what, staged] {
+          dev->cast(stage, dt, master, DType::kFp32, n);
+          shard->all_gather(stage, dst, nbytes, what);
+          staged->reset();
+        });
+    set_state(UnitState::kGathering);
+    trace_memory();
+    return;
   }
   gather_event_ =
       rt_.stream->submit(what + " " + std::to_string(nbytes * static_cast<size_t>(rt_.shard_world())) + " B",
