@@ -1,30 +1,46 @@
 #!/usr/bin/env python3
-"""Checks the Chrome trace files the demo wrote: each parses as JSON and holds,
+"""Checks Chrome trace files the demos wrote: each parses as JSON and holds,
 per rank, the caller's calls for every unit, the comm stream's collectives with
 unit names and bytes, and memory counters.
 
-Usage: check_trace.py PREFIX WORLD UNITS"""
+Usage: check_trace.py PREFIX WORLD UNITS          (train_mlp: PREFIX.rankR.json, units layer0..)
+       check_trace.py --merged FILE WORLD NAME...  (train_gpt: one file, pid = rank, units by name)"""
 import json
 import sys
 
-prefix, world, units = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-for rank in range(world):
-    path = f"{prefix}.rank{rank}.json"
-    with open(path) as f:
-        events = json.load(f)["traceEvents"]  # raises on invalid JSON
-    assert all(e.get("pid") == rank for e in events), f"{path}: an event of another rank"
+
+def check(path, events, rank, unit_names):
+    assert events, f"{path}: no events of rank {rank}"
     names = {(e["name"], e["ph"], e.get("tid")) for e in events}
-    for u in range(units):
+    for u in unit_names:
         for call in ("forward_begin", "forward_end", "backward_begin", "backward_end"):
             for ph in "BE":
-                assert (f"{call} layer{u}", ph, 0) in names, f"{path}: no {call} layer{u} {ph}"
+                assert (f"{call} {u}", ph, 0) in names, f"{path}: rank {rank}: no {call} {u} {ph}"
         for coll in ("all_gather", "reduce_scatter"):
-            assert any(n.startswith(f"{coll} of unit 'layer{u}'") and n.endswith(" B") and t == 1
-                       for n, ph, t in names), f"{path}: no {coll} of layer{u} on the comm track"
-    assert ("step", "B", 0) in names, f"{path}: no step"
+            assert any(n.startswith(f"{coll} of unit '{u}'") and n.endswith(" B") and t == 1
+                       for n, ph, t in names), f"{path}: rank {rank}: no {coll} of {u} on the comm track"
+    assert ("step", "B", 0) in names, f"{path}: rank {rank}: no step"
     counters = [e for e in events if e["ph"] == "C"]
     assert counters and all("gathered_params" in e["args"] for e in counters), f"{path}: no memory counters"
     begins = sum(1 for e in events if e["ph"] == "B")
     ends = sum(1 for e in events if e["ph"] == "E")
-    assert begins == ends, f"{path}: {begins} begins but {ends} ends"
-print(f"{world} trace files OK")
+    assert begins == ends, f"{path}: rank {rank}: {begins} begins but {ends} ends"
+
+
+if sys.argv[1] == "--merged":
+    path, world, unit_names = sys.argv[2], int(sys.argv[3]), sys.argv[4:]
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]  # raises on invalid JSON
+    assert {e.get("pid") for e in events} == set(range(world)), f"{path}: not the ranks 0..{world - 1}"
+    for rank in range(world):
+        check(path, [e for e in events if e.get("pid") == rank], rank, unit_names)
+    print(f"{path}: {world} ranks OK")
+else:
+    prefix, world, units = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    for rank in range(world):
+        path = f"{prefix}.rank{rank}.json"
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]  # raises on invalid JSON
+        assert all(e.get("pid") == rank for e in events), f"{path}: an event of another rank"
+        check(path, events, rank, [f"layer{u}" for u in range(units)])
+    print(f"{world} trace files OK")

@@ -222,7 +222,7 @@ void Unit::issue_gather(bool prefetch) {
     DType dt = rt_.opts.param_dtype;
     size_t n = shard_numel();
     gather_event_ = rt_.stream->submit(
-        what + " " + std::to_string(nbytes * static_cast<size_t>(rt_.shard_world())) + " B (cast from fp32)",
+        what + " (cast from fp32) " + std::to_string(nbytes * static_cast<size_t>(rt_.shard_world())) + " B",
         [shard, dev, master, stage, dt, n, dst, nbytes, what, staged] {
           dev->cast(stage, dt, master, DType::kFp32, n);
           shard->all_gather(stage, dst, nbytes, what);
