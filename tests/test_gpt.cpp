@@ -9,6 +9,7 @@
 // - GptFsdp: a 2-layer GPT at world 1, 3 and 4 under FULL_SHARD, SHARD_GRAD_OP
 //   and HYBRID_SHARD, with and without recompute, 5 AdamW steps in fp32,
 //   ending within fp32 tolerance of the reference.
+#include <cblas.h>
 #include <fnmatch.h>
 #include <gtest/gtest.h>
 
@@ -26,6 +27,13 @@
 namespace {
 
 using gpt::Shape;
+
+// One OpenBLAS thread per caller: the thread-ranks are the parallelism here,
+// as in train_gpt (which gives each rank its share of the cores).
+const bool kOneBlasThread = [] {
+  openblas_set_num_threads(1);
+  return true;
+}();
 
 // ---- finite differences ------------------------------------------------------------
 

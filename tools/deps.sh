@@ -1,7 +1,51 @@
 #!/usr/bin/env bash
 # Installs what building and testing libfsdp needs, from Debian's packages,
 # only when something is missing (a fresh machine of this kind has most of it).
+# Where the CUDA toolkit is, also fetches cudnn-frontend's headers (below).
+#   tools/deps.sh                          everything
+#   tools/deps.sh --cudnn-frontend DIR     only cudnn-frontend's headers, into DIR/include
 set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+
+# cudnn-frontend: NVIDIA's header-only C++ API of cuDNN, through which the GPU
+# GPT (examples/gpt/cuda) runs cuDNN's fused attention. It is no Debian
+# package; its headers come from PyPI's wheel nvidia-cudnn-frontend (this
+# version, checked against this hash), unpacked into DIR/include. DIR is
+# build/_deps/cudnn-frontend here (git-ignored; CMake looks there), and
+# .gpu-deps/cudnn-frontend for a GPU machine without a registry (tools/gpu-deps.sh).
+cudnn_frontend_version=1.32.0
+cudnn_frontend_sha256=c6006556017a4d1c914c52a556c71b1267f2d6a0500f742e7b4edef539878df0
+fetch_cudnn_frontend() {
+  local dest=$1 tmp
+  [ "$(cat "$dest/VERSION" 2>/dev/null)" = "$cudnn_frontend_version" ] && return 0
+  echo "fetching cudnn-frontend $cudnn_frontend_version's headers into $dest"
+  tmp=$(mktemp -d)
+  local pip=(python3 -m pip)
+  if ! python3 -m pip --version >/dev/null 2>&1; then  # Debian's python3 has no pip: a venv's
+    python3 -m venv "$tmp/venv"
+    pip=("$tmp/venv/bin/python" -m pip)
+  fi
+  echo "nvidia-cudnn-frontend==$cudnn_frontend_version --hash=sha256:$cudnn_frontend_sha256" >"$tmp/requirements.txt"
+  # The one wheel of that hash (any wheel's headers are the same): its tags, pinned.
+  "${pip[@]}" download -q --disable-pip-version-check --no-deps --require-hashes --only-binary=:all: \
+    --platform manylinux_2_28_x86_64 --python-version 3.11 --implementation cp --abi cp311 \
+    --dest "$tmp" -r "$tmp/requirements.txt"
+  rm -rf "$dest"
+  mkdir -p "$dest"
+  python3 -c '
+import sys, zipfile
+with zipfile.ZipFile(sys.argv[1]) as z:
+    z.extractall(sys.argv[2], [n for n in z.namelist() if n.startswith("include/")])
+' "$tmp"/nvidia_cudnn_frontend-*.whl "$dest"
+  echo "$cudnn_frontend_version" >"$dest/VERSION"
+  rm -rf "$tmp"
+}
+if [ "${1:-}" = "--cudnn-frontend" ]; then
+  [ $# -eq 2 ] || { echo "usage: $0 [--cudnn-frontend DIR]" >&2; exit 2; }
+  fetch_cudnn_frontend "$2"
+  exit 0
+fi
+
 missing=()
 command -v cmake >/dev/null || missing+=(cmake)
 command -v g++ >/dev/null || missing+=(g++)
@@ -37,4 +81,9 @@ if [ ${#missing[@]} -gt 0 ]; then
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}"
+fi
+# The GPU GPT's attention (examples/gpt/cuda) needs cudnn-frontend's headers
+# beside the toolkit's cuDNN; without the toolkit nothing CUDA is built.
+if command -v nvcc >/dev/null || [ -x /usr/local/cuda/bin/nvcc ]; then
+  fetch_cudnn_frontend "$root/build/_deps/cudnn-frontend"
 fi

@@ -34,8 +34,10 @@ if [ -d .gpu-deps ] && compgen -G ".gpu-deps/*.deb" >/dev/null; then
   multiarch=$prefix/usr/lib/x86_64-linux-gnu
   export PATH=$prefix/usr/bin:$PATH
   export LD_LIBRARY_PATH=$multiarch${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-  export PKG_CONFIG_PATH=$multiarch/pkgconfig:$prefix/usr/share/pkgconfig
+  export PKG_CONFIG_PATH=$multiarch/pkgconfig:$multiarch/openblas-pthread/pkgconfig:$prefix/usr/share/pkgconfig
   sed -i "s|=/usr|=$prefix/usr|" "$multiarch"/pkgconfig/*.pc  # their paths say /usr
+  compgen -G "$multiarch/openblas-pthread/pkgconfig/*.pc" >/dev/null &&
+    sed -i "s|=/usr|=$prefix/usr|" "$multiarch"/openblas-pthread/pkgconfig/*.pc
   cmake_args+=("-DCMAKE_PREFIX_PATH=$prefix/usr" "-DCMAKE_LIBRARY_PATH=$multiarch" "-DCMAKE_INCLUDE_PATH=$prefix/usr/include")
   [ -d "$prefix/usr/src/googletest" ] && cmake_args+=("-DFSDP_GTEST_SOURCE_DIR=$prefix/usr/src/googletest")
   note "build dependencies from .gpu-deps ($(ls .gpu-deps/*.deb | wc -l) packages) in $prefix"
@@ -47,6 +49,19 @@ if [ -n "$nccl_dir" ] && [ -f "$nccl_dir/include/nccl.h" ]; then
   cmake_args+=("-DNCCL_ROOT=$nccl_dir")
   [ -f "$nccl_dir/lib/libnccl.so.2" ] && export FSDP_NCCL_LIBRARY="$nccl_dir/lib/libnccl.so.2"
   note "NCCL from the Python package in $nccl_dir"
+fi
+# cuDNN (the GPU GPT's attention, examples/gpt/cuda): the toolkit's or the
+# system's, else a Python package's (nvidia-cudnn-cu*, which torch brings).
+# cudnn-frontend's headers come from .gpu-deps/cudnn-frontend (tools/gpu-deps.sh).
+if ! compgen -G "/usr/local/cuda/include/cudnn_version.h" >/dev/null &&
+   ! compgen -G "/usr/include/cudnn_version*.h" >/dev/null &&
+   ! compgen -G "/usr/include/x86_64-linux-gnu/cudnn_version*.h" >/dev/null; then
+  cudnn_dir=$(python3 -c 'import nvidia.cudnn as n; print(list(n.__path__)[0])' 2>/dev/null || true)
+  if [ -n "$cudnn_dir" ] && [ -f "$cudnn_dir/include/cudnn_version.h" ]; then
+    cmake_args+=("-DCUDNN_ROOT=$cudnn_dir")
+    export LD_LIBRARY_PATH=$cudnn_dir/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}  # libcudnn opens its parts by name
+    note "cuDNN from the Python package in $cudnn_dir"
+  fi
 fi
 command -v ninja >/dev/null && cmake_args+=(-G Ninja)
 
@@ -66,6 +81,13 @@ note "built: $(python3 -c '
 import ctypes, sys
 lib = ctypes.CDLL(sys.argv[1]); lib.fsdp_build_info.restype = ctypes.c_char_p
 print(lib.fsdp_build_info().decode())' "$build/src/libfsdp.so")"
+
+# The GPU GPT (examples/gpt/cuda, its tests CudaGpt.*) needs OpenBLAS, cuDNN 9
+# and cudnn-frontend's headers; configure says which one was missing.
+if [ ! -x "$build/examples/gpt/cuda/train_gpt_cuda" ]; then
+  failed=1
+  note "the GPU GPT was not built: $(grep -h -A3 'GPU GPT\|OpenBLAS not found' "$out/configure.log" | tr -s ' \n' ' ' | head -c 400)"
+fi
 
 # The GPU suite: every test named Cuda*. On a GPU, a skip is a failure, but
 # for the tests of machines without one (*WithoutAGpu*) and, with one GPU,
@@ -128,6 +150,19 @@ else
   note "compute-sanitizer not found: the sanitizer runs did not happen"
 fi
 
+# The GPU GPT under memcheck: its kernels, cuBLAS and cuDNN on one step beside
+# the CPU model, and trained through libfsdp.
+if [ -x "$build/tests/test_gpt_cuda" ] && command -v compute-sanitizer >/dev/null; then
+  log="$out/sanitizer-memcheck-test_gpt_cuda.log"
+  if compute-sanitizer --tool memcheck --error-exitcode 99 "$build/tests/test_gpt_cuda" >"$log" 2>&1; then
+    note "compute-sanitizer memcheck test_gpt_cuda: clean ($(grep -o 'PASSED.*' "$log" | tail -1))"
+  else
+    failed=1
+    tail -40 "$log"
+    note "compute-sanitizer memcheck test_gpt_cuda FAILED (log: $log)"
+  fi
+fi
+
 # Benchmarks (JSON lines).
 if [ -x "$build/benchmarks/bench_cuda_kernels" ]; then
   "$build/benchmarks/bench_cuda_kernels" | tee "$out/bench_cuda_kernels.json"
@@ -161,6 +196,17 @@ if [ -x "$build/examples/cuda/train_mlp_cuda" ]; then
     FSDP_FORWARD_PREFETCH=$p "$build/examples/cuda/train_mlp_cuda" --steps 100 >"$out/example-prefetch$p.log" 2>&1
     note "train_mlp_cuda forward_prefetch=$p: $(grep -h 'step time\|FSDP_ERR' "$out/example-prefetch$p.log" | head -1)"
   done
+fi
+
+# The GPU GPT at its default shape (4 layers, width 128, context 128): loss and tokens/s.
+if [ -x "$build/examples/gpt/cuda/train_gpt_cuda" ]; then
+  if "$build/examples/gpt/cuda/train_gpt_cuda" --steps 300 >"$out/train_gpt_cuda.log" 2>&1; then
+    note "train_gpt_cuda 300 steps: $(grep '^step' "$out/train_gpt_cuda.log" | tail -1 | tr -s ' ')"
+  else
+    failed=1
+    tail -20 "$out/train_gpt_cuda.log"
+    note "train_gpt_cuda FAILED (log: $out/train_gpt_cuda.log)"
+  fi
 fi
 
 echo "== gpu-check summary =="

@@ -97,9 +97,9 @@ struct Attention::Impl {
         .set_data_type(fe::DataType_t::FLOAT)
         .set_dim(stats_dims(B, h, T))
         .set_stride(stats_strides(h, T));
-    check_fe(f.build(handle, {fe::HeurMode_t::A}), "building the forward graph (b " + std::to_string(b) +
-                                                       ", t " + std::to_string(t) + ", heads " + std::to_string(h) +
-                                                       ", head dim " + std::to_string(d) + ")");
+    check_fe(f.build(handle, {fe::HeurMode_t::A, fe::HeurMode_t::FALLBACK}),
+             "building the forward graph (b " + std::to_string(b) + ", t " + std::to_string(t) + ", heads " +
+                 std::to_string(h) + ", head dim " + std::to_string(d) + ")");
 
     // Backward: dQ, dK, dV into the fused dqkv buffer.
     gs.bwd = new_graph();
@@ -124,9 +124,9 @@ struct Attention::Impl {
     dq->set_output(true).set_uid(kDQ).set_dim(dims).set_stride(qkv_strides(T, h, d));
     dk->set_output(true).set_uid(kDK).set_dim(dims).set_stride(qkv_strides(T, h, d));
     dv->set_output(true).set_uid(kDV).set_dim(dims).set_stride(qkv_strides(T, h, d));
-    check_fe(g.build(handle, {fe::HeurMode_t::A}), "building the backward graph (b " + std::to_string(b) +
-                                                       ", t " + std::to_string(t) + ", heads " + std::to_string(h) +
-                                                       ", head dim " + std::to_string(d) + ")");
+    check_fe(g.build(handle, {fe::HeurMode_t::A, fe::HeurMode_t::FALLBACK}),
+             "building the backward graph (b " + std::to_string(b) + ", t " + std::to_string(t) + ", heads " +
+                 std::to_string(h) + ", head dim " + std::to_string(d) + ")");
 
     // One workspace for every graph: the largest. Stream-ordered, so a smaller
     // one still in use by queued work is freed after it.
@@ -164,13 +164,11 @@ void Attention::forward(int b, int t, const void* qkv, void* y, float* stats) {
   Impl::Graphs& gs = impl_->graphs_for(b, t);
   const size_t c = static_cast<size_t>(impl_->h * impl_->d) * 2;  // bytes of one of q, k, v per token
   auto* base = static_cast<char*>(const_cast<void*>(qkv));
-  std::unordered_map<int64_t, void*> pack = {
-      {kQ, base}, {kK, base + c}, {kV, base + 2 * c}, {kO, y}, {kStats, stats}};
+  std::unordered_map<int64_t, void*> pack = {{kQ, base}, {kK, base + c}, {kV, base + 2 * c}, {kO, y}, {kStats, stats}};
   check_fe(gs.fwd->execute(impl_->handle, pack, impl_->workspace), "forward");
 }
 
-void Attention::backward(int b, int t, const void* qkv, const void* y, const void* dy, const float* stats,
-                         void* dqkv) {
+void Attention::backward(int b, int t, const void* qkv, const void* y, const void* dy, const float* stats, void* dqkv) {
   Impl::Graphs& gs = impl_->graphs_for(b, t);
   const size_t c = static_cast<size_t>(impl_->h * impl_->d) * 2;
   auto* base = static_cast<char*>(const_cast<void*>(qkv));

@@ -1,0 +1,117 @@
+// gpt_cuda_fsdp.cpp - the GPU GPT through libfsdp on device=cuda (see gpt_cuda.h).
+//
+// What differs from the CPU's gpt_fsdp.cpp: libfsdp's param and grad
+// pointers are GPU memory in bf16, which the model reads and adds into
+// directly (no cast per use), and every begin/end/step call gets the stream
+// the model's work is queued on, so that libfsdp orders its gathers and
+// reduce-scatters after that work without the host waiting (docs/gpu.md).
+#include <cuda_runtime_api.h>
+
+#include <functional>
+#include <stdexcept>
+#include <string>
+
+#include "gpt_cuda.h"
+#include "gpt_fsdp.h"
+
+namespace gpt::cuda {
+
+#define CHECK(call) gpt::check_fsdp((call), #call)
+
+FsdpGptCuda::FsdpGptCuda(fsdp_ctx_t* ctx, const Shape& shape, int batch, uint64_t seed, cudaStream_t stream)
+    : ctx_(ctx), shape_(shape), stream_(stream), specs_(model_units(shape)), model_(shape, batch, stream) {
+  fsdp_dtype_t dt;
+  CHECK(fsdp_ctx_param_dtype(ctx, &dt));
+  if (dt != FSDP_DTYPE_BF16) throw std::runtime_error("the GPU GPT computes with param_dtype bf16");
+  for (const UnitSpec& u : specs_) {
+    std::vector<const char*> names;
+    std::vector<int32_t> ndims;
+    std::vector<int64_t> dims;
+    for (const ParamSpec& p : u.params) {
+      names.push_back(p.name.c_str());
+      ndims.push_back(static_cast<int32_t>(p.dims.size()));
+      dims.insert(dims.end(), p.dims.begin(), p.dims.end());
+    }
+    fsdp_unit_t* unit;
+    CHECK(fsdp_unit_register(ctx, u.name.c_str(), names.size(), names.data(), ndims.data(), dims.data(), &unit));
+    std::vector<float> values;  // the CPU's init, so that both runs start from the same params
+    for (size_t i = 0; i < u.params.size(); ++i) {
+      values.resize(u.params[i].numel());
+      init_param(shape, u.params[i], seed, values.data());
+      CHECK(fsdp_param_set_values(unit, i, values.data(), values.size()));
+    }
+    units_.push_back(unit);
+  }
+}
+
+FsdpGptCuda::~FsdpGptCuda() = default;
+
+DeviceView FsdpGptCuda::view(size_t unit, bool grads) {
+  DeviceView v;
+  for (size_t i = 0; i < specs_[unit].params.size(); ++i) {
+    void* p;
+    CHECK(fsdp_param_ptr(units_[unit], i, &p));
+    v.p.push_back(static_cast<const uint16_t*>(p));
+    if (grads) {
+      void* g;
+      CHECK(fsdp_grad_ptr(units_[unit], i, &g));
+      v.g.push_back(static_cast<uint16_t*>(g));
+    }
+  }
+  if (!checked_device_) {  // the kernels would fault on a CPU context's host buffers
+    cudaPointerAttributes attr{};
+    if (cudaPointerGetAttributes(&attr, v.p[0]) != cudaSuccess || attr.type != cudaMemoryTypeDevice)
+      throw std::runtime_error("the GPU GPT needs a context on device=cuda (its params are not GPU memory)");
+    checked_device_ = true;
+  }
+  return v;
+}
+
+void FsdpGptCuda::forward(const uint8_t* inputs, const uint8_t* targets, bool train) {
+  const size_t L = static_cast<size_t>(shape_.layers);
+  fsdp_unit_t* embed = units_[0];
+  CHECK(fsdp_forward_begin(embed, stream_));
+  model_.embed_forward(view(0, false), inputs, shape_.context);
+  CHECK(fsdp_forward_end(embed, stream_));
+  for (size_t l = 0; l < L; ++l) {
+    CHECK(fsdp_forward_begin(units_[1 + l], stream_));
+    model_.block_forward(static_cast<int>(l), view(1 + l, false));
+    CHECK(fsdp_forward_end(units_[1 + l], stream_));
+  }
+  CHECK(fsdp_forward_begin(units_[1 + L], stream_));
+  model_.final_forward(view(1 + L, false));
+  CHECK(fsdp_forward_end(units_[1 + L], stream_));
+  double scale = 1.0;  // the loss scale (1 unless loss scaling is on)
+  if (train) {
+    uint64_t skipped;
+    CHECK(fsdp_loss_scale(ctx_, &scale, &skipped));
+  }
+  CHECK(fsdp_forward_begin(embed, stream_));  // the tied head: the embed unit's second use
+  model_.head_forward(view(0, false), targets, static_cast<float>(scale));
+  CHECK(fsdp_forward_end(embed, stream_));
+}
+
+double FsdpGptCuda::eval(const uint8_t* inputs, const uint8_t* targets) {
+  forward(inputs, targets, false);
+  return model_.loss();
+}
+
+double FsdpGptCuda::train_step(const uint8_t* inputs, const uint8_t* targets) {
+  forward(inputs, targets, true);
+  const size_t L = static_cast<size_t>(shape_.layers);
+  // Each use's grads are added into the grad buffer libfsdp zeroed for it.
+  auto backward = [&](size_t unit, const std::function<void(const DeviceView&)>& fn) {
+    CHECK(fsdp_backward_begin(units_[unit], stream_));
+    fn(view(unit, true));
+    CHECK(fsdp_backward_end(units_[unit], stream_));
+  };
+  backward(0, [&](const DeviceView& v) { model_.head_backward(v); });
+  backward(1 + L, [&](const DeviceView& v) { model_.final_backward(v); });
+  for (size_t l = L; l-- > 0;)
+    backward(1 + l, [&](const DeviceView& v) { model_.block_backward(static_cast<int>(l), v); });
+  backward(0, [&](const DeviceView& v) { model_.embed_backward(v); });
+  CHECK(fsdp_step(ctx_, stream_));
+  return model_.loss();  // computed before the backward; the step has waited for the stream
+}
+
+}  // namespace gpt::cuda
