@@ -314,7 +314,7 @@ FSDP_API fsdp_status_t fsdp_load(fsdp_ctx_t* ctx, const char* dir);
  * the call: fields past it are not written, so older callers keep working. */
 typedef struct fsdp_memory_stats_s {
   size_t struct_size;
-  size_t sharded_params_nbytes;  /* fp32 master + param_dtype shard */
+  size_t sharded_params_nbytes;  /* fp32 master (+ param_dtype shard where kept) */
   size_t sharded_grads_nbytes;   /* fp32 sharded grads */
   size_t optimizer_state_nbytes; /* moments / momentum */
   size_t gathered_params_nbytes; /* full params of gathered units, now */

@@ -363,6 +363,11 @@ TEST(GptFsdpParamShard, CastAtGatherTrainsBitwiseLikeAKeptShard) {
 TEST(GptFsdpParamShard, CastAtGatherWithOffloadIsRefusedWithAReason) {
   fsdp_config_t* cfg;
   ASSERT_EQ(fsdp_config_create(&cfg), FSDP_OK);
+  char value[16];
+  ASSERT_EQ(fsdp_config_get(cfg, "keep_param_dtype_shard", value, sizeof value, nullptr), FSDP_OK);
+  EXPECT_STREQ(value, "auto");  // the default: no copy where units are gathered, except with offload
+  EXPECT_EQ(fsdp_config_set(cfg, "keep_param_dtype_shard", "sometimes"), FSDP_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(fsdp_last_error()).find("auto"), std::string::npos) << fsdp_last_error();
   ASSERT_EQ(fsdp_config_set(cfg, "param_dtype", "bf16"), FSDP_OK);
   ASSERT_EQ(fsdp_config_set(cfg, "offload", "cpu"), FSDP_OK);
   ASSERT_EQ(fsdp_config_set(cfg, "keep_param_dtype_shard", "0"), FSDP_OK);

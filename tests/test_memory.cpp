@@ -127,6 +127,33 @@ void train_step(RankSetup& s) {
 
 // ---- sharded bytes: FULL_SHARD x 4 == HYBRID_SHARD (2 x 2) x 2 == NO_SHARD up to padding
 
+// By default (keep_param_dtype_shard=auto) a strategy that gathers keeps no
+// bf16 copy of its shard: 4 bytes of params per shard element, as the fp32
+// master alone; NO_SHARD's copy is the full params the host reads (6 bytes);
+// with offload=cpu the copy stays (the host side of each gather's copy).
+TEST(ShardedBytesByDefault, StrategiesThatGatherHoldTheFp32MasterAlone) {
+  const int world = 4;
+  for (const std::string sharding : {"FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD", "FULL_SHARD+offload"}) {
+    const bool offload = sharding == "FULL_SHARD+offload";
+    const std::string strategy = offload ? "FULL_SHARD" : sharding;
+    size_t shard = 0;
+    for (const auto& u : kUnits) shard += shard_numel(u, strategy, world);
+    const size_t per_elem = strategy == "NO_SHARD" || offload ? 6 : 4;
+    run_ranks(world, [&](int rank, fsdp_local_group_t* group) {
+      RankSetup s;
+      auto opts = sharding_options(strategy);
+      opts["param_dtype"] = "bf16";
+      if (offload) opts["offload"] = "cpu";
+      setup(s, opts, group, rank);
+      if (::testing::Test::HasFatalFailure()) return;
+      train_step(s);
+      if (::testing::Test::HasFatalFailure()) return;
+      EXPECT_EQ(stats_of(s.ctx.get()).sharded_params_nbytes, shard * per_elem) << sharding;
+      EXPECT_OK(fsdp_ctx_finalize(s.ctx.get()));
+    });
+  }
+}
+
 class ShardedBytes : public ::testing::TestWithParam<fsdp_dtype_t> {};
 
 TEST_P(ShardedBytes, FullShardHoldsAQuarterAndHybridHalfOfNoShardUpToPadding) {
@@ -143,6 +170,7 @@ TEST_P(ShardedBytes, FullShardHoldsAQuarterAndHybridHalfOfNoShardUpToPadding) {
       auto opts = sharding_options(sharding);
       opts["param_dtype"] = dtype_config_name(dt);
       opts["optimizer"] = "adamw";
+      opts["keep_param_dtype_shard"] = "1";  // every strategy holds the same kinds (the default: below)
       setup(s, opts, group, rank);
       if (::testing::Test::HasFatalFailure()) return;
       train_step(s);  // optimizer state may be allocated at the first step

@@ -361,7 +361,7 @@ static void print_loss_legend(void) {
 }
 static void print_memory_header(void) {
   printf(
-      "\nper-rank memory in MiB: params = this rank's param shard (fp32 master + param_dtype copy);\n"
+      "\nper-rank memory in MiB: params = this rank's param shard (fp32 master, and a param_dtype copy where kept);\n"
       "grads = its fp32 grad shard; optim = its AdamW state (m, v); gathered-peak = the most held by full\n"
       "params gathered for forward and backward; total-peak = the most this rank held at once, all included,\n"
       "split into device / host peaks (host memory only with offload=cpu)\n");

@@ -1,6 +1,7 @@
 // gpt_fsdp.cpp - the GPT through libfsdp (see gpt_fsdp.h).
 #include "gpt_fsdp.h"
 
+#include <chrono>
 #include <functional>
 
 namespace gpt {
@@ -10,6 +11,14 @@ void check_fsdp(fsdp_status_t st, const char* call) {
     throw std::runtime_error(std::string(call) + ": " + fsdp_status_name(st) + ": " + fsdp_last_error());
 }
 #define CHECK(call) check_fsdp((call), #call)
+// In FsdpGpt's methods: the call, its time added to the seconds spent in libfsdp.
+#define TIMED(call)                                                                              \
+  do {                                                                                           \
+    const auto t0_ = std::chrono::steady_clock::now();                                           \
+    const fsdp_status_t st_ = (call);                                                            \
+    library_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count(); \
+    check_fsdp(st_, #call);                                                                      \
+  } while (0)
 
 // A unit's params as fp32 for the model, and where its grads go. With
 // param_dtype=fp32 the model works on libfsdp's buffers directly; with bf16 the
@@ -106,27 +115,27 @@ FsdpGpt::~FsdpGpt() = default;
 double FsdpGpt::forward(const uint8_t* inputs, const uint8_t* targets, bool train) {
   const size_t L = static_cast<size_t>(shape_.layers);
   const Access& embed = *units_[0];
-  CHECK(fsdp_forward_begin(embed.unit(), nullptr));
+  TIMED(fsdp_forward_begin(embed.unit(), nullptr));
   model_.embed_forward(embed.params(cast_), inputs, shape_.context);
-  CHECK(fsdp_forward_end(embed.unit(), nullptr));
+  TIMED(fsdp_forward_end(embed.unit(), nullptr));
   for (size_t l = 0; l < L; ++l) {
     const Access& b = *units_[1 + l];
-    CHECK(fsdp_forward_begin(b.unit(), nullptr));
+    TIMED(fsdp_forward_begin(b.unit(), nullptr));
     model_.block_forward(static_cast<int>(l), b.params(cast_));
-    CHECK(fsdp_forward_end(b.unit(), nullptr));
+    TIMED(fsdp_forward_end(b.unit(), nullptr));
   }
   const Access& lnf = *units_[1 + L];
-  CHECK(fsdp_forward_begin(lnf.unit(), nullptr));
+  TIMED(fsdp_forward_begin(lnf.unit(), nullptr));
   model_.final_forward(lnf.params(cast_));
-  CHECK(fsdp_forward_end(lnf.unit(), nullptr));
+  TIMED(fsdp_forward_end(lnf.unit(), nullptr));
   double scale = 1.0;  // the loss scale (1 unless loss scaling is on)
   if (train) {
     uint64_t skipped;
     CHECK(fsdp_loss_scale(ctx_, &scale, &skipped));
   }
-  CHECK(fsdp_forward_begin(embed.unit(), nullptr));  // the tied head: the embed unit's second use
+  TIMED(fsdp_forward_begin(embed.unit(), nullptr));  // the tied head: the embed unit's second use
   const double loss = model_.head_forward(embed.params(cast_), targets, scale);
-  CHECK(fsdp_forward_end(embed.unit(), nullptr));
+  TIMED(fsdp_forward_end(embed.unit(), nullptr));
   return loss;
 }
 
@@ -136,17 +145,17 @@ double FsdpGpt::train_step(const uint8_t* inputs, const uint8_t* targets) {
   const double loss = forward(inputs, targets, true);
   const size_t L = static_cast<size_t>(shape_.layers);
   auto backward = [&](const Access& a, const std::function<void(const UnitView<float>&)>& fn) {
-    CHECK(fsdp_backward_begin(a.unit(), nullptr));
+    TIMED(fsdp_backward_begin(a.unit(), nullptr));
     fn(a.grads(cast_, grad_));  // with --recompute, block_backward runs the block's forward again here
     a.flush(grad_);
-    CHECK(fsdp_backward_end(a.unit(), nullptr));
+    TIMED(fsdp_backward_end(a.unit(), nullptr));
   };
   backward(*units_[0], [&](const UnitView<float>& v) { model_.head_backward(v); });
   backward(*units_[1 + L], [&](const UnitView<float>& v) { model_.final_backward(v); });
   for (size_t l = L; l-- > 0;)
     backward(*units_[1 + l], [&](const UnitView<float>& v) { model_.block_backward(static_cast<int>(l), v); });
   backward(*units_[0], [&](const UnitView<float>& v) { model_.embed_backward(v); });
-  CHECK(fsdp_step(ctx_, nullptr));
+  TIMED(fsdp_step(ctx_, nullptr));
   return loss;
 }
 

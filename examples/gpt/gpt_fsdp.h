@@ -39,6 +39,9 @@ class FsdpGpt {
   std::vector<std::vector<float>> gather_params();
 
   const std::vector<UnitSpec>& specs() const { return specs_; }
+  // Seconds spent inside libfsdp's begin/end/step calls since construction:
+  // what the library costs the host's thread (gathers it waits for included).
+  double library_seconds() const { return library_s_; }
   size_t activation_bytes() const { return model_.activation_bytes(); }
 
  private:
@@ -51,6 +54,7 @@ class FsdpGpt {
   std::vector<std::unique_ptr<Access>> units_;
   Model<float> model_;
   std::vector<float> cast_, grad_;
+  double library_s_ = 0;
 };
 
 }  // namespace gpt

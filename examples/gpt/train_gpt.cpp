@@ -74,7 +74,7 @@ struct Progress {
 };
 struct PhaseResult {
   std::vector<Progress> lines;
-  std::vector<double> step_losses, step_seconds;
+  std::vector<double> step_losses, step_seconds, step_library_seconds;
   double val_at_start = NAN;  // before the first step (after --resume: the loaded params)
   double unsharded_params = 0, unsharded_grads = 0, unsharded_optim = 0;
   std::vector<std::vector<float>> final_params;  // full fp32 params (when asked), rank 0
@@ -206,13 +206,16 @@ class Rank {
     for (int64_t step = ph.first_step + 1; step <= ph.last_step; ++step) {
       if (!ph.trace.empty() && step == ph.last_step - 1) CHECK(fsdp_trace_begin(ctx_));
       const auto t0 = Clock::now();
+      const double lib0 = model_->library_seconds();
       CHECK(fsdp_set_lr(ctx_, lr_at(o_, step, sh_.total_steps)));
       double loss = train_step(step);
       const double dt = std::chrono::duration<double>(Clock::now() - t0).count();
+      const double lib = model_->library_seconds() - lib0;
       CHECK(fsdp_metrics_reduce(ctx_, &loss, 1, FSDP_REDUCE_AVG));
       if (root) {
         res.step_losses.push_back(loss);
         res.step_seconds.push_back(dt);
+        res.step_library_seconds.push_back(lib);
       }
       interval_s += dt;
       interval_loss += loss;
@@ -377,7 +380,8 @@ double median(std::vector<double> v) {
 void print_memory_table(const char* title, const PhaseResult& r) {
   const double mib = 1024.0 * 1024.0;
   std::printf(
-      "\n%s: per-rank MiB (params = fp32 master + bf16 shard; grads = fp32 grad shard; optim = AdamW m, v;\n"
+      "\n%s: per-rank MiB (params = fp32 master shard, and a bf16 copy where kept; grads = fp32 grad shard;\n"
+      "optim = AdamW m, v; "
       "gathered-peak = most held in gathered full params; total-peak = most held by libfsdp at once)\n",
       title);
   std::printf("  %-14s %8s %8s %8s %14s %11s\n", "", "params", "grads", "optim", "gathered-peak", "total-peak");
@@ -582,6 +586,7 @@ int main_bench(const Options& o) {
   run_phase(o, corpus, ph, ph.last_step, res);
   if (launcher_rank() != 0) return 0;
   std::vector<double> timed(res.step_seconds.begin() + 2, res.step_seconds.end());
+  std::vector<double> lib(res.step_library_seconds.begin() + 2, res.step_library_seconds.end());
   const int world = launched > 1 ? launched : ranks;
   Json j = {{"framework", "libfsdp"},
             {"variant", o.bf16_shard < 0 ? "default" : (o.bf16_shard ? "bf16-shard" : "no-bf16-shard")},
@@ -597,6 +602,10 @@ int main_bench(const Options& o) {
             {"median_step_s", median(timed)},
             {"tokens_per_s", o.batch * o.shape.context / median(timed)},
             {"step_times_s", timed},
+            // rank 0's seconds inside libfsdp's begin/end/step calls per step
+            // (waits for gathers and reductions included); the rest is the model
+            {"library_s_per_step", lib},
+            {"median_library_s", median(lib)},
             {"peak_rss_bytes", res.peak_rss},
             {"threads_per_rank", openblas_get_num_threads()}};
   Json p = Json::array(), g = Json::array(), op = Json::array(), dev = Json::array(), tot = Json::array();
@@ -646,7 +655,8 @@ int main(int argc, char** argv) {
     const int launched = launcher_world();
     const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
     // OpenBLAS threads per rank: the cores shared out over the ranks of this machine.
-    const int ranks_here = launched > 1 ? launched : o.ranks;
+    // (a timing run alone is one rank unless --ranks says otherwise)
+    const int ranks_here = launched > 1 ? launched : (!o.bench_json.empty() && !o.ranks_given ? 1 : o.ranks);
     openblas_set_num_threads(static_cast<int>(std::max(1u, cores / static_cast<unsigned>(ranks_here))));
     if (!o.bench_json.empty()) return main_bench(o);
     if (o.text.empty()) o.text = std::string(FSDP_GPT_SOURCE_DIR) + "/data/alice29.txt";

@@ -147,7 +147,7 @@ def main():
             table = np.zeros((ctx.world_size, len(MEM_COLUMNS)))
             table[ctx.rank] = [getattr(m, f) / MIB for f, _ in MEM_COLUMNS]
             table = ctx.metrics_reduce(table, "sum")
-            say("\nmemory per rank, MiB: params = this rank's shard of the params (fp32 master + param_dtype copy); "
+            say("\nmemory per rank, MiB: params = this rank's shard of the params (fp32 master, and a param_dtype copy where kept); "
                 "grads = its\nsharded fp32 grads; optim = its optimizer state; gathered-peak = the most full "
                 "(unsharded) params it\nheld at once; total-peak = the most it held in all")
             widths = [max(len(name), 7) + 2 for _, name in MEM_COLUMNS]

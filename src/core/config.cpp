@@ -359,8 +359,28 @@ const std::vector<Entry>& table() {
        [](const Options& o) { return std::string(o.offload_cpu ? "cpu" : "none"); }},
       {"keep_param_dtype_shard",
        {},
-       [](Options& o, const std::string& v) { o.keep_param_dtype_shard = parse_bool("keep_param_dtype_shard", v); },
-       [](const Options& o) { return std::string(o.keep_param_dtype_shard ? "1" : "0"); }},
+       [](Options& o, const std::string& v) {
+         std::string t = lower(trim(v));
+         if (t == "auto") {
+           o.keep_param_dtype_shard = Options::KeepShard::kAuto;
+         } else if (t == "1" || t == "true" || t == "on" || t == "yes") {
+           o.keep_param_dtype_shard = Options::KeepShard::kYes;
+         } else if (t == "0" || t == "false" || t == "off" || t == "no") {
+           o.keep_param_dtype_shard = Options::KeepShard::kNo;
+         } else {
+           bad_value("keep_param_dtype_shard", v, "auto, 0, 1, true, false, on, off");
+         }
+       },
+       [](const Options& o) {
+         switch (o.keep_param_dtype_shard) {
+           case Options::KeepShard::kYes:
+             return std::string("1");
+           case Options::KeepShard::kNo:
+             return std::string("0");
+           default:
+             return std::string("auto");
+         }
+       }},
       {"forward_prefetch",
        {},
        [](Options& o, const std::string& v) { o.forward_prefetch = parse_bool("forward_prefetch", v); },

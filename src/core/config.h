@@ -50,9 +50,14 @@ struct Options {
   bool sync_module_states = false;
   bool forward_prefetch = false;
   // param_dtype != fp32: keep a param_dtype copy of the shard beside the fp32
-  // master as the gathers' source (true), or cast the master into a transient
-  // stage at each gather (false: 2 bytes less per param share, a cast per gather).
-  bool keep_param_dtype_shard = true;
+  // master as the gathers' source (kYes), or cast the master into a transient
+  // stage at each gather (kNo: 2 bytes less per param share, a cast per gather).
+  // kAuto: kNo, except with offload=cpu (keeps_param_dtype_shard()).
+  enum class KeepShard { kAuto, kNo, kYes };
+  KeepShard keep_param_dtype_shard = KeepShard::kAuto;
+  bool keeps_param_dtype_shard() const {
+    return keep_param_dtype_shard == KeepShard::kYes || (keep_param_dtype_shard == KeepShard::kAuto && offload_cpu);
+  }
   BackwardPrefetch backward_prefetch = BackwardPrefetch::kPre;  // PyTorch's default
   int limit_all_gathers = 2;
   LossScaleMode loss_scale_mode = LossScaleMode::kAuto;  // auto: dynamic for fp16, off otherwise

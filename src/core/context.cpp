@@ -25,7 +25,7 @@ std::string describe(const Options& o) {
      << "\noptimizer=" << static_cast<int>(o.optimizer) << "\nlr=" << o.lr << "\nbeta1=" << o.beta1
      << "\nbeta2=" << o.beta2 << "\neps=" << o.eps << "\nweight_decay=" << o.weight_decay << "\nmomentum=" << o.momentum
      << "\nnesterov=" << o.nesterov << "\nmax_grad_norm=" << o.max_grad_norm << "\nalign_bytes=" << o.align_bytes
-     << "\nkeep_param_dtype_shard=" << o.keep_param_dtype_shard << "\nforward_prefetch=" << o.forward_prefetch
+     << "\nkeep_param_dtype_shard=" << o.keeps_param_dtype_shard() << "\nforward_prefetch=" << o.forward_prefetch
      << "\nbackward_prefetch=" << static_cast<int>(o.backward_prefetch) << "\nlimit_all_gathers=" << o.limit_all_gathers
      << "\nloss_scale=" << static_cast<int>(o.loss_scale_mode) << "," << o.loss_scale_static << "," << o.loss_scale_init
      << "," << o.loss_scale_growth << "," << o.loss_scale_backoff << "," << o.loss_scale_growth_interval
@@ -65,7 +65,7 @@ Context::Context(const Options& opts, std::unique_ptr<comm::Communicator> world)
                                    "each) or the local communicator (ranks as threads of one process sharing the "
                                    "GPU); comm=mpi moves host memory only (docs/gpu.md)");
   }
-  if (!opts.keep_param_dtype_shard && opts.offload_cpu) {
+  if (opts.keep_param_dtype_shard == Options::KeepShard::kNo && opts.offload_cpu) {
     fail(FSDP_ERR_UNSUPPORTED,
          "fsdp_ctx_create: keep_param_dtype_shard=0 with offload=cpu: the param_dtype shard on the host is what "
          "each gather copies to the device, half the bytes of the fp32 master; casting at the gather instead "

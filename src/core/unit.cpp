@@ -64,7 +64,7 @@ Unit::Unit(Runtime& rt, size_t index, std::string name, std::vector<ParamSpec> p
   size_t s = layout_.shard_numel();
   master_ = Buffer(rt_.state_dev, &rt_.mem, MemCategory::kShardedParams, DType::kFp32, s);
   // Without gathers the param_dtype copy is the full params the host reads.
-  if (rt_.opts.param_dtype != DType::kFp32 && (rt_.opts.keep_param_dtype_shard || !rt_.gathers())) {
+  if (rt_.opts.param_dtype != DType::kFp32 && (rt_.opts.keeps_param_dtype_shard() || !rt_.gathers())) {
     lowp_ = Buffer(rt_.state_dev, &rt_.mem, MemCategory::kShardedParams, rt_.opts.param_dtype, s);
   }
   sgrad_ = Buffer(rt_.state_dev, &rt_.mem, MemCategory::kShardedGrads, DType::kFp32, s);

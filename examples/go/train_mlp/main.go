@@ -347,7 +347,7 @@ func main() {
 	if o.save != "" {
 		fmt.Printf("saved a sharded checkpoint to %s after step %d\n", o.save, step0+o.steps)
 	}
-	fmt.Printf("\nper-rank memory in MiB: params = this rank's param shard (fp32 master + param_dtype copy);\n" +
+	fmt.Printf("\nper-rank memory in MiB: params = this rank's param shard (fp32 master, and a param_dtype copy where kept);\n" +
 		"grads = its fp32 grad shard; optim = its AdamW state (m, v); gathered-peak = the most held by full\n" +
 		"params gathered for forward and backward; total-peak = the most this rank held at once, all included\n")
 	fmt.Printf("%-16s  %7s %7s %7s  %13s  %10s\n", "", "params", "grads", "optim", "gathered-peak", "total-peak")
