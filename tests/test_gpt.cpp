@@ -105,20 +105,22 @@ TEST(GptBackward, MatchesFiniteDifferencesOfEveryParam) {
   dm.run(m, in.data(), tg.data(), t, true);
   const auto grads = dm.g;
   const double eps = 1e-5;
+  // d loss / d x by central differences: truncation ~eps^2, rounding ~1e-16/eps in double.
+  auto central = [&](double& x) {
+    const double x0 = x;
+    x = x0 + eps;
+    const double up = dm.run(m, in.data(), tg.data(), t, false);
+    x = x0 - eps;
+    const double down = dm.run(m, in.data(), tg.data(), t, false);
+    x = x0;
+    return (up - down) / (2 * eps);
+  };
   size_t checked = 0;
   for (size_t u = 0; u < dm.p.size(); ++u)
     for (size_t i = 0; i < dm.p[u].size(); ++i)
       for (size_t k = 0; k < dm.p[u][i].size(); ++k) {
         if (u == 0 && i == gpt::kWte && k / static_cast<size_t>(s.width) >= 8) continue;  // bytes 8..255: see below
-        double& x = dm.p[u][i][k];
-        const double x0 = x;
-        x = x0 + eps;
-        const double up = dm.run(m, in.data(), tg.data(), t, false);
-        x = x0 - eps;
-        const double down = dm.run(m, in.data(), tg.data(), t, false);
-        x = x0;
-        const double fd = (up - down) / (2 * eps), an = grads[u][i][k];
-        // Central differences in double: truncation ~eps^2, rounding ~1e-16/eps.
+        const double fd = central(dm.p[u][i][k]), an = grads[u][i][k];
         ASSERT_NEAR(an, fd, 1e-7 + 1e-6 * std::fabs(fd))
             << dm.specs[u].params[i].name << "[" << k << "] of unit " << dm.specs[u].name;
         ++checked;
@@ -126,14 +128,7 @@ TEST(GptBackward, MatchesFiniteDifferencesOfEveryParam) {
   // The rows of bytes that never occur still get the head's grad (softmax over
   // every byte): check a few of them too.
   for (size_t k = 200 * static_cast<size_t>(s.width); k < 201 * static_cast<size_t>(s.width); ++k) {
-    double& x = dm.p[0][gpt::kWte][k];
-    const double x0 = x;
-    x = x0 + eps;
-    const double up = dm.run(m, in.data(), tg.data(), t, false);
-    x = x0 - eps;
-    const double down = dm.run(m, in.data(), tg.data(), t, false);
-    x = x0;
-    ASSERT_NEAR(grads[0][gpt::kWte][k], (up - down) / (2 * eps), 1e-9) << "wte[" << k << "]";
+    ASSERT_NEAR(grads[0][gpt::kWte][k], central(dm.p[0][gpt::kWte][k]), 1e-9) << "wte[" << k << "]";
     ASSERT_NE(grads[0][gpt::kWte][k], 0.0);
   }
   EXPECT_GT(checked, 1000u);

@@ -76,10 +76,10 @@ ADD_FUNCTION = {
              "const char* fsdp_last_error(void) {"),
     ],
 }
-REORDER = edit("  size_t sharded_params_nbytes;  /* fp32 master + param_dtype shard */\n"
+REORDER = edit("  size_t sharded_params_nbytes;  /* fp32 master (+ param_dtype shard where kept) */\n"
                "  size_t sharded_grads_nbytes;   /* fp32 sharded grads */\n",
                "  size_t sharded_grads_nbytes;   /* fp32 sharded grads */\n"
-               "  size_t sharded_params_nbytes;  /* fp32 master + param_dtype shard */\n")
+               "  size_t sharded_params_nbytes;  /* fp32 master (+ param_dtype shard where kept) */\n")
 GROW = edit("\n} fsdp_memory_stats_t;", "\n  size_t abi_test_nbytes;\n} fsdp_memory_stats_t;")
 
 # name: (source edits, names made local by the version script, SONAME or

@@ -83,13 +83,10 @@ class FsdpGpt::Access {
   size_t total_ = 0;
 };
 
-FsdpGpt::FsdpGpt(fsdp_ctx_t* ctx, const Shape& shape, int batch, bool recompute, uint64_t seed)
-    : ctx_(ctx), shape_(shape), specs_(model_units(shape)), model_(shape, batch, recompute) {
-  fsdp_dtype_t dt;
-  CHECK(fsdp_ctx_param_dtype(ctx, &dt));
-  if (dt != FSDP_DTYPE_FP32 && dt != FSDP_DTYPE_BF16)
-    throw std::runtime_error("the GPT example computes with param_dtype fp32 or bf16");
-  for (const UnitSpec& u : specs_) {
+std::vector<fsdp_unit_t*> register_units(fsdp_ctx_t* ctx, const Shape& shape, const std::vector<UnitSpec>& specs,
+                                         uint64_t seed) {
+  std::vector<fsdp_unit_t*> units;
+  for (const UnitSpec& u : specs) {
     std::vector<const char*> names;
     std::vector<int32_t> ndims;
     std::vector<int64_t> dims;
@@ -106,8 +103,19 @@ FsdpGpt::FsdpGpt(fsdp_ctx_t* ctx, const Shape& shape, int batch, bool recompute,
       init_param(shape, u.params[i], seed, values.data());
       CHECK(fsdp_param_set_values(unit, i, values.data(), values.size()));
     }
-    units_.push_back(std::make_unique<Access>(unit, u, dt));
+    units.push_back(unit);
   }
+  return units;
+}
+
+FsdpGpt::FsdpGpt(fsdp_ctx_t* ctx, const Shape& shape, int batch, bool recompute, uint64_t seed)
+    : ctx_(ctx), shape_(shape), specs_(model_units(shape)), model_(shape, batch, recompute) {
+  fsdp_dtype_t dt;
+  CHECK(fsdp_ctx_param_dtype(ctx, &dt));
+  if (dt != FSDP_DTYPE_FP32 && dt != FSDP_DTYPE_BF16)
+    throw std::runtime_error("the GPT example computes with param_dtype fp32 or bf16");
+  const std::vector<fsdp_unit_t*> units = register_units(ctx, shape, specs_, seed);
+  for (size_t k = 0; k < units.size(); ++k) units_.push_back(std::make_unique<Access>(units[k], specs_[k], dt));
 }
 
 FsdpGpt::~FsdpGpt() = default;

@@ -20,6 +20,12 @@ namespace gpt {
 // Throws std::runtime_error "<call>: <status>: <fsdp_last_error()>" unless OK.
 void check_fsdp(fsdp_status_t st, const char* call);
 
+// Registers the units of `specs` (model_units(shape)) in `ctx` (collective)
+// and sets their initial values (init_param with `seed`): the same start on
+// every rank, for the CPU and the GPU model alike.
+std::vector<fsdp_unit_t*> register_units(fsdp_ctx_t* ctx, const Shape& shape, const std::vector<UnitSpec>& specs,
+                                         uint64_t seed);
+
 class FsdpGpt {
  public:
   // Registers the model's units in `ctx` (collective) and sets their initial

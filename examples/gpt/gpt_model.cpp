@@ -433,6 +433,13 @@ void sample_window(const std::vector<uint8_t>& data, uint64_t seed, int64_t step
   std::memcpy(out, data.data() + start, static_cast<size_t>(t) + 1);
 }
 
+double lr_schedule(double base, int64_t step, int64_t total) {
+  const double warm = std::max(1.0, 0.05 * static_cast<double>(total));
+  if (static_cast<double>(step) <= warm) return base * static_cast<double>(step) / warm;
+  const double f = std::min(1.0, (static_cast<double>(step) - warm) / std::max(1.0, static_cast<double>(total) - warm));
+  return base * (0.1 + 0.9 * 0.5 * (1 + std::cos(3.141592653589793 * f)));
+}
+
 float bf16_to_float(uint16_t h) {
   const uint32_t u = static_cast<uint32_t>(h) << 16;
   float f;

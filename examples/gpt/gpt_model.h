@@ -134,6 +134,10 @@ double unigram_loss(const std::vector<uint8_t>& train, const std::vector<uint8_t
 // (seed, step, index), the same on every rank whatever the world size.
 void sample_window(const std::vector<uint8_t>& data, uint64_t seed, int64_t step, int index, int t, uint8_t* out);
 
+// The learning rate of step `step` (1-based) of `total`: linear warmup over
+// the first 5% of the steps, then cosine decay to a tenth of `base`.
+double lr_schedule(double base, int64_t step, int64_t total);
+
 // bf16 <-> fp32 (round to nearest even), as the host converts a gathered unit.
 float bf16_to_float(uint16_t h);
 uint16_t float_to_bf16(float f);

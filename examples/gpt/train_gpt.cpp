@@ -96,15 +96,6 @@ double peak_rss_bytes() {
   return static_cast<double>(ru.ru_maxrss) * 1024.0;
 }
 
-// The learning rate of step `step` (1-based): linear warmup over the first 5%
-// of `total` steps, then cosine decay to a tenth.
-double lr_at(const Options& o, int64_t step, int64_t total) {
-  const double warm = std::max<double>(1.0, 0.05 * total);
-  if (step <= warm) return o.lr * static_cast<double>(step) / warm;
-  const double f = std::min(1.0, (static_cast<double>(step) - warm) / std::max(1.0, total - warm));
-  return o.lr * (0.1 + 0.9 * 0.5 * (1 + std::cos(3.141592653589793 * f)));
-}
-
 struct Shared {  // what the ranks of one phase share
   const Options* opt;
   const gpt::Corpus* corpus;
@@ -207,7 +198,7 @@ class Rank {
       if (!ph.trace.empty() && step == ph.last_step - 1) CHECK(fsdp_trace_begin(ctx_));
       const auto t0 = Clock::now();
       const double lib0 = model_->library_seconds();
-      CHECK(fsdp_set_lr(ctx_, lr_at(o_, step, sh_.total_steps)));
+      CHECK(fsdp_set_lr(ctx_, gpt::lr_schedule(o_.lr, step, sh_.total_steps)));
       double loss = train_step(step);
       const double dt = std::chrono::duration<double>(Clock::now() - t0).count();
       const double lib = model_->library_seconds() - lib0;

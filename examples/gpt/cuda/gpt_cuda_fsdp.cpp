@@ -23,25 +23,7 @@ FsdpGptCuda::FsdpGptCuda(fsdp_ctx_t* ctx, const Shape& shape, int batch, uint64_
   fsdp_dtype_t dt;
   CHECK(fsdp_ctx_param_dtype(ctx, &dt));
   if (dt != FSDP_DTYPE_BF16) throw std::runtime_error("the GPU GPT computes with param_dtype bf16");
-  for (const UnitSpec& u : specs_) {
-    std::vector<const char*> names;
-    std::vector<int32_t> ndims;
-    std::vector<int64_t> dims;
-    for (const ParamSpec& p : u.params) {
-      names.push_back(p.name.c_str());
-      ndims.push_back(static_cast<int32_t>(p.dims.size()));
-      dims.insert(dims.end(), p.dims.begin(), p.dims.end());
-    }
-    fsdp_unit_t* unit;
-    CHECK(fsdp_unit_register(ctx, u.name.c_str(), names.size(), names.data(), ndims.data(), dims.data(), &unit));
-    std::vector<float> values;  // the CPU's init, so that both runs start from the same params
-    for (size_t i = 0; i < u.params.size(); ++i) {
-      values.resize(u.params[i].numel());
-      init_param(shape, u.params[i], seed, values.data());
-      CHECK(fsdp_param_set_values(unit, i, values.data(), values.size()));
-    }
-    units_.push_back(unit);
-  }
+  units_ = register_units(ctx, shape, specs_, seed);  // the CPU's init: both runs start from the same params
 }
 
 FsdpGptCuda::~FsdpGptCuda() = default;

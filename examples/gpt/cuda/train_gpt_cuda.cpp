@@ -128,15 +128,6 @@ Options parse(int argc, char** argv) {
   return o;
 }
 
-// The learning rate of step `step` (1-based), as train_gpt's: linear warmup
-// over the first 5% of the steps, then cosine decay to a tenth.
-double lr_at(const Options& o, int64_t step) {
-  const double total = o.steps, warm = std::max(1.0, 0.05 * total);
-  if (step <= warm) return o.lr * static_cast<double>(step) / warm;
-  const double f = std::min(1.0, (static_cast<double>(step) - warm) / std::max(1.0, total - warm));
-  return o.lr * (0.1 + 0.9 * 0.5 * (1 + std::cos(3.141592653589793 * f)));
-}
-
 fsdp_config_t* make_config(const Options& o) {
   fsdp_config_t* cfg;
   CHECK(fsdp_config_create(&cfg));
@@ -211,7 +202,7 @@ class Trainer {
     int interval_steps = 0;
     for (int step = 1; step <= o_.steps; ++step) {
       const auto t0 = Clock::now();
-      CHECK(fsdp_set_lr(ctx_, lr_at(o_, step)));
+      CHECK(fsdp_set_lr(ctx_, gpt::lr_schedule(o_.lr, step, o_.steps)));
       load_batch(corpus_.train, o_.seed, step);
       double loss = model_->train_step(inputs_.data(), targets_.data());  // returns after the step's update
       const double dt = std::chrono::duration<double>(Clock::now() - t0).count();
