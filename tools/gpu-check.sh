@@ -84,7 +84,7 @@ print(lib.fsdp_build_info().decode())' "$build/src/libfsdp.so")"
 
 # The GPU GPT (examples/gpt/cuda, its tests CudaGpt.*) needs OpenBLAS, cuDNN 9
 # and cudnn-frontend's headers; configure says which one was missing.
-if [ ! -x "$build/examples/gpt/cuda/train_gpt_cuda" ]; then
+if ! nm -C "$build/examples/gpt/train_gpt" 2>/dev/null | grep -q make_cuda_trainer; then
   failed=1
   note "the GPU GPT was not built: $(grep -h -A3 'GPU GPT\|OpenBLAS not found' "$out/configure.log" | tr -s ' \n' ' ' | head -c 400)"
 fi
@@ -198,14 +198,15 @@ if [ -x "$build/examples/cuda/train_mlp_cuda" ]; then
   done
 fi
 
-# The GPU GPT at its default shape (4 layers, width 128, context 128): loss and tokens/s.
-if [ -x "$build/examples/gpt/cuda/train_gpt_cuda" ]; then
-  if "$build/examples/gpt/cuda/train_gpt_cuda" --steps 300 >"$out/train_gpt_cuda.log" 2>&1; then
-    note "train_gpt_cuda 300 steps: $(grep '^step' "$out/train_gpt_cuda.log" | tail -1 | tr -s ' ')"
+# The README's demo on the GPU (4 thread-ranks sharing it, then the checkpoint
+# on 2): loss, validation loss against the unigram baseline, tokens/s.
+if [ -x "$build/examples/gpt/train_gpt" ]; then
+  if "$build/examples/gpt/train_gpt" --device cuda >"$out/train_gpt_cuda.log" 2>&1; then
+    note "train_gpt --device cuda: $(grep '^step' "$out/train_gpt_cuda.log" | tail -1 | tr -s ' '); $(grep '^validation loss' "$out/train_gpt_cuda.log")"
   else
     failed=1
     tail -20 "$out/train_gpt_cuda.log"
-    note "train_gpt_cuda FAILED (log: $out/train_gpt_cuda.log)"
+    note "train_gpt --device cuda FAILED (log: $out/train_gpt_cuda.log)"
   fi
 fi
 

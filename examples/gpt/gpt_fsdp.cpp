@@ -11,14 +11,7 @@ void check_fsdp(fsdp_status_t st, const char* call) {
     throw std::runtime_error(std::string(call) + ": " + fsdp_status_name(st) + ": " + fsdp_last_error());
 }
 #define CHECK(call) check_fsdp((call), #call)
-// In FsdpGpt's methods: the call, its time added to the seconds spent in libfsdp.
-#define TIMED(call)                                                                              \
-  do {                                                                                           \
-    const auto t0_ = std::chrono::steady_clock::now();                                           \
-    const fsdp_status_t st_ = (call);                                                            \
-    library_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count(); \
-    check_fsdp(st_, #call);                                                                      \
-  } while (0)
+#define TIMED(call) GPT_TIMED(library_s_, call)
 
 // A unit's params as fp32 for the model, and where its grads go. With
 // param_dtype=fp32 the model works on libfsdp's buffers directly; with bf16 the
@@ -167,14 +160,21 @@ double FsdpGpt::train_step(const uint8_t* inputs, const uint8_t* targets) {
   return loss;
 }
 
-std::vector<std::vector<float>> FsdpGpt::gather_params() {
+std::vector<std::vector<float>> gather_params(const std::vector<fsdp_unit_t*>& units,
+                                              const std::vector<UnitSpec>& specs) {
   std::vector<std::vector<float>> out;
-  for (size_t u = 0; u < units_.size(); ++u)
-    for (size_t i = 0; i < specs_[u].params.size(); ++i) {
-      out.emplace_back(specs_[u].params[i].numel());
-      CHECK(fsdp_gather_param(units_[u]->unit(), i, out.back().data(), out.back().size()));
+  for (size_t u = 0; u < units.size(); ++u)
+    for (size_t i = 0; i < specs[u].params.size(); ++i) {
+      out.emplace_back(specs[u].params[i].numel());
+      CHECK(fsdp_gather_param(units[u], i, out.back().data(), out.back().size()));
     }
   return out;
+}
+
+std::vector<std::vector<float>> FsdpGpt::gather_params() {
+  std::vector<fsdp_unit_t*> units;
+  for (const auto& a : units_) units.push_back(a->unit());
+  return gpt::gather_params(units, specs_);
 }
 
 }  // namespace gpt

@@ -52,7 +52,7 @@ struct Options {
   int ranks = 4, resume_ranks = 2, steps = 600, switch_step = 480, batch = 16, print_every = 40, eval_batches = 4;
   int sample_chars = 300;
   double lr = 3e-3, weight_decay = 0.1, max_grad_norm = 1.0;
-  std::string dtype = "bf16", sharding = "FULL_SHARD", text, ckpt, trace, plot, bench_json, save, resume;
+  std::string dtype = "bf16", sharding = "FULL_SHARD", device, text, ckpt, trace, plot, bench_json, save, resume;
   bool recompute = false, check = false;
   bool ranks_given = false;
   int bf16_shard = -1;  // keep_param_dtype_shard: -1 libfsdp's default, 0, 1
@@ -112,6 +112,7 @@ fsdp_config_t* make_config(const Options& o, bool unsharded) {
   CHECK(fsdp_config_create(&cfg));
   std::unique_ptr<fsdp_config_t, void (*)(fsdp_config_t*)> guard(cfg, fsdp_config_destroy);
   auto set = [&](const char* k, const std::string& v) { CHECK(fsdp_config_set(cfg, k, v.c_str())); };
+  if (!o.device.empty()) set("device", o.device);
   set("sharding", unsharded ? "NO_SHARD" : o.sharding);
   if (unsharded) set("comm", "local");  // a world of one, also inside an mpirun job
   set("param_dtype", o.dtype);
@@ -127,6 +128,16 @@ fsdp_config_t* make_config(const Options& o, bool unsharded) {
   set("backward_prefetch", "pre");
   CHECK(fsdp_config_from_env(cfg));  // FSDP_* variables override the above
   return guard.release();
+}
+
+// The device the contexts run on: --device, or FSDP_DEVICE, else cpu.
+std::string effective_device(const Options& o) {
+  fsdp_config_t* cfg = make_config(o, false);
+  char device[32] = {};
+  const fsdp_status_t st = fsdp_config_get(cfg, "device", device, sizeof device, nullptr);
+  fsdp_config_destroy(cfg);
+  CHECK(st);
+  return device;
 }
 
 Memory memory_of(fsdp_ctx_t* ctx) {
@@ -158,7 +169,9 @@ class Rank {
  public:
   Rank(Shared& sh, int thread_rank) : sh_(sh), o_(*sh.opt) {
     fsdp_config_t* cfg = make_config(o_, false);
-    const fsdp_status_t st = fsdp_ctx_create(cfg, sh.group, thread_rank, &ctx_);
+    char device[32] = {};  // what the context runs on: the model follows it
+    fsdp_status_t st = fsdp_config_get(cfg, "device", device, sizeof device, nullptr);
+    if (st == FSDP_OK) st = fsdp_ctx_create(cfg, sh.group, thread_rank, &ctx_);
     fsdp_config_destroy(cfg);
     gpt::check_fsdp(st, "fsdp_ctx_create");
     CHECK(fsdp_ctx_rank(ctx_, &rank_));
@@ -167,7 +180,7 @@ class Rank {
       fail("the batch of " + std::to_string(o_.batch) + " sequences must divide over " + std::to_string(world_) +
            " ranks");
     local_ = o_.batch / world_;
-    model_ = std::make_unique<gpt::FsdpGpt>(ctx_, o_.shape, local_, o_.recompute, o_.seed);
+    model_ = gpt::make_trainer(ctx_, device, o_.shape, local_, o_.recompute, o_.seed);
     if (!sh.phase.resume.empty()) CHECK(fsdp_load(ctx_, sh.phase.resume.c_str()));
     const int t = o_.shape.context;
     window_.resize(static_cast<size_t>(local_) * (t + 1));
@@ -296,7 +309,7 @@ class Rank {
   const Options& o_;
   fsdp_ctx_t* ctx_ = nullptr;
   int rank_ = 0, world_ = 1, local_ = 1;
-  std::unique_ptr<gpt::FsdpGpt> model_;
+  std::unique_ptr<gpt::Trainer> model_;
   std::vector<uint8_t> window_, inputs_, targets_;
 };
 
@@ -449,6 +462,8 @@ void usage(const char* argv0) {
                "  --layers L --width C --heads H --context T   the GPT's shape (4, 128, 4, 128)\n"
                "  --batch B          sequences per step over all ranks (16)\n"
                "  --dtype bf16|fp32  param_dtype (bf16); --sharding S (FULL_SHARD); --lr X (3e-3)\n"
+               "  --device cpu|cuda[:N]  where the ranks compute (cpu; cuda: the GPU GPT, bf16, one GPU shared by\n"
+               "                     the thread-ranks, or one GPU per process under torchrun/mpirun)\n"
                "  --recompute        drop each block's activations after forward, recompute them in backward\n"
                "  --no-bf16-shard    keep_param_dtype_shard=0: no persistent bf16 shard, cast at each gather\n"
                "  --bf16-shard       keep_param_dtype_shard=1\n"
@@ -528,6 +543,8 @@ Options parse(int argc, char** argv) {
       o.sample_chars = num();
     else if (k == "--dtype")
       o.dtype = v;
+    else if (k == "--device")
+      o.device = v;
     else if (k == "--sharding")
       o.sharding = v;
     else if (k == "--lr")
@@ -582,7 +599,7 @@ int main_bench(const Options& o) {
   Json j = {{"framework", "libfsdp"},
             {"variant", o.bf16_shard < 0 ? "default" : (o.bf16_shard ? "bf16-shard" : "no-bf16-shard")},
             {"world", world},
-            {"device", "cpu"},
+            {"device", effective_device(o)},
             {"layers", o.shape.layers},
             {"width", o.shape.width},
             {"heads", o.shape.heads},
@@ -669,6 +686,8 @@ int main(int argc, char** argv) {
                 o.shape.layers + 2);
     std::printf("text: %s (%zu train / %zu validation bytes); unigram baseline (validation): %.4f nats/byte\n",
                 o.text.c_str(), corpus.train.size(), corpus.val.size(), unigram);
+    const std::string device = effective_device(o);
+    if (device != "cpu") std::printf("device: %s (the thread-ranks share it)\n", device.c_str());
     std::printf(
         "training: %s, param_dtype %s, reduce fp32, AdamW (wd %.2g, 0 on biases, norms, embeddings), lr %.2g,"
         " clip %.1f, prefetch on%s; %d sequences x %d tokens per step\n",

@@ -39,6 +39,7 @@
 #include <vector>
 
 #include "fsdp.h"
+#include "gpt_fsdp.h"
 #include "gpt_model.h"
 
 namespace gpt::cuda {
@@ -95,23 +96,26 @@ class Model {
 // bf16), like gpt::FsdpGpt on the CPU: one unit per block, "embed" used at the
 // input and again at the tied head, "lnf"; the same init (init_param, on the
 // host), so a CPU run and a GPU run start from the same params.
-class FsdpGptCuda {
+class FsdpGptCuda : public Trainer {
  public:
   // Registers the units in `ctx` (collective) and sets their initial values.
   // `batch`: this rank's sequences per step; `stream`: the host's stream.
   FsdpGptCuda(fsdp_ctx_t* ctx, const Shape& shape, int batch, uint64_t seed, cudaStream_t stream);
-  ~FsdpGptCuda();
+  ~FsdpGptCuda() override;
   FsdpGptCuda(const FsdpGptCuda&) = delete;
   FsdpGptCuda& operator=(const FsdpGptCuda&) = delete;
 
   // One training step (collective): forward and backward on `inputs` /
   // `targets` (host bytes [batch, context]), then fsdp_step. This rank's mean loss.
-  double train_step(const uint8_t* inputs, const uint8_t* targets);
+  double train_step(const uint8_t* inputs, const uint8_t* targets) override;
   // Forward only (collective); this rank's mean loss.
-  double eval(const uint8_t* inputs, const uint8_t* targets);
+  double eval(const uint8_t* inputs, const uint8_t* targets) override;
+  // Every param's full fp32 values (collective).
+  std::vector<std::vector<float>> gather_params() override;
+  double library_seconds() const override { return library_s_; }
 
   const std::vector<UnitSpec>& specs() const { return specs_; }
-  size_t activation_bytes() const { return model_.activation_bytes(); }
+  size_t activation_bytes() const override { return model_.activation_bytes(); }
 
  private:
   DeviceView view(size_t unit, bool grads);
@@ -124,6 +128,12 @@ class FsdpGptCuda {
   std::vector<fsdp_unit_t*> units_;
   Model model_;
   bool checked_device_ = false;
+  double library_s_ = 0;
 };
+
+// train_gpt's trainer on GPU `ordinal` (the context's "cuda:N"): FsdpGptCuda on
+// a stream of its own. recompute is refused, saying why.
+std::unique_ptr<Trainer> make_cuda_trainer(fsdp_ctx_t* ctx, int ordinal, const Shape& shape, int batch, bool recompute,
+                                           uint64_t seed);
 
 }  // namespace gpt::cuda

@@ -17,6 +17,7 @@
 namespace gpt::cuda {
 
 #define CHECK(call) gpt::check_fsdp((call), #call)
+#define TIMED(call) GPT_TIMED(library_s_, call)
 
 FsdpGptCuda::FsdpGptCuda(fsdp_ctx_t* ctx, const Shape& shape, int batch, uint64_t seed, cudaStream_t stream)
     : ctx_(ctx), shape_(shape), stream_(stream), specs_(model_units(shape)), model_(shape, batch, stream) {
@@ -52,25 +53,25 @@ DeviceView FsdpGptCuda::view(size_t unit, bool grads) {
 void FsdpGptCuda::forward(const uint8_t* inputs, const uint8_t* targets, bool train) {
   const size_t L = static_cast<size_t>(shape_.layers);
   fsdp_unit_t* embed = units_[0];
-  CHECK(fsdp_forward_begin(embed, stream_));
+  TIMED(fsdp_forward_begin(embed, stream_));
   model_.embed_forward(view(0, false), inputs, shape_.context);
-  CHECK(fsdp_forward_end(embed, stream_));
+  TIMED(fsdp_forward_end(embed, stream_));
   for (size_t l = 0; l < L; ++l) {
-    CHECK(fsdp_forward_begin(units_[1 + l], stream_));
+    TIMED(fsdp_forward_begin(units_[1 + l], stream_));
     model_.block_forward(static_cast<int>(l), view(1 + l, false));
-    CHECK(fsdp_forward_end(units_[1 + l], stream_));
+    TIMED(fsdp_forward_end(units_[1 + l], stream_));
   }
-  CHECK(fsdp_forward_begin(units_[1 + L], stream_));
+  TIMED(fsdp_forward_begin(units_[1 + L], stream_));
   model_.final_forward(view(1 + L, false));
-  CHECK(fsdp_forward_end(units_[1 + L], stream_));
+  TIMED(fsdp_forward_end(units_[1 + L], stream_));
   double scale = 1.0;  // the loss scale (1 unless loss scaling is on)
   if (train) {
     uint64_t skipped;
     CHECK(fsdp_loss_scale(ctx_, &scale, &skipped));
   }
-  CHECK(fsdp_forward_begin(embed, stream_));  // the tied head: the embed unit's second use
+  TIMED(fsdp_forward_begin(embed, stream_));  // the tied head: the embed unit's second use
   model_.head_forward(view(0, false), targets, static_cast<float>(scale));
-  CHECK(fsdp_forward_end(embed, stream_));
+  TIMED(fsdp_forward_end(embed, stream_));
 }
 
 double FsdpGptCuda::eval(const uint8_t* inputs, const uint8_t* targets) {
@@ -83,17 +84,61 @@ double FsdpGptCuda::train_step(const uint8_t* inputs, const uint8_t* targets) {
   const size_t L = static_cast<size_t>(shape_.layers);
   // Each use's grads are added into the grad buffer libfsdp zeroed for it.
   auto backward = [&](size_t unit, const std::function<void(const DeviceView&)>& fn) {
-    CHECK(fsdp_backward_begin(units_[unit], stream_));
+    TIMED(fsdp_backward_begin(units_[unit], stream_));
     fn(view(unit, true));
-    CHECK(fsdp_backward_end(units_[unit], stream_));
+    TIMED(fsdp_backward_end(units_[unit], stream_));
   };
   backward(0, [&](const DeviceView& v) { model_.head_backward(v); });
   backward(1 + L, [&](const DeviceView& v) { model_.final_backward(v); });
   for (size_t l = L; l-- > 0;)
     backward(1 + l, [&](const DeviceView& v) { model_.block_backward(static_cast<int>(l), v); });
   backward(0, [&](const DeviceView& v) { model_.embed_backward(v); });
-  CHECK(fsdp_step(ctx_, stream_));
+  TIMED(fsdp_step(ctx_, stream_));
   return model_.loss();  // computed before the backward; the step has waited for the stream
+}
+
+std::vector<std::vector<float>> FsdpGptCuda::gather_params() { return gpt::gather_params(units_, specs_); }
+
+namespace {
+
+// The GPU trainer of train_gpt: the model on its own stream of the context's GPU.
+class CudaTrainer : public Trainer {
+ public:
+  CudaTrainer(fsdp_ctx_t* ctx, int ordinal, const Shape& shape, int batch, uint64_t seed)
+      : stream_(make_stream(ordinal)), model_(ctx, shape, batch, seed, stream_) {}
+  ~CudaTrainer() override {
+    cudaStreamSynchronize(stream_);
+    cudaStreamDestroy(stream_);
+  }
+  double train_step(const uint8_t* inputs, const uint8_t* targets) override {
+    return model_.train_step(inputs, targets);
+  }
+  double eval(const uint8_t* inputs, const uint8_t* targets) override { return model_.eval(inputs, targets); }
+  std::vector<std::vector<float>> gather_params() override { return model_.gather_params(); }
+  double library_seconds() const override { return model_.library_seconds(); }
+  size_t activation_bytes() const override { return model_.activation_bytes(); }
+
+ private:
+  static cudaStream_t make_stream(int ordinal) {
+    cudaStream_t s = nullptr;
+    cudaError_t e = cudaSetDevice(ordinal);  // this thread's GPU: the model's buffers go there
+    if (e == cudaSuccess) e = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+    if (e != cudaSuccess)
+      throw std::runtime_error(std::string("the GPU GPT's stream on cuda:") + std::to_string(ordinal) + ": " +
+                               cudaGetErrorString(e));
+    return s;
+  }
+  cudaStream_t stream_;
+  FsdpGptCuda model_;
+};
+
+}  // namespace
+
+std::unique_ptr<Trainer> make_cuda_trainer(fsdp_ctx_t* ctx, int ordinal, const Shape& shape, int batch, bool recompute,
+                                           uint64_t seed) {
+  if (recompute)
+    throw std::runtime_error("the GPU GPT has no --recompute: its blocks keep their activations (the CPU GPT has it)");
+  return std::make_unique<CudaTrainer>(ctx, ordinal, shape, batch, seed);
 }
 
 }  // namespace gpt::cuda
