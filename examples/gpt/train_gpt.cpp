@@ -87,7 +87,7 @@ struct Phase {
   int world = 1;                          // thread-ranks; 0: this process is one rank of an mpirun job
   int64_t first_step = 0, last_step = 0;  // trains steps first_step+1 .. last_step
   std::string resume, save, trace;
-  bool want_params = false, bench = false, report = true;
+  bool want_params = false, report = true;  // report: validation loss and progress lines
 };
 
 double peak_rss_bytes() {
@@ -196,7 +196,7 @@ class Rank {
     PhaseResult& res = *sh_.result;
     const bool root = rank_ == 0;
     const double tokens_per_step = static_cast<double>(o_.batch) * o_.shape.context;
-    if (ph.report && !ph.bench) {
+    if (ph.report) {
       const double v = val_loss();
       if (root) {
         res.val_at_start = v;
@@ -224,8 +224,7 @@ class Rank {
       interval_s += dt;
       interval_loss += loss;
       ++interval_steps;
-      const bool line =
-          ph.report && !ph.bench && ((step - ph.first_step) % o_.print_every == 0 || step == ph.last_step);
+      const bool line = ph.report && ((step - ph.first_step) % o_.print_every == 0 || step == ph.last_step);
       if (line) {
         double norm = 0;
         CHECK(fsdp_last_grad_norm(ctx_, &norm));
@@ -588,7 +587,6 @@ int main_bench(const Options& o) {
   ph.world = launched > 1 ? 0 : ranks;
   ph.first_step = 0;
   ph.last_step = o.steps + 2;
-  ph.bench = true;
   ph.report = false;
   PhaseResult res;
   run_phase(o, corpus, ph, ph.last_step, res);
