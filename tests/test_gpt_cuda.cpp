@@ -11,11 +11,15 @@
 //   device=cuda beside FsdpGpt on device=cpu (both param_dtype bf16, AdamW,
 //   the same batches of the demo's text): the losses to 2% at every step, and
 //   falling on both.
+// - CudaGpt.ATrainerReleasesItsModelBeforeItsStream: train_gpt's GPU trainer
+//   leaves no CUDA error behind when it goes (its model syncs and frees on
+//   the trainer's stream, which must outlive it).
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
+#include <memory>
 #include <random>
 #include <string>
 #include <utility>
@@ -224,4 +228,27 @@ TEST(CudaGpt, TrainsThroughLibfsdpLikeTheCpuGpt) {
   fsdp_ctx_destroy(gpu_ctx);
   fsdp_ctx_destroy(cpu_ctx);
   cudaStreamDestroy(stream);
+}
+
+// train_gpt's GPU trainer owns the stream its model runs on: the model (which
+// syncs and frees on that stream when it goes) must go first. Using a
+// destroyed stream leaves a CUDA error behind (or worse).
+TEST(CudaGpt, ATrainerReleasesItsModelBeforeItsStream) {
+  SKIP_WITHOUT_GPU();
+  const gpt::Shape s{2, 64, 4, 32};
+  const int batch = 2;
+  fsdp_ctx_t* ctx = make_ctx("cuda:0");
+  ASSERT_TRUE(ctx);
+  std::unique_ptr<gpt::Trainer> trainer = gpt::cuda::make_cuda_trainer(ctx, 0, s, batch, false, 1234);
+  std::vector<uint8_t> in(static_cast<size_t>(batch) * s.context), tg(in.size());
+  for (size_t i = 0; i < in.size(); ++i) {
+    in[i] = static_cast<uint8_t>('a' + i % 26);
+    tg[i] = static_cast<uint8_t>('a' + (i + 1) % 26);
+  }
+  EXPECT_TRUE(std::isfinite(trainer->train_step(in.data(), tg.data())));
+  (void)cudaGetLastError();  // nothing of the step's own
+  trainer.reset();
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess) << "the model used its stream after the stream was destroyed";
+  EXPECT_EQ(fsdp_ctx_finalize(ctx), FSDP_OK) << fsdp_last_error();
+  fsdp_ctx_destroy(ctx);
 }

@@ -101,15 +101,33 @@ std::vector<std::vector<float>> FsdpGptCuda::gather_params() { return gpt::gathe
 
 namespace {
 
+// A CUDA stream of its own, destroyed (after its work) with the object.
+class OwnedStream {
+ public:
+  explicit OwnedStream(int ordinal) {
+    cudaError_t e = cudaSetDevice(ordinal);  // this thread's GPU: the model's buffers go there
+    if (e == cudaSuccess) e = cudaStreamCreateWithFlags(&s_, cudaStreamNonBlocking);
+    if (e != cudaSuccess)
+      throw std::runtime_error(std::string("the GPU GPT's stream on cuda:") + std::to_string(ordinal) + ": " +
+                               cudaGetErrorString(e));
+  }
+  ~OwnedStream() {
+    cudaStreamSynchronize(s_);
+    cudaStreamDestroy(s_);
+  }
+  OwnedStream(const OwnedStream&) = delete;
+  OwnedStream& operator=(const OwnedStream&) = delete;
+  cudaStream_t get() const { return s_; }
+
+ private:
+  cudaStream_t s_ = nullptr;
+};
+
 // The GPU trainer of train_gpt: the model on its own stream of the context's GPU.
 class CudaTrainer : public Trainer {
  public:
   CudaTrainer(fsdp_ctx_t* ctx, int ordinal, const Shape& shape, int batch, uint64_t seed)
-      : stream_(make_stream(ordinal)), model_(ctx, shape, batch, seed, stream_) {}
-  ~CudaTrainer() override {
-    cudaStreamSynchronize(stream_);
-    cudaStreamDestroy(stream_);
-  }
+      : stream_(ordinal), model_(ctx, shape, batch, seed, stream_.get()) {}
   double train_step(const uint8_t* inputs, const uint8_t* targets) override {
     return model_.train_step(inputs, targets);
   }
@@ -119,16 +137,9 @@ class CudaTrainer : public Trainer {
   size_t activation_bytes() const override { return model_.activation_bytes(); }
 
  private:
-  static cudaStream_t make_stream(int ordinal) {
-    cudaStream_t s = nullptr;
-    cudaError_t e = cudaSetDevice(ordinal);  // this thread's GPU: the model's buffers go there
-    if (e == cudaSuccess) e = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
-    if (e != cudaSuccess)
-      throw std::runtime_error(std::string("the GPU GPT's stream on cuda:") + std::to_string(ordinal) + ": " +
-                               cudaGetErrorString(e));
-    return s;
-  }
-  cudaStream_t stream_;
+  // Declared before the model, so destroyed after it: the model syncs and
+  // frees on the stream (and its cuBLAS and cuDNN handles are bound to it).
+  OwnedStream stream_;
   FsdpGptCuda model_;
 };
 
