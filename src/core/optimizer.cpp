@@ -50,7 +50,7 @@ void Optimizer::on_state_device(const char* what, const std::function<void()>& l
   }
   // A GPU: every launch is queued on the comm stream (idle now: the step
   // waited for the reductions) and the host waits once, not once per launch.
-  rt_.stream->submit(what, launches)->wait(rt_.opts.timeout_s);
+  rt_.stream->submit(what, [&launches] { launches(); })->wait(rt_.opts.timeout_s);
 }
 
 double Optimizer::grad_sum_squares(const std::vector<std::unique_ptr<Unit>>& units) {

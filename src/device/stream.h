@@ -10,10 +10,10 @@
 // thread at once); a CUDA device maps both onto CUDA streams and events.
 #pragma once
 
-#include <functional>
 #include <memory>
 #include <string>
 
+#include "../base/task.h"
 #include "fsdp.h"
 
 namespace fsdp::device {
@@ -34,18 +34,27 @@ class Event {
 };
 using EventPtr = std::shared_ptr<Event>;
 
+// A task's name, made once (a unit makes its labels when it is registered)
+// and shared by every event of that work: naming a task builds no string, and
+// an event keeps its name alive for a timeout's message.
+using Label = std::shared_ptr<const std::string>;
+inline Label make_label(std::string s) { return std::make_shared<const std::string>(std::move(s)); }
+
 class Stream {
  public:
   // Host work for the stream: on the CPU it is the work itself (a collective,
   // a copy, a kernel loop); on a GPU it issues the stream's kernels.
-  using Task = std::function<void()>;
+  // Captures of up to base::Task::kInline bytes are kept without a heap allocation.
+  using Task = base::Task;
 
   virtual ~Stream() = default;
   // Queues `task` after everything queued before it and after every event
   // this stream was told to wait for. Returns the event of its completion;
   // when a task throws, or an event it had to wait for failed, its event fails
   // with that error (a task after a failed wait does not run).
-  virtual EventPtr submit(std::string name, Task task) = 0;
+  virtual EventPtr submit(const Label& name, Task task) = 0;
+  // The same with a name built for this call (cold paths: it allocates).
+  EventPtr submit(std::string name, Task task) { return submit(make_label(std::move(name)), std::move(task)); }
   // Work queued from now on starts only after `ev` completes. Never blocks
   // the host, except on a synchronous stream, which waits (and throws) here.
   virtual void wait(const EventPtr& ev) = 0;

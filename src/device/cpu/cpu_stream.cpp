@@ -2,6 +2,7 @@
 #include "cpu_stream.h"
 
 #include "../../base/error.h"
+#include "../../base/pool.h"
 #include "../../base/spin.h"
 #include "../../base/text.h"
 
@@ -13,13 +14,19 @@ constexpr std::chrono::microseconds kSpinFor{20};
 
 }  // namespace
 
+std::string CpuEvent::describe() const {
+  std::string s = "'" + (what_ ? *what_ : std::string("work")) + "'";
+  if (stream_) s += " on the " + *stream_ + " stream";
+  return s;
+}
+
 void CpuEvent::wait(double timeout_s) {
   base::spin_until([this] { return done(); }, kSpinFor);
   std::unique_lock<std::mutex> lock(mu_);
   auto is_done = [this] { return done_.load(std::memory_order_relaxed); };
   if (timeout_s > 0) {
     if (!cv_.wait_for(lock, std::chrono::duration<double>(timeout_s), is_done)) {
-      fail(FSDP_ERR_TIMEOUT, what_ + " did not finish within timeout_s = " + base::format_double(timeout_s) +
+      fail(FSDP_ERR_TIMEOUT, describe() + " did not finish within timeout_s = " + base::format_double(timeout_s) +
                                  " s; it is still queued or running");
     }
   } else {
@@ -44,36 +51,60 @@ void CpuEvent::complete(fsdp_status_t status, std::string message) {
   cv_.notify_all();
 }
 
+void CpuEvent::complete_ok() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    done_.store(true, std::memory_order_release);
+  }
+  cv_.notify_all();
+}
+
 EventPtr CpuEvent::completed() {
   static const EventPtr done = [] {
     auto e = std::make_shared<CpuEvent>();
-    e->complete(FSDP_OK, "");
+    e->complete_ok();
     return e;
   }();
   return done;
 }
 
 WorkerStream::WorkerStream(std::string name, StreamHooks hooks, std::chrono::microseconds delay)
-    : name_(std::move(name)), hooks_(std::move(hooks)), delay_(delay), worker_([this] { loop(); }) {}
+    : name_(make_label(std::move(name))), hooks_(std::move(hooks)), delay_(delay), ring_(8), worker_([this] {
+        loop();
+      }) {}
 
 WorkerStream::~WorkerStream() {
   bool pending;
   {
     std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;
-    pending = busy_ || !queue_.empty();
+    pending = busy_ || queue_size_ > 0;
   }
   if (pending && hooks_.abort) hooks_.abort("a rank destroyed its context while collectives were queued or running");
   cv_.notify_all();
   worker_.join();
 }
 
-EventPtr WorkerStream::submit(std::string name, Task task) {
-  auto ev = std::make_shared<CpuEvent>("'" + name + "' on the " + name_ + " stream");
+WorkerStream::Item& WorkerStream::push_slot() {
+  if (queue_size_ == ring_.size()) {  // full: unwrap into a ring twice the size
+    std::vector<Item> bigger(ring_.size() * 2);
+    for (size_t i = 0; i < queue_size_; ++i) std::swap(bigger[i], ring_[(ring_head_ + i) % ring_.size()]);
+    ring_.swap(bigger);
+    ring_head_ = 0;
+  }
+  return ring_[(ring_head_ + queue_size_++) % ring_.size()];
+}
+
+EventPtr WorkerStream::submit(const Label& name, Task task) {
+  auto ev = base::make_pooled<CpuEvent>(name, name_);
   {
     std::lock_guard<std::mutex> lock(mu_);
-    queue_.push_back({std::move(name), std::move(task), std::move(waits_), ev});
+    Item& item = push_slot();
+    item.name = name;
+    item.task = std::move(task);
+    item.after.swap(waits_);  // waits_ takes the slot's emptied vector, its capacity kept
     waits_.clear();
+    item.event = ev;
     last_ = ev;
   }
   cv_.notify_all();
@@ -91,7 +122,8 @@ EventPtr WorkerStream::record() {
     std::lock_guard<std::mutex> lock(mu_);
     if (waits_.empty()) return last_ ? last_ : CpuEvent::completed();
   }
-  return submit("wait for events", Task());  // a marker that completes once the waits have
+  static const Label kMarker = make_label("wait for events");
+  return submit(kMarker, Task());  // a marker that completes once the waits have
 }
 
 void WorkerStream::synchronize(double timeout_s) {
@@ -101,33 +133,41 @@ void WorkerStream::synchronize(double timeout_s) {
   } catch (const Error& e) {
     if (ev->done()) throw;  // the work failed (perhaps with a timeout of its own), rather than the wait
     std::lock_guard<std::mutex> lock(mu_);
-    fail(FSDP_ERR_TIMEOUT, "the work queued on the " + name_ +
+    fail(FSDP_ERR_TIMEOUT, "the work queued on the " + *name_ +
                                " stream did not finish within timeout_s = " + base::format_double(timeout_s) + " s" +
-                               (running_.empty() ? std::string() : "; '" + running_ + "' is still running"));
+                               (running_ ? "; '" + *running_ + "' is still running" : std::string()));
   }
   std::lock_guard<std::mutex> lock(mu_);
   if (failure_.load(std::memory_order_relaxed) != FSDP_OK) fail(failure_.load(), failure_message_);
 }
 
 void WorkerStream::loop() {
+  Item item;  // swapped with the ring's oldest: the vectors' capacity goes round
   for (;;) {
-    Item item;
     {
       std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
-      if (queue_.empty()) return;  // stop_ and nothing left
-      item = std::move(queue_.front());
-      queue_.pop_front();
+      cv_.wait(lock, [this] { return stop_ || queue_size_ > 0; });
+      if (queue_size_ == 0) return;  // stop_ and nothing left
+      std::swap(item, ring_[ring_head_]);
+      ring_head_ = (ring_head_ + 1) % ring_.size();
+      --queue_size_;
       busy_ = true;
       running_ = item.name;
       if (stop_) {
         busy_ = false;
         lock.unlock();
-        item.event->complete(FSDP_ERR_INVALID_STATE, item.name + ": not run, the context is being destroyed");
+        item.event->complete(FSDP_ERR_INVALID_STATE, (item.name ? *item.name : std::string("a task")) +
+                                                         ": not run, the context is being destroyed");
+        item.after.clear();
+        item.task.reset();
+        item.event.reset();
         continue;
       }
     }
     Outcome o = run(item);
+    std::shared_ptr<CpuEvent> ev = std::move(item.event);
+    item.after.clear();
+    item.task.reset();  // its captures go before its event completes, as they did before
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (!o.ok() && failure_.load(std::memory_order_relaxed) == FSDP_OK) {
@@ -135,9 +175,14 @@ void WorkerStream::loop() {
         failure_.store(o.status, std::memory_order_release);
       }
       busy_ = false;  // before the event: its waiter may destroy the stream next
-      running_.clear();
+      running_.reset();
+      item.name.reset();
     }
-    item.event->complete(o.status, std::move(o.message));
+    if (o.ok()) {
+      ev->complete_ok();
+    } else {
+      ev->complete(o.status, std::move(o.message));
+    }
   }
 }
 
@@ -147,15 +192,15 @@ Outcome WorkerStream::run(Item& item) {
     // Throws the failure of what this task waits for, or a timeout naming it.
     for (const EventPtr& dep : item.after) dep->wait(hooks_.timeout_s);
     if (!item.task) return;
-    if (hooks_.observer) hooks_.observer(item.name, true);
-    Outcome ran = capture(item.task);
-    if (hooks_.observer) hooks_.observer(item.name, false);
+    if (hooks_.observer) hooks_.observer(*item.name, true);
+    Outcome ran = capture([&] { item.task(); });
+    if (hooks_.observer) hooks_.observer(*item.name, false);
     if (!ran.ok()) fail(ran.status, ran.message);
   });
   return o;
 }
 
-EventPtr InlineStream::submit(std::string, Task task) {
+EventPtr InlineStream::submit(const Label&, Task task) {
   task();
   return CpuEvent::completed();
 }

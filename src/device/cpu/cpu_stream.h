@@ -9,7 +9,6 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
-#include <deque>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -25,22 +24,28 @@ class CpuEvent final : public Event {
  public:
   // Spins for about a wake-up's latency, then sleeps: a waiting rank takes no
   // CPU from the others.
-  // `what` names the work in a timeout's message.
-  explicit CpuEvent(std::string what = "") : what_(std::move(what)) {}
+  // `what` and `stream` name the work in a timeout's message; the message is
+  // built only then.
+  CpuEvent() = default;
+  CpuEvent(Label what, Label stream) : what_(std::move(what)), stream_(std::move(stream)) {}
   void wait(double timeout_s) override;
   bool done() const override { return done_.load(std::memory_order_acquire); }
   fsdp_status_t status() const override;
+  // `message` is read only when `status` is a failure.
   void complete(fsdp_status_t status, std::string message);
+  void complete_ok();
   // An event that has completed (what a synchronous stream records).
   static EventPtr completed();
 
  private:
+  std::string describe() const;
+
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::atomic<bool> done_{false};
   fsdp_status_t status_ = FSDP_OK;
   std::string message_;
-  std::string what_;
+  Label what_, stream_;
 };
 
 class WorkerStream final : public Stream {
@@ -55,7 +60,8 @@ class WorkerStream final : public Stream {
   WorkerStream(const WorkerStream&) = delete;
   WorkerStream& operator=(const WorkerStream&) = delete;
 
-  EventPtr submit(std::string name, Task task) override;
+  using Stream::submit;
+  EventPtr submit(const Label& name, Task task) override;
   void wait(const EventPtr& ev) override;
   EventPtr record() override;
   bool synchronous() const override { return false; }
@@ -64,23 +70,27 @@ class WorkerStream final : public Stream {
 
  private:
   struct Item {
-    std::string name;
+    Label name;
     Task task;  // empty for a marker (record() after a wait)
     std::vector<EventPtr> after;
     std::shared_ptr<CpuEvent> event;
   };
   void loop();
   Outcome run(Item& item);
+  // The queue is a ring of Items whose vectors keep their capacity as they
+  // are swapped in and out: queueing allocates nothing once it is warm.
+  Item& push_slot();  // the slot of a new last item (under mu_)
 
-  std::string name_;
+  Label name_;
   StreamHooks hooks_;
   std::chrono::microseconds delay_;
   std::atomic<fsdp_status_t> failure_{FSDP_OK};
   std::string failure_message_;  // the first failure's, under mu_
-  std::string running_;          // the task now running (for a timeout's message), under mu_
+  Label running_;                // the task now running (for a timeout's message), under mu_
   std::mutex mu_;
   std::condition_variable cv_;
-  std::deque<Item> queue_;
+  std::vector<Item> ring_;  // queue_size_ items from ring_head_, wrapping
+  size_t ring_head_ = 0, queue_size_ = 0;
   std::vector<EventPtr> waits_;  // for the next item queued
   EventPtr last_;                // the last item's event
   bool busy_ = false;
@@ -92,7 +102,8 @@ class WorkerStream final : public Stream {
 // thread and throws what it throws; wait blocks the host on the event.
 class InlineStream final : public Stream {
  public:
-  EventPtr submit(std::string name, Task task) override;
+  using Stream::submit;
+  EventPtr submit(const Label& name, Task task) override;
   // `timeout_s` bounds each wait (0: no limit).
   explicit InlineStream(double timeout_s = 0) : timeout_s_(timeout_s) {}
   void wait(const EventPtr& ev) override;

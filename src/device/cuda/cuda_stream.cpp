@@ -116,7 +116,8 @@ void CudaStream::fail_with(fsdp_status_t status, const std::string& message) {
   if (failure_.compare_exchange_strong(ok, status, std::memory_order_acq_rel)) failure_message_ = message;
 }
 
-EventPtr CudaStream::submit(std::string name, Task task) {
+EventPtr CudaStream::submit(const Label& label, Task task) {
+  const std::string& name = *label;
   EventPtr failed_wait;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -130,7 +131,7 @@ EventPtr CudaStream::submit(std::string name, Task task) {
     bind(ordinal_);
     CurrentStream scope(this);
     if (hooks_.observer) hooks_.observer(name, true);
-    Outcome ran = capture(task);
+    Outcome ran = capture([&] { task(); });
     if (hooks_.observer) hooks_.observer(name, false);
     if (!ran.ok()) fail(ran.status, ran.message);
   });

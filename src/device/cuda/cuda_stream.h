@@ -60,7 +60,8 @@ class CudaStream final : public Stream {
   CudaStream(const CudaStream&) = delete;
   CudaStream& operator=(const CudaStream&) = delete;
 
-  EventPtr submit(std::string name, Task task) override;
+  using Stream::submit;
+  EventPtr submit(const Label& name, Task task) override;
   // A CUDA event: cudaStreamWaitEvent (the host does not block). Another
   // device's event (a CPU stream's) is waited for on the host.
   void wait(const EventPtr& ev) override;
