@@ -8,8 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "core/context.h"
-#include "device/cpu/cpu_device.h"
+#include "host_stream.h"
 #include "rank_runner.h"
 
 using namespace fsdp_test;
@@ -265,6 +264,9 @@ struct Case {
   std::string reduce_dtype = "auto";
   int micro = 1;         // micro-batches per step (each half of the rank's rows)
   bool no_sync = false;  // fsdp_set_grad_sync(0) for all micro-batches but the last
+  // With no_sync: sync stays off for every micro-batch and is turned on just
+  // before fsdp_step, which then reduces the pending grads itself.
+  bool sync_at_step = false;
   double max_grad_norm = 0;
   bool uneven = false;
   double weight_decay = 0.01;
@@ -278,8 +280,9 @@ struct Case {
   // does), then backward_end in reverse order. One gather per unit per step.
   bool backward_only = false;
   // The host's compute runs on a CPU host stream whose tasks start this late
-  // (0: the NULL stream, the calling thread): every call gets that stream and
-  // returns before the compute it must be ordered with has run.
+  // (0: the NULL stream, the calling thread, unless FSDP_TEST_LATE_HOST_US
+  // says otherwise): every call gets that stream and returns before the
+  // compute it must be ordered with has run.
   int host_stream_delay_us = 0;
 };
 
@@ -290,56 +293,8 @@ struct LibResult {
   std::vector<std::vector<double>> norms_by_rank;
 };
 
-UnitParams fetch_params(const Model& m, size_t u, fsdp_unit_t* unit, fsdp_dtype_t dt) {
-  UnitParams p;
-  const auto specs = m.unit_params(u);
-  for (size_t i = 0; i < specs.size(); ++i) {
-    void* ptr = nullptr;
-    EXPECT_OK(fsdp_param_ptr(unit, i, &ptr));
-    Tensor t(numel_of(specs[i].shape), NAN);
-    if (ptr != nullptr)
-      for (size_t k = 0; k < t.size(); ++k) t[k] = load_elem(ptr, k, dt);
-    p.push_back(std::move(t));
-  }
-  return p;
-}
-
-// Adds grads `g` of unit u into its grad buffers.
-void add_grads(fsdp_unit_t* unit, const UnitParams& g, fsdp_dtype_t dt) {
-  for (size_t i = 0; i < g.size(); ++i) {
-    void* gp = nullptr;
-    ASSERT_OK(fsdp_grad_ptr(unit, i, &gp));
-    ASSERT_NE(gp, nullptr);
-    for (size_t k = 0; k < g[i].size(); ++k) add_elem(gp, k, dt, g[i][k]);
-  }
-}
-
-// The same pass with no forward calls: backward_begin on every unit first.
-void lib_pass_backward_only(const Model& m, const std::vector<fsdp_unit_t*>& units, fsdp_dtype_t dt, const Data& d,
-                            int row0, int rows, float scale, const Params* expect) {
-  Params p(m.n_units());
-  for (size_t u = 0; u < m.n_units(); ++u) {
-    ASSERT_OK(fsdp_backward_begin(units[u], nullptr));
-    p[u] = fetch_params(m, u, units[u], dt);
-    if (expect) {
-      EXPECT_EQ(p[u], (*expect)[u]) << "backward gather of unit " << u;
-    }
-  }
-  std::vector<Tensor> acts(m.n_units() + 1);
-  acts[0] = rows_of(d.x, m.in_dim(), row0, rows);
-  for (size_t u = 0; u < m.n_units(); ++u) unit_forward(m, u, p[u], acts[u], rows, acts[u + 1]);
-  Tensor dh = loss_grad(acts.back(), d, row0, scale), dx;
-  for (size_t u = m.n_units(); u-- > 0;) {
-    UnitParams g;
-    unit_backward(m, u, p[u], acts[u], acts[u + 1], dh, rows, g, dx);
-    add_grads(units[u], g, dt);
-    ASSERT_OK(fsdp_backward_end(units[u], nullptr));
-    dh.swap(dx);
-  }
-}
-
 // Pointers to unit u's params (grads: `grads`), taken on the calling thread:
-// a task on the host stream may run after the unit's state moved on.
+// compute on a late host stream may run after the unit's state moved on.
 std::vector<void*> buffer_ptrs(fsdp_unit_t* unit, size_t n, bool grads) {
   std::vector<void*> out(n, nullptr);
   for (size_t i = 0; i < n; ++i) EXPECT_OK(grads ? fsdp_grad_ptr(unit, i, &out[i]) : fsdp_param_ptr(unit, i, &out[i]));
@@ -350,96 +305,100 @@ UnitParams load_params(const Model& m, size_t u, const std::vector<void*>& ptrs,
   UnitParams p;
   const auto specs = m.unit_params(u);
   for (size_t i = 0; i < specs.size(); ++i) {
-    Tensor t(numel_of(specs[i].shape));
-    for (size_t k = 0; k < t.size(); ++k) t[k] = load_elem(ptrs[i], k, dt);
+    Tensor t(numel_of(specs[i].shape), NAN);
+    if (ptrs[i] != nullptr)
+      for (size_t k = 0; k < t.size(); ++k) t[k] = load_elem(ptrs[i], k, dt);
     p.push_back(std::move(t));
   }
   return p;
 }
 
-// lib_pass with the host's compute queued on `hs` (a late host stream): the
-// forward of a unit reads its params there, after forward_begin returned; its
-// backward writes the grads there, after backward_end returned. Only the
-// events libfsdp records and waits for keep the gathers, the reductions and
-// the reuse of buffers in order with it.
-void lib_pass_on_stream(fsdp::device::Stream* hs, const Model& m, const std::vector<fsdp_unit_t*>& units,
-                        fsdp_dtype_t dt, const Data& d, int row0, int rows, float scale, const Params* expect) {
-  auto acts = std::make_shared<std::vector<Tensor>>(m.n_units() + 1);
-  (*acts)[0] = rows_of(d.x, m.in_dim(), row0, rows);
+// The host's compute of one pass: activations, the loss's grad, the params
+// each unit read (kept from forward to backward for backward_only).
+struct PassState {
+  std::vector<Tensor> acts;
+  Tensor dh;
+  Params params;
+};
+
+// One forward + backward pass over rows [row0, row0+rows) through libfsdp,
+// the compute through `host` (at once, or on a late host stream: then the
+// forward of a unit reads its params after forward_begin returned and its
+// backward writes the grads after backward_end returned, and only libfsdp's
+// events keep the gathers, reductions and buffer reuse in order with it).
+// `expect` (if not NULL) are the param values every gather must produce.
+void lib_pass(Host& host, const Model& m, const std::vector<fsdp_unit_t*>& units, fsdp_dtype_t dt, const Data& d,
+              int row0, int rows, float scale, const Params* expect) {
+  auto st = std::make_shared<PassState>();
+  st->acts.resize(m.n_units() + 1);
+  st->acts[0] = rows_of(d.x, m.in_dim(), row0, rows);
   for (size_t u = 0; u < m.n_units(); ++u) {
-    ASSERT_OK(fsdp_forward_begin(units[u], hs));
+    ASSERT_OK(fsdp_forward_begin(units[u], host.stream()));
     auto ptrs = buffer_ptrs(units[u], m.unit_params(u).size(), false);
-    hs->submit("forward", [&m, u, ptrs, dt, acts, rows, expect] {
+    host.run([&m, u, ptrs, dt, st, rows, expect] {
       UnitParams p = load_params(m, u, ptrs, dt);
       if (expect) {
         EXPECT_EQ(p, (*expect)[u]) << "forward gather of unit " << u;
       }
-      unit_forward(m, u, p, (*acts)[u], rows, (*acts)[u + 1]);
+      unit_forward(m, u, p, st->acts[u], rows, st->acts[u + 1]);
     });
-    ASSERT_OK(fsdp_forward_end(units[u], hs));
+    ASSERT_OK(fsdp_forward_end(units[u], host.stream()));
   }
-  auto dh = std::make_shared<Tensor>();
-  hs->submit("loss", [acts, dh, &d, row0, scale] { *dh = loss_grad(acts->back(), d, row0, scale); });
+  host.run([st, &d, row0, scale] { st->dh = loss_grad(st->acts.back(), d, row0, scale); });
   for (size_t u = m.n_units(); u-- > 0;) {
-    ASSERT_OK(fsdp_backward_begin(units[u], hs));
+    ASSERT_OK(fsdp_backward_begin(units[u], host.stream()));
     auto ptrs = buffer_ptrs(units[u], m.unit_params(u).size(), false);
     auto gptrs = buffer_ptrs(units[u], m.unit_params(u).size(), true);
-    hs->submit("backward", [&m, u, ptrs, gptrs, dt, acts, dh, rows, expect] {
+    host.run([&m, u, ptrs, gptrs, dt, st, rows, expect] {
       UnitParams p = load_params(m, u, ptrs, dt);
       if (expect) {
         EXPECT_EQ(p, (*expect)[u]) << "backward gather of unit " << u;
       }
       UnitParams g;
       Tensor dx;
-      unit_backward(m, u, p, (*acts)[u], (*acts)[u + 1], *dh, rows, g, dx);
+      unit_backward(m, u, p, st->acts[u], st->acts[u + 1], st->dh, rows, g, dx);
       for (size_t i = 0; i < g.size(); ++i)
         for (size_t k = 0; k < g[i].size(); ++k) add_elem(gptrs[i], k, dt, g[i][k]);
-      dh->swap(dx);
+      st->dh.swap(dx);
     });
-    ASSERT_OK(fsdp_backward_end(units[u], hs));
+    ASSERT_OK(fsdp_backward_end(units[u], host.stream()));
   }
 }
 
-// Waits for a host stream's queued tasks when a rank's run ends early (a
-// failed assertion): they read the run's locals.
-struct DrainOnExit {
-  fsdp::device::Stream* hs;
-  ~DrainOnExit() {
-    if (hs == nullptr) return;
-    try {
-      hs->synchronize(0);
-    } catch (...) {  // its failure was reported by the call that waited on it
-    }
-  }
-};
-
-// One forward + backward pass over rows [row0, row0+rows) through libfsdp.
-// `expect` (if not NULL) are the param values every gather must produce.
-void lib_pass(const Model& m, const std::vector<fsdp_unit_t*>& units, fsdp_dtype_t dt, const Data& d, int row0,
-              int rows, float scale, const Params* expect) {
-  std::vector<Tensor> acts(m.n_units() + 1);
-  acts[0] = rows_of(d.x, m.in_dim(), row0, rows);
+// The same pass with no forward calls: backward_begin on every unit first,
+// the whole forward on the params they gathered, then backward_end in reverse
+// order (as jax.value_and_grad does: one gather per unit per step).
+void lib_pass_backward_only(Host& host, const Model& m, const std::vector<fsdp_unit_t*>& units, fsdp_dtype_t dt,
+                            const Data& d, int row0, int rows, float scale, const Params* expect) {
+  auto st = std::make_shared<PassState>();
+  st->params.resize(m.n_units());
+  st->acts.resize(m.n_units() + 1);
+  st->acts[0] = rows_of(d.x, m.in_dim(), row0, rows);
   for (size_t u = 0; u < m.n_units(); ++u) {
-    ASSERT_OK(fsdp_forward_begin(units[u], nullptr));
-    const UnitParams p = fetch_params(m, u, units[u], dt);
-    if (expect) {
-      EXPECT_EQ(p, (*expect)[u]) << "forward gather of unit " << u;
-    }
-    unit_forward(m, u, p, acts[u], rows, acts[u + 1]);
-    ASSERT_OK(fsdp_forward_end(units[u], nullptr));
+    ASSERT_OK(fsdp_backward_begin(units[u], host.stream()));
+    auto ptrs = buffer_ptrs(units[u], m.unit_params(u).size(), false);
+    host.run([&m, u, ptrs, dt, st, expect] {
+      st->params[u] = load_params(m, u, ptrs, dt);
+      if (expect) {
+        EXPECT_EQ(st->params[u], (*expect)[u]) << "backward gather of unit " << u;
+      }
+    });
   }
-  Tensor dh = loss_grad(acts.back(), d, row0, scale), dx;
+  host.run([&m, st, &d, row0, rows, scale] {
+    for (size_t u = 0; u < m.n_units(); ++u) unit_forward(m, u, st->params[u], st->acts[u], rows, st->acts[u + 1]);
+    st->dh = loss_grad(st->acts.back(), d, row0, scale);
+  });
   for (size_t u = m.n_units(); u-- > 0;) {
-    ASSERT_OK(fsdp_backward_begin(units[u], nullptr));
-    const UnitParams p = fetch_params(m, u, units[u], dt);
-    if (expect) {
-      EXPECT_EQ(p, (*expect)[u]) << "backward gather of unit " << u;
-    }
-    UnitParams g;
-    unit_backward(m, u, p, acts[u], acts[u + 1], dh, rows, g, dx);
-    add_grads(units[u], g, dt);
-    ASSERT_OK(fsdp_backward_end(units[u], nullptr));
-    dh.swap(dx);
+    auto gptrs = buffer_ptrs(units[u], m.unit_params(u).size(), true);
+    host.run([&m, u, gptrs, dt, st, rows] {
+      UnitParams g;
+      Tensor dx;
+      unit_backward(m, u, st->params[u], st->acts[u], st->acts[u + 1], st->dh, rows, g, dx);
+      for (size_t i = 0; i < g.size(); ++i)
+        for (size_t k = 0; k < g[i].size(); ++k) add_elem(gptrs[i], k, dt, g[i][k]);
+      st->dh.swap(dx);
+    });
+    ASSERT_OK(fsdp_backward_end(units[u], host.stream()));
   }
 }
 
@@ -485,26 +444,23 @@ LibResult lib_train(const Case& c, const Model& m, const Params& init, const Dat
     const Params init_rounded = rounded(init, dt);
     const bool init_known = !c.rank_dependent_init || c.sync_module_states;
     const int rows = kBatch / c.world, micro_rows = rows / c.micro;
-    fsdp::device::Stream* hs = nullptr;
-    if (c.host_stream_delay_us > 0) {
-      auto& dev = dynamic_cast<fsdp::device::CpuDevice&>(reinterpret_cast<fsdp::core::Context*>(ctx.get())->device());
-      hs = dev.create_host_stream(std::chrono::microseconds(c.host_stream_delay_us));
-    }
-    DrainOnExit drain{hs};
+    // The case's own late host stream, or the environment's (the .late CTests).
+    Host host(ctx.get(), c.host_stream_delay_us > 0 ? c.host_stream_delay_us : -1);
     for (int step = 0; step < kSteps; ++step) {
       for (int k = 0; k < c.micro; ++k) {
-        if (c.no_sync) ASSERT_OK(fsdp_set_grad_sync(ctx.get(), k + 1 == c.micro ? 1 : 0));
+        if (c.no_sync) {
+          // The last micro-batch syncs, or (sync_at_step) none does and
+          // fsdp_step reduces the pending grads itself.
+          ASSERT_OK(fsdp_set_grad_sync(ctx.get(), k + 1 == c.micro && !c.sync_at_step ? 1 : 0));
+        }
         const Params* expect = step == 0 && init_known ? &init_rounded : nullptr;
         const int row0 = rank * rows + k * micro_rows;
         const float scale = 1.f / float(c.micro);
-        if (hs != nullptr) {
-          lib_pass_on_stream(hs, m, units, dt, d, row0, micro_rows, scale, expect);
-        } else {
-          (c.backward_only ? lib_pass_backward_only : lib_pass)(m, units, dt, d, row0, micro_rows, scale, expect);
-        }
+        (c.backward_only ? lib_pass_backward_only : lib_pass)(host, m, units, dt, d, row0, micro_rows, scale, expect);
         if (::testing::Test::HasFatalFailure()) return;
       }
-      ASSERT_OK(fsdp_step(ctx.get(), hs));
+      if (c.sync_at_step) ASSERT_OK(fsdp_set_grad_sync(ctx.get(), 1));
+      ASSERT_OK(fsdp_step(ctx.get(), host.stream()));
       double norm = -1;
       ASSERT_OK(fsdp_last_grad_norm(ctx.get(), &norm));
       out.norms_by_rank[size_t(rank)].push_back(norm);
@@ -779,6 +735,28 @@ std::vector<Case> variant_cases() {
   late_accum.micro = 2;
   late_accum.no_sync = true;
   add(late_accum, 2, "FULL_SHARD");
+  // fsdp_step itself reduces the grads that no_sync left pending: alone and
+  // in bf16 those are added into the grad shard on the caller's stream, which
+  // the step must wait for (review finding 2).
+  Case until_step;
+  until_step.name = "NoSyncUntilStep";
+  until_step.micro = 2;
+  until_step.no_sync = true;
+  until_step.sync_at_step = true;
+  for (int w : {1, 3}) add(until_step, w, "FULL_SHARD");
+  add(until_step, 2, "NO_SHARD");
+  Case until_step_bf16 = bf16;
+  until_step_bf16.name = "NoSyncUntilStepBf16";
+  until_step_bf16.micro = 2;
+  until_step_bf16.no_sync = true;
+  until_step_bf16.sync_at_step = true;
+  for (int w : {1, 2}) add(until_step_bf16, w, "FULL_SHARD");
+  add(until_step_bf16, 1, "NO_SHARD");
+  Case late_until_step = until_step_bf16;
+  late_until_step.name = "LateHostStreamNoSyncUntilStepBf16";
+  late_until_step.host_stream_delay_us = 1000;
+  add(late_until_step, 1, "FULL_SHARD");
+  add(late_until_step, 1, "NO_SHARD");
   Case late_offload = late;
   late_offload.name = "LateHostStreamOffload";
   late_offload.offload = true;

@@ -2,9 +2,11 @@
 // of work queued on streams reach the host through the public API: the next
 // call that waits on it, fsdp_ctx_async_error, and timeout_s on every wait.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
+#include <filesystem>
 #include <string>
 #include <thread>
 #include <vector>
@@ -223,4 +225,118 @@ TEST(LateHostStream, AReductionThatWaitsTooLongForTheHostsGradsIsReportedByAsync
     release = true;
     hs->synchronize(0);
   });
+}
+
+// ---- rewriting params while the host's stream still reads them (review finding 10)
+
+namespace {
+
+// A context of `world` ranks' rank `rank` with units "a" and "b" of kNumel
+// fp32 elements each (values va, vb), prefetch off, or an empty pointer.
+constexpr size_t kNumel = 64;
+struct TwoUnits {
+  CtxPtr ctx;
+  fsdp_unit_t* a = nullptr;
+  fsdp_unit_t* b = nullptr;
+};
+TwoUnits two_units(int rank, fsdp_local_group_t* group, const char* sharding, const std::vector<float>& va,
+                   const std::vector<float>& vb) {
+  TwoUnits t;
+  ConfigPtr cfg = make_config(
+      {{"sharding", sharding}, {"timeout_s", "10"}, {"forward_prefetch", "0"}, {"backward_prefetch", "none"}});
+  EXPECT_TRUE(cfg);
+  if (!cfg) return t;
+  fsdp_ctx_t* raw = nullptr;
+  EXPECT_OK(fsdp_ctx_create(cfg.get(), group, rank, &raw));
+  t.ctx.reset(raw);
+  if (raw == nullptr) return t;
+  EXPECT_OK(register_unit(raw, "a", {{"w", {int64_t(kNumel)}}}, &t.a));
+  EXPECT_OK(register_unit(raw, "b", {{"w", {int64_t(kNumel)}}}, &t.b));
+  if (t.a == nullptr || t.b == nullptr) return TwoUnits();
+  EXPECT_OK(fsdp_param_set_values(t.a, 0, va.data(), kNumel));
+  EXPECT_OK(fsdp_param_set_values(t.b, 0, vb.data(), kNumel));
+  return t;
+}
+
+std::vector<float> filled(float v) { return std::vector<float>(kNumel, v); }
+
+// Queues on `hs` a read of unit `u`'s params (taken now) into `seen`.
+void read_later(fsdp::device::Stream* hs, fsdp_unit_t* u, std::vector<float>* seen) {
+  void* p = nullptr;
+  ASSERT_OK(fsdp_param_ptr(u, 0, &p));
+  hs->submit("forward", [p, seen] {
+    const auto* f = static_cast<const float*>(p);
+    seen->assign(f, f + kNumel);
+  });
+}
+
+}  // namespace
+
+// Without gathers (a world of one) the host reads the fp32 master in place:
+// fsdp_param_set_values must not rewrite it before the host's stream has read
+// it (the read was queued before the call).
+TEST(LateHostStream, SetValuesWaitsForTheHostsReadOfParamsItReadsInPlace) {
+  for (const char* sharding : {"FULL_SHARD", "NO_SHARD"}) {
+    SCOPED_TRACE(sharding);
+    run_ranks(1, [sharding](int rank, fsdp_local_group_t* group) {
+      TwoUnits t = two_units(rank, group, sharding, filled(1.f), filled(2.f));
+      ASSERT_TRUE(t.ctx);
+      fsdp::device::Stream* hs = cpu_device(t.ctx.get()).create_host_stream(std::chrono::milliseconds(20));
+      std::vector<float> seen;
+      ASSERT_OK(fsdp_forward_begin(t.a, hs));
+      read_later(hs, t.a, &seen);
+      ASSERT_OK(fsdp_forward_end(t.a, hs));
+      EXPECT_OK(fsdp_param_set_values(t.a, 0, filled(9.f).data(), kNumel));
+      hs->synchronize(0);
+      EXPECT_EQ(seen, filled(1.f)) << "the host's forward read the values set after it";
+    });
+  }
+}
+
+// SHARD_GRAD_OP keeps the gathered params after forward. New values drop
+// them; the slot must go back to the pool only after the host's stream has
+// read it, or the next unit's gather (same size: the same slot) overwrites
+// what that read sees.
+TEST(LateHostStream, ADroppedGatherIsNotReusedWhileTheHostStillReadsIt) {
+  run_ranks(2, [](int rank, fsdp_local_group_t* group) {
+    TwoUnits t = two_units(rank, group, "SHARD_GRAD_OP", filled(1.f), filled(2.f));
+    ASSERT_TRUE(t.ctx);
+    fsdp::device::Stream* hs = cpu_device(t.ctx.get()).create_host_stream(std::chrono::milliseconds(20));
+    std::vector<float> seen_a, seen_b;
+    ASSERT_OK(fsdp_forward_begin(t.a, hs));
+    read_later(hs, t.a, &seen_a);
+    ASSERT_OK(fsdp_forward_end(t.a, hs));
+    EXPECT_OK(fsdp_param_set_values(t.a, 0, filled(9.f).data(), kNumel));
+    ASSERT_OK(fsdp_forward_begin(t.b, hs));
+    read_later(hs, t.b, &seen_b);
+    ASSERT_OK(fsdp_forward_end(t.b, hs));
+    hs->synchronize(0);
+    EXPECT_EQ(seen_a, filled(1.f)) << "unit a's slot was gathered into before the host's read of it";
+    EXPECT_EQ(seen_b, filled(2.f));
+  });
+}
+
+// fsdp_load replaces the master shard that a world of one reads in place: it
+// must wait for the host's read first (the old buffer is freed; AddressSanitizer
+// sees the read otherwise, and the read may see the loaded values).
+TEST(LateHostStream, LoadWaitsForTheHostsReadOfParamsItReadsInPlace) {
+  const std::string dir = ::testing::TempDir() + "fsdp_late_load_" + std::to_string(::getpid());
+  run_ranks(1, [&dir](int rank, fsdp_local_group_t* group) {
+    TwoUnits t = two_units(rank, group, "FULL_SHARD", filled(5.f), filled(6.f));
+    ASSERT_TRUE(t.ctx);
+    ASSERT_OK(fsdp_save(t.ctx.get(), dir.c_str(), "sharded"));
+    EXPECT_OK(fsdp_param_set_values(t.a, 0, filled(1.f).data(), kNumel));
+    fsdp::device::Stream* hs = cpu_device(t.ctx.get()).create_host_stream(std::chrono::milliseconds(20));
+    std::vector<float> seen;
+    ASSERT_OK(fsdp_forward_begin(t.a, hs));
+    read_later(hs, t.a, &seen);
+    ASSERT_OK(fsdp_forward_end(t.a, hs));
+    EXPECT_OK(fsdp_load(t.ctx.get(), dir.c_str()));
+    hs->synchronize(0);
+    EXPECT_EQ(seen, filled(1.f)) << "the host's forward read the loaded values (or freed memory)";
+    std::vector<float> now(kNumel);
+    EXPECT_OK(fsdp_gather_param(t.a, 0, now.data(), kNumel));
+    EXPECT_EQ(now, filled(5.f));
+  });
+  std::filesystem::remove_all(dir);
 }

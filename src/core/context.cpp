@@ -214,13 +214,15 @@ void Context::step(device::Stream& caller) {
     }
   }
   TraceScope scope(rt_.trace, "step");
+  // Grads left pending by no_sync are reduced now, after the caller's stream
+  // wrote them (alone: on that stream; their events are waited for below).
+  for (const auto& u : units_) u->reduce_pending_grads(caller);
   {
     // The optimizer runs on this thread: the host's queued compute (and the
     // reductions that wait for it) must be done first.
     TraceScope wait(rt_.trace, "wait for the caller's stream");
     caller.synchronize(rt_.opts.timeout_s);
   }
-  for (const auto& u : units_) u->reduce_pending_grads(caller);
   settle_units();
   optimizer_.step(units_);  // leaves every grad shard zero, the step skipped or not
   for (const auto& u : units_) u->grads_cleared();

@@ -71,6 +71,20 @@ Unit::Unit(Runtime& rt, size_t index, std::string name, std::vector<ParamSpec> p
   if (!rt_.gathers()) state_ = UnitState::kGathered;  // the shard is the full params
   gather_label_ = label("all_gather");
   reduce_label_ = label(rt_.sharded() ? "reduce_scatter" : "all_reduce");
+  replica_label_ = reduce_label_ + " (across replicas)";
+  size_t pes = dtype_size(rt_.opts.param_dtype), res = dtype_size(rt_.opts.reduce_dtype());
+  size_t padded = layout_.padded_numel();
+  std::string gathered_bytes = " " + std::to_string(s * pes * static_cast<size_t>(rt_.shard_world())) + " B";
+  size_t reduced = rt_.sharded() ? s : padded;
+  tasks_.gather = device::make_label(gather_label_ + gathered_bytes);
+  tasks_.gather_cast = device::make_label(gather_label_ + " (cast from fp32)" + gathered_bytes);
+  tasks_.copy_in = device::make_label(label("host to device copy") + " " + std::to_string(s * pes) + " B");
+  tasks_.copy_out_grads = device::make_label(label("device to host copy") + " " + std::to_string(padded * pes) + " B");
+  tasks_.reduce = device::make_label(reduce_label_ + " " + std::to_string(padded * res) + " B");
+  tasks_.copy_out_reduced =
+      device::make_label(label("device to host copy") + " " + std::to_string(reduced * res) + " B");
+  tasks_.host_accumulate = device::make_label(label("accumulate on the host"));
+  tasks_.accumulate = device::make_label(label("accumulate grads"));
 }
 
 void Unit::set_state(UnitState s) {
@@ -139,8 +153,10 @@ void Unit::set_values(size_t param_index, const float* values, size_t numel) {
     values = from_root.data();
   }
   // A prefetched gather may be reading the shard: wait for it, and drop the
-  // gathered copy that the new values make stale.
+  // gathered copy that the new values make stale. Without gathers the
+  // caller's stream reads the shard itself: wait until it is done.
   drop_stale_gathered();
+  if (!rt_.gathers()) wait_host_use();
   size_t off = layout_.param_offset(param_index);
   size_t lo = std::max(off, shard_offset());
   size_t hi = std::min(off + numel, shard_offset() + shard_numel());
@@ -159,6 +175,7 @@ void Unit::load_master(Buffer master) {
   if (in_use() || holds_gathered() || master.numel() != shard_numel()) {
     fail(FSDP_ERR_INTERNAL, "load_master on unit " + base::quote(name_) + " in state " + unit_state_name(state_));
   }
+  if (!rt_.gathers()) wait_host_use();  // the caller's stream may still read the shard in place
   master_ = std::move(master);
   if (!lowp_.empty()) rt_.state_dev->cast(lowp_.data(), lowp_.dtype(), master_.data(), DType::kFp32, shard_numel());
   rt_.state_dev->zero(sgrad_.data(), sgrad_.nbytes());
@@ -184,8 +201,10 @@ void Unit::issue_gather(bool prefetch) {
   const void* src = lowp_.empty() ? master_.data() : lowp_.data();
   void* dst = gathered_.data();
   size_t nbytes = shard_numel() * es;
-  const std::string& what = gather_label_;
-  if (rt_.trace.enabled()) rt_.trace.add(std::string(prefetch ? "prefetch " : "issue ") + what, 'i', Track::kCaller);
+  const Unit* self = this;  // tasks read only the unit's labels, made once (the streams stop before units go)
+  if (rt_.trace.enabled()) {
+    rt_.trace.add(std::string(prefetch ? "prefetch " : "issue ") + gather_label_, 'i', Track::kCaller);
+  }
   comm::Communicator* shard = rt_.shard_comm;
   EventPtr copied;
   std::shared_ptr<Buffer> staged;
@@ -200,8 +219,7 @@ void Unit::issue_gather(bool prefetch) {
     }
     void* to = alone ? dst : staged->data();
     device::Device* dev = rt_.dev;
-    copied = rt_.copy_in->submit(label("host to device copy") + " " + std::to_string(nbytes) + " B",
-                                 [dev, to, src, nbytes] { dev->copy_from_host(to, src, nbytes); });
+    copied = rt_.copy_in->submit(tasks_.copy_in, [dev, to, src, nbytes] { dev->copy_from_host(to, src, nbytes); });
     rt_.stream->wait(copied);
     if (alone) {
       gather_event_ = copied;
@@ -221,23 +239,20 @@ void Unit::issue_gather(bool prefetch) {
     void* stage = staged->data();
     DType dt = rt_.opts.param_dtype;
     size_t n = shard_numel();
-    gather_event_ = rt_.stream->submit(
-        what + " (cast from fp32) " + std::to_string(nbytes * static_cast<size_t>(rt_.shard_world())) + " B",
-        [shard, dev, master, stage, dt, n, dst, nbytes, what, staged] {
+    gather_event_ =
+        rt_.stream->submit(tasks_.gather_cast, [shard, dev, master, stage, dt, n, dst, nbytes, self, staged] {
           dev->cast(stage, dt, master, DType::kFp32, n);
-          shard->all_gather(stage, dst, nbytes, what);
+          shard->all_gather(stage, dst, nbytes, self->gather_label_);
           staged->reset();
         });
     set_state(UnitState::kGathering);
     trace_memory();
     return;
   }
-  gather_event_ =
-      rt_.stream->submit(what + " " + std::to_string(nbytes * static_cast<size_t>(rt_.shard_world())) + " B",
-                         [shard, src, dst, nbytes, what, staged] {
-                           shard->all_gather(src, dst, nbytes, what);
-                           if (staged) staged->reset();
-                         });
+  gather_event_ = rt_.stream->submit(tasks_.gather, [shard, src, dst, nbytes, self, staged] {
+    shard->all_gather(src, dst, nbytes, self->gather_label_);
+    if (staged) staged->reset();
+  });
   set_state(UnitState::kGathering);
   trace_memory();
 }
@@ -256,9 +271,10 @@ void Unit::wait_gathered(device::Stream& s) {
   }
 }
 
-void Unit::free_gathered(device::Stream& s) {
+void Unit::free_gathered(const EventPtr& read) {
   gather_event_.reset();
-  rt_.gather_slots->release(std::move(gathered_), s.record(), false);  // reused once `s` has read it
+  slot_read_.reset();
+  rt_.gather_slots->release(std::move(gathered_), read, false);  // reused once the host has read it
   set_state(UnitState::kSharded);
   trace_memory();
   rt_.sched->on_freed();
@@ -285,10 +301,12 @@ void Unit::forward_begin(device::Stream& s) {
 void Unit::forward_end(device::Stream& s) {
   TraceScope scope(rt_.trace, "forward_end ", name_);
   if (state_ != UnitState::kForward) bad_state("fsdp_forward_end", "the unit in forward (after fsdp_forward_begin)");
+  EventPtr read = note_host_use(s);
   // The buffer goes once the caller's stream is done reading it.
   if (rt_.gathers() && rt_.opts.reshard_after_forward()) {
-    free_gathered(s);
+    free_gathered(read);
   } else {
+    slot_read_ = read;                // a drop before backward releases the slot after this read
     set_state(UnitState::kGathered);  // kept for backward (or the shard itself)
   }
 }
@@ -330,21 +348,38 @@ void Unit::backward_end(device::Stream& s) {
   if (state_ != UnitState::kBackward) {
     bad_state("fsdp_backward_end", "the unit in backward (after fsdp_backward_begin)");
   }
+  EventPtr used = note_host_use(s);
   if (rt_.grad_sync) {
-    reduce_event_ = submit_reduction(s);
-    if (reduce_event_) rt_.reductions_in_flight.push_back(reduce_event_);
+    reduce_event_ = submit_reduction(s, used);
+    // Alone, the accumulation runs on the caller's stream: waiting for it in
+    // a later backward_begin would hold the host back behind its own compute.
+    bool on_caller = rt_.alone() && !rt_.offload();
+    if (reduce_event_ && !on_caller) rt_.reductions_in_flight.push_back(reduce_event_);
   } else {
     grads_pending_ = true;  // reduced by a later backward_end or fsdp_step, after the caller's stream
   }
   if (rt_.gathers()) {
-    free_gathered(s);
+    free_gathered(used);
   } else {
     set_state(UnitState::kGathered);
   }
   rt_.sched->after_backward(*this);
 }
 
-EventPtr Unit::submit_reduction(device::Stream& s) {
+EventPtr Unit::note_host_use(device::Stream& s) {
+  if (s.synchronous()) return nullptr;  // the host is done with what it read
+  host_use_ = s.record();
+  return host_use_;
+}
+
+void Unit::wait_host_use() {
+  if (!host_use_) return;
+  EventPtr ev = std::move(host_use_);
+  TraceScope wait(rt_.trace, "wait for the caller's stream's use of unit ", unit_tag());
+  ev->wait(rt_.opts.timeout_s);
+}
+
+EventPtr Unit::submit_reduction(device::Stream& s, EventPtr written) {
   grads_pending_ = false;
   if (grads_in_shard_) {  // the host wrote into the grad shard itself
     grads_in_shard_ = false;
@@ -354,45 +389,40 @@ EventPtr Unit::submit_reduction(device::Stream& s) {
   // Every accumulation into the grad shard below leaves its sum of squares in
   // grad_sq_: the step's norm then needs no pass of its own.
   grad_sq_known_ = true;
-  double* sq = &grad_sq_;
-  if (rt_.alone() && !rt_.offload()) {
-    accumulate_alone(s);
-    return nullptr;
-  }
+  if (rt_.alone() && !rt_.offload()) return accumulate_alone(s);
   // Whatever reads the grads below starts after the caller's stream wrote them.
-  EventPtr written = s.record();
+  if (!written) written = s.record();
   // The tasks read the grad slot through `grads`; the slot goes back to the
   // pool with the event of the last task that reads it. The sharded grad is
   // touched only by such tasks (in FIFO order) and by fsdp_step after it
-  // waited for them.
+  // waited for them. Tasks reach the unit's constants (sizes, labels) through
+  // `self`: the streams stop before the units go.
   void* grads = ugrad_.data();
-  Runtime* rt = &rt_;
-  DType pd = rt_.opts.param_dtype;
-  DType rd = rt_.opts.reduce_dtype();
-  size_t padded = layout_.padded_numel();
-  size_t shard = shard_numel();
-  float* sgrad = sharded_grad();
-  const std::string& what = reduce_label_;
-  auto op = rt_.opts.reduce_op == ReduceOp::kAvg ? comm::RedOp::kAvg : comm::RedOp::kSum;
-  bool offload = rt_.offload();
-  size_t n_reduced = rt_.sharded() ? shard : padded;
+  Unit* self = this;
   if (rt_.alone()) {
     // offload=cpu alone: no collective, only the device -> host copy and the
     // accumulation on the host. A copy cannot clear the grads: the slot is
     // zeroed when taken again.
-    auto on_host = std::make_shared<Buffer>();
     rt_.copy_out->wait(written);
-    EventPtr copied =
-        rt_.copy_out->submit(label("device to host copy") + " " + std::to_string(padded * dtype_size(pd)) + " B", [=] {
-          *on_host = Buffer(rt->state_dev, &rt->mem, MemCategory::kScratch, pd, padded, /*zeroed=*/false);
-          rt->dev->copy_to_host(on_host->data(), grads, padded * dtype_size(pd));
-        });
+    rt_.copy_out->wait(reduce_event_);  // the unit's last reduction is done with on_host_
+    EventPtr copied = rt_.copy_out->submit(tasks_.copy_out_grads, [self, grads] {
+      Runtime& rt = self->rt_;
+      size_t padded = self->layout_.padded_numel();
+      DType pd = rt.opts.param_dtype;
+      self->on_host_ = Buffer(rt.state_dev, &rt.mem, MemCategory::kScratch, pd, padded, /*zeroed=*/false);
+      rt.dev->copy_to_host(self->on_host_.data(), grads, padded * dtype_size(pd));
+    });
     rt_.grad_slots->release(std::move(ugrad_), copied, /*zero=*/false);
-    return on_host_after(copied, [=] {
-      accumulate_rounded(*rt, sgrad, on_host->data(), pd, rd, padded, sq, /*clear=*/false);
-      on_host->reset();
+    return on_host_after(copied, [self] {
+      Runtime& rt = self->rt_;
+      accumulate_rounded(rt, self->sharded_grad(), self->on_host_.data(), rt.opts.param_dtype, rt.opts.reduce_dtype(),
+                         self->layout_.padded_numel(), &self->grad_sq_, /*clear=*/false);
+      self->on_host_.reset();
     });
   }
+  DType pd = rt_.opts.param_dtype;
+  DType rd = rt_.opts.reduce_dtype();
+  bool offload = rt_.offload();
   // Each path clears the grads in a pass that reads them anyway (the cast to
   // reduce_dtype, the reduce-scatter or the accumulation into the grad
   // shard), so that the slot reads as zeros again and the next backward takes
@@ -400,95 +430,111 @@ EventPtr Unit::submit_reduction(device::Stream& s) {
   // (offload=cpu, NO_SHARD, no cast) cannot, and the slot is zeroed when
   // taken again.
   bool clears = !(offload && !rt_.sharded() && rd == pd);
-  // With offload=cpu the reduced grad leaves the comm task in `reduced` (a
+  // With offload=cpu the reduced grad leaves the comm task in reduced_ (a
   // scratch buffer, or the grad slot itself) and a copy-stream task brings it
-  // to the host grad shard; otherwise the comm task accumulates it on the device.
-  struct Reduced {
-    Buffer owned;
-    const void* data = nullptr;
-  };
-  auto reduced = offload ? std::make_shared<Reduced>() : nullptr;
+  // to the host grad shard; otherwise the comm task accumulates it on the
+  // device. reduced_ and on_host_ are the unit's: its reductions run in FIFO
+  // order on the comm stream, then on copy_out, then on host_work; the next
+  // reduction of the unit (a unit used twice per step) starts after the last
+  // is done with them.
   rt_.stream->wait(written);
-  EventPtr ev = rt_.stream->submit(what + " " + std::to_string(padded * dtype_size(rd)) + " B", [=] {
-    Buffer converted;
-    void* src = grads;
-    if (rd != pd) {
-      converted = Buffer(rt->dev, &rt->mem, MemCategory::kScratch, rd, padded, /*zeroed=*/false);
-      rt->dev->cast_clear(converted.data(), rd, grads, pd, padded);
-      src = converted.data();
-    }
-    Buffer out;
-    void* out_data = src;  // NO_SHARD: the all-reduce runs in place
-    if (rt->sharded()) {
-      out = Buffer(rt->dev, &rt->mem, MemCategory::kScratch, rd, shard, /*zeroed=*/false);
-      out_data = out.data();
-      if (rd != pd) {
-        rt->shard_comm->reduce_scatter(src, out_data, shard, rd, op, what);
-      } else {
-        rt->shard_comm->reduce_scatter_clear(src, out_data, shard, rd, op, what);
-      }
-      // HYBRID_SHARD: the same shard of every replica, averaged (or summed) too.
-      if (rt->replica_comm != nullptr) {
-        rt->replica_comm->all_reduce(out_data, out_data, shard, rd, op, what + " (across replicas)");
-      }
-    } else {
-      rt->world_comm->all_reduce(src, src, padded, rd, op, what);
-      out = std::move(converted);  // empty when the grads themselves were reduced
-    }
-    if (offload) {
-      reduced->owned = std::move(out);
-      reduced->data = out_data;
-    } else if (!rt->sharded() && rd == pd) {  // out_data is the grads themselves
-      rt->dev->accumulate_clear(sgrad, out_data, rd, 1.0f, n_reduced, sq);
-    } else {
-      rt->dev->accumulate(sgrad, out_data, rd, 1.0f, n_reduced, sq);
-    }
-  });
+  if (offload) rt_.stream->wait(reduce_event_);
+  EventPtr ev = rt_.stream->submit(tasks_.reduce, [self, grads] { self->reduce_task(grads); });
   if (!offload) {
     rt_.grad_slots->release(std::move(ugrad_), ev, clears);
     return ev;
   }
-  auto on_host = std::make_shared<Buffer>();
   rt_.copy_out->wait(ev);
-  EventPtr copied =
-      rt_.copy_out->submit(label("device to host copy") + " " + std::to_string(n_reduced * dtype_size(rd)) + " B", [=] {
-        *on_host = Buffer(rt->state_dev, &rt->mem, MemCategory::kScratch, rd, n_reduced, /*zeroed=*/false);
-        rt->dev->copy_to_host(on_host->data(), reduced->data, n_reduced * dtype_size(rd));
-        reduced->owned.reset();  // stream-ordered: after the copy
-      });
-  rt_.grad_slots->release(std::move(ugrad_), copied, clears);
-  return on_host_after(copied, [=] {
-    rt->state_dev->accumulate(sgrad, on_host->data(), rd, 1.0f, n_reduced, sq);
-    on_host->reset();
+  EventPtr copied = rt_.copy_out->submit(tasks_.copy_out_reduced, [self] {
+    Runtime& rt = self->rt_;
+    DType dt = rt.opts.reduce_dtype();
+    size_t n = self->reduced_numel();
+    self->on_host_ = Buffer(rt.state_dev, &rt.mem, MemCategory::kScratch, dt, n, /*zeroed=*/false);
+    rt.dev->copy_to_host(self->on_host_.data(), self->reduced_data_, n * dtype_size(dt));
+    self->reduced_.reset();  // stream-ordered: after the copy
   });
+  rt_.grad_slots->release(std::move(ugrad_), copied, clears);
+  return on_host_after(copied, [self] {
+    Runtime& rt = self->rt_;
+    rt.state_dev->accumulate(self->sharded_grad(), self->on_host_.data(), rt.opts.reduce_dtype(), 1.0f,
+                             self->reduced_numel(), &self->grad_sq_);
+    self->on_host_.reset();
+  });
+}
+
+size_t Unit::reduced_numel() const { return rt_.sharded() ? shard_numel() : layout_.padded_numel(); }
+
+void Unit::reduce_task(void* grads) {
+  Runtime& rt = rt_;
+  DType pd = rt.opts.param_dtype;
+  DType rd = rt.opts.reduce_dtype();
+  size_t padded = layout_.padded_numel();
+  size_t shard = shard_numel();
+  auto op = rt.opts.reduce_op == ReduceOp::kAvg ? comm::RedOp::kAvg : comm::RedOp::kSum;
+  Buffer converted;
+  void* src = grads;
+  if (rd != pd) {
+    converted = Buffer(rt.dev, &rt.mem, MemCategory::kScratch, rd, padded, /*zeroed=*/false);
+    rt.dev->cast_clear(converted.data(), rd, grads, pd, padded);
+    src = converted.data();
+  }
+  Buffer out;
+  void* out_data = src;  // NO_SHARD: the all-reduce runs in place
+  if (rt.sharded()) {
+    out = Buffer(rt.dev, &rt.mem, MemCategory::kScratch, rd, shard, /*zeroed=*/false);
+    out_data = out.data();
+    if (rd != pd) {
+      rt.shard_comm->reduce_scatter(src, out_data, shard, rd, op, reduce_label_);
+    } else {
+      rt.shard_comm->reduce_scatter_clear(src, out_data, shard, rd, op, reduce_label_);
+    }
+    // HYBRID_SHARD: the same shard of every replica, averaged (or summed) too.
+    if (rt.replica_comm != nullptr) rt.replica_comm->all_reduce(out_data, out_data, shard, rd, op, replica_label_);
+  } else {
+    rt.world_comm->all_reduce(src, src, padded, rd, op, reduce_label_);
+    out = std::move(converted);  // empty when the grads themselves were reduced
+  }
+  size_t n_reduced = reduced_numel();
+  if (rt.offload()) {
+    reduced_ = std::move(out);
+    reduced_data_ = out_data;
+  } else if (!rt.sharded() && rd == pd) {  // out_data is the grads themselves
+    rt.dev->accumulate_clear(sharded_grad(), out_data, rd, 1.0f, n_reduced, &grad_sq_);
+  } else {
+    rt.dev->accumulate(sharded_grad(), out_data, rd, 1.0f, n_reduced, &grad_sq_);
+  }
 }
 
 EventPtr Unit::on_host_after(const EventPtr& copied, device::Stream::Task work) {
   rt_.host_work->wait(copied);
-  return rt_.host_work->submit(label("accumulate on the host"), std::move(work));
+  return rt_.host_work->submit(tasks_.host_accumulate, std::move(work));
 }
 
-void Unit::accumulate_alone(device::Stream& s) {
+EventPtr Unit::accumulate_alone(device::Stream& s) {
   DType pd = rt_.opts.param_dtype, rd = rt_.opts.reduce_dtype();
   size_t n = layout_.padded_numel();
   if (s.synchronous()) {
     TraceScope scope(rt_.trace, "accumulate grads of unit ", unit_tag());
     accumulate_rounded(rt_, sharded_grad(), ugrad_.data(), pd, rd, n, &grad_sq_, /*clear=*/true);
     rt_.grad_slots->release(std::move(ugrad_), nullptr, /*zero=*/true);
-    return;
+    return nullptr;
   }
-  Runtime* rt = &rt_;
+  // On the caller's stream, after its compute wrote the grads: fsdp_step
+  // waits for the returned event before the optimizer reads the grad shard
+  // and grad_sq_.
+  Unit* self = this;
   void* grads = ugrad_.data();
-  float* sgrad = sharded_grad();
-  double* sq = &grad_sq_;
-  EventPtr done = s.submit(label("accumulate grads"), [rt, grads, sgrad, pd, rd, n, sq] {
-    accumulate_rounded(*rt, sgrad, grads, pd, rd, n, sq, /*clear=*/true);
+  EventPtr done = s.submit(tasks_.accumulate, [self, grads] {
+    Runtime& rt = self->rt_;
+    accumulate_rounded(rt, self->sharded_grad(), grads, rt.opts.param_dtype, rt.opts.reduce_dtype(),
+                       self->layout_.padded_numel(), &self->grad_sq_, /*clear=*/true);
   });
   rt_.grad_slots->release(std::move(ugrad_), done, /*zero=*/true);
+  return done;
 }
 
 void Unit::reduce_pending_grads(device::Stream& s) {
-  if (grads_pending_) reduce_event_ = submit_reduction(s);
+  if (grads_pending_) reduce_event_ = submit_reduction(s, nullptr);
 }
 
 void Unit::wait_reductions() {
@@ -501,7 +547,12 @@ void Unit::wait_reductions() {
 void Unit::drop_stale_gathered() {
   if (!rt_.gathers() || state_ == UnitState::kSharded) return;
   EventPtr ev = std::move(gather_event_);
-  rt_.gather_slots->release(std::move(gathered_), ev, false);  // free once the gather is over
+  // Free once the gather is over and, when the caller's stream read the slot
+  // since (kept after forward), once it is done reading: that read came after
+  // the gather on its stream.
+  EventPtr free_after = slot_read_ ? std::move(slot_read_) : ev;
+  slot_read_.reset();
+  rt_.gather_slots->release(std::move(gathered_), free_after, false);
   set_state(UnitState::kSharded);
   trace_memory();
   rt_.sched->on_freed();

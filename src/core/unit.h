@@ -104,16 +104,29 @@ class Unit {
   // `s` waits for the gather (GATHERING|GATHERED -> in use); a synchronous
   // stream that sees it fail leaves the unit SHARDED.
   void wait_gathered(device::Stream& s);
-  // Frees the gathered params once `s` has done what it queued so far
-  // (stream-ordered: the block is not reused while `s` may still read it).
-  void free_gathered(device::Stream& s);
-  // The reduction of the grads that the caller's stream `s` wrote.
-  EventPtr submit_reduction(device::Stream& s);
+  // Frees the gathered params once `read` completes (null: now): the event
+  // after the caller's stream's last read, so that the block is not reused
+  // while that stream may still read it.
+  void free_gathered(const EventPtr& read);
+  // At *_end: the event after what the caller's stream `s` queued so far (its
+  // use of this unit's buffers), kept in host_use_; null on a synchronous stream.
+  EventPtr note_host_use(device::Stream& s);
+  // Blocks the host until the caller's stream's last use of this unit is
+  // done: before the shard that stream reads in place is rewritten.
+  void wait_host_use();
+  // The reduction of the grads that the caller's stream `s` wrote, after
+  // `written` (null: recorded on `s` now).
+  EventPtr submit_reduction(device::Stream& s, EventPtr written);
   // offload=cpu: `work` on the host's data that the copy of event `copied`
   // brought, on the host work stream; returns its event.
   EventPtr on_host_after(const EventPtr& copied, device::Stream::Task work);
-  // World of one: the grads reach the grad shard on the caller's stream `s`, no comm task.
-  void accumulate_alone(device::Stream& s);
+  // World of one: the grads reach the grad shard on the caller's stream `s`,
+  // no comm task; returns the event of that work (null when done already).
+  EventPtr accumulate_alone(device::Stream& s);
+  // The comm-stream task of a reduction of the grads in `grads`.
+  void reduce_task(void* grads);
+  // Elements of the reduced grads: the shard, or the padded params (NO_SHARD).
+  size_t reduced_numel() const;
   // Whether this backward may hand out the grad shard itself as the grad buffer.
   bool can_write_shard_grads() const;
   void set_state(UnitState s);
@@ -130,19 +143,32 @@ class Unit {
   std::vector<double> weight_decay_;
   UnitState state_ = UnitState::kSharded;
   bool grads_pending_ = false;
-  bool sgrad_zero_ = true;                   // the grad shard holds zeros (since the last step or load)
-  bool grads_in_shard_ = false;              // this backward's grads are the grad shard itself (alone, fp32)
-  bool grad_sq_known_ = true;                // set by the caller: grad_sq_ will hold the shard's sum of squares
-  double grad_sq_ = 0.0;                     // written by the pass that accumulates into the grad shard
-  std::string gather_label_, reduce_label_;  // the collectives' labels, built once
-  EventPtr gather_event_;                    // the gathered params are complete (while gathered)
-  EventPtr reduce_event_;                    // the last reduction queued for this unit
+  bool sgrad_zero_ = true;       // the grad shard holds zeros (since the last step or load)
+  bool grads_in_shard_ = false;  // this backward's grads are the grad shard itself (alone, fp32)
+  bool grad_sq_known_ = true;    // set by the caller: grad_sq_ will hold the shard's sum of squares
+  double grad_sq_ = 0.0;         // written by the pass that accumulates into the grad shard
+  // The collectives' labels, and the names of the tasks this unit queues,
+  // built once: a transition builds no string.
+  std::string gather_label_, reduce_label_, replica_label_;
+  struct TaskLabels {
+    device::Label gather, gather_cast, copy_in, copy_out_grads, reduce, copy_out_reduced, host_accumulate, accumulate;
+  } tasks_;
+  EventPtr gather_event_;  // the gathered params are complete (while gathered)
+  EventPtr reduce_event_;  // the last reduction queued for this unit
+  EventPtr host_use_;      // the caller's stream's last *_end of this unit (async streams)
+  EventPtr slot_read_;     // kept after forward: the caller's stream's read of gathered_
 
   Buffer master_;    // fp32 [shard], state device
   Buffer lowp_;      // param_dtype [shard], state device, only when param_dtype != fp32
   Buffer sgrad_;     // fp32 [shard], state device
   Buffer gathered_;  // param_dtype [padded], compute device, while gathered (when rt_.gathers())
   Buffer ugrad_;     // param_dtype [padded], compute device, during backward / while pending (unless grads_in_shard_)
+  // offload=cpu: a reduction's result on the compute device (reduced_, or the
+  // grad slot itself at reduced_data_) and its copy on the host (on_host_),
+  // each used by one stage of the reduction's tasks at a time (submit_reduction).
+  Buffer reduced_;
+  const void* reduced_data_ = nullptr;
+  Buffer on_host_;
 };
 
 }  // namespace fsdp::core
