@@ -93,12 +93,14 @@ __global__ void __launch_bounds__(kThreads) for_each(Body body, size_t n, bool v
   for (size_t i = done + t; i < n; i += stride) body.one(i);
 }
 
-bool aligned(const void* p, size_t bytes) { return p == nullptr || reinterpret_cast<uintptr_t>(p) % bytes == 0; }
+__host__ __device__ __forceinline__ bool aligned(const void* p, size_t bytes) {
+  return p == nullptr || reinterpret_cast<uintptr_t>(p) % bytes == 0;
+}
 template <typename T>
-bool aligned4(const T* p) {
+__host__ __device__ __forceinline__ bool aligned4(const T* p) {
   return aligned(p, 4 * sizeof(T));
 }
-bool aligned4(const NoOut*) { return true; }
+__host__ __device__ __forceinline__ bool aligned4(const NoOut*) { return true; }
 
 template <typename Body>
 cudaError_t launch(const Body& body, size_t n, bool vec, cudaStream_t s) {
@@ -259,8 +261,25 @@ struct ReduceBody {
   }
 };
 
-// One chunk of one span per block: the per-element bodies of AdamBody::one
-// and SgdBody::one with the span's op.
+// Elements [begin, end) of one span by one block: groups of 4 through
+// body.vec where `vec` (every array of the span aligned for its vector
+// access), then body.one over what is left. `begin` is a multiple of 4 (a
+// chunk's start), so the groups are the same as a per-range pass's.
+static_assert(kSpanChunk % 4 == 0, "chunks start on a group of 4");
+template <typename Body>
+__device__ __forceinline__ void span_chunk(const Body& body, size_t begin, size_t end, bool vec) {
+  size_t i = begin + threadIdx.x;
+  if (vec) {
+    const size_t g_end = end / 4;
+    for (size_t j = begin / 4 + threadIdx.x; j < g_end; j += blockDim.x) body.vec(j);
+    i = g_end * 4 + threadIdx.x;
+  }
+  for (; i < end; i += blockDim.x) body.one(i);
+}
+
+// One chunk of one span per block: AdamBody / SgdBody with the span's op,
+// 16-byte accesses where the span's arrays allow them (the same bits: each
+// element's update is the functor's either way).
 template <typename Out, bool kZero>
 __global__ void __launch_bounds__(kThreads)
     adam_spans_kernel(const OptimSpan* spans, const SpanChunk* chunks, AdamOp base, float lr, bool decoupled) {
@@ -272,8 +291,9 @@ __global__ void __launch_bounds__(kThreads)
                                   sp.state1,
                                   sp.state2,
                                   static_cast<Out*>(sp.out)};
+  const bool vec = aligned4(body.p) && aligned4(body.g) && aligned4(body.m) && aligned4(body.v) && aligned4(body.out);
   const size_t end = c.begin + kSpanChunk < sp.numel ? c.begin + kSpanChunk : sp.numel;
-  for (size_t i = c.begin + threadIdx.x; i < end; i += blockDim.x) body.one(i);
+  span_chunk(body, c.begin, end, vec);
 }
 
 template <typename Out, bool kZero, bool kMomentum>
@@ -284,8 +304,9 @@ __global__ void __launch_bounds__(kThreads)
   SgdOp op = base;
   op.weight_decay = sp.weight_decay;
   const SgdBody<Out, kZero, kMomentum> body{op, sp.params, sp.grads, sp.state1, static_cast<Out*>(sp.out)};
+  const bool vec = aligned4(body.p) && aligned4(body.g) && (!kMomentum || aligned4(body.buf)) && aligned4(body.out);
   const size_t end = c.begin + kSpanChunk < sp.numel ? c.begin + kSpanChunk : sp.numel;
-  for (size_t i = c.begin + threadIdx.x; i < end; i += blockDim.x) body.one(i);
+  span_chunk(body, c.begin, end, vec);
 }
 
 // Calls fn(typed null pointer) for the spans' output type.

@@ -42,7 +42,9 @@ cudaError_t reduce_sum(void* out, void* const* ins, size_t n_ins, fsdp_dtype_t d
 
 // Multi-tensor optimizer passes: one launch over many spans (OptimSpan, in
 // device memory), each block taking one chunk of at most kSpanChunk elements
-// of one span (the chunk table, in device memory too, says which). Each span
+// of one span (the chunk table, in device memory too, says which), with the
+// per-range passes' 16-byte accesses where that span's arrays are aligned
+// (the scalar path otherwise; the same bits either way). Each span
 // gets AdamOp::with_weight_decay(lr, its weight decay, decoupled), or the SGD
 // op with its weight decay; `has_out`: every span has a params copy in
 // `out_dtype` (else none has); SGD's `momentum`: every span has state1.
