@@ -7,13 +7,23 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <limits>
 #include <memory>
+#include <new>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
+
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include "base/error.h"
 #include "device/cpu/cpu_device.h"
@@ -32,6 +42,27 @@ using fsdp::device::Stream;
 using fsdp::device::StreamHooks;
 using fsdp::device::cuda::CudaDevice;
 using fsdp::device::cuda::CudaStream;
+
+// Heap allocations made by this thread while counting (global operator new
+// replaced for the test binary): what a steady-state submit must not do.
+namespace {
+thread_local bool counting_allocations = false;
+thread_local long allocations = 0;
+}  // namespace
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmismatched-new-delete"  // malloc'd by the operator new below
+void* operator new(size_t n) {
+  if (counting_allocations) ++allocations;
+  void* p = std::malloc(n == 0 ? 1 : n);
+  if (p == nullptr) throw std::bad_alloc();
+  return p;
+}
+void* operator new[](size_t n) { return operator new(n); }
+void operator delete(void* p) noexcept { std::free(p); }
+void operator delete[](void* p) noexcept { std::free(p); }
+void operator delete(void* p, size_t) noexcept { std::free(p); }
+void operator delete[](void* p, size_t) noexcept { std::free(p); }
+#pragma GCC diagnostic pop
 
 namespace {
 
@@ -258,17 +289,20 @@ TEST(CudaKernels, OptimizerPassesMatchTheCpuBitwise) {
 
 // The multi-tensor passes: one launch over spans of one flat model (sizes
 // below, at and over a chunk, each with its own weight decay) gives the bits
-// of the CPU device's pass span by span.
+// of the CPU device's pass span by span; the spans after an odd gap are not
+// 16-byte aligned, so the launch takes the vector path for some spans and the
+// scalar path for others.
 TEST(CudaKernels, MultiTensorOptimizerPassesMatchTheCpuSpanBySpan) {
   SKIP_WITHOUT_GPU();
   CudaDevice gpu(0);
   CpuDevice cpu(1, Pool::kDevice);
   const size_t chunk = fsdp::kernels::cuda::kSpanChunk;
   const std::vector<size_t> sizes = {7, chunk, chunk + 3, 1, 3 * chunk + 129, 256};
+  auto gap = [](size_t k) { return k == 2 || k == 4 ? size_t(17) : size_t(16); };  // a layout's padding, or not
   size_t total = 0;
-  for (size_t n : sizes) total += n + 16;  // gaps between the spans, as a layout's padding
-  for (int opt = 0; opt < 4; ++opt) {      // AdamW, Adam (L2), SGD, SGD with momentum
-    for (int out = 0; out < 3; ++out) {    // none, bf16, fp16
+  for (size_t k = 0; k < sizes.size(); ++k) total += sizes[k] + gap(k);
+  for (int opt = 0; opt < 4; ++opt) {    // AdamW, Adam (L2), SGD, SGD with momentum
+    for (int out = 0; out < 3; ++out) {  // none, bf16, fp16
       SCOPED_TRACE("opt=" + std::to_string(opt) + " out=" + std::to_string(out));
       DType out_dtype = out == 1 ? DType::kBf16 : DType::kFp16;
       size_t es = fsdp::dtype_size(out_dtype);
@@ -296,7 +330,7 @@ TEST(CudaKernels, MultiTensorOptimizerPassesMatchTheCpuSpanBySpan) {
         };
         cspans.push_back(span(cp.data(), cg.data(), cm.data(), cv.data(), cout.data()));
         gspans.push_back(span(dp.as<float>(), dg.as<float>(), dm.as<float>(), dv.as<float>(), dout.as<uint8_t>()));
-        at += sizes[k] + 16;
+        at += sizes[k] + gap(k);
       }
       auto ctable = cpu.make_span_table(cspans);
       auto gtable = gpu.make_span_table(gspans);
@@ -475,9 +509,11 @@ TEST(CudaStreams, AStreamOfAnotherGpuIsRefused) {
   cudaStream_t other = nullptr;
   ASSERT_EQ(cudaSetDevice(1), cudaSuccess);
   ASSERT_EQ(cudaStreamCreate(&other), cudaSuccess);
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);  // the tests after this one run on device 0
   expect_error(FSDP_ERR_INVALID_ARGUMENT, "belongs to cuda:1",
                [&] { gpu.caller_stream(other, "fsdp_backward_begin"); });
   ASSERT_EQ(cudaStreamDestroy(other), cudaSuccess);
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
 }
 
 TEST(CudaDeviceErrors, AnOrdinalOutOfRangeIsRefusedNamingTheCount) {
@@ -488,4 +524,221 @@ TEST(CudaDeviceErrors, AnOrdinalOutOfRangeIsRefusedNamingTheCount) {
 TEST(CudaDeviceErrors, WithoutAGpuTheDeviceIsUnsupportedWithAReason) {
   if (CudaDevice::count() > 0) GTEST_SKIP() << "a GPU is present: this checks the machines without one";
   expect_error(FSDP_ERR_UNSUPPORTED, "no CUDA device", [] { CudaDevice none(0); });
+}
+
+// ---- what the review of the GPU path found (docs/gpu.md) -------------------
+
+namespace {
+
+// Runs this test binary again with `filter` and the variable `flag` set:
+// for what poisons the process's CUDA context. Returns its exit code.
+int run_self(const std::string& filter, const std::string& flag) {
+  std::vector<std::string> env_s = {flag};
+  for (char** e = environ; *e != nullptr; ++e) env_s.emplace_back(*e);
+  std::vector<char*> env;
+  for (std::string& e : env_s) env.push_back(e.data());
+  env.push_back(nullptr);
+  std::string self = std::filesystem::read_symlink("/proc/self/exe").string();
+  std::string arg = "--gtest_filter=" + filter;
+  char* argv[] = {self.data(), arg.data(), nullptr};
+  pid_t pid = 0;
+  if (posix_spawn(&pid, self.c_str(), nullptr, nullptr, argv, env.data()) != 0) return -1;
+  int status = 0;
+  if (waitpid(pid, &status, 0) != pid) return -1;
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+// Queues about `ms` milliseconds of memory-bound work on `s` (n floats of
+// `acc` += `src`, again and again): something for other work to overtake.
+void queue_busy_work(float* acc, void* src, size_t n, int passes, cudaStream_t s) {
+  for (int k = 0; k < passes; ++k) {
+    ASSERT_EQ(fsdp::kernels::cuda::accumulate(acc, src, FSDP_DTYPE_FP32, 1.0f, n, false, s), cudaSuccess);
+  }
+}
+
+}  // namespace
+
+// Review P4: libfsdp's memory is a pool of its own; the device's default pool
+// (what cudaMallocAsync uses in torch, CuPy, JAX or the host) keeps its
+// release threshold and holds none of libfsdp's blocks.
+TEST(CudaMemory, ComesFromAPoolOfItsOwnAndLeavesTheDefaultPoolAsItWas) {
+  SKIP_WITHOUT_GPU();
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+  cudaMemPool_t def = nullptr;
+  ASSERT_EQ(cudaDeviceGetDefaultMemPool(&def, 0), cudaSuccess);
+  uint64_t threshold_before = 0, used_before = 0;
+  ASSERT_EQ(cudaMemPoolGetAttribute(def, cudaMemPoolAttrReleaseThreshold, &threshold_before), cudaSuccess);
+  ASSERT_EQ(cudaMemPoolGetAttribute(def, cudaMemPoolAttrUsedMemCurrent, &used_before), cudaSuccess);
+  CudaDevice gpu(0);
+  const size_t nbytes = size_t(64) << 20;
+  void* p = gpu.alloc(nbytes);
+  uint64_t threshold = 0, used = 0, ours = 0;
+  ASSERT_EQ(cudaMemPoolGetAttribute(def, cudaMemPoolAttrReleaseThreshold, &threshold), cudaSuccess);
+  ASSERT_EQ(cudaMemPoolGetAttribute(def, cudaMemPoolAttrUsedMemCurrent, &used), cudaSuccess);
+  ASSERT_EQ(cudaMemPoolGetAttribute(gpu.mem_pool(), cudaMemPoolAttrUsedMemCurrent, &ours), cudaSuccess);
+  EXPECT_EQ(threshold, threshold_before) << "libfsdp changed the default pool's release threshold";
+  EXPECT_EQ(used, used_before) << "libfsdp's block came from the default pool";
+  EXPECT_GE(ours, nbytes) << "libfsdp's block is not in its own pool";
+  gpu.free(p);
+}
+
+// Review 3 and 17: the multi-tensor optimizer's span table, made inside a
+// task as the optimizer makes it, is uploaded on that task's stream (so the
+// kernel after it reads it in order), used, and freed after its last launch,
+// all without waiting for other streams. Work queued first on the legacy
+// default stream, which the engine's non-blocking streams do not wait for,
+// is still running when the task has built, used and dropped its table: a
+// pageable cudaMemcpy on the legacy stream, or the device-wide wait of a
+// cudaFree, would have waited for it.
+TEST(CudaKernels, ASpanTableIsUploadedUsedAndFreedInTheOrderOfItsStream) {
+  SKIP_WITHOUT_GPU();
+  CudaDevice gpu(0);
+  CpuDevice cpu(1, Pool::kDevice);
+  const size_t chunk = fsdp::kernels::cuda::kSpanChunk;
+  const std::vector<size_t> sizes = {7, chunk + 3, 1, 3 * chunk + 129, 256};
+  size_t total = 0;
+  for (size_t n : sizes) total += n + 16;
+  std::vector<float> p = random_floats(total, 31), g = random_floats(total, 32, 3.0f),
+                     m = random_floats(total, 33, 1e-2f), v = random_floats(total, 34, 1e-2f);
+  for (float& x : v) x = std::abs(x);
+  std::vector<uint8_t> out_host(total * 2, 0xab);
+  std::vector<float> cp = p, cg = g, cm = m, cv = v;
+  std::vector<uint8_t> cout = out_host;
+  DeviceArray dp = upload(gpu, p), dg = upload(gpu, g), dm = upload(gpu, m), dv = upload(gpu, v),
+              dout(gpu, out_host.data(), out_host.size());
+  std::vector<fsdp::device::ShardSpan> cspans, gspans;
+  size_t at = 0;
+  for (size_t k = 0; k < sizes.size(); ++k) {
+    float wd = k % 2 == 0 ? 0.1f : 0.0f;
+    cspans.push_back(
+        {cp.data() + at, cg.data() + at, cm.data() + at, cv.data() + at, cout.data() + at * 2, sizes[k], wd});
+    gspans.push_back({dp.as<float>() + at, dg.as<float>() + at, dm.as<float>() + at, dv.as<float>() + at,
+                      dout.as<uint8_t>() + at * 2, sizes[k], wd});
+    at += sizes[k] + 16;
+  }
+  const size_t big = size_t(1) << 27;  // 400 passes over 1.5 GB: about 0.2 s on an H100
+  DeviceArray busy(gpu, nullptr, big * 4), ones(gpu, nullptr, big * 4);
+  gpu.zero(busy.ptr, busy.nbytes);
+  gpu.zero(ones.ptr, ones.nbytes);
+  queue_busy_work(busy.as<float>(), ones.ptr, big, 400, nullptr);
+  cudaEvent_t legacy_done = nullptr;
+  ASSERT_EQ(cudaEventCreateWithFlags(&legacy_done, cudaEventDisableTiming), cudaSuccess);
+  ASSERT_EQ(cudaEventRecord(legacy_done, nullptr), cudaSuccess);
+  auto s = gpu.create_stream("comm", 1, StreamHooks{});
+  auto op = fsdp::kernels::AdamOp::make(1e-3f, 0.9f, 0.999f, 1e-8f, 0.0f, true, 3, 0.75f);
+  EventPtr done = s->submit("optimizer step", [&] {
+    std::unique_ptr<fsdp::device::SpanTable> table = gpu.make_span_table(gspans);
+    gpu.adam_spans(*table, op, 1e-3f, true, DType::kBf16, true);
+  });  // the table went inside the task, as a rebuilt one does
+  const bool legacy_busy = cudaEventQuery(legacy_done) == cudaErrorNotReady;
+  done->wait(60);
+  EXPECT_TRUE(legacy_busy) << "building, using or freeing the span table waited for the legacy default stream";
+  auto ctable = cpu.make_span_table(cspans);
+  cpu.adam_spans(*ctable, op, 1e-3f, true, DType::kBf16, true);
+  expect_same_pass(cp, cg, cm, cv, cout, dp, dg, dm, dv, dout);
+  ASSERT_EQ(cudaEventSynchronize(legacy_done), cudaSuccess);
+  cudaEventDestroy(legacy_done);
+}
+
+// Review 9: the device is made current at every call, not remembered per
+// thread, so a host that switched the thread to another GPU in between does
+// not send libfsdp's work there.
+TEST(CudaStreams, EachCallMakesItsGpuCurrentWhateverTheHostSetInBetween) {
+  if (CudaDevice::count() < 2) GTEST_SKIP() << "needs 2 GPUs, " << CudaDevice::count() << " here: GPU test not run";
+  CudaDevice gpu(0);
+  void* a = gpu.alloc(256);
+  ASSERT_EQ(cudaSetDevice(1), cudaSuccess);  // the host's own work on its other GPU
+  gpu.zero(a, 256);
+  int current = -1;
+  ASSERT_EQ(cudaGetDevice(&current), cudaSuccess);
+  EXPECT_EQ(current, 0) << "libfsdp's call ran with the host's device current";
+  ASSERT_EQ(cudaSetDevice(1), cudaSuccess);
+  void* b = gpu.alloc(256);
+  cudaPointerAttributes attr{};
+  ASSERT_EQ(cudaPointerGetAttributes(&attr, b), cudaSuccess);
+  EXPECT_EQ(attr.device, 0);
+  gpu.free(a);
+  gpu.free(b);
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+}
+
+// Review 11: destroy is local. A stream of the engine's own that goes with
+// work still queued (a collective that may wait for a rank that is gone)
+// calls its abort hook, as the CPU's worker stream does; an idle one does not.
+TEST(CudaStreams, DestroyingAStreamWithQueuedWorkAbortsWhatItMayWaitFor) {
+  SKIP_WITHOUT_GPU();
+  CudaDevice gpu(0);
+  const size_t n = size_t(1) << 27;
+  DeviceArray acc(gpu, nullptr, n * 4), ones(gpu, nullptr, n * 4);
+  gpu.zero(acc.ptr, acc.nbytes);
+  gpu.zero(ones.ptr, ones.nbytes);
+  std::atomic<int> aborts{0};
+  StreamHooks hooks{nullptr, [&](const std::string&) { ++aborts; }, 0};
+  {
+    auto s = gpu.create_stream("comm", 1, hooks);
+    s->submit("long work",
+              [&] { queue_busy_work(acc.as<float>(), ones.ptr, n, 200, CudaStream::current()->native()); });
+  }
+  EXPECT_EQ(aborts.load(), 1) << "a stream destroyed with work queued did not call its abort hook";
+  {
+    auto s = gpu.create_stream("comm", 1, hooks);
+    s->submit("short work", [&] { gpu.zero(acc.ptr, 64); })->wait(60);
+  }
+  EXPECT_EQ(aborts.load(), 1) << "an idle stream called its abort hook";
+}
+
+// Review 12: a fault on the GPU (here an illegal address) reaches the
+// stream's failure(), which fsdp_ctx_async_error reports, without any wait
+// for an event. The fault poisons the CUDA context of the process, so the
+// check runs in a child (GpuFaultChild, which skips when run alone).
+TEST(CudaStreams, AFaultOnTheGpuReachesTheStreamsFailureWithoutAWait) {
+  SKIP_WITHOUT_GPU();
+  EXPECT_EQ(run_self("GpuFaultChild.*", "FSDP_TEST_GPU_FAULT_CHILD=1"), 0) << "the child failed (its output is above)";
+}
+
+TEST(GpuFaultChild, AKernelFaultIsTheStreamsFailure) {
+  if (std::getenv("FSDP_TEST_GPU_FAULT_CHILD") == nullptr) {  // NOLINT(concurrency-mt-unsafe)
+    GTEST_SKIP() << "runs only as a process of CudaStreams.AFaultOnTheGpuReachesTheStreamsFailureWithoutAWait";
+  }
+  CudaDevice gpu(0);
+  auto s = gpu.create_stream("comm", 1, StreamHooks{});
+  void* nowhere = reinterpret_cast<void*>(uintptr_t(1) << 44);  // 16 TiB: no allocation there
+  s->submit("a cast through a pointer to nowhere",
+            [&] { gpu.cast(nowhere, DType::kFp32, nowhere, DType::kBf16, size_t(1) << 20); });
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (s->failure() == FSDP_OK && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  EXPECT_EQ(s->failure(), FSDP_ERR_INTERNAL) << "the fault never reached failure()";
+}
+
+// Review 15: queueing a task, waiting for its event on another stream and
+// recording there allocate nothing once warm (pooled CUDA events and event
+// objects, labels made once), and a CUDA event goes back to the pool when its
+// event object goes.
+TEST(CudaStreams, SubmitWaitAndRecordAllocateNothingOnceWarm) {
+  SKIP_WITHOUT_GPU();
+  CudaDevice gpu(0);
+  auto a = gpu.create_stream("comm", 1, StreamHooks{});
+  auto b = gpu.create_stream("copy_in", 0, StreamHooks{});
+  DeviceArray x(gpu, nullptr, 4096);
+  const fsdp::device::Label label = fsdp::device::make_label("zero x");
+  auto round = [&] {
+    EventPtr ev = a->submit(label, [&] { gpu.zero(x.ptr, x.nbytes); });
+    b->wait(ev);
+    b->record()->wait(60);
+  };
+  for (int i = 0; i < 100; ++i) round();  // the pools now hold what a round needs
+  allocations = 0;
+  counting_allocations = true;
+  for (int i = 0; i < 1000; ++i) round();
+  counting_allocations = false;
+  EXPECT_EQ(allocations, 0) << "heap allocations in 1000 rounds of submit, wait and record";
+  cudaEvent_t first = nullptr;
+  {
+    EventPtr e = a->record();
+    first = static_cast<fsdp::device::cuda::CudaEvent&>(*e).native();
+  }
+  EventPtr again = a->record();
+  EXPECT_EQ(static_cast<fsdp::device::cuda::CudaEvent&>(*again).native(), first) << "the CUDA event was not reused";
 }

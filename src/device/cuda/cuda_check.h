@@ -31,19 +31,33 @@ inline fsdp_status_t status_of(cudaError_t e) {
 
 inline std::string describe(cudaError_t e) { return std::string(cudaGetErrorName(e)) + ": " + cudaGetErrorString(e); }
 
-// Throws the Error of `e` (if it is one), naming `what` was being done.
+// Throws the Error of `e` (if it is one), naming `what` was being done; the
+// message is built only then (the hot path passes literals).
+[[noreturn]] inline void fail_cuda(cudaError_t e, const std::string& what) {
+  fail(status_of(e), "cuda device: " + what + " failed (" + describe(e) + ")");
+}
+inline void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) fail_cuda(e, what);
+}
 inline void check(cudaError_t e, const std::string& what) {
-  if (e != cudaSuccess) fail(status_of(e), "cuda device: " + what + " failed (" + describe(e) + ")");
+  if (e != cudaSuccess) fail_cuda(e, what);
 }
 
 // Makes `ordinal` the calling thread's current device (each host thread has
-// its own; the API's caller may be any thread).
+// its own; the API's caller may be any thread). Asks CUDA every time rather
+// than remembering: the host, NCCL and other libraries set the device too.
 inline void bind(int ordinal) {
-  thread_local int bound = -1;
-  if (bound != ordinal) {
-    check(cudaSetDevice(ordinal), "cudaSetDevice(" + std::to_string(ordinal) + ")");
-    bound = ordinal;
-  }
+  int current = -1;
+  if (cudaGetDevice(&current) == cudaSuccess && current == ordinal) return;
+  cudaError_t e = cudaSetDevice(ordinal);
+  if (e != cudaSuccess) fail_cuda(e, "cudaSetDevice(" + std::to_string(ordinal) + ")");
+}
+// bind() for paths that may not throw (frees, destructors): false when the
+// device cannot be made current.
+inline bool try_bind(int ordinal) noexcept {
+  int current = -1;
+  if (cudaGetDevice(&current) == cudaSuccess && current == ordinal) return true;
+  return cudaSetDevice(ordinal) == cudaSuccess;
 }
 
 }  // namespace fsdp::device::cuda

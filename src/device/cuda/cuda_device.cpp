@@ -3,9 +3,12 @@
 
 #include <cstdint>
 #include <limits>
+#include <map>
+#include <new>
 #include <string>
 
 #include "../../../kernels/cuda/launch.h"
+#include "../../base/pool.h"
 #include "cuda_check.h"
 
 namespace fsdp::device::cuda {
@@ -23,57 +26,147 @@ struct HostResult {
   double* dst;
 };
 
+}  // namespace
+
+// libfsdp's own stream-ordered pool on one GPU: freed blocks stay cached for
+// the next allocation (a release threshold of "never"), as the engine frees
+// and allocates the same sizes every step; the device's default pool, which
+// other libraries in the process use, is left as it is. Shared by the
+// contexts on one GPU (thread-ranks reuse each other's freed blocks) and
+// destroyed with the last of them, which returns its memory to the driver.
+class MemPool {
+ public:
+  explicit MemPool(int ordinal) {
+    cudaMemPoolProps props{};
+    props.allocType = cudaMemAllocationTypePinned;
+    props.handleTypes = cudaMemHandleTypeNone;
+    props.location.type = cudaMemLocationTypeDevice;
+    props.location.id = ordinal;
+    check(cudaMemPoolCreate(&pool_, &props), "cudaMemPoolCreate");
+    uint64_t keep = std::numeric_limits<uint64_t>::max();
+    cudaError_t e = cudaMemPoolSetAttribute(pool_, cudaMemPoolAttrReleaseThreshold, &keep);
+    if (e != cudaSuccess) {
+      cudaMemPoolDestroy(pool_);
+      check(e, "setting the memory pool's release threshold");
+    }
+  }
+  // Blocks still allocated are released by CUDA once they are freed.
+  ~MemPool() { cudaMemPoolDestroy(pool_); }
+  MemPool(const MemPool&) = delete;
+  MemPool& operator=(const MemPool&) = delete;
+  cudaMemPool_t get() const { return pool_; }
+
+  // The pool of GPU `ordinal`, made when no device of it has one.
+  static std::shared_ptr<MemPool> of(int ordinal) {
+    static auto* mu = new std::mutex;  // never destroyed: devices may go during static destruction
+    static auto* pools = new std::map<int, std::weak_ptr<MemPool>>;
+    std::lock_guard<std::mutex> lock(*mu);  // no host callback takes it
+    std::weak_ptr<MemPool>& slot = (*pools)[ordinal];
+    std::shared_ptr<MemPool> p = slot.lock();
+    if (!p) {
+      p = std::make_shared<MemPool>(ordinal);
+      slot = p;
+    }
+    return p;
+  }
+
+ private:
+  cudaMemPool_t pool_ = nullptr;
+};
+
+namespace {
+
 // A SpanTable with its device copy: the spans, and the chunk table of the
-// multi-tensor launches.
+// multi-tensor launches, in one block of the pool. The upload is queued on
+// the stream the table is made on, from host copies the table keeps (the
+// spans, and the chunks), so it is ordered before the launches queued after
+// it there; `last_` marks the upload and then each launch, so that a launch
+// on another stream waits for the upload, and the table is freed only after
+// its last launch.
 class CudaSpanTable final : public SpanTable {
  public:
-  CudaSpanTable(int ordinal, std::vector<ShardSpan> spans) : SpanTable(std::move(spans)) {
+  CudaSpanTable(int ordinal, std::vector<ShardSpan> spans, cudaMemPool_t pool, cudaStream_t s, cudaStream_t idle)
+      : SpanTable(std::move(spans)), ordinal_(ordinal), idle_(idle) {
     const std::vector<ShardSpan>& sp = this->spans();
-    std::vector<k::SpanChunk> chunks = k::span_chunks(sp.data(), sp.size());
-    n_chunks_ = chunks.size();
-    bind(ordinal);
+    chunks_host_ = k::span_chunks(sp.data(), sp.size());
     has_out_ = !sp.empty() && sp.front().out != nullptr;
     momentum_ = !sp.empty() && sp.front().state1 != nullptr;
-    for (const ShardSpan& s : sp) {
-      if ((s.out != nullptr) != has_out_ || (s.state1 != nullptr) != momentum_) {
+    for (const ShardSpan& x : sp) {
+      if ((x.out != nullptr) != has_out_ || (x.state1 != nullptr) != momentum_) {
         fail(FSDP_ERR_INTERNAL, "cuda device: a span table whose spans differ in having a params copy or state");
       }
     }
-    upload(reinterpret_cast<void**>(&spans_), sp.data(), sp.size() * sizeof(ShardSpan));
-    upload(reinterpret_cast<void**>(&chunks_), chunks.data(), chunks.size() * sizeof(k::SpanChunk));
+    check(cudaEventCreateWithFlags(&last_, cudaEventDisableTiming), "cudaEventCreateWithFlags (span table)");
+    const size_t spans_nbytes = (sp.size() * sizeof(ShardSpan) + 255) / 256 * 256;
+    const size_t chunks_nbytes = chunks_host_.size() * sizeof(k::SpanChunk);
+    if (spans_nbytes + chunks_nbytes > 0) {
+      void* block = nullptr;
+      cudaError_t e = cudaMallocFromPoolAsync(&block, spans_nbytes + chunks_nbytes, pool, s);
+      if (e != cudaSuccess) {
+        cudaGetLastError();
+        cudaEventDestroy(last_);
+        fail_cuda(e, "cudaMallocFromPoolAsync (span table)");
+      }
+      block_ = block;
+      spans_ = static_cast<ShardSpan*>(block);
+      chunks_ = reinterpret_cast<k::SpanChunk*>(static_cast<char*>(block) + spans_nbytes);
+      check(cudaMemcpyAsync(spans_, sp.data(), sp.size() * sizeof(ShardSpan), cudaMemcpyHostToDevice, s),
+            "uploading the span table");
+      check(cudaMemcpyAsync(chunks_, chunks_host_.data(), chunks_nbytes, cudaMemcpyHostToDevice, s),
+            "uploading the span table's chunks");
+    }
+    check(cudaEventRecord(last_, s), "recording the span table's upload");
   }
+  // Waits for the table's own last use (an event: the upload and every launch
+  // recorded it; in the engine the step has already waited for its launch),
+  // not for the device, then frees in stream order and lets the host copies go.
   ~CudaSpanTable() override {
-    cudaFree(spans_);  // synchronizes: no launch may still read them
-    cudaFree(chunks_);
+    if (!try_bind(ordinal_)) return;
+    cudaEventSynchronize(last_);
+    if (block_ != nullptr) {
+      CudaStream* cur = CudaStream::current();
+      cudaFreeAsync(block_, cur != nullptr ? cur->native() : idle_);
+    }
+    cudaEventDestroy(last_);
   }
   CudaSpanTable(const CudaSpanTable&) = delete;
   CudaSpanTable& operator=(const CudaSpanTable&) = delete;
 
+  // Around a launch on `s`: after the upload and the launches before it.
+  void before_launch(cudaStream_t s) const { check(cudaStreamWaitEvent(s, last_, 0), "waiting for the span table"); }
+  void after_launch(cudaStream_t s) const { check(cudaEventRecord(last_, s), "recording a span table launch"); }
+
   const ShardSpan* spans_dev() const { return spans_; }
   const k::SpanChunk* chunks() const { return chunks_; }
-  size_t n_chunks() const { return n_chunks_; }
+  size_t n_chunks() const { return chunks_host_.size(); }
   bool has_out() const { return has_out_; }
   bool momentum() const { return momentum_; }
 
  private:
-  static void upload(void** dst, const void* src, size_t nbytes) {
-    if (nbytes == 0) return;
-    check(cudaMalloc(dst, nbytes), "cudaMalloc (span table)");
-    check(cudaMemcpy(*dst, src, nbytes, cudaMemcpyHostToDevice), "uploading the span table");
-  }
-
+  int ordinal_;
+  cudaStream_t idle_;  // the device's own stream: frees outside tasks go there
+  std::vector<k::SpanChunk> chunks_host_;
+  cudaEvent_t last_ = nullptr;
+  void* block_ = nullptr;
   ShardSpan* spans_ = nullptr;
   k::SpanChunk* chunks_ = nullptr;
-  size_t n_chunks_ = 0;
   bool has_out_ = false;
   bool momentum_ = false;
 };
+
+// The callback's argument, from a pool of blocks (no heap allocation per
+// reduction once warm).
+HostResult* new_host_result(const HostResult& r) {
+  HostResult* p = base::PoolAllocator<HostResult>().allocate(1);
+  return new (p) HostResult(r);
+}
 
 void CUDART_CB write_host_result(void* arg) {  // no CUDA calls allowed here
   auto* r = static_cast<HostResult*>(arg);
   *r->dst = *r->pinned;
   r->dev->give_pinned(r->pinned);
-  delete r;
+  r->~HostResult();
+  base::PoolAllocator<HostResult>().deallocate(r, 1);
 }
 
 void* pinned_alloc(size_t nbytes) {
@@ -109,21 +202,19 @@ CudaDevice::CudaDevice(int ordinal) : ordinal_(ordinal) {
                                         std::to_string(n) + " CUDA device(s), numbered 0.." + std::to_string(n - 1));
   }
   bind(ordinal_);
-  // Freed blocks stay in the pool for the next cudaMallocAsync instead of
-  // going back to the driver at each synchronization.
-  cudaMemPool_t pool = nullptr;
-  check(cudaDeviceGetDefaultMemPool(&pool, ordinal_), "cudaDeviceGetDefaultMemPool");
-  uint64_t keep = std::numeric_limits<uint64_t>::max();
-  check(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep), "setting the pool's release threshold");
+  pool_ = MemPool::of(ordinal_);
   ops_ = std::make_unique<CudaStream>(ordinal_, "device operations", 0, StreamHooks{});
 }
 
 CudaDevice::~CudaDevice() {
-  if (cudaSetDevice(ordinal_) == cudaSuccess) cudaDeviceSynchronize();
+  if (try_bind(ordinal_)) cudaDeviceSynchronize();
   callers_.clear();
   ops_.reset();
+  pool_.reset();
   for (void* b : pinned_blocks_) cudaFreeHost(b);
 }
+
+cudaMemPool_t CudaDevice::mem_pool() const { return pool_->get(); }
 
 std::unique_ptr<Stream> CudaDevice::create_stream(std::string name, int priority, StreamHooks hooks) {
   return std::make_unique<CudaStream>(ordinal_, std::move(name), priority, std::move(hooks));
@@ -131,9 +222,13 @@ std::unique_ptr<Stream> CudaDevice::create_stream(std::string name, int priority
 
 Stream& CudaDevice::caller_stream(void* native, const char* call) {
   auto s = static_cast<cudaStream_t>(native);
-  std::lock_guard<std::mutex> lock(mu_);
-  auto it = callers_.find(s);
-  if (it != callers_.end()) return *it->second;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = callers_.find(s);
+    if (it != callers_.end()) return *it->second;
+  }
+  // A handle seen for the first time: checked and wrapped without the lock
+  // (no CUDA call under it); a thread that wrapped it meanwhile wins.
   if (s != nullptr) {
     int dev = -1;
     cudaError_t e = cudaStreamGetDevice(s, &dev);
@@ -144,6 +239,7 @@ Stream& CudaDevice::caller_stream(void* native, const char* call) {
     }
   }
   auto wrapped = std::make_unique<CudaStream>(ordinal_, s, s == nullptr ? "default" : "host");
+  std::lock_guard<std::mutex> lock(mu_);
   return *callers_.emplace(s, std::move(wrapped)).first->second;
 }
 
@@ -160,19 +256,19 @@ void CudaDevice::issued(cudaError_t e, const char* what) {
 void* CudaDevice::alloc(size_t nbytes) {
   bind(ordinal_);
   void* p = nullptr;
-  cudaError_t e = cudaMallocAsync(&p, nbytes == 0 ? 1 : nbytes, target());
+  cudaError_t e = cudaMallocFromPoolAsync(&p, nbytes == 0 ? 1 : nbytes, pool_->get(), target());
   if (e == cudaErrorMemoryAllocation) {
     cudaGetLastError();  // not sticky: clear it
     fail(FSDP_ERR_OUT_OF_MEMORY,
          "cuda device: could not allocate " + std::to_string(nbytes) + " bytes on cuda:" + std::to_string(ordinal_));
   }
-  issued(e, "cudaMallocAsync");
+  issued(e, "cudaMallocFromPoolAsync");
   return p;
 }
 
 void CudaDevice::free(void* ptr) noexcept {
   if (ptr == nullptr) return;
-  if (cudaSetDevice(ordinal_) != cudaSuccess) return;
+  if (!try_bind(ordinal_)) return;
   if (CudaStream* cur = CudaStream::current()) {
     cudaFreeAsync(ptr, cur->native());  // after the work queued on that stream
     return;
@@ -222,39 +318,41 @@ void CudaDevice::cast_clear(void* dst, DType dst_dtype, void* src, DType src_dty
 }
 
 double* CudaDevice::take_pinned() {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (pinned_free_.empty()) {
-    void* block = nullptr;
-    check(cudaMallocHost(&block, kPinnedPerBlock * sizeof(double)), "cudaMallocHost (result scalars)");
-    pinned_blocks_.push_back(block);
-    for (size_t i = 0; i < kPinnedPerBlock; ++i) pinned_free_.push_back(static_cast<double*>(block) + i);
+  {
+    std::lock_guard<std::mutex> lock(pinned_mu_);
+    if (!pinned_free_.empty()) {
+      double* p = pinned_free_.back();
+      pinned_free_.pop_back();
+      return p;
+    }
   }
-  double* p = pinned_free_.back();
-  pinned_free_.pop_back();
-  return p;
+  // A new block, allocated without the lock: the host callbacks that hand
+  // scalars back take it, and CUDA forbids a wait on them from a CUDA call.
+  void* block = nullptr;
+  check(cudaMallocHost(&block, kPinnedPerBlock * sizeof(double)), "cudaMallocHost (result scalars)");
+  std::lock_guard<std::mutex> lock(pinned_mu_);
+  pinned_blocks_.push_back(block);
+  pinned_free_.reserve(pinned_blocks_.size() * kPinnedPerBlock);  // give_pinned never grows it
+  for (size_t i = 1; i < kPinnedPerBlock; ++i) pinned_free_.push_back(static_cast<double*>(block) + i);
+  return static_cast<double*>(block);
 }
 
 void CudaDevice::give_pinned(double* p) {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::lock_guard<std::mutex> lock(pinned_mu_);
   pinned_free_.push_back(p);
 }
 
-void CudaDevice::queue_sum_squares(const float* x, size_t numel, double* out_dev, cudaStream_t s) {
-  size_t scratch_nbytes = k::sum_squares_scratch_nbytes(numel);
-  void* scratch = nullptr;
-  check(cudaMallocAsync(&scratch, scratch_nbytes == 0 ? 1 : scratch_nbytes, s), "cudaMallocAsync (norm scratch)");
-  check(k::sum_squares(x, numel, out_dev, scratch, s), "sum of squares");
-  check(cudaFreeAsync(scratch, s), "cudaFreeAsync (norm scratch)");
-}
-
 void CudaDevice::queue_squares_to_host(const float* x, size_t numel, double* host_dst, cudaStream_t s) {
-  double* sq = nullptr;
-  check(cudaMallocAsync(reinterpret_cast<void**>(&sq), sizeof(double), s), "cudaMallocAsync (result)");
-  queue_sum_squares(x, numel, sq, s);
+  // The result and the reduction's scratch in one block of the pool.
+  const size_t scratch_nbytes = k::sum_squares_scratch_nbytes(numel);
+  void* block = nullptr;
+  check(cudaMallocFromPoolAsync(&block, 256 + scratch_nbytes, pool_->get(), s), "cudaMallocFromPoolAsync (norm)");
+  auto* sq = static_cast<double*>(block);
+  check(k::sum_squares(x, numel, sq, static_cast<char*>(block) + 256, s), "sum of squares");
   double* pinned = take_pinned();
   check(cudaMemcpyAsync(pinned, sq, sizeof(double), cudaMemcpyDeviceToHost, s), "copying a result to the host");
-  check(cudaFreeAsync(sq, s), "cudaFreeAsync (result)");
-  check(cudaLaunchHostFunc(s, write_host_result, new HostResult{this, pinned, host_dst}), "cudaLaunchHostFunc");
+  check(cudaFreeAsync(block, s), "cudaFreeAsync (norm)");
+  check(cudaLaunchHostFunc(s, write_host_result, new_host_result({this, pinned, host_dst})), "cudaLaunchHostFunc");
 }
 
 void CudaDevice::accumulate_pass(float* acc, void* src, DType src_dtype, float scale, size_t numel, bool clear,
@@ -312,24 +410,35 @@ void CudaDevice::reduce_sum(void* out, void* const* ins, size_t n_ins, size_t nu
 }
 
 std::unique_ptr<SpanTable> CudaDevice::make_span_table(std::vector<ShardSpan> spans) {
-  return std::make_unique<CudaSpanTable>(ordinal_, std::move(spans));
+  bind(ordinal_);
+  auto table = std::make_unique<CudaSpanTable>(ordinal_, std::move(spans), pool_->get(), target(), ops_->native());
+  issued(cudaSuccess, "uploading the span table");
+  return table;
 }
 
 void CudaDevice::adam_spans(const SpanTable& table, const kernels::AdamOp& op, float lr, bool decoupled,
                             DType out_dtype, bool zero_grads) {
   const auto& t = dynamic_cast<const CudaSpanTable&>(table);
   bind(ordinal_);
-  issued(k::adam_spans(t.spans_dev(), t.chunks(), t.n_chunks(), op, lr, decoupled, t.has_out(), code(out_dtype),
-                       zero_grads, target()),
-         "adam (multi-tensor)");
+  cudaStream_t s = target();
+  t.before_launch(s);
+  check(k::adam_spans(t.spans_dev(), t.chunks(), t.n_chunks(), op, lr, decoupled, t.has_out(), code(out_dtype),
+                      zero_grads, s),
+        "adam (multi-tensor)");
+  t.after_launch(s);
+  issued(cudaSuccess, "adam (multi-tensor)");
 }
 
 void CudaDevice::sgd_spans(const SpanTable& table, const kernels::SgdOp& op, DType out_dtype, bool zero_grads) {
   const auto& t = dynamic_cast<const CudaSpanTable&>(table);
   bind(ordinal_);
-  issued(k::sgd_spans(t.spans_dev(), t.chunks(), t.n_chunks(), op, t.momentum(), t.has_out(), code(out_dtype),
-                      zero_grads, target()),
-         "sgd (multi-tensor)");
+  cudaStream_t s = target();
+  t.before_launch(s);
+  check(k::sgd_spans(t.spans_dev(), t.chunks(), t.n_chunks(), op, t.momentum(), t.has_out(), code(out_dtype),
+                     zero_grads, s),
+        "sgd (multi-tensor)");
+  t.after_launch(s);
+  issued(cudaSuccess, "sgd (multi-tensor)");
 }
 
 bool CudaDevice::device_only(const void* ptr) const {

@@ -1,7 +1,9 @@
-// src/device/cuda/cuda_device.h - the CUDA Device: memory from the device's
-// stream-ordered pool (cudaMallocAsync, kept cached by a release threshold),
-// the engine's streams as CUDA streams (cuda_stream.h), and the kernels of
-// kernels/cuda, which run the CPU device's functors.
+// src/device/cuda/cuda_device.h - the CUDA Device: memory from libfsdp's own
+// stream-ordered pool on the device (cudaMallocFromPoolAsync; a private
+// cudaMemPool_t that keeps freed blocks cached, so the device's default pool,
+// which torch, CuPy or JAX may use, keeps its settings), the engine's streams
+// as CUDA streams (cuda_stream.h), and the kernels of kernels/cuda, which run
+// the CPU device's functors.
 //
 // Where work goes: an operation called inside a CudaStream's task is queued on
 // that stream and returns at once (its results are there once the task's
@@ -21,6 +23,8 @@
 #include "cuda_stream.h"
 
 namespace fsdp::device::cuda {
+
+class MemPool;  // cuda_device.cpp
 
 class CudaDevice final : public Device {
  public:
@@ -68,9 +72,11 @@ class CudaDevice final : public Device {
   double sum_squares(const float* x, size_t numel) override;
   void reduce_sum(void* out, void* const* ins, size_t n_ins, size_t numel, DType dtype, float scale,
                   bool clear) override;
-  // The spans and their chunks uploaded to device memory (synchronously: a
-  // table is made at registration or after a load, not per step); one launch
-  // per pass.
+  // The spans and their chunks uploaded to device memory where the next
+  // operation goes (in a task: on its stream, in order before the launches
+  // queued after it; outside: synchronously), from a host copy the table keeps;
+  // one launch per pass. A table is made at registration or after a load, not
+  // per step. A launch on another stream waits for the upload (an event).
   std::unique_ptr<SpanTable> make_span_table(std::vector<ShardSpan> spans) override;
   void adam_spans(const SpanTable& table, const kernels::AdamOp& op, float lr, bool decoupled, DType out_dtype,
                   bool zero_grads) override;
@@ -86,9 +92,13 @@ class CudaDevice final : public Device {
   void* native_stream() override { return target(); }
 
   // Pinned host doubles for results the host reads (sums of squares); handed
-  // back from a host callback, which may make no CUDA call.
+  // back from a host callback, which may make no CUDA call: their mutex is
+  // never held across a CUDA call (one that waited for the callback thread
+  // would deadlock).
   double* take_pinned();
   void give_pinned(double* p);
+  // libfsdp's memory pool on this device (shared by the devices of one GPU).
+  cudaMemPool_t mem_pool() const;
 
  private:
   // The stream an operation is queued on, and what follows its queueing: a
@@ -97,17 +107,16 @@ class CudaDevice final : public Device {
   void issued(cudaError_t e, const char* what);
   // accumulate (with `clear`: accumulate_clear).
   void accumulate_pass(float* acc, void* src, DType src_dtype, float scale, size_t numel, bool clear, double* acc_sq);
-  // Sum of squares of x into the device double `out_dev` on `s` (scratch
-  // from the stream-ordered pool).
-  void queue_sum_squares(const float* x, size_t numel, double* out_dev, cudaStream_t s);
   // Queues on `s`: *host_dst = the sum of squares of x, written by a host
   // callback from a pinned copy once `s` gets there.
   void queue_squares_to_host(const float* x, size_t numel, double* host_dst, cudaStream_t s);
 
   int ordinal_;
-  std::unique_ptr<CudaStream> ops_;  // operations called outside any task
-  std::mutex mu_;
+  std::shared_ptr<MemPool> pool_;
+  std::unique_ptr<CudaStream> ops_;                              // operations called outside any task
+  std::mutex mu_;                                                // callers_; never held across a CUDA call
   std::map<cudaStream_t, std::unique_ptr<CudaStream>> callers_;  // the host's streams, wrapped
+  std::mutex pinned_mu_;  // pinned_free_, pinned_blocks_; taken by host callbacks; never held across a CUDA call
   std::vector<double*> pinned_free_;
   std::vector<void*> pinned_blocks_;
 };

@@ -3,8 +3,11 @@
 
 #include <algorithm>
 #include <chrono>
+#include <map>
 #include <thread>
+#include <vector>
 
+#include "../../base/pool.h"
 #include "../../base/spin.h"
 #include "../../base/text.h"
 #include "cuda_check.h"
@@ -29,38 +32,69 @@ class CurrentStream {
   CudaStream* prev_;
 };
 
-cudaEvent_t new_event(int ordinal) {
-  bind(ordinal);
+}  // namespace
+
+EventPool& EventPool::of(int ordinal) {
+  static auto* mu = new std::mutex;
+  static auto* pools = new std::map<int, EventPool*>;
+  std::lock_guard<std::mutex> lock(*mu);
+  EventPool*& p = (*pools)[ordinal];
+  if (p == nullptr) p = new EventPool;  // never destroyed (see the header)
+  return *p;
+}
+
+cudaEvent_t EventPool::take() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!free_.empty()) {
+      cudaEvent_t ev = free_.back();
+      free_.pop_back();
+      return ev;
+    }
+  }
   cudaEvent_t ev = nullptr;
   check(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "cudaEventCreateWithFlags");
+  std::lock_guard<std::mutex> lock(mu_);
+  // Room for every event there is: give() never allocates.
+  if (free_.capacity() < ++created_) free_.reserve(2 * created_);
   return ev;
 }
 
-}  // namespace
+void EventPool::give(cudaEvent_t ev) noexcept {
+  std::lock_guard<std::mutex> lock(mu_);
+  free_.push_back(ev);
+}
 
-CudaEvent::CudaEvent(int ordinal, cudaEvent_t ev, std::string what)
-    : ordinal_(ordinal), ev_(ev), what_(std::move(what)) {}
+CudaEvent::CudaEvent(int ordinal, EventPool* pool, cudaEvent_t ev, Label what, Label stream)
+    : ordinal_(ordinal), pool_(pool), ev_(ev), what_(std::move(what)), stream_(std::move(stream)) {}
 
 CudaEvent::CudaEvent(fsdp_status_t status, std::string message)
     : done_(true), status_(status), message_(std::move(message)) {}
 
 CudaEvent::~CudaEvent() {
-  if (ev_ != nullptr) cudaEventDestroy(ev_);  // legal while pending: CUDA releases it once it completes
+  if (ev_ != nullptr) pool_->give(ev_);
+}
+
+std::string CudaEvent::describe() const {
+  std::string stream = stream_ ? *stream_ : std::string("?");
+  if (!what_) return "the work queued on the " + stream + " stream";
+  return "'" + *what_ + "' on the " + stream + " stream";
 }
 
 bool CudaEvent::poll() const {
-  if (done_) return true;
+  if (done_.load(std::memory_order_relaxed)) return true;
   cudaError_t e = cudaEventQuery(ev_);
   if (e == cudaErrorNotReady) return false;
-  done_ = true;
   if (e != cudaSuccess) {
     status_ = status_of(e);
-    message_ = "cuda device: " + what_ + " failed on the GPU (" + describe(e) + ")";
+    message_ = "cuda device: " + describe() + " failed on the GPU (" + cuda::describe(e) + ")";
   }
+  done_.store(true, std::memory_order_release);
   return true;
 }
 
 bool CudaEvent::done() const {
+  if (done_.load(std::memory_order_acquire)) return true;
   std::lock_guard<std::mutex> lock(mu_);
   return poll();
 }
@@ -68,7 +102,7 @@ bool CudaEvent::done() const {
 fsdp_status_t CudaEvent::status() const {
   std::lock_guard<std::mutex> lock(mu_);
   poll();
-  return done_ ? status_ : FSDP_OK;
+  return done_.load(std::memory_order_relaxed) ? status_ : FSDP_OK;
 }
 
 void CudaEvent::wait(double timeout_s) {
@@ -78,7 +112,7 @@ void CudaEvent::wait(double timeout_s) {
     auto sleep = std::chrono::microseconds(10);
     while (!done()) {
       if (timeout_s > 0 && std::chrono::steady_clock::now() - start > std::chrono::duration<double>(timeout_s)) {
-        fail(FSDP_ERR_TIMEOUT, what_ + " did not finish within timeout_s = " + base::format_double(timeout_s) +
+        fail(FSDP_ERR_TIMEOUT, describe() + " did not finish within timeout_s = " + base::format_double(timeout_s) +
                                    " s; it is still queued or running on the GPU");
       }
       std::this_thread::sleep_for(sleep);
@@ -92,37 +126,56 @@ void CudaEvent::wait(double timeout_s) {
 CudaStream* CudaStream::current() { return tls_current; }
 
 CudaStream::CudaStream(int ordinal, std::string name, int priority, StreamHooks hooks)
-    : ordinal_(ordinal), name_(std::move(name)), hooks_(std::move(hooks)), owned_(true) {
+    : ordinal_(ordinal),
+      name_(make_label(std::move(name))),
+      hooks_(std::move(hooks)),
+      events_(&EventPool::of(ordinal)),
+      owned_(true) {
   bind(ordinal_);
   int least = 0, greatest = 0;  // CUDA's "greatest" priority is its most negative number
   check(cudaDeviceGetStreamPriorityRange(&least, &greatest), "cudaDeviceGetStreamPriorityRange");
   check(cudaStreamCreateWithPriority(&stream_, cudaStreamNonBlocking, priority > 0 ? greatest : least),
-        "creating the " + name_ + " stream");
+        "creating the " + *name_ + " stream");
 }
 
 CudaStream::CudaStream(int ordinal, cudaStream_t wrapped, std::string name)
-    : ordinal_(ordinal), name_(std::move(name)), stream_(wrapped) {}
+    : ordinal_(ordinal), name_(make_label(std::move(name))), events_(&EventPool::of(ordinal)), stream_(wrapped) {}
 
 CudaStream::~CudaStream() {
   if (!owned_) return;
-  // Destroying a stream with work queued lets that work finish; the engine
-  // synchronizes its streams before it frees what they use.
+  if (try_bind(ordinal_) && hooks_.abort && cudaStreamQuery(stream_) == cudaErrorNotReady) {
+    // Destroy is local: what is queued may wait for ranks that will not come.
+    (void)capture([&] { hooks_.abort("a rank destroyed its context while collectives were queued or running"); });
+  }
+  // Work still queued finishes (or, aborted, quits) on the device; the engine
+  // frees what it uses after this, in order after it.
   cudaStreamDestroy(stream_);
 }
 
-void CudaStream::fail_with(fsdp_status_t status, const std::string& message) {
+void CudaStream::fail_with(fsdp_status_t status, const std::string& message) const {
   std::lock_guard<std::mutex> lock(mu_);
   fsdp_status_t ok = FSDP_OK;
   if (failure_.compare_exchange_strong(ok, status, std::memory_order_acq_rel)) failure_message_ = message;
 }
 
+fsdp_status_t CudaStream::failure() const {
+  fsdp_status_t f = failure_.load(std::memory_order_acquire);
+  if (f != FSDP_OK || !owned_ || !try_bind(ordinal_)) return f;
+  // A wrapped host stream is not queried: the host may have destroyed it.
+  cudaError_t e = cudaStreamQuery(stream_);
+  if (e == cudaSuccess || e == cudaErrorNotReady) return FSDP_OK;
+  fail_with(status_of(e), "cuda device: the GPU failed while running the " + *name_ + " stream's work (" + describe(e) +
+                              "); the CUDA context cannot be used any more");
+  return failure_.load(std::memory_order_acquire);
+}
+
 EventPtr CudaStream::submit(const Label& label, Task task) {
-  const std::string& name = *label;
   EventPtr failed_wait;
-  {
+  if (has_failed_wait_.load(std::memory_order_acquire)) {
     std::lock_guard<std::mutex> lock(mu_);
     failed_wait = std::move(failed_wait_);
     failed_wait_.reset();
+    has_failed_wait_.store(false, std::memory_order_release);
   }
   // As on a CPU stream: a failed wait fails the task without running it, and
   // either failure sticks to the stream.
@@ -130,23 +183,24 @@ EventPtr CudaStream::submit(const Label& label, Task task) {
     if (failed_wait) failed_wait->wait(0);  // throws its failure
     bind(ordinal_);
     CurrentStream scope(this);
-    if (hooks_.observer) hooks_.observer(name, true);
+    if (hooks_.observer) hooks_.observer(*label, true);
     Outcome ran = capture([&] { task(); });
-    if (hooks_.observer) hooks_.observer(name, false);
+    if (hooks_.observer) hooks_.observer(*label, false);
     if (!ran.ok()) fail(ran.status, ran.message);
   });
   if (!o.ok()) {
     fail_with(o.status, o.message);
     return std::make_shared<CudaEvent>(o.status, o.message);
   }
-  return recorded("'" + name + "' on the " + name_ + " stream");
+  return recorded(label);
 }
 
 void CudaStream::wait(const EventPtr& ev) {
   if (!ev) return;
   if (auto* ce = dynamic_cast<CudaEvent*>(ev.get()); ce != nullptr && ce->native() != nullptr) {
     bind(ordinal_);
-    check(cudaStreamWaitEvent(stream_, ce->native(), 0), "cudaStreamWaitEvent on the " + name_ + " stream");
+    cudaError_t e = cudaStreamWaitEvent(stream_, ce->native(), 0);
+    if (e != cudaSuccess) fail_cuda(e, "cudaStreamWaitEvent on the " + *name_ + " stream");
     return;
   }
   // An event with no GPU work behind it (failed at submit, or another
@@ -155,24 +209,28 @@ void CudaStream::wait(const EventPtr& ev) {
   if (!o.ok()) {
     std::lock_guard<std::mutex> lock(mu_);
     if (!failed_wait_) failed_wait_ = ev;
+    has_failed_wait_.store(true, std::memory_order_release);
   }
 }
 
-EventPtr CudaStream::record() { return recorded("the work queued on the " + name_ + " stream"); }
+EventPtr CudaStream::record() { return recorded(nullptr); }
 
-EventPtr CudaStream::recorded(std::string what) {
-  cudaEvent_t ev = new_event(ordinal_);
+EventPtr CudaStream::recorded(const Label& what) {
+  bind(ordinal_);  // the pool's events are made in the device's context
+  cudaEvent_t ev = events_->take();
   cudaError_t e = cudaEventRecord(ev, stream_);
-  if (e != cudaSuccess) cudaEventDestroy(ev);
-  check(e, "recording an event on the " + name_ + " stream");
-  return std::make_shared<CudaEvent>(ordinal_, ev, std::move(what));
+  if (e != cudaSuccess) {
+    events_->give(ev);
+    fail_cuda(e, "recording an event on the " + *name_ + " stream");
+  }
+  return base::make_pooled<CudaEvent>(ordinal_, events_, ev, what, name_);
 }
 
 void CudaStream::synchronize(double timeout_s) {
   record()->wait(timeout_s);
   if (failure() != FSDP_OK) {
     std::lock_guard<std::mutex> lock(mu_);
-    fail(failure(), failure_message_);
+    fail(failure_.load(), failure_message_);
   }
 }
 

@@ -5,6 +5,12 @@
 // and copies that the task issues are queued on it; the event it returns is a
 // CUDA event recorded after them. So a task "completes" when its GPU work
 // does, and Stream::wait is cudaStreamWaitEvent: no host blocks.
+//
+// Per submit or record nothing is allocated once warm: the cudaEvent_t comes
+// from a pool of the device's events (made with cudaEventDisableTiming, given
+// back when the CudaEvent goes), the CudaEvent object from base::make_pooled,
+// and the names are Labels made once; a message is built only when something
+// fails or times out.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -12,17 +18,36 @@
 #include <atomic>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "../device.h"
 #include "../stream.h"
 
 namespace fsdp::device::cuda {
 
+// The cudaEvent_t of one device that CudaEvents take and give back (never
+// destroyed: events may go during static destruction).
+class EventPool {
+ public:
+  static EventPool& of(int ordinal);
+  // An event of the device (which the caller has made current).
+  cudaEvent_t take();
+  // `ev` may still be pending: recording it again later is what CUDA allows
+  // (waits already queued keep the state they captured).
+  void give(cudaEvent_t ev) noexcept;
+
+ private:
+  std::mutex mu_;
+  std::vector<cudaEvent_t> free_;
+  size_t created_ = 0;
+};
+
 class CudaEvent final : public Event {
  public:
-  // Owns `ev` (recorded by the caller); `what` names the work in a timeout's
-  // message.
-  CudaEvent(int ordinal, cudaEvent_t ev, std::string what);
+  // Owns `ev` (recorded by the caller) until it goes back to `pool`; `what`
+  // (may be null: the stream's queued work) and `stream` name the work in a
+  // timeout's message.
+  CudaEvent(int ordinal, EventPool* pool, cudaEvent_t ev, Label what, Label stream);
   // An event that failed before any GPU work was queued for it.
   CudaEvent(fsdp_status_t status, std::string message);
   ~CudaEvent() override;
@@ -39,12 +64,14 @@ class CudaEvent final : public Event {
  private:
   // Turns the query's answer into done/failed (under mu_).
   bool poll() const;
+  std::string describe() const;
 
   int ordinal_ = -1;
+  EventPool* pool_ = nullptr;
   cudaEvent_t ev_ = nullptr;
-  std::string what_;
+  Label what_, stream_;
   mutable std::mutex mu_;
-  mutable bool done_ = false;
+  mutable std::atomic<bool> done_{false};
   mutable fsdp_status_t status_ = FSDP_OK;
   mutable std::string message_;
 };
@@ -56,6 +83,10 @@ class CudaStream final : public Stream {
   CudaStream(int ordinal, std::string name, int priority, StreamHooks hooks);
   // The host's stream (not owned; null is the legacy default stream).
   CudaStream(int ordinal, cudaStream_t wrapped, std::string name);
+  // Never waits for other ranks (as the CPU's WorkerStream): a stream of the
+  // engine's own destroyed with work still queued calls hooks.abort, so that
+  // a collective waiting for a peer that is gone quits instead of holding the
+  // frees that follow until the watchdog's timeout.
   ~CudaStream() override;
   CudaStream(const CudaStream&) = delete;
   CudaStream& operator=(const CudaStream&) = delete;
@@ -67,7 +98,10 @@ class CudaStream final : public Stream {
   void wait(const EventPtr& ev) override;
   EventPtr record() override;
   bool synchronous() const override { return false; }
-  fsdp_status_t failure() const override { return failure_.load(std::memory_order_acquire); }
+  // The first failure of a task queued here; for a stream of the engine's
+  // own also a fault on the GPU (an illegal address, a kernel that failed),
+  // which CUDA makes sticky: found by a query, without waiting for an event.
+  fsdp_status_t failure() const override;
   void synchronize(double timeout_s) override;
 
   cudaStream_t native() const { return stream_; }
@@ -75,19 +109,21 @@ class CudaStream final : public Stream {
   static CudaStream* current();
 
  private:
-  void fail_with(fsdp_status_t status, const std::string& message);
-  // An event recorded now on this stream; `what` names it in a timeout.
-  EventPtr recorded(std::string what);
+  void fail_with(fsdp_status_t status, const std::string& message) const;
+  // An event recorded now on this stream; `what` (may be null) names it.
+  EventPtr recorded(const Label& what);
 
   int ordinal_;
-  std::string name_;
+  Label name_;
   StreamHooks hooks_;
+  EventPool* events_;
   cudaStream_t stream_ = nullptr;
   bool owned_ = false;
-  std::atomic<fsdp_status_t> failure_{FSDP_OK};
+  mutable std::atomic<fsdp_status_t> failure_{FSDP_OK};
   mutable std::mutex mu_;
-  std::string failure_message_;  // the first failure's, under mu_
-  EventPtr failed_wait_;         // a waited-for event that failed: fails the next task, under mu_
+  mutable std::string failure_message_;  // the first failure's, under mu_
+  EventPtr failed_wait_;                 // a waited-for event that failed: fails the next task, under mu_
+  std::atomic<bool> has_failed_wait_{false};
 };
 
 }  // namespace fsdp::device::cuda
