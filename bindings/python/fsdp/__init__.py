@@ -8,6 +8,7 @@ from ._lib import LIB as _LIB, LOG_FN as _LOG_FN, check as _check
 from .core import Config, Context, Unit, LocalGroup, MemoryStats, local_group, launcher_world, bf16_to_f32, f32_to_bf16
 from .ranks import run_ranks
 from .dlpack import DeviceArray
+from . import cudart  # the CUDA runtime through ctypes: DLPack's cross-stream sync
 from .wrap import wrap, Wrapped, group_params
 
 __version__ = "0.1.0"

@@ -2,12 +2,15 @@
 import contextlib
 import ctypes
 import dataclasses
+import functools
+import operator
 import os
 
 import numpy as np
 
 from . import _lib
 from ._lib import LIB, check, InvalidState, InvalidArgument, Unsupported
+from . import cudart
 from .dlpack import DeviceArray
 
 _DTYPES = {0: ("fp32", np.float32, ctypes.c_float), 1: ("bf16", np.uint16, ctypes.c_uint16),
@@ -36,6 +39,39 @@ def _value_str(v):
     if isinstance(v, bool):
         return "1" if v else "0"
     return str(v)
+
+
+def stream_handle(stream):
+    """The cudaStream_t (an int, 0 for NULL) that `stream` stands for, or None for None. Takes an int
+    (1 and 2 are the legacy and per-thread default streams), an object with __cuda_stream__ (the CUDA
+    stream protocol: returns (0, handle)), a torch.cuda.Stream (.cuda_stream) or a cupy.cuda.Stream (.ptr);
+    anything else raises TypeError."""
+    if stream is None:
+        return None
+    if isinstance(stream, bool):
+        raise TypeError(f"stream={stream!r}: a bool is not a stream")
+    protocol = getattr(type(stream), "__cuda_stream__", None)
+    if protocol is not None:
+        got = stream.__cuda_stream__() if callable(protocol) else stream.__cuda_stream__
+        if not (isinstance(got, tuple) and len(got) == 2):
+            raise TypeError(f"stream={stream!r}: __cuda_stream__ returned {got!r}, not (version, handle)")
+        if got[0] != 0:
+            raise TypeError(f"stream={stream!r}: __cuda_stream__ version {got[0]!r} is not one this binding knows (0)")
+        handle = got[1]
+    elif hasattr(stream, "cuda_stream"):  # torch.cuda.Stream, torch.cuda.ExternalStream
+        handle = stream.cuda_stream
+    elif hasattr(stream, "ptr") and any(c.__name__.endswith("Stream") for c in type(stream).__mro__):
+        handle = stream.ptr  # cupy.cuda.Stream, cupy.cuda.ExternalStream (not any object with a .ptr)
+    else:
+        handle = stream
+    try:
+        value = operator.index(handle)
+    except TypeError:
+        raise TypeError(f"stream={stream!r}: expected a cudaStream_t as an int, an object with __cuda_stream__, a "
+                        f"torch.cuda.Stream or a cupy.cuda.Stream, or None (the legacy default stream)") from None
+    if value < 0:
+        raise InvalidArgument(1, f"stream={stream!r}: a cudaStream_t is not negative")
+    return value
 
 
 def launcher_world():
@@ -217,13 +253,17 @@ class Context(_Handle):
 
     # ---- the step ----
     def _stream(self, stream, what):
-        """The void* stream argument: None (NULL) on CPU; on CUDA a cudaStream_t as an int (None: NULL)."""
+        """The void* stream argument, as an int or None (NULL): None on CPU; on CUDA what stream_handle() makes
+        of an int, a __cuda_stream__ object, a torch.cuda.Stream or a cupy.cuda.Stream."""
         if stream is None:
             return None
         if self.device_kind != "cuda":
             raise InvalidArgument(1, f"{what}: stream={stream!r} given on a {self.device} context; streams are "
                                      f"CUDA only (pass None)")
-        return int(stream)
+        try:
+            return stream_handle(stream)
+        except TypeError as e:
+            raise TypeError(f"{what}: {e}") from None
 
     def step(self, stream=None):
         """Collective: reduce waits, unscale, clip, optimizer on this rank's shards."""
@@ -357,8 +397,10 @@ class Unit:
               "fsdp_param_set_weight_decay")
 
     # ---- the pass ----
-    # stream (CUDA only): a cudaStream_t as an int; None passes NULL. The stream of the last *_begin is the
-    # one DeviceArrays report (NULL is reported as 1, the legacy default stream).
+    # stream (CUDA only): the stream the host computes on: a cudaStream_t as an int, an object with
+    # __cuda_stream__, a torch.cuda.Stream or a cupy.cuda.Stream (stream_handle); None passes NULL, the
+    # legacy default stream. The stream of the last *_begin is the producer's stream of the DeviceArrays
+    # (NULL is reported as 1).
     def forward_begin(self, stream=None):
         s = self.ctx._stream(stream, "Unit.forward_begin")
         check(LIB.fsdp_forward_begin(self._handle(), s), "fsdp_forward_begin")
@@ -402,17 +444,26 @@ class Unit:
         ctx = self.ctx
         cuda = ctx.device_kind == "cuda"
         stream = (self._last_stream or 1) if cuda else None  # NULL stream = the legacy default stream (1)
+        sync = functools.partial(cudart.stream_wait, device_id=ctx.device_id) if cuda else None
         return DeviceArray(p, self.shapes[i], _ARRAY_DTYPES[ctx.param_dtype], device=ctx.device_kind,
-                           device_id=ctx.device_id, stream=stream, owner=self, readonly=readonly)
+                           device_id=ctx.device_id, stream=stream, owner=self, readonly=readonly, sync=sync)
 
     def param_array(self, i):
         """param(i) as a DeviceArray (any device): DLPack (numpy/torch/cupy/jax .from_dlpack) and, on CUDA,
-        __cuda_array_interface__; read only (the DLPack 1.x read-only flag is set). bf16 has its real dtype
-        (DLPack kDLBfloat). Valid only inside forward()/backward() of this unit."""
+        __cuda_array_interface__ (fp32, fp16; bf16 through DLPack only, as kDLBfloat). On CUDA a consumer
+        reading on another stream than the block's is ordered after it with an event (fsdp.cudart).
+
+        Valid only inside forward()/backward() of this unit, and so is every tensor imported from it: after
+        *_end the memory is reused by the next gather, and a tensor kept longer (saved by autograd for
+        backward, say) reads other values with no error; clone what must outlive the block. Read only by
+        the DLPack 1.x flag, which only numpy enforces (torch and CuPy ignore it); where nothing is gathered
+        (world 1, NO_SHARD; not with offload=cpu) the view is the library's own weights, with fp32 params
+        the master itself, so a write through it bypasses the optimizer."""
         return self._array(LIB.fsdp_param_ptr, i, "param", True)
 
     def grad_array(self, i):
-        """grad(i) as a writable DeviceArray (any device). Valid only inside backward() of this unit."""
+        """grad(i) as a writable DeviceArray (any device): add grads into it. Valid only inside backward() of
+        this unit, and so is every tensor imported from it (see param_array)."""
         return self._array(LIB.fsdp_grad_ptr, i, "grad", False)
 
     def _view(self, fn, i, what):

@@ -3,15 +3,30 @@
 
 - ``__dlpack__`` / ``__dlpack_device__`` (DLPack ABI, legacy ``dltensor`` capsule and, when the consumer
   asks with ``max_version >= (1, 0)``, a ``dltensor_versioned`` capsule carrying the read-only flag):
-  ``numpy.from_dlpack``, ``torch.from_dlpack``, ``cupy.from_dlpack``, ``jax.dlpack.from_dlpack``.
+  ``numpy.from_dlpack``, ``torch.from_dlpack``, ``cupy.from_dlpack``, ``jax.dlpack.from_dlpack`` (on CUDA:
+  compiled, untested on a GPU; tests/test_cuda.py covers torch, CuPy and JAX and has not run on one).
 - ``__cuda_array_interface__`` (version 3), only for CUDA memory and only for float32/float16: the CUDA
   Array Interface uses numpy typestrs and numpy has no bfloat16, so bfloat16 is exported only through
   DLPack (dtype code kDLBfloat). For CPU memory the attribute raises AttributeError so consumers fall
   back to another protocol.
 
-The memory stays libfsdp's: a DeviceArray (and anything imported from it) is valid only while the
-buffer is, i.e. inside the forward()/backward() block it came from. A capsule keeps the DeviceArray's
-owner object alive until the consumer calls the deleter (or until an unconsumed capsule is collected).
+The memory stays libfsdp's: a DeviceArray, and every array imported from it (numpy, torch, CuPy, JAX),
+is valid only while the buffer is, i.e. inside the forward()/backward() block it came from. A capsule
+keeps the DeviceArray's owner object alive until the consumer calls the deleter, but not the buffer:
+``*_end`` gives the buffer back (on CUDA into a pool that keeps it mapped), the next gather reuses it, and
+a tensor kept past the block (a param saved by autograd for backward, say) then reads another unit's
+values with no fault and no error. Copy what must outlive the block (``tensor.clone()``). A debug
+option that fills freed buffers with NaN, so that such reads show, is coming (issue 25).
+
+The read-only flag (DLPack 1.x, ``data[1]`` of the CUDA Array Interface) is advisory: numpy honours it,
+torch has no read-only tensors and CuPy ignores it. Where libfsdp gathers nothing (world 1, NO_SHARD, a
+shard group of one; not with offload=cpu) a param view is the library's own copy of the weights, the
+fp32 master itself when param_dtype=fp32: a write through it changes the weights outside the optimizer.
+
+Streams (CUDA): the producer's stream is the one the block began on. ``__dlpack__(stream=s)`` orders the
+consumer's stream after it with an event when they differ (the ``sync`` hook; ``fsdp.cudart`` for the
+units' arrays), except where CUDA orders them already: the same stream, or the legacy (1) and per-thread
+(2) default streams, which synchronize with each other.
 """
 import ctypes
 import itertools
@@ -166,6 +181,21 @@ del _o
 
 # ---- DeviceArray ----
 
+_BF16_HINT = ("bfloat16 has no typestr in the CUDA Array Interface (its typestrs are numpy's, and numpy has no "
+              "bfloat16): import it with from_dlpack instead: torch.from_dlpack(a), cupy.from_dlpack(a), "
+              "jax.dlpack.from_dlpack(a)")
+
+
+def stream_ordered(producer, consumer):
+    """Whether work queued on stream `consumer` already runs after the work queued on stream `producer`, so
+    that __dlpack__ needs no event (CUDA Array Interface stream values: None no stream, -1 the consumer
+    synchronizes itself, 1 legacy default, 2 per-thread default, else a cudaStream_t). The legacy and the
+    per-thread default stream synchronize with each other (CUDA's stream semantics); any other pair of
+    distinct streams needs an event, as a non-blocking stream is ordered with nothing."""
+    if producer is None or consumer == -1 or consumer == producer:
+        return True
+    return producer in (1, 2) and consumer in (1, 2)
+
 
 def _dtype_name(dtype):
     s = getattr(dtype, "name", None) or getattr(dtype, "__name__", None) or str(dtype)
@@ -185,8 +215,9 @@ class DeviceArray:
     synchronization needed), 1 (legacy default stream), 2 (per-thread default stream) or a cudaStream_t
     as an int; 0 is refused (ambiguous, as in the spec). owner is kept alive by the array and by every
     capsule exported from it. sync(producer_stream, consumer_stream), optional, makes the consumer's
-    stream wait for the producer's (an event record + wait); without it, __dlpack__ on CUDA refuses a
-    consumer stream that differs from the producer's.
+    stream wait for the producer's (an event record + wait, e.g. functools.partial(fsdp.cudart.stream_wait,
+    device_id=N); Unit.param_array and grad_array give that one); without it, __dlpack__ on CUDA refuses a
+    consumer stream that is not already ordered after the producer's (stream_ordered).
     """
 
     def __init__(self, ptr, shape, dtype, device="cpu", device_id=0, stream=None, owner=None, readonly=False,
@@ -240,10 +271,29 @@ class DeviceArray:
                                  "(numpy.from_dlpack)")
         typestr = DTYPES[self.dtype][2]
         if typestr is None:
-            raise AttributeError("__cuda_array_interface__: bfloat16 has no typestr in the CUDA Array Interface; "
-                                 "use __dlpack__ (torch.from_dlpack, cupy.from_dlpack, jax.dlpack)")
+            raise AttributeError(_BF16_HINT)
         return {"shape": self.shape, "typestr": typestr, "data": (self.ptr if self.size else 0, self.readonly),
                 "version": 3, "strides": None, "stream": self.stream}
+
+    # ---- numpy's conversion, which cupy.asarray falls back to without __cuda_array_interface__ ----
+    def __array__(self, dtype=None, copy=None):
+        """On the CPU, the zero-copy numpy view (np.from_dlpack), converted when dtype asks. GPU memory is
+        refused with a TypeError that names from_dlpack: numpy cannot read it, and cupy.asarray would
+        otherwise fail on bfloat16 with "Unsupported dtype object"."""
+        if self.device == "cuda":
+            raise TypeError(f"DeviceArray: this {self.dtype} array is GPU memory (cuda:{self.device_id}), which numpy "
+                            f"cannot read; " + (_BF16_HINT if self.dtype == "bfloat16" else
+                                                "import it with from_dlpack (torch.from_dlpack(a), "
+                                                "cupy.from_dlpack(a), jax.dlpack.from_dlpack(a)) or cupy.asarray(a)"))
+        if self.dtype == "bfloat16":
+            raise TypeError("DeviceArray: numpy has no bfloat16; Unit.param(i)/grad(i) give the raw uint16 bits")
+        import numpy as np
+        a = np.from_dlpack(self)
+        if dtype is not None and np.dtype(dtype) != a.dtype:
+            if copy is False:
+                raise ValueError(f"DeviceArray: a {a.dtype} array cannot become {np.dtype(dtype)} without a copy")
+            return a.astype(dtype)
+        return a.copy() if copy else a
 
     # ---- DLPack ----
     def __dlpack_device__(self):
@@ -267,7 +317,7 @@ class DeviceArray:
         if consumer == 0:
             raise ValueError("DeviceArray.__dlpack__: stream 0 is disallowed (use 1, 2 or a stream handle)")
         producer = self.stream
-        if consumer == -1 or producer is None or consumer == producer:
+        if stream_ordered(producer, consumer):
             return
         if self._sync is None:
             raise BufferError(f"DeviceArray.__dlpack__: the data is ready on stream {producer} but the consumer "
