@@ -215,10 +215,10 @@ func (c *Context) simple(op string, f func() C.fsdp_status_t) error {
 	return call(op, f)
 }
 
-// Step (collective) runs the optimizer on this rank's shards and zeroes the grads.
-func (c *Context) Step() error {
-	return c.simple("fsdp_step", func() C.fsdp_status_t { return C.fsdp_step(c.ptr, nil) })
-}
+// Step (collective) runs the optimizer on this rank's shards and zeroes the
+// grads. On CUDA it waits for the legacy default stream; StepOn takes the
+// host's stream.
+func (c *Context) Step() error { return c.StepOn(DefaultStream) }
 
 // SetLR sets the learning rate of the following steps.
 func (c *Context) SetLR(lr float64) error {

@@ -137,25 +137,19 @@ func (u *Unit) SetWeightDecay(i int, wd float64) error {
 	})
 }
 
-// ForwardBegin (collective) makes the full params usable through Param.
-func (u *Unit) ForwardBegin() error {
-	return u.simple("fsdp_forward_begin", func() C.fsdp_status_t { return C.fsdp_forward_begin(u.ptr, nil) })
-}
+// ForwardBegin (collective) makes the full params usable through Param. On
+// CUDA it orders against the legacy default stream; ForwardBeginOn takes the
+// host's stream (stream.go).
+func (u *Unit) ForwardBegin() error { return u.ForwardBeginOn(DefaultStream) }
 
 // ForwardEnd ends the forward block; Param slices become invalid.
-func (u *Unit) ForwardEnd() error {
-	return u.simple("fsdp_forward_end", func() C.fsdp_status_t { return C.fsdp_forward_end(u.ptr, nil) })
-}
+func (u *Unit) ForwardEnd() error { return u.ForwardEndOn(DefaultStream) }
 
 // BackwardBegin (collective) makes the params and zeroed grad buffers usable.
-func (u *Unit) BackwardBegin() error {
-	return u.simple("fsdp_backward_begin", func() C.fsdp_status_t { return C.fsdp_backward_begin(u.ptr, nil) })
-}
+func (u *Unit) BackwardBegin() error { return u.BackwardBeginOn(DefaultStream) }
 
 // BackwardEnd (collective) reduces the grads; Param and Grad slices become invalid.
-func (u *Unit) BackwardEnd() error {
-	return u.simple("fsdp_backward_end", func() C.fsdp_status_t { return C.fsdp_backward_end(u.ptr, nil) })
-}
+func (u *Unit) BackwardEnd() error { return u.BackwardEndOn(DefaultStream) }
 
 // raw returns the library pointer of param i (grad: the grad buffer).
 func (u *Unit) raw(i int, grad bool, want16 bool) (unsafe.Pointer, error) {

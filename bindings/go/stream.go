@@ -1,0 +1,75 @@
+// stream.go - Stream: the cudaStream_t a GPU host computes on, for the *On
+// variants of the unit transitions and of Step, and the C calls that take it.
+
+package fsdp
+
+// #include <stdint.h>
+// #include "fsdp.h"
+//
+// // The stream crosses into C as an integer and becomes a pointer there: Go
+// // never holds a cudaStream_t as a pointer (a handle such as
+// // cudaStreamPerThread, 0x2, is no valid address for Go's stack checks).
+// static fsdp_status_t fsdp_go_forward_begin(fsdp_unit_t* u, uintptr_t s) { return fsdp_forward_begin(u, (void*)s); }
+// static fsdp_status_t fsdp_go_forward_end(fsdp_unit_t* u, uintptr_t s) { return fsdp_forward_end(u, (void*)s); }
+// static fsdp_status_t fsdp_go_backward_begin(fsdp_unit_t* u, uintptr_t s) { return fsdp_backward_begin(u, (void*)s); }
+// static fsdp_status_t fsdp_go_backward_end(fsdp_unit_t* u, uintptr_t s) { return fsdp_backward_end(u, (void*)s); }
+// static fsdp_status_t fsdp_go_step(fsdp_ctx_t* c, uintptr_t s) { return fsdp_step(c, (void*)s); }
+import "C"
+
+import (
+	"strconv"
+	"strings"
+)
+
+// Stream is a cudaStream_t as an integer: the stream the host queues its GPU
+// work on, which libfsdp orders its own work against (docs/gpu.md, "the
+// stream contract"). 0 (DefaultStream) is NULL, the legacy default stream,
+// which is what ForwardBegin, ..., Step pass. From a cgo CUDA library:
+// fsdp.Stream(uintptr(unsafe.Pointer(s))) for a C.cudaStream_t s; a
+// cudaStream_t is memory of the CUDA driver, not of Go, so cgo's pointer
+// rules allow it either way. On a CPU context only 0 is accepted.
+type Stream uintptr
+
+// DefaultStream is NULL: CUDA's legacy default stream.
+const DefaultStream Stream = 0
+
+func (s Stream) c() C.uintptr_t { return C.uintptr_t(s) }
+
+// ForwardBeginOn is ForwardBegin with the host's stream s: s waits for the
+// unit's gather, on the GPU.
+func (u *Unit) ForwardBeginOn(s Stream) error {
+	return u.simple("fsdp_forward_begin", func() C.fsdp_status_t { return C.fsdp_go_forward_begin(u.ptr, s.c()) })
+}
+
+// ForwardEndOn is ForwardEnd after the work queued on s so far.
+func (u *Unit) ForwardEndOn(s Stream) error {
+	return u.simple("fsdp_forward_end", func() C.fsdp_status_t { return C.fsdp_go_forward_end(u.ptr, s.c()) })
+}
+
+// BackwardBeginOn is BackwardBegin with the host's stream s.
+func (u *Unit) BackwardBeginOn(s Stream) error {
+	return u.simple("fsdp_backward_begin", func() C.fsdp_status_t { return C.fsdp_go_backward_begin(u.ptr, s.c()) })
+}
+
+// BackwardEndOn is BackwardEnd after the work queued on s so far: the grads
+// the host's kernels add on s are reduced once they are there.
+func (u *Unit) BackwardEndOn(s Stream) error {
+	return u.simple("fsdp_backward_end", func() C.fsdp_status_t { return C.fsdp_go_backward_end(u.ptr, s.c()) })
+}
+
+// StepOn is Step after the work queued on s so far.
+func (c *Context) StepOn(s Stream) error {
+	return c.simple("fsdp_step", func() C.fsdp_status_t { return C.fsdp_go_step(c.ptr, s.c()) })
+}
+
+// CUDADevice is N of the context's "cuda:N" (ok false on the CPU): the device
+// a program's own CUDA calls on ParamPtr/GradPtr must run on. The CUDA
+// current device is per OS thread, so lock the goroutine to its thread
+// (runtime.LockOSThread) and call cudaSetDevice(N) on it (doc.go).
+func (c *Context) CUDADevice() (ordinal int, ok bool) {
+	if c == nil || !strings.HasPrefix(c.device, "cuda:") {
+		return 0, false
+	}
+	n, err := strconv.Atoi(strings.TrimPrefix(c.device, "cuda:"))
+	return n, err == nil
+}
