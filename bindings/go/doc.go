@@ -25,6 +25,24 @@
 // Group. Collective calls must be made by every rank in the same order.
 // A handle is not safe for concurrent use by several goroutines.
 //
+// GPUs (compiled, untested on a GPU: cuda_test.go skips without one). On a
+// device=cuda context Param and Grad refuse (a Go slice cannot view GPU
+// memory); ParamPtr and GradPtr give the device pointers, valid for the
+// same block, for the program's own CUDA calls. libfsdp orders its work
+// against one stream per call: ForwardBegin, ForwardEnd, BackwardBegin,
+// BackwardEnd and Step pass NULL, the legacy default stream, so the
+// program's GPU work on those buffers must be on the legacy stream, on a
+// blocking stream or the per-thread default stream (CUDA orders those with
+// the legacy one), or synchronized before each End. Work on a non-blocking
+// stream is ordered with nothing: pass that stream with ForwardBeginOn,
+// ForwardEndOn, BackwardBeginOn, BackwardEndOn and StepOn (a Stream is the
+// cudaStream_t as an integer: fsdp.Stream(uintptr(unsafe.Pointer(s)))).
+// The CUDA current device belongs to the OS thread, and Go moves goroutines
+// between threads: a program driving one context locks the goroutine that
+// drives it (runtime.LockOSThread) and calls cudaSetDevice(N) on it, N from
+// ctx.CUDADevice(), before its own CUDA calls; RunRanks locks each rank's
+// goroutine already.
+//
 // Errors are *Error values carrying the status, its name and the library's
 // message (fsdp_last_error, read on the same OS thread as the failed call);
 // test them with errors.Is(err, fsdp.ErrInvalidArgument) and friends.
@@ -39,7 +57,7 @@
 //	cd bindings/go && go test ./...
 //
 // just works. CGO_LDFLAGS="-L<dir> -Wl,-rpath,<dir>" links another build
-// (its flags come first). With an installed libfsdp use pkg-config, and an
+// (its flags come first), e.g. a GPU build's build/gpu/src. With an installed libfsdp use pkg-config, and an
 // rpath (or LD_LIBRARY_PATH) so the program finds libfsdp.so.0 at run time:
 //
 //	PKG_CONFIG_PATH=<prefix>/lib/pkgconfig CGO_LDFLAGS=-Wl,-rpath,<prefix>/lib go build -tags fsdp_pkgconfig ./...
