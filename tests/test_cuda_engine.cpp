@@ -29,6 +29,7 @@
 
 #include "device/cuda/cuda_device.h"
 #include "fsdp.h"
+#include "gpu_presence.h"
 #include "kernels/cast.h"
 
 namespace {
@@ -233,11 +234,8 @@ void expect_gpu_trains_like_cpu(const std::map<std::string, std::string>& opts, 
   for (int k = 0; k < kUnits; ++k) EXPECT_EQ(first_difference(cpu.params[k], gpu.params[k]), -1) << "unit " << k;
 }
 
-#define SKIP_WITHOUT_GPU()                                                 \
-  do {                                                                     \
-    if (fsdp::device::cuda::CudaDevice::count() == 0)                      \
-      GTEST_SKIP() << "no CUDA device can be used here: GPU test not run"; \
-  } while (0)
+// Skips without a GPU; fails where nvidia-smi lists one that CUDA cannot use (gpu_presence.h).
+#define SKIP_WITHOUT_GPU() FSDP_SKIP_WITHOUT_GPU("GPU test not run")
 
 }  // namespace
 

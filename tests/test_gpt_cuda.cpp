@@ -29,18 +29,12 @@
 #include "gpt_cuda.h"
 #include "gpt_fsdp.h"
 #include "gpt_model.h"
+#include "gpu_presence.h"
 
 namespace {
 
-bool gpu_usable() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-}
-
-#define SKIP_WITHOUT_GPU()                                                                  \
-  do {                                                                                      \
-    if (!gpu_usable()) GTEST_SKIP() << "no CUDA device can be used here: GPT test not run"; \
-  } while (0)
+// Skips without a GPU; fails where nvidia-smi lists one that CUDA cannot use (gpu_presence.h).
+#define SKIP_WITHOUT_GPU() FSDP_SKIP_WITHOUT_GPU("GPT test not run")
 
 #define CUDA_OK(call) ASSERT_EQ((call), cudaSuccess) << #call
 
