@@ -1,9 +1,11 @@
 // benchmarks/bench_cuda_kernels.cpp - the CUDA device's kernels beside the
-// GPU's device-to-device copy bandwidth measured in the same run: the fused
-// AdamW pass (+ the bf16 params copy, + clearing the grads) and the casts.
-// Each line is one JSON object: bytes moved per second and its ratio to the
-// copy's (goal for the optimizer pass: >= 0.85). Without a GPU it prints one
-// line saying it was skipped and exits 0.
+// GPU's device-to-device copy bandwidth measured in the same run: the
+// engine's optimizer pass (the multi-tensor AdamW launch over a model's
+// spans, the grads cleared, with and without the bf16 params copy: what
+// fsdp_step runs), the per-range fused AdamW pass, and the casts. Each line
+// is one JSON object: bytes moved per second and its ratio to the copy's
+// (goal for the engine's optimizer pass, the adamw_spans rows: >= 0.85).
+// Without a GPU it prints one line saying it was skipped and exits 0.
 //
 //   bench_cuda_kernels [--log2n 28] [--reps 20]
 #include <cuda_runtime_api.h>
@@ -13,6 +15,7 @@
 #include <cstring>
 #include <functional>
 #include <string>
+#include <vector>
 
 #include "bench_cuda_util.h"
 #include "bench_util.h"
@@ -79,6 +82,27 @@ int main(int argc, char** argv) {
       gpu.adam(a);
     });
     report(var.name, var.bytes_per_elem * n, t);
+  }
+  // The engine's pass: one launch over the spans of a model (here 64 params
+  // of n/64 elements, every other one without weight decay), as fsdp_step
+  // runs it: the grads cleared, the bf16 params copy where the units keep one.
+  {
+    const size_t n_spans = 64, per = n / n_spans;
+    std::vector<fsdp::device::ShardSpan> plain, with_copy;
+    for (size_t k = 0; k < n_spans; ++k) {
+      const size_t at = k * per;
+      const float wd = k % 2 == 0 ? 0.01f : 0.0f;
+      plain.push_back({p + at, g + at, m + at, v + at, nullptr, per, wd});
+      with_copy.push_back({p + at, g + at, m + at, v + at, static_cast<char*>(lowp) + at * 2, per, wd});
+    }
+    auto plain_table = gpu.make_span_table(plain);
+    auto copy_table = gpu.make_span_table(with_copy);
+    auto base = fsdp::kernels::AdamOp::make(1e-3f, 0.9f, 0.999f, 1e-8f, 0.0f, true, 10, 1.0f);
+    const double elems = static_cast<double>(per * n_spans);
+    report("adamw_spans+zero_grads", 32 * elems,
+           best_gpu_seconds(s, reps, [&] { gpu.adam_spans(*plain_table, base, 1e-3f, true, DType::kBf16, true); }));
+    report("adamw_spans+bf16+zero_grads", 34 * elems,
+           best_gpu_seconds(s, reps, [&] { gpu.adam_spans(*copy_table, base, 1e-3f, true, DType::kBf16, true); }));
   }
   report("cast_fp32_to_bf16", 6.0 * n,
          best_gpu_seconds(s, reps, [&] { gpu.cast(lowp, DType::kBf16, p, DType::kFp32, n); }));
