@@ -1,7 +1,10 @@
 // benchmarks/bench_nccl.cpp - libfsdp's NCCL all-gather and reduce-scatter
 // beside NCCL's own calls on the same communicator and stream, in the same
 // run: the ratio (NCCL's time over libfsdp's; goal >= 0.95) is what the
-// communicator adds. One process per GPU, started with torchrun's variables
+// communicator adds. NCCL's own calls go to libfsdp's data communicator,
+// which is blocking (NCCL returns once the collective is queued); a result
+// of ncclInProgress would still be waited out before the timing event that
+// follows, and any error ends the benchmark with exit code 1. One process per GPU, started with torchrun's variables
 // (examples/cuda/launch_local.sh N bench_nccl) or by mpirun; rank 0 prints
 // one JSON object per collective and size. Without a GPU it prints one line
 // saying it was skipped and exits 0.
@@ -57,19 +60,34 @@ int main(int argc, char** argv) {
   void* send = dev.alloc(max_bytes);
   void* recv = dev.alloc(max_bytes);
   dev.zero(send, max_bytes);
+  // NCCL's own call as NCCL says it went: queued (waited out if in
+  // progress), or the end of the benchmark.
+  auto nccl_own = [&](ncclResult_t r, const char* what) {
+    while (r == ncclInProgress) {
+      if (fsdp::comm::nccl().CommGetAsyncError(nccl.native(), &r) != ncclSuccess) break;
+    }
+    if (r != ncclSuccess) {
+      std::fprintf(stderr, "bench_nccl: NCCL's own %s failed: %s\n", what, fsdp::comm::nccl().GetErrorString(r));
+      std::exit(1);
+    }
+  };
   for (size_t total = size_t(1) << 20; total <= max_bytes; total <<= 2) {
     // all_gather: `total` bytes gathered, total / world from each rank.
     size_t per_rank = total / static_cast<size_t>(world);
     double ours = best_gpu_seconds(s, reps, [&] { comm->all_gather(send, recv, per_rank, "bench all_gather"); });
-    double theirs = best_gpu_seconds(
-        s, reps, [&] { fsdp::comm::nccl().AllGather(send, recv, per_rank, ncclUint8, nccl.native(), s.native()); });
+    double theirs = best_gpu_seconds(s, reps, [&] {
+      nccl_own(fsdp::comm::nccl().AllGather(send, recv, per_rank, ncclUint8, nccl.native(), s.native()),
+               "ncclAllGather");
+    });
     // reduce_scatter of `total` bytes of bf16 grads.
     size_t numel_per_rank = per_rank / 2;
     double ours_rs = best_gpu_seconds(s, reps, [&] {
       comm->reduce_scatter(send, recv, numel_per_rank, DType::kBf16, fsdp::comm::RedOp::kAvg, "bench reduce_scatter");
     });
     double theirs_rs = best_gpu_seconds(s, reps, [&] {
-      fsdp::comm::nccl().ReduceScatter(send, recv, numel_per_rank, ncclBfloat16, ncclAvg, nccl.native(), s.native());
+      nccl_own(fsdp::comm::nccl().ReduceScatter(send, recv, numel_per_rank, ncclBfloat16, ncclAvg, nccl.native(),
+                                                s.native()),
+               "ncclReduceScatter");
     });
     if (comm->rank() == 0) {
       for (auto [what, t_ours, t_theirs] :

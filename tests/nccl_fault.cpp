@@ -9,6 +9,12 @@
 //                       past timeout_s, the watchdog aborts the communicator,
 //                       and fsdp_step fails with FSDP_ERR_TIMEOUT naming the
 //                       collective
+// NCCL is told to connect its peers when the communicator forms
+// (NCCL_RUNTIME_CONNECT=0, unless set already): the collectives are blocking
+// NCCL calls (docs/gpu.md), and one that connects a peer the first time it
+// needs it would wait inside NCCL for the stalled rank, where no timeout
+// reaches it; connected up front, the gather is queued and the watchdog
+// times it out on the GPU.
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -37,6 +43,7 @@ int main(int argc, char** argv) {
   const int world = std::atoi(std::getenv("WORLD_SIZE") != nullptr ? std::getenv("WORLD_SIZE") : "1");
   const bool last = rank == world - 1;
   if (scenario == "exit_before_create" && last) return 0;
+  setenv("NCCL_RUNTIME_CONNECT", "0", /*overwrite=*/0);  // NOLINT(concurrency-mt-unsafe): before any thread
   fsdp_config_t* cfg = nullptr;
   fsdp_config_create(&cfg);
   fsdp_config_set(cfg, "device", "cuda");

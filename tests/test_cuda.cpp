@@ -28,10 +28,14 @@
 #include "base/error.h"
 #include "device/cpu/cpu_device.h"
 #include "device/cuda/cuda_device.h"
-#include "gpu_presence.h"
 #include "kernels/cast.h"
 #include "kernels/cuda/launch.h"
 #include "kernels/norm.h"
+#ifdef FSDP_HAVE_NCCL
+#include "comm/nccl/nccl_comm.h"
+#include "comm/nccl/nccl_lib.h"
+#include "core/device_plane.h"
+#endif
 
 using fsdp::DType;
 using fsdp::device::AdamArgs;
@@ -67,8 +71,10 @@ void operator delete[](void* p, size_t) noexcept { std::free(p); }
 
 namespace {
 
-// Skips without a GPU; fails where nvidia-smi lists one that CUDA cannot use (gpu_presence.h).
-#define SKIP_WITHOUT_GPU() FSDP_SKIP_WITHOUT_GPU("GPU test not run")
+#define SKIP_WITHOUT_GPU()                                                                             \
+  do {                                                                                                 \
+    if (CudaDevice::count() == 0) GTEST_SKIP() << "no CUDA device can be used here: GPU test not run"; \
+  } while (0)
 
 // Sizes: below a vector, a vector plus a tail, over a norm step (256), and
 // over a level of the norm's fold (2048 steps); none a multiple of 4.
@@ -547,8 +553,17 @@ int run_self(const std::string& filter, const std::string& flag) {
   return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
 }
 
-// Queues about `ms` milliseconds of memory-bound work on `s` (n floats of
-// `acc` += `src`, again and again): something for other work to overtake.
+// Holds `s` for `ms` milliseconds (a host function that sleeps): work queued
+// after it starts that much later.
+void CUDART_CB sleep_ms(void* ms) {
+  std::this_thread::sleep_for(std::chrono::milliseconds(reinterpret_cast<intptr_t>(ms)));
+}
+void queue_host_sleep(cudaStream_t s, int ms) {
+  ASSERT_EQ(cudaLaunchHostFunc(s, sleep_ms, reinterpret_cast<void*>(static_cast<intptr_t>(ms))), cudaSuccess);
+}
+
+// Queues `passes` memory-bound passes on `s` (n floats of `acc` += `src`):
+// GPU work for other work to overtake.
 void queue_busy_work(float* acc, void* src, size_t n, int passes, cudaStream_t s) {
   for (int k = 0; k < passes; ++k) {
     ASSERT_EQ(fsdp::kernels::cuda::accumulate(acc, src, FSDP_DTYPE_FP32, 1.0f, n, false, s), cudaSuccess);
@@ -581,14 +596,37 @@ TEST(CudaMemory, ComesFromAPoolOfItsOwnAndLeavesTheDefaultPoolAsItWas) {
   gpu.free(p);
 }
 
+// Review 14 (in part): an allocation outside a task (queued on the device's
+// own stream, which the host then synchronizes) does not reuse a block whose
+// free on another stream is still queued by making the device's stream wait
+// for that stream: here that stream is held for half a second.
+TEST(CudaMemory, AnAllocationOutsideATaskDoesNotWaitForAnotherStreamsFree) {
+  SKIP_WITHOUT_GPU();
+  CudaDevice gpu(0);
+  auto s = gpu.create_stream("comm", 1, StreamHooks{});
+  const size_t nbytes = size_t(64) << 20;
+  s->submit("a block used and freed behind half a second of other work", [&] {
+    void* p = gpu.alloc(nbytes);
+    queue_host_sleep(CudaStream::current()->native(), 500);
+    gpu.zero(p, nbytes);
+    gpu.free(p);  // in the order of this stream: after the sleep
+  });
+  auto t0 = std::chrono::steady_clock::now();
+  void* q = gpu.alloc(nbytes);
+  auto took = std::chrono::steady_clock::now() - t0;
+  EXPECT_LT(took, std::chrono::milliseconds(250)) << "the allocation waited for the other stream's work";
+  s->synchronize(60);
+  gpu.free(q);
+}
+
 // Review 3 and 17: the multi-tensor optimizer's span table, made inside a
 // task as the optimizer makes it, is uploaded on that task's stream (so the
 // kernel after it reads it in order), used, and freed after its last launch,
-// all without waiting for other streams. Work queued first on the legacy
-// default stream, which the engine's non-blocking streams do not wait for,
-// is still running when the task has built, used and dropped its table: a
-// pageable cudaMemcpy on the legacy stream, or the device-wide wait of a
-// cudaFree, would have waited for it.
+// all without waiting for other streams. The legacy default stream, which the
+// engine's non-blocking streams do not wait for, is held for half a second
+// first, and is still held when the task has built, used and dropped its
+// table: a pageable cudaMemcpy on the legacy stream, or the device-wide wait
+// of a cudaFree, would have waited for it.
 TEST(CudaKernels, ASpanTableIsUploadedUsedAndFreedInTheOrderOfItsStream) {
   SKIP_WITHOUT_GPU();
   CudaDevice gpu(0);
@@ -615,11 +653,7 @@ TEST(CudaKernels, ASpanTableIsUploadedUsedAndFreedInTheOrderOfItsStream) {
                       dout.as<uint8_t>() + at * 2, sizes[k], wd});
     at += sizes[k] + 16;
   }
-  const size_t big = size_t(1) << 27;  // 400 passes over 1.5 GB: about 0.2 s on an H100
-  DeviceArray busy(gpu, nullptr, big * 4), ones(gpu, nullptr, big * 4);
-  gpu.zero(busy.ptr, busy.nbytes);
-  gpu.zero(ones.ptr, ones.nbytes);
-  queue_busy_work(busy.as<float>(), ones.ptr, big, 400, nullptr);
+  queue_host_sleep(nullptr, 500);
   cudaEvent_t legacy_done = nullptr;
   ASSERT_EQ(cudaEventCreateWithFlags(&legacy_done, cudaEventDisableTiming), cudaSuccess);
   ASSERT_EQ(cudaEventRecord(legacy_done, nullptr), cudaSuccess);
@@ -741,3 +775,116 @@ TEST(CudaStreams, SubmitWaitAndRecordAllocateNothingOnceWarm) {
   EventPtr again = a->record();
   EXPECT_EQ(static_cast<fsdp::device::cuda::CudaEvent&>(*again).native(), first) << "the CUDA event was not reused";
 }
+
+#ifdef FSDP_HAVE_NCCL
+// ---- the nccl communicator at a world of one (review findings 4-7, 13) -----
+
+namespace {
+
+// comm=nccl at a world of one on GPU 0, moving the GPU's memory itself, and
+// a comm stream to run its collectives on.
+struct NcclWorld {
+  CudaDevice dev{0};
+  std::unique_ptr<fsdp::comm::Communicator> comm;
+  std::unique_ptr<Stream> stream;
+  explicit NcclWorld(double timeout_s) {
+    fsdp::comm::Options o;
+    o.kind = fsdp::comm::CommKind::kNccl;
+    o.cuda_ordinal = 0;
+    o.timeout_s = timeout_s;
+    comm = fsdp::comm::make_nccl_world(o, 0);
+    comm->attach_data_plane(fsdp::core::make_device_plane(dev));
+    stream = dev.create_stream("comm", 1, StreamHooks{});
+  }
+};
+
+}  // namespace
+
+// Review 6: the collectives go to a blocking NCCL communicator, which queues
+// them on the stream and returns ncclSuccess; a non-blocking one launches
+// each from a new host thread and returns ncclInProgress.
+TEST(CudaNccl, CollectivesAreQueuedByNcclWithoutAThreadOfTheirOwn) {
+  SKIP_WITHOUT_GPU();
+  NcclWorld w(60);
+  auto& nc = dynamic_cast<fsdp::comm::NcclComm&>(*w.comm);
+  DeviceArray a(w.dev, nullptr, 4096), b(w.dev, nullptr, 4096);
+  cudaStream_t s = static_cast<CudaStream&>(*w.stream).native();
+  ncclResult_t r = fsdp::comm::nccl().AllGather(a.ptr, b.ptr, 4096, ncclUint8, nc.native(), s);
+  EXPECT_EQ(r, ncclSuccess) << fsdp::comm::nccl().GetErrorString(r);
+  while (r == ncclInProgress) fsdp::comm::nccl().CommGetAsyncError(nc.native(), &r);
+  EXPECT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+  // libfsdp's own collectives on it, on the comm stream.
+  w.stream->submit("all_gather", [&] { w.comm->all_gather(a.ptr, b.ptr, 4096, "the test's all-gather"); })->wait(60);
+  double x = 2.0;
+  w.comm->all_reduce_f64(&x, 1, fsdp::comm::RedOp::kSum, "the test's all-reduce");
+  EXPECT_EQ(x, 2.0);
+  EXPECT_EQ(w.comm->failure(), FSDP_OK);
+}
+
+// Review 4: a collective over host memory whose communicator is aborted while
+// the host waits for it fails, rather than returning whatever its buffer
+// held: the wait polls (the result comes through pinned memory), and the
+// communicator's failure is checked once the stream has run.
+TEST(CudaNccl, AnAbortWhileAHostCollectiveWaitsFailsItInsteadOfReturningItsBuffer) {
+  SKIP_WITHOUT_GPU();
+  NcclWorld w(60);
+  fsdp_status_t got = FSDP_OK;
+  std::thread aborter;
+  w.stream->submit("a host-memory all-reduce behind half a second of other work", [&] {
+    queue_host_sleep(CudaStream::current()->native(), 500);
+    aborter = std::thread([&] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      w.comm->abort("the test aborts it");
+    });
+    double x = 1.0;
+    try {
+      w.comm->all_reduce_f64(&x, 1, fsdp::comm::RedOp::kSum, "the test's all-reduce");
+    } catch (const fsdp::Error& e) {
+      got = e.status();
+    }
+  });
+  aborter.join();
+  EXPECT_EQ(got, FSDP_ERR_COMM) << "the all-reduce returned a result after its communicator was aborted";
+}
+
+// Review 13: the watchdog times a collective from when its stream reaches
+// it, not from when it was queued: one queued behind 2 s of other work with
+// timeout_s = 1 completes without a timeout.
+TEST(CudaNccl, ATimeoutCountsFromWhenTheStreamReachesTheCollective) {
+  SKIP_WITHOUT_GPU();
+  NcclWorld w(1.0);
+  DeviceArray a(w.dev, nullptr, 1 << 20), b(w.dev, nullptr, 1 << 20);
+  EventPtr done = w.stream->submit("an all-gather behind 2 s of other work", [&] {
+    queue_host_sleep(CudaStream::current()->native(), 2000);
+    w.comm->all_gather(a.ptr, b.ptr, 1 << 20, "the test's all-gather");
+  });
+  done->wait(60);
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));  // the watchdog's next look
+  EXPECT_EQ(w.comm->failure(), FSDP_OK) << "the collective timed out before its stream had reached it";
+  // And one that does run too long, from the start, still times out.
+  // (At a world of one nothing waits for a peer: not tested here.)
+}
+
+// Review 5: after an abort, with collectives still in flight, the watchdog
+// drains them with event queries only, every later call fails with the
+// abort's reason, and the communicator goes without another NCCL call. (A
+// use of the freed communicator would show as nothing or as a crash: this
+// runs the path.)
+TEST(CudaNccl, AnAbortedCommunicatorFailsEveryCallAndGoesQuietly) {
+  SKIP_WITHOUT_GPU();
+  NcclWorld w(60);
+  DeviceArray a(w.dev, nullptr, 1 << 20), b(w.dev, nullptr, 1 << 20);
+  w.stream->submit("collectives behind 300 ms of other work", [&] {
+    queue_host_sleep(CudaStream::current()->native(), 300);
+    for (int k = 0; k < 4; ++k) w.comm->all_gather(a.ptr, b.ptr, 1 << 20, "the test's all-gather");
+  });
+  w.comm->abort("the test aborts it");
+  EXPECT_EQ(w.comm->failure(), FSDP_ERR_COMM);
+  expect_error(FSDP_ERR_COMM, "the test aborts it", [&] { w.comm->all_gather(a.ptr, b.ptr, 1 << 20, "after"); });
+  expect_error(FSDP_ERR_COMM, "the test aborts it", [&] { w.comm->barrier("after"); });
+  expect_error(FSDP_ERR_COMM, "the test aborts it", [&] { w.comm->split(0, 0, "after"); });
+  static_cast<CudaStream&>(*w.stream).synchronize(60);
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));  // the watchdog drains
+  w.comm.reset();
+}
+#endif  // FSDP_HAVE_NCCL

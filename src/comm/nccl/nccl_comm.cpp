@@ -2,6 +2,7 @@
 #include "nccl_comm.h"
 
 #include <algorithm>
+#include <cstring>
 
 #include "../../base/error.h"
 #include "../../base/spin.h"
@@ -14,6 +15,7 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 constexpr std::chrono::milliseconds kWatchEvery{5};
+constexpr std::chrono::milliseconds kIdleWatchEvery{50};
 
 ncclRedOp_t nccl_op(RedOp op) {
   switch (op) {
@@ -41,19 +43,89 @@ ncclDataType_t nccl_type(DType t) {
   return ncclFloat32;
 }
 
+int64_t now_ns() {
+  int64_t t = std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count();
+  return t == 0 ? 1 : t;  // 0 means "no call"
+}
+
+// A formation call of the non-blocking `parent` (a split into `child`, may be
+// null): polls NCCL until neither is in progress, until `deadline` (then
+// ncclInProgress is returned). NCCL's fault tolerance guide polls the parent;
+// the child is polled too in case its state lags.
+ncclResult_t settle_formation(ncclResult_t r, ncclComm_t parent, ncclComm_t child, Clock::time_point deadline,
+                              double timeout_s) {
+  while (r == ncclInProgress) {
+    if (timeout_s > 0 && Clock::now() > deadline) return ncclInProgress;
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+    ncclResult_t a = ncclSuccess, b = ncclSuccess;
+    if (nccl().CommGetAsyncError(parent, &a) != ncclSuccess) return ncclInternalError;
+    if (a == ncclSuccess && child != nullptr && nccl().CommGetAsyncError(child, &b) != ncclSuccess) {
+      return ncclInternalError;
+    }
+    r = a != ncclSuccess ? a : b;
+  }
+  return r;
+}
+
 }  // namespace
 
-NcclComm::NcclComm(ncclComm_t comm, int ordinal, std::vector<int> world_ranks, int local_world, double timeout_s)
-    : comm_(comm),
+NcclComm::Call::Call(NcclComm& c, bool watched) : c_(c), lock_(c.comm_mu_), watched_(watched) {
+  if (c_.aborted_) {
+    lock_.unlock();
+    c_.throw_failure();
+  }
+  if (watched_) c_.call_since_ns_.store(now_ns());
+}
+
+NcclComm::Call::~Call() {
+  if (watched_) c_.call_since_ns_.store(0);
+  lock_.unlock();
+  c_.abort_if_requested();  // asked for while this call was inside NCCL
+}
+
+NcclComm::NcclComm(ncclComm_t formed, int ordinal, std::vector<int> world_ranks, int local_world, double timeout_s)
+    : ctrl_(formed),
       ordinal_(ordinal),
       world_ranks_(std::move(world_ranks)),
       local_world_(local_world),
       timeout_s_(timeout_s) {
+  // What was formed goes (aborted: peers may be gone) if this does not finish.
+  auto give_up = [&](fsdp_status_t status, const std::string& message) {
+    if (comm_ != nullptr) nccl().CommAbort(comm_);
+    nccl().CommAbort(ctrl_);
+    if (own_ != nullptr) cudaStreamDestroy(own_);
+    fail(status, message);
+  };
+  cudaError_t e = cudaSetDevice(ordinal_);
+  if (e != cudaSuccess)
+    give_up(FSDP_ERR_COMM, std::string("nccl communicator: cudaSetDevice failed: ") + cudaGetErrorString(e));
   int r = 0;
-  nccl_check(nccl().CommUserRank(comm_, &r), "ncclCommUserRank");
+  ncclResult_t res = nccl().CommUserRank(ctrl_, &r);
+  if (res != ncclSuccess) give_up(FSDP_ERR_COMM, "nccl: ncclCommUserRank failed: " + nccl_describe(res, nullptr));
   rank_ = r;
-  cuda_check(cudaSetDevice(ordinal_), "cudaSetDevice");
-  cuda_check(cudaStreamCreateWithFlags(&own_, cudaStreamNonBlocking), "creating the nccl communicator's stream");
+  // The blocking data communicator: one NCCL group of the same ranks in the
+  // same order, formed by a split of the non-blocking one (bounded).
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 1;
+  auto deadline = base::deadline_after(timeout_s_);
+  res = nccl().CommSplit(ctrl_, 0, rank_, &comm_, &config);
+  res = settle_formation(res, ctrl_, comm_, deadline, timeout_s_);
+  const std::string who =
+      "rank " + std::to_string(world_ranks_[static_cast<size_t>(rank_)]) + " of " + std::to_string(world_ranks_.size());
+  if (res == ncclInProgress) {
+    give_up(FSDP_ERR_TIMEOUT, "nccl communicator (" + who + "): forming its blocking data communicator did not " +
+                                  "complete within timeout_s = " + base::format_double(timeout_s_) +
+                                  " s: a rank did not take part (it may have failed)");
+  }
+  if (res != ncclSuccess || comm_ == nullptr) {
+    give_up(FSDP_ERR_COMM, "nccl communicator (" + who +
+                               "): forming its blocking data communicator failed: " + nccl_describe(res, nullptr));
+  }
+  e = cudaStreamCreateWithFlags(&own_, cudaStreamNonBlocking);
+  if (e == cudaSuccess) e = cudaEventCreateWithFlags(&staged_done_, cudaEventDisableTiming);
+  if (e != cudaSuccess) {
+    give_up(FSDP_ERR_COMM, std::string("nccl communicator: creating its stream failed: ") + cudaGetErrorString(e));
+  }
   watchdog_ = std::thread([this] { watch(); });
 }
 
@@ -65,17 +137,30 @@ NcclComm::~NcclComm() {
   cv_.notify_all();
   watchdog_.join();
   cudaSetDevice(ordinal_);
-  if (aborted_.load()) {
-    // ncclCommAbort released it.
-  } else if (failure_.load() != FSDP_OK) {
-    nccl().CommAbort(comm_);  // a failed communicator cannot finalize: its peers may be gone
-  } else {
-    // Local, as every destroy: queued work finishes on the device first.
-    cudaStreamSynchronize(own_);
-    nccl().CommDestroy(comm_);
+  {
+    std::lock_guard<std::mutex> lock(comm_mu_);
+    if (aborted_) {
+      // ncclCommAbort released them.
+    } else if (failure_.load() != FSDP_OK) {
+      nccl().CommAbort(comm_);  // a failed communicator cannot finalize: its peers may be gone
+      nccl().CommAbort(ctrl_);
+    } else {
+      // Local, as every destroy: queued work finishes on the device first.
+      cudaStreamSynchronize(own_);
+      nccl().CommDestroy(comm_);
+      nccl().CommDestroy(ctrl_);
+    }
+    aborted_ = true;
   }
-  for (InFlight& f : in_flight_) cudaEventDestroy(f.done);
+  for (InFlight& f : in_flight_) {  // legal while pending: CUDA releases them once they complete
+    cudaEventDestroy(f.start);
+    cudaEventDestroy(f.done);
+  }
+  for (cudaEvent_t ev : events_) cudaEventDestroy(ev);
+  if (staged_pending_) cudaEventSynchronize(staged_done_);  // its copies use the staging memory
+  cudaEventDestroy(staged_done_);
   if (scratch_ != nullptr) cudaFree(scratch_);
+  if (pinned_ != nullptr) cudaFreeHost(pinned_);
   cudaStreamDestroy(own_);
 }
 
@@ -101,180 +186,301 @@ void NcclComm::throw_failure() {
        "nccl communicator (rank " + std::to_string(world_ranks_[static_cast<size_t>(rank_)]) + "): " + reason_);
 }
 
+void NcclComm::abort_locked() {
+  if (aborted_) return;
+  aborted_ = true;
+  abort_requested_.store(false);
+  cudaSetDevice(ordinal_);
+  // Also wakes NCCL kernels waiting for peers; both communicators are freed.
+  nccl().CommAbort(comm_);
+  nccl().CommAbort(ctrl_);
+}
+
+void NcclComm::request_abort() {
+  abort_requested_.store(true);
+  abort_if_requested();
+}
+
+void NcclComm::abort_if_requested() {
+  if (!abort_requested_.load()) return;
+  // Whoever holds comm_mu_ now checks again when it lets go.
+  std::unique_lock<std::mutex> lock(comm_mu_, std::try_to_lock);
+  if (lock.owns_lock() && abort_requested_.exchange(false)) abort_locked();
+}
+
 void NcclComm::abort(const std::string& reason) {
   fail_with(FSDP_ERR_COMM, "aborted: " + reason);
-  if (!aborted_.exchange(true)) nccl().CommAbort(comm_);  // also wakes NCCL kernels waiting for peers
+  request_abort();
 }
 
-std::string NcclComm::begin(const char* kind, const std::string& label) {
+std::string NcclComm::describe(const char* kind, const std::string& label, uint64_t seq) {
+  return label + " (" + kind + ", collective #" + std::to_string(seq) + ")";
+}
+
+uint64_t NcclComm::begin() {
   if (failure_.load() != FSDP_OK) throw_failure();
-  cuda_check(cudaSetDevice(ordinal_), "cudaSetDevice");
-  return label + " (" + kind + ", collective #" + std::to_string(++seq_) + ")";
+  int current = -1;
+  if (cudaGetDevice(&current) != cudaSuccess || current != ordinal_) {
+    cuda_check(cudaSetDevice(ordinal_), "cudaSetDevice");
+  }
+  return ++seq_;
 }
 
-void NcclComm::queued(ncclResult_t r, const std::string& what, cudaStream_t s) {
-  // Non-blocking: the call may still be getting its work onto the stream.
-  auto deadline = base::deadline_after(timeout_s_);
-  while (r == ncclInProgress) {
-    if (Clock::now() > deadline) {
-      abort(what + " was not queued within timeout_s = " + base::format_double(timeout_s_) + " s");
-      throw_failure();
-    }
-    std::this_thread::yield();
-    if (nccl().CommGetAsyncError(comm_, &r) != ncclSuccess) break;
-  }
-  if (r != ncclSuccess) {
-    fail_with(FSDP_ERR_COMM, what + " failed: " + nccl_describe(r, comm_));
-    throw_failure();
-  }
-  cudaEvent_t done = nullptr;
-  cuda_check(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), "cudaEventCreateWithFlags");
-  cudaError_t e = cudaEventRecord(done, s);
-  if (e != cudaSuccess) {
-    cudaEventDestroy(done);
-    cuda_check(e, "recording " + what);
-  }
+cudaEvent_t NcclComm::take_event() {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    in_flight_.push_back({done, what, Clock::now()});
+    if (!events_.empty()) {
+      cudaEvent_t ev = events_.back();
+      events_.pop_back();
+      return ev;
+    }
+  }
+  cudaEvent_t ev = nullptr;
+  cuda_check(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "cudaEventCreateWithFlags");
+  std::lock_guard<std::mutex> lock(mu_);
+  if (events_.capacity() < ++events_made_) events_.reserve(2 * events_made_);  // give_event never allocates
+  return ev;
+}
+
+void NcclComm::give_event(cudaEvent_t ev) {
+  std::lock_guard<std::mutex> lock(mu_);
+  events_.push_back(ev);
+}
+
+template <typename Fn>
+void NcclComm::collective(const char* kind, const std::string& label, uint64_t seq, cudaStream_t s, Fn&& call) {
+  InFlight f;
+  f.start = take_event();
+  f.done = take_event();
+  f.kind = kind;
+  f.seq = seq;
+  ncclResult_t r = ncclSuccess;
+  cudaError_t e = cudaEventRecord(f.start, s);
+  try {
+    if (e == cudaSuccess) {
+      Call guard(*this);
+      r = call(comm_, s);
+      if (r == ncclInProgress) {  // not from a blocking communicator; waited out all the same
+        auto deadline = base::deadline_after(timeout_s_);
+        while (r == ncclInProgress && (timeout_s_ <= 0 || Clock::now() < deadline)) {
+          std::this_thread::yield();
+          if (nccl().CommGetAsyncError(comm_, &r) != ncclSuccess) break;
+        }
+      }
+      if (r == ncclSuccess) e = cudaEventRecord(f.done, s);
+    }
+  } catch (...) {
+    give_event(f.start);
+    give_event(f.done);
+    throw;
+  }
+  if (r != ncclSuccess || e != cudaSuccess) {
+    give_event(f.start);
+    give_event(f.done);
+    if (r != ncclSuccess) {
+      fail_with(FSDP_ERR_COMM, describe(kind, label, seq) +
+                                   (r == ncclInProgress ? " was not queued within timeout_s" : " failed: ") +
+                                   (r == ncclInProgress ? std::string() : nccl_describe(r, nullptr)));
+      if (r == ncclInProgress) request_abort();
+      throw_failure();
+    }
+    cuda_check(e, "queueing " + describe(kind, label, seq));
+  }
+  f.label = label;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    in_flight_.push_back(std::move(f));
   }
   cv_.notify_all();
 }
 
 void NcclComm::watch() {
+  cudaSetDevice(ordinal_);
+  const auto timeout = std::chrono::duration<double>(timeout_s_);
   std::unique_lock<std::mutex> lock(mu_);
   while (!stop_) {
-    cv_.wait_for(lock, kWatchEvery, [this] { return stop_ || !in_flight_.empty(); });
+    bool busy = !in_flight_.empty() || call_since_ns_.load() != 0;
+    cv_.wait_for(lock, busy ? kWatchEvery : kIdleWatchEvery, [this] { return stop_; });
     if (stop_) break;
+    abort_if_requested();  // one asked for while comm_mu_ was held is not lost
+    // A call that stays inside NCCL: a blocking collective that connects to
+    // a peer the first time it needs it, and the peer does not come. It
+    // cannot be aborted under the caller (NCCL frees the communicator); the
+    // failure is reported now and the abort made as the call returns.
+    int64_t since = call_since_ns_.load();
+    if (since != 0 && timeout_s_ > 0 && failure_.load() == FSDP_OK &&
+        std::chrono::nanoseconds(now_ns() - since) > timeout) {
+      lock.unlock();
+      fail_with(FSDP_ERR_TIMEOUT,
+                "an NCCL call has not returned within timeout_s = " + base::format_double(timeout_s_) +
+                    " s: it waits for a rank that does not come (NCCL connects to a peer when a "
+                    "collective first needs it); the communicator is aborted when the call returns");
+      request_abort();
+      lock.lock();
+    }
     // The oldest collective first: NCCL runs them in order.
     while (!in_flight_.empty()) {
       InFlight& f = in_flight_.front();
-      cudaSetDevice(ordinal_);
       cudaError_t q = cudaEventQuery(f.done);
       if (q == cudaErrorNotReady) {
-        double waited = std::chrono::duration<double>(Clock::now() - f.queued).count();
+        // After a failure only events are queried: the communicators may be
+        // gone, and the aborted collectives quit on their own.
+        if (failure_.load() != FSDP_OK) break;
+        if (!f.seen_started && cudaEventQuery(f.start) == cudaSuccess) {
+          f.seen_started = true;
+          f.started = Clock::now();
+        }
         ncclResult_t async = ncclSuccess;
-        nccl().CommGetAsyncError(comm_, &async);
+        {
+          std::unique_lock<std::mutex> call(comm_mu_, std::try_to_lock);  // never waits for a call in progress
+          if (call.owns_lock() && !aborted_) nccl().CommGetAsyncError(comm_, &async);
+        }
+        abort_if_requested();
         std::string reason;
         fsdp_status_t status = FSDP_OK;
         if (async != ncclSuccess && async != ncclInProgress) {
           status = FSDP_ERR_COMM;
-          reason = f.what + " failed in NCCL: " + nccl_describe(async, comm_);
-        } else if (timeout_s_ > 0 && waited > timeout_s_) {
+          reason = describe(f.kind, f.label, f.seq) + " failed in NCCL: " + nccl_describe(async, nullptr);
+        } else if (timeout_s_ > 0 && f.seen_started && Clock::now() - f.started > timeout) {
           status = FSDP_ERR_TIMEOUT;
-          reason = f.what + " did not complete within timeout_s = " + base::format_double(timeout_s_) +
-                   " s (a rank may have failed or stopped calling collectives); the NCCL communicator was aborted";
+          reason = describe(f.kind, f.label, f.seq) +
+                   " did not complete within timeout_s = " + base::format_double(timeout_s_) +
+                   " s of the stream reaching it (a rank may have failed or stopped calling collectives); the NCCL "
+                   "communicator was aborted";
         }
         if (status != FSDP_OK) {
           lock.unlock();
           fail_with(status, reason);
-          if (!aborted_.exchange(true)) nccl().CommAbort(comm_);
+          request_abort();
           lock.lock();
         }
         break;
       }
       if (q != cudaSuccess) {
-        std::string what = f.what;
+        std::string what = describe(f.kind, f.label, f.seq);
         lock.unlock();
         fail_with(FSDP_ERR_COMM, what + " failed on the GPU: " + std::string(cudaGetErrorString(q)));
         lock.lock();
       }
-      cudaEventDestroy(f.done);
+      // The front may have moved while the lock was down: only the watchdog pops.
+      InFlight& done = in_flight_.front();
+      events_.push_back(done.start);
+      events_.push_back(done.done);
       in_flight_.pop_front();
     }
   }
 }
 
-void* NcclComm::scratch(size_t nbytes) {
-  if (nbytes > scratch_nbytes_) {
-    if (scratch_ != nullptr) {
-      cuda_check(cudaStreamSynchronize(stream()), "waiting for the staging buffer");
-      cudaFree(scratch_);
-      scratch_ = nullptr;
-      scratch_nbytes_ = 0;
-    }
-    cuda_check(cudaMalloc(&scratch_, nbytes), "cudaMalloc (nccl staging buffer)");
-    scratch_nbytes_ = nbytes;
-  }
-  return scratch_;
+void NcclComm::ensure_staging(size_t nbytes) {
+  if (nbytes <= staging_nbytes_) return;
+  if (staged_pending_) cuda_check(cudaEventSynchronize(staged_done_), "waiting for the staging buffers");
+  if (scratch_ != nullptr) cudaFree(scratch_);
+  if (pinned_ != nullptr) cudaFreeHost(pinned_);
+  scratch_ = nullptr;
+  pinned_ = nullptr;
+  staging_nbytes_ = 0;
+  size_t n = std::max<size_t>(nbytes, 4096);
+  cuda_check(cudaMalloc(&scratch_, n), "cudaMalloc (nccl staging buffer)");
+  cuda_check(cudaHostAlloc(&pinned_, n, cudaHostAllocPortable), "cudaHostAlloc (nccl staging buffer)");
+  staging_nbytes_ = n;
 }
 
-void NcclComm::staged(const void* in, void* out, size_t in_nbytes, size_t out_nbytes, const std::string& what,
-                      const std::function<ncclResult_t(const void*, void*, cudaStream_t)>& body) {
+template <typename Fn>
+void NcclComm::staged(const void* in, void* out, size_t in_nbytes, size_t out_nbytes, const char* kind,
+                      const std::string& label, uint64_t seq, Fn&& body) {
   cudaStream_t s = stream();
-  char* buf = static_cast<char*>(scratch(in_nbytes + out_nbytes + 16));
-  char* dev_out = buf + (in_nbytes + 15) / 16 * 16;
-  cuda_check(cudaMemcpyAsync(buf, in, in_nbytes, cudaMemcpyHostToDevice, s), "staging " + what);
-  queued(body(buf, dev_out, s), what, s);
-  cuda_check(cudaMemcpyAsync(out, dev_out, out_nbytes, cudaMemcpyDeviceToHost, s), "staging " + what);
+  const size_t out_at = (in_nbytes + 255) / 256 * 256;
+  ensure_staging(out_at + out_nbytes);
+  char* host = static_cast<char*>(pinned_);
+  char* dev = static_cast<char*>(scratch_);
+  if (in_nbytes > 0) std::memcpy(host, in, in_nbytes);
+  cudaError_t e = cudaMemcpyAsync(dev, host, in_nbytes, cudaMemcpyHostToDevice, s);
+  if (e != cudaSuccess) cuda_check(e, "staging " + describe(kind, label, seq));
+  collective(kind, label, seq, s, [&](ncclComm_t c, cudaStream_t st) { return body(dev, dev + out_at, c, st); });
+  // Into pinned memory: the copy is asynchronous, so the wait below polls
+  // (a copy into pageable memory would hold the host until the collective ends).
+  e = cudaMemcpyAsync(host + out_at, dev + out_at, out_nbytes, cudaMemcpyDeviceToHost, s);
+  if (e == cudaSuccess) e = cudaEventRecord(staged_done_, s);
+  if (e != cudaSuccess) cuda_check(e, "staging " + describe(kind, label, seq));
+  staged_pending_ = true;
   // The host reads the result now: wait for it, bounded, and give up (the
-  // watchdog aborts) rather than hang.
+  // communicator is aborted) rather than hang.
   auto deadline = base::deadline_after(timeout_s_);
   for (;;) {
-    cudaError_t e = cudaStreamQuery(s);
+    e = cudaEventQuery(staged_done_);
     if (e == cudaSuccess) break;
-    if (e != cudaErrorNotReady) cuda_check(e, what);
+    if (e != cudaErrorNotReady) cuda_check(e, describe(kind, label, seq));
     if (failure_.load() != FSDP_OK) throw_failure();
     if (timeout_s_ > 0 && Clock::now() > deadline) {
-      fail_with(FSDP_ERR_TIMEOUT, what + " did not complete within timeout_s = " + base::format_double(timeout_s_) +
-                                      " s; the NCCL communicator was aborted");
-      if (!aborted_.exchange(true)) nccl().CommAbort(comm_);
+      fail_with(FSDP_ERR_TIMEOUT, describe(kind, label, seq) + " did not complete within timeout_s = " +
+                                      base::format_double(timeout_s_) + " s; the NCCL communicator was aborted");
+      request_abort();
       throw_failure();
     }
     std::this_thread::sleep_for(std::chrono::microseconds(50));
   }
+  staged_pending_ = false;
+  // An aborted collective completes too, with whatever its buffer held.
+  if (failure_.load() != FSDP_OK) throw_failure();
+  if (out_nbytes > 0) std::memcpy(out, host + out_at, out_nbytes);
 }
 
 void NcclComm::all_gather(const void* send, void* recv, size_t nbytes_per_rank, const std::string& label) {
-  std::string what = begin("all_gather", label);
+  uint64_t seq = begin();
   if (plane_ != nullptr && plane_->owns(recv)) {
-    cudaStream_t s = stream();
-    queued(nccl().AllGather(send, recv, nbytes_per_rank, ncclUint8, comm_, s), what, s);
+    collective("all_gather", label, seq, stream(), [&](ncclComm_t c, cudaStream_t s) {
+      return nccl().AllGather(send, recv, nbytes_per_rank, ncclUint8, c, s);
+    });
     return;
   }
-  staged(send, recv, nbytes_per_rank, nbytes_per_rank * world_ranks_.size(), what,
-         [&](const void* in, void* out, cudaStream_t s) {
-           return nccl().AllGather(in, out, nbytes_per_rank, ncclUint8, comm_, s);
+  staged(send, recv, nbytes_per_rank, nbytes_per_rank * world_ranks_.size(), "all_gather", label, seq,
+         [&](const void* in, void* out, ncclComm_t c, cudaStream_t s) {
+           return nccl().AllGather(in, out, nbytes_per_rank, ncclUint8, c, s);
          });
 }
 
 void NcclComm::reduce_scatter(const void* send, void* recv, size_t numel_per_rank, DType dtype, RedOp op,
                               const std::string& label) {
-  std::string what = begin("reduce_scatter", label);
-  cudaStream_t s = stream();
-  queued(nccl().ReduceScatter(send, recv, numel_per_rank, nccl_type(dtype), nccl_op(op), comm_, s), what, s);
+  uint64_t seq = begin();
+  collective("reduce_scatter", label, seq, stream(), [&](ncclComm_t c, cudaStream_t s) {
+    return nccl().ReduceScatter(send, recv, numel_per_rank, nccl_type(dtype), nccl_op(op), c, s);
+  });
 }
 
 void NcclComm::reduce_scatter_clear(void* send, void* recv, size_t numel_per_rank, DType dtype, RedOp op,
                                     const std::string& label) {
   reduce_scatter(send, recv, numel_per_rank, dtype, op, label);
   size_t nbytes = numel_per_rank * world_ranks_.size() * dtype_size(dtype);
-  cuda_check(cudaMemsetAsync(send, 0, nbytes, stream()), "clearing the grads after " + label);
+  cudaError_t e = cudaMemsetAsync(send, 0, nbytes, stream());
+  if (e != cudaSuccess) cuda_check(e, "clearing the grads after " + label);
 }
 
 void NcclComm::all_reduce(const void* send, void* recv, size_t numel, DType dtype, RedOp op, const std::string& label) {
-  std::string what = begin("all_reduce", label);
-  cudaStream_t s = stream();
-  queued(nccl().AllReduce(send, recv, numel, nccl_type(dtype), nccl_op(op), comm_, s), what, s);
+  uint64_t seq = begin();
+  collective("all_reduce", label, seq, stream(), [&](ncclComm_t c, cudaStream_t s) {
+    return nccl().AllReduce(send, recv, numel, nccl_type(dtype), nccl_op(op), c, s);
+  });
 }
 
 void NcclComm::all_reduce_f64(double* values, size_t n, RedOp op, const std::string& label) {
-  std::string what = begin("all_reduce_f64", label);
-  staged(values, values, n * sizeof(double), n * sizeof(double), what, [&](const void* in, void* out, cudaStream_t s) {
-    return nccl().AllReduce(in, out, n, ncclFloat64, nccl_op(op), comm_, s);
-  });
+  uint64_t seq = begin();
+  staged(values, values, n * sizeof(double), n * sizeof(double), "all_reduce_f64", label, seq,
+         [&](const void* in, void* out, ncclComm_t c, cudaStream_t s) {
+           return nccl().AllReduce(in, out, n, ncclFloat64, nccl_op(op), c, s);
+         });
 }
 
 void NcclComm::broadcast(void* buf, size_t nbytes, int root, const std::string& label) {
-  std::string what = begin("broadcast", label);
+  uint64_t seq = begin();
   if (plane_ != nullptr && plane_->owns(buf)) {
-    cudaStream_t s = stream();
-    queued(nccl().Broadcast(buf, buf, nbytes, ncclUint8, root, comm_, s), what, s);
+    collective("broadcast", label, seq, stream(),
+               [&](ncclComm_t c, cudaStream_t s) { return nccl().Broadcast(buf, buf, nbytes, ncclUint8, root, c, s); });
     return;
   }
-  staged(buf, buf, nbytes, nbytes, what, [&](const void* in, void* out, cudaStream_t s) {
-    return nccl().Broadcast(in, out, nbytes, ncclUint8, root, comm_, s);
-  });
+  staged(buf, buf, nbytes, nbytes, "broadcast", label, seq,
+         [&](const void* in, void* out, ncclComm_t c, cudaStream_t s) {
+           return nccl().Broadcast(in, out, nbytes, ncclUint8, root, c, s);
+         });
 }
 
 void NcclComm::barrier(const std::string& label) {
@@ -283,7 +489,8 @@ void NcclComm::barrier(const std::string& label) {
 }
 
 std::unique_ptr<Communicator> NcclComm::split(int color, int key, const std::string& label) {
-  std::string what = begin("split", label);
+  uint64_t seq = begin();
+  const std::string what = describe("split", label, seq);
   // The members' world ranks, for messages: every rank's (color, key).
   int64_t mine[2] = {color, key};
   std::vector<int64_t> all(2 * world_ranks_.size());
@@ -292,21 +499,24 @@ std::unique_ptr<Communicator> NcclComm::split(int color, int key, const std::str
   std::vector<int> names;
   for (int m : members) names.push_back(world_ranks_[static_cast<size_t>(m)]);
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-  config.blocking = 0;
+  config.blocking = 0;  // a formation communicator, as the world's
   ncclComm_t child = nullptr;
-  ncclResult_t r = nccl().CommSplit(comm_, color, key, &child, &config);
-  auto deadline = base::deadline_after(timeout_s_);
-  while (r == ncclInProgress && child != nullptr) {
-    if (Clock::now() > deadline) {
-      nccl().CommAbort(child);
-      abort(what + " did not complete within timeout_s = " + base::format_double(timeout_s_) + " s");
-      throw_failure();
-    }
-    std::this_thread::sleep_for(std::chrono::microseconds(100));
-    if (nccl().CommGetAsyncError(child, &r) != ncclSuccess) break;
+  ncclResult_t r = ncclSuccess;
+  {
+    Call guard(*this, /*watched=*/false);  // bounded here
+    auto deadline = base::deadline_after(timeout_s_);
+    r = nccl().CommSplit(ctrl_, color, key, &child, &config);
+    r = settle_formation(r, ctrl_, child, deadline, timeout_s_);
+    if (r != ncclSuccess && child != nullptr) nccl().CommAbort(child);
+  }
+  if (r == ncclInProgress) {
+    fail_with(FSDP_ERR_TIMEOUT,
+              what + " did not complete within timeout_s = " + base::format_double(timeout_s_) + " s");
+    request_abort();
+    throw_failure();
   }
   if (r != ncclSuccess) {
-    fail_with(FSDP_ERR_COMM, what + " failed: " + nccl_describe(r, comm_));
+    fail_with(FSDP_ERR_COMM, what + " failed: " + nccl_describe(r, nullptr));
     throw_failure();
   }
   // The ranks of one host stay together in a split (shard groups are runs

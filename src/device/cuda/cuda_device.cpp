@@ -45,9 +45,15 @@ class MemPool {
     check(cudaMemPoolCreate(&pool_, &props), "cudaMemPoolCreate");
     uint64_t keep = std::numeric_limits<uint64_t>::max();
     cudaError_t e = cudaMemPoolSetAttribute(pool_, cudaMemPoolAttrReleaseThreshold, &keep);
+    // A block freed on another stream is reused once its free has run, never
+    // by making the allocating stream wait for that stream: an allocation
+    // outside a task (on the device's own stream, which the host then
+    // synchronizes) would otherwise wait for the comm stream's collectives.
+    int no = 0;
+    if (e == cudaSuccess) e = cudaMemPoolSetAttribute(pool_, cudaMemPoolReuseAllowInternalDependencies, &no);
     if (e != cudaSuccess) {
       cudaMemPoolDestroy(pool_);
-      check(e, "setting the memory pool's release threshold");
+      check(e, "setting the memory pool's attributes");
     }
   }
   // Blocks still allocated are released by CUDA once they are freed.
