@@ -114,7 +114,10 @@ def bench_figures(row):
         return None
     if bench == "cuda_kernels" and "kernel" in row:
         kernel = row["kernel"]
-        goal = 0.85 if kernel.startswith("adam") else None  # the optimizer pass's goal
+        # The goal is the engine's optimizer pass's, the multi-tensor launch
+        # over the spans (adamw_spans...); the per-range pass and the casts
+        # are measured beside it without one.
+        goal = 0.85 if kernel.startswith("adamw_spans") else None
         return {"name": f"cuda_kernels {kernel}", "figure": row.get("ratio_to_copy"), "unit": "of copy bandwidth",
                 "limit": goal, "direction": ">=", "extra": f"{row.get('GBps', 0):.0f} GB/s"}
     if bench == "cuda_engine" and row.get("what") == "transition_call_host_time":
