@@ -489,6 +489,8 @@ class SummaryParts(unittest.TestCase):
         self.assertAlmostEqual(f["ratio_to_limit"], 0.4)
         self.assertTrue(f["meets_goal"])
         self.assertIsNone(summary.bench_figures({"bench": "cuda_kernels", "skipped": "no CUDA device"}))
+        f = summary.bench_figures({"bench": "nccl", "what": "all_reduce", "ratio_to_nccl": 0.9})  # a new shape: kept
+        self.assertEqual((f["name"], f["figure"]), ("nccl all_reduce", 0.9))
         self.assertEqual(summary.bench_verdict('{"bench": "nccl", "skipped": "no GPU"}\n', 0)[0], "FAIL")
         self.assertEqual(summary.bench_verdict('{"bench": "nccl", "collective": "x"}\n', 1)[0], "FAIL")
 
