@@ -16,15 +16,16 @@ namespace fsdp::bench {
 // device's operations and libfsdp's collectives go to it), between CUDA
 // events on `s`, after one warm-up; in seconds.
 inline double best_gpu_seconds(device::cuda::CudaStream& s, int reps, const std::function<void()>& fn) {
+  static const device::Label kWarmUp = device::make_label("warm-up"), kTimed = device::make_label("timed");
   cudaStream_t native = s.native();
   cudaEvent_t a, b;
   cudaEventCreate(&a);
   cudaEventCreate(&b);
-  s.submit("warm-up", fn)->wait(0);
+  s.submit(kWarmUp, fn)->wait(0);
   double best = 1e30;
   for (int i = 0; i < reps; ++i) {
     cudaEventRecord(a, native);
-    s.submit("timed", fn);
+    s.submit(kTimed, fn);
     cudaEventRecord(b, native);
     cudaEventSynchronize(b);
     float ms = 0;
