@@ -445,6 +445,15 @@ class RunStages(ScriptTest):
             self.assertEqual(rc, 1, out)
             self.assertIn("compute-sanitizer racecheck test_cuda (racecheck)", self.sb.summary_text())
 
+    def test_stages_left_without_time_are_listed_as_not_run_yet(self):
+        self.build()
+        rc, out = self.sb.check("suite", "demo", FSDP_GPU_CHECK_BUDGET_S="50")
+        self.assertRan(rc, out)
+        self.assertNotIn("ctest", self.sb.calls())
+        last = self.sb.summary_text().rstrip().splitlines()[-1]
+        self.assertTrue(last.startswith("gpu-check: INCOMPLETE"), last)
+        self.assertIn("tools/gpu-check.sh suite python go memcheck racecheck bench demo", last)
+
     def test_a_new_build_makes_earlier_run_records_stale(self):
         self.build()
         rc, out = self.sb.check("suite")
