@@ -399,7 +399,8 @@ stage_python() {
     done
     gc_note "pytest from .gpu-deps/wheels, unzipped into $site"
   fi
-  local pythonpath=$site${PYTHONPATH:+:$PYTHONPATH}
+  local pythonpath=${PYTHONPATH:-}
+  [ -z "$site" ] || pythonpath=$site${pythonpath:+:$pythonpath}
   if ! PYTHONPATH=$pythonpath python3 -c "import pytest" 2>/dev/null; then
     gc_stage_end FAIL "pytest not found (run tools/gpu-deps.sh elsewhere and carry .gpu-deps): the Python GPU tests did not run"
     return
