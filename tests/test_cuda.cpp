@@ -676,7 +676,7 @@ TEST(CudaKernels, ASpanTableIsUploadedUsedAndFreedInTheOrderOfItsStream) {
 // Review 9: the device is made current at every call, not remembered per
 // thread, so a host that switched the thread to another GPU in between does
 // not send libfsdp's work there.
-TEST(CudaStreams, EachCallMakesItsGpuCurrentWhateverTheHostSetInBetween) {
+TEST(CudaStreams, EachCallMakesItsGpuCurrentAfterTheHostSwitchedToAnotherGpu) {
   if (CudaDevice::count() < 2) GTEST_SKIP() << "needs 2 GPUs, " << CudaDevice::count() << " here: GPU test not run";
   CudaDevice gpu(0);
   void* a = gpu.alloc(256);
