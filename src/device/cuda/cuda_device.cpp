@@ -116,12 +116,22 @@ class CudaSpanTable final : public SpanTable {
       block_ = block;
       spans_ = static_cast<ShardSpan*>(block);
       chunks_ = reinterpret_cast<k::SpanChunk*>(static_cast<char*>(block) + spans_nbytes);
-      check(cudaMemcpyAsync(spans_, sp.data(), sp.size() * sizeof(ShardSpan), cudaMemcpyHostToDevice, s),
-            "uploading the span table");
-      check(cudaMemcpyAsync(chunks_, chunks_host_.data(), chunks_nbytes, cudaMemcpyHostToDevice, s),
-            "uploading the span table's chunks");
+      e = cudaMemcpyAsync(spans_, sp.data(), sp.size() * sizeof(ShardSpan), cudaMemcpyHostToDevice, s);
+      if (e == cudaSuccess) e = cudaMemcpyAsync(chunks_, chunks_host_.data(), chunks_nbytes, cudaMemcpyHostToDevice, s);
+      if (e != cudaSuccess) {
+        cudaStreamSynchronize(s);  // the copies may have begun: they read the host copies that go with this
+        cudaFreeAsync(block_, s);
+        cudaEventDestroy(last_);
+        fail_cuda(e, "uploading the span table");
+      }
     }
-    check(cudaEventRecord(last_, s), "recording the span table's upload");
+    cudaError_t e = cudaEventRecord(last_, s);
+    if (e != cudaSuccess) {
+      cudaStreamSynchronize(s);
+      if (block_ != nullptr) cudaFreeAsync(block_, s);
+      cudaEventDestroy(last_);
+      fail_cuda(e, "recording the span table's upload");
+    }
   }
   // Waits for the table's own last use (an event: the upload and every launch
   // recorded it; in the engine the step has already waited for its launch),
