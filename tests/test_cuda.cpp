@@ -28,6 +28,7 @@
 #include "base/error.h"
 #include "device/cpu/cpu_device.h"
 #include "device/cuda/cuda_device.h"
+#include "gpu_presence.h"
 #include "kernels/cast.h"
 #include "kernels/cuda/launch.h"
 #include "kernels/norm.h"
@@ -71,10 +72,8 @@ void operator delete[](void* p, size_t) noexcept { std::free(p); }
 
 namespace {
 
-#define SKIP_WITHOUT_GPU()                                                                             \
-  do {                                                                                                 \
-    if (CudaDevice::count() == 0) GTEST_SKIP() << "no CUDA device can be used here: GPU test not run"; \
-  } while (0)
+// Skips without a GPU; fails where nvidia-smi lists one that CUDA cannot use (gpu_presence.h).
+#define SKIP_WITHOUT_GPU() FSDP_SKIP_WITHOUT_GPU("GPU test not run")
 
 // Sizes: below a vector, a vector plus a tail, over a norm step (256), and
 // over a level of the norm's fold (2048 steps); none a multiple of 4.
