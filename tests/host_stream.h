@@ -66,7 +66,8 @@ class Host {
     if (stream_ == nullptr) {
       f();
     } else {
-      stream_->submit("host compute", std::forward<F>(f));
+      static const fsdp::device::Label kName = fsdp::device::make_label("host compute");
+      stream_->submit(kName, std::forward<F>(f));
     }
   }
   // Waits until the queued compute has run (before the host thread reads what

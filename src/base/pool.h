@@ -40,7 +40,14 @@ class BlockPool {
   }
 
  private:
-  BlockPool() { free_.reserve(64); }
+  // Made with room for more than the events a few contexts keep alive at
+  // once (queued tasks, slots, units), so that the pool rarely grows after
+  // the first steps; a backlog deeper than that grows it once more.
+  static constexpr size_t kPrefill = 256;
+  BlockPool() {
+    free_.reserve(2 * kPrefill);
+    for (size_t i = 0; i < kPrefill; ++i) free_.push_back(::operator new(Size));
+  }
   std::mutex mu_;
   std::vector<void*> free_;
 };

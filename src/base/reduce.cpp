@@ -56,7 +56,8 @@ template <bool kClear>
 void reduce_sum_impl(void* out, const void* const* ins, size_t n_ins, size_t numel, DType dtype, float scale) {
   with_dtype(dtype, out, [&](auto* typed_out) {
     using T = std::remove_pointer_t<decltype(typed_out)>;
-    std::vector<const T*> typed(n_ins);
+    thread_local std::vector<const T*> typed;  // kept: a reduction allocates nothing once warm
+    typed.resize(n_ins);
     for (size_t k = 0; k < n_ins; ++k) typed[k] = static_cast<const T*>(ins[k]);
     reduce_blocks<kClear>(typed_out, typed, numel, scale);
   });

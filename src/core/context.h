@@ -42,6 +42,8 @@ class Context {
   // The device stream for the API's `stream` argument of `call`.
   device::Stream& caller_stream(void* native, const char* call) { return rt_.caller_stream(native, call); }
   device::Device& device() { return *dev_; }
+  // For white-box tests: the engine's streams, options and rank.
+  const Runtime& runtime() const { return rt_; }
   void set_grad_sync(bool enabled) { rt_.grad_sync = enabled; }
   void set_lr(double lr);
   double last_grad_norm() const;

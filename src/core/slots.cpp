@@ -29,7 +29,8 @@ Buffer SlotPool::acquire(size_t numel, device::Stream& s, bool zeroed) {
       device::Device* dev = dev_;
       void* p = f.slot.data();
       size_t n = f.slot.nbytes();
-      s.submit("zero a grad slot", [dev, p, n] { dev->zero(p, n); });
+      static const device::Label kZero = device::make_label("zero a grad slot");
+      s.submit(kZero, [dev, p, n] { dev->zero(p, n); });
     }
   }
   return std::move(f.slot);

@@ -206,53 +206,60 @@ void Unit::issue_gather(bool prefetch) {
     rt_.trace.add(std::string(prefetch ? "prefetch " : "issue ") + gather_label_, 'i', Track::kCaller);
   }
   comm::Communicator* shard = rt_.shard_comm;
-  EventPtr copied;
-  std::shared_ptr<Buffer> staged;
   if (rt_.offload()) {
     // The host shard goes to the device first, on the copy stream, so that the
     // copy overlaps compute as the gather does. A world of one (NO_SHARD)
     // needs no collective: the copy lands in the full buffer itself.
+    // Otherwise it lands in offload_stage_, taken by the copy task and freed
+    // by the gather task (each stream-ordered on its own stream); the next
+    // copy of this unit waits for this gather, which is done with the stage.
     bool alone = rt_.shard_world() == 1;
-    if (!alone) {
-      staged = std::make_shared<Buffer>(rt_.dev, &rt_.mem, MemCategory::kScratch, rt_.opts.param_dtype, shard_numel(),
-                                        /*zeroed=*/false);
-    }
-    void* to = alone ? dst : staged->data();
-    device::Device* dev = rt_.dev;
-    copied = rt_.copy_in->submit(tasks_.copy_in, [dev, to, src, nbytes] { dev->copy_from_host(to, src, nbytes); });
+    Unit* me = this;
+    rt_.copy_in->wait(last_gather_);
+    EventPtr copied = rt_.copy_in->submit(tasks_.copy_in, [me, alone, dst, src, nbytes] {
+      Runtime& rt = me->rt_;
+      void* to = dst;
+      if (!alone) {
+        me->offload_stage_ = Buffer(rt.dev, &rt.mem, MemCategory::kScratch, rt.opts.param_dtype, me->shard_numel(),
+                                    /*zeroed=*/false);
+        to = me->offload_stage_.data();
+      }
+      rt.dev->copy_from_host(to, src, nbytes);
+    });
     rt_.stream->wait(copied);
     if (alone) {
       gather_event_ = copied;
-      set_state(UnitState::kGathering);
-      trace_memory();
-      return;
+    } else {
+      gather_event_ = rt_.stream->submit(tasks_.gather, [me, shard, dst, nbytes] {
+        shard->all_gather(me->offload_stage_.data(), dst, nbytes, me->gather_label_);
+        me->offload_stage_.reset();
+      });
     }
-    src = staged->data();
-  }
-  if (lowp_.empty() && rt_.opts.param_dtype != DType::kFp32) {
-    // keep_param_dtype_shard=0: the fp32 master is cast into a transient
-    // param_dtype stage on the comm stream, just before the collective reads it.
-    staged = std::make_shared<Buffer>(rt_.dev, &rt_.mem, MemCategory::kScratch, rt_.opts.param_dtype, shard_numel(),
-                                      /*zeroed=*/false);
-    device::Device* dev = rt_.dev;
-    const float* master = master_.as<float>();
-    void* stage = staged->data();
-    DType dt = rt_.opts.param_dtype;
-    size_t n = shard_numel();
-    gather_event_ =
-        rt_.stream->submit(tasks_.gather_cast, [shard, dev, master, stage, dt, n, dst, nbytes, self, staged] {
-          dev->cast(stage, dt, master, DType::kFp32, n);
-          shard->all_gather(stage, dst, nbytes, self->gather_label_);
-          staged->reset();
-        });
+    last_gather_ = gather_event_;
     set_state(UnitState::kGathering);
     trace_memory();
     return;
   }
-  gather_event_ = rt_.stream->submit(tasks_.gather, [shard, src, dst, nbytes, self, staged] {
-    shard->all_gather(src, dst, nbytes, self->gather_label_);
-    if (staged) staged->reset();
-  });
+  if (lowp_.empty() && rt_.opts.param_dtype != DType::kFp32) {
+    // keep_param_dtype_shard=0: the fp32 master is cast into a transient
+    // param_dtype stage on the comm stream, just before the collective reads
+    // it. The stage is taken inside the task: stream-ordered on the comm
+    // stream, nothing for the host to allocate or keep alive.
+    const float* master = master_.as<float>();
+    gather_event_ = rt_.stream->submit(tasks_.gather_cast, [shard, master, dst, nbytes, self] {
+      Runtime& rt = self->rt_;
+      DType dt = rt.opts.param_dtype;
+      size_t n = self->shard_numel();
+      Buffer stage(rt.dev, &rt.mem, MemCategory::kScratch, dt, n, /*zeroed=*/false);
+      rt.dev->cast(stage.data(), dt, master, DType::kFp32, n);
+      shard->all_gather(stage.data(), dst, nbytes, self->gather_label_);
+    });
+    set_state(UnitState::kGathering);
+    trace_memory();
+    return;
+  }
+  gather_event_ = rt_.stream->submit(
+      tasks_.gather, [shard, src, dst, nbytes, self] { shard->all_gather(src, dst, nbytes, self->gather_label_); });
   set_state(UnitState::kGathering);
   trace_memory();
 }

@@ -169,6 +169,11 @@ class Unit {
   Buffer reduced_;
   const void* reduced_data_ = nullptr;
   Buffer on_host_;
+  // offload=cpu, gathered: the shard copied to the device for the gather
+  // (taken by the copy task, freed by the gather task), and the event of the
+  // unit's last gather, which the next copy waits for.
+  Buffer offload_stage_;
+  EventPtr last_gather_;
 };
 
 }  // namespace fsdp::core

@@ -24,7 +24,8 @@ void reduce_range(LocalGroup& g, DataPlane* plane, void* out, size_t first, size
   if (op == RedOp::kMax || op == RedOp::kMin) fail(FSDP_ERR_INTERNAL, "local comm: max/min of tensors is not used");
   int world = g.world_size();
   float scale = op == RedOp::kAvg ? 1.0f / static_cast<float>(world) : 1.0f;
-  std::vector<void*> ins(static_cast<size_t>(world));
+  thread_local std::vector<void*> ins;  // kept: a collective allocates nothing once warm
+  ins.resize(static_cast<size_t>(world));
   for (int r = 0; r < world; ++r) {
     // Only reduce_scatter_clear's sends are written, and those are writable.
     ins[static_cast<size_t>(r)] =
@@ -40,7 +41,7 @@ void reduce_range(LocalGroup& g, DataPlane* plane, void* out, size_t first, size
 }
 
 std::string describe(const CollectiveDesc& d) {
-  std::string s = std::string(d.kind) + "(" + d.label + ", size " + std::to_string(d.size);
+  std::string s = std::string(d.kind) + "(" + (d.label ? *d.label : std::string()) + ", size " + std::to_string(d.size);
   if (d.dtype >= 0) s += std::string(", ") + dtype_name(static_cast<DType>(d.dtype));
   if (d.root >= 0) s += ", root " + std::to_string(d.root);
   if (d.device) s += ", device memory";
@@ -49,7 +50,8 @@ std::string describe(const CollectiveDesc& d) {
 
 bool same(const CollectiveDesc& a, const CollectiveDesc& b) {
   return std::strcmp(a.kind, b.kind) == 0 && a.size == b.size && a.dtype == b.dtype && a.op == b.op &&
-         a.root == b.root && a.device == b.device && a.label == b.label;
+         a.root == b.root && a.device == b.device &&
+         (a.label == b.label || (a.label && b.label && *a.label == *b.label));
 }
 
 }  // namespace
@@ -61,7 +63,7 @@ LocalComm::LocalComm(std::shared_ptr<LocalGroup> group, int rank, double timeout
 
 LocalComm::~LocalComm() { group_->release(rank_); }
 
-void LocalComm::sync(const std::string& what) {
+void LocalComm::sync(base::FunctionRef<std::string()> what) {
   if (on_plane_) publish_mark();
   group_->arrive_and_wait(rank_, timeout_s_, what);
   if (on_plane_) wait_for_peers_marks();
@@ -89,7 +91,7 @@ bool LocalComm::attach_data_plane(std::shared_ptr<DataPlane> plane) {
   return true;
 }
 
-void LocalComm::run(CollectiveDesc desc, const void* send, void* recv, const std::function<void()>& body) {
+void LocalComm::run(CollectiveDesc desc, const void* send, void* recv, base::FunctionRef<void()> body) {
   // Each rank decides from its own buffers; the check below makes sure that
   // all took the same path.
   desc.device = plane_ != nullptr && (plane_->owns(send) || plane_->owns(recv));
@@ -108,18 +110,21 @@ void LocalComm::run(CollectiveDesc desc, const void* send, void* recv, const std
     }
   }
   try {
-    run_checked(std::move(desc), send, recv, body);
+    run_checked(desc, send, recv, body);
   } catch (const Error& e) {
     failure_.store(e.status());  // every way out of a collective by error breaks the group
     throw;
   }
 }
 
-void LocalComm::run_checked(CollectiveDesc desc, const void* send, void* recv, const std::function<void()>& body) {
+void LocalComm::run_checked(CollectiveDesc desc, const void* send, void* recv, base::FunctionRef<void()> body) {
   ++seq_;
-  std::string what = desc.label + " (" + desc.kind + ", collective #" + std::to_string(seq_) + ")";
+  uint64_t seq = seq_;
+  auto what = [&desc, seq] {
+    return (desc.label ? *desc.label : std::string()) + " (" + desc.kind + ", collective #" + std::to_string(seq) + ")";
+  };
   Slot& mine = group_->slot(rank_);
-  mine.desc = std::move(desc);
+  mine.desc = desc;
   mine.seq = seq_;
   mine.send = send;
   mine.recv = recv;
@@ -146,7 +151,7 @@ void LocalComm::run_checked(CollectiveDesc desc, const void* send, void* recv, c
 }
 
 void LocalComm::all_gather(const void* send, void* recv, size_t nbytes_per_rank, const std::string& label) {
-  CollectiveDesc d{"all_gather", nbytes_per_rank, -1, -1, -1, label};
+  CollectiveDesc d{"all_gather", nbytes_per_rank, -1, -1, -1, &label};
   run(d, send, recv, [&] {
     int world = world_size();
     // Start at our own rank so that ranks read different peers at a time.
@@ -159,7 +164,7 @@ void LocalComm::all_gather(const void* send, void* recv, size_t nbytes_per_rank,
 
 void LocalComm::reduce_scatter(const void* send, void* recv, size_t numel_per_rank, DType dtype, RedOp op,
                                const std::string& label) {
-  CollectiveDesc d{"reduce_scatter", numel_per_rank, static_cast<int>(dtype), static_cast<int>(op), -1, label};
+  CollectiveDesc d{"reduce_scatter", numel_per_rank, static_cast<int>(dtype), static_cast<int>(op), -1, &label};
   run(d, send, recv, [&] {
     reduce_range(*group_, plane(), recv, static_cast<size_t>(rank_) * numel_per_rank, numel_per_rank, dtype, op);
   });
@@ -169,7 +174,7 @@ void LocalComm::reduce_scatter_clear(void* send, void* recv, size_t numel_per_ra
                                      const std::string& label) {
   // The same collective as reduce_scatter for the rank check: a rank that
   // clears and one that does not still agree on the data.
-  CollectiveDesc d{"reduce_scatter", numel_per_rank, static_cast<int>(dtype), static_cast<int>(op), -1, label};
+  CollectiveDesc d{"reduce_scatter", numel_per_rank, static_cast<int>(dtype), static_cast<int>(op), -1, &label};
   run(d, send, recv, [&] {
     reduce_range(*group_, plane(), recv, static_cast<size_t>(rank_) * numel_per_rank, numel_per_rank, dtype, op, true);
   });
@@ -177,7 +182,7 @@ void LocalComm::reduce_scatter_clear(void* send, void* recv, size_t numel_per_ra
 
 void LocalComm::all_reduce(const void* send, void* recv, size_t numel, DType dtype, RedOp op,
                            const std::string& label) {
-  CollectiveDesc d{"all_reduce", numel, static_cast<int>(dtype), static_cast<int>(op), -1, label};
+  CollectiveDesc d{"all_reduce", numel, static_cast<int>(dtype), static_cast<int>(op), -1, &label};
   size_t world = static_cast<size_t>(world_size());
   size_t chunk = (numel + world - 1) / world;
   size_t es = dtype_size(dtype);
@@ -189,7 +194,7 @@ void LocalComm::all_reduce(const void* send, void* recv, size_t numel, DType dty
     // Phase 1: each rank reduces its own chunk; phase 2: it copies the others'.
     auto [b, n] = range(static_cast<size_t>(rank_));
     reduce_range(*group_, plane(), static_cast<char*>(recv) + b * es, b, n, dtype, op);
-    sync(label + " (all_reduce, collective #" + std::to_string(seq_) + ", second phase)");
+    sync([&] { return label + " (all_reduce, collective #" + std::to_string(seq_) + ", second phase)"; });
     for (size_t r = 0; r < world; ++r) {
       if (r == static_cast<size_t>(rank_)) continue;
       auto [rb, rn] = range(r);
@@ -200,15 +205,16 @@ void LocalComm::all_reduce(const void* send, void* recv, size_t numel, DType dty
 }
 
 void LocalComm::all_reduce_f64(double* values, size_t n, RedOp op, const std::string& label) {
-  CollectiveDesc d{"all_reduce_f64", n, -1, static_cast<int>(op), -1, label};
-  std::vector<double> in(values, values + n);
+  CollectiveDesc d{"all_reduce_f64", n, -1, static_cast<int>(op), -1, &label};
+  thread_local std::vector<double> in;  // kept, as reduce_range's
+  in.assign(values, values + n);
   run(d, in.data(), values, [&] {
     reduce_f64(values, n, world_size(), op, [&](int r) { return static_cast<const double*>(group_->slot(r).send); });
   });
 }
 
 void LocalComm::broadcast(void* buf, size_t nbytes, int root, const std::string& label) {
-  CollectiveDesc d{"broadcast", nbytes, -1, -1, root, label};
+  CollectiveDesc d{"broadcast", nbytes, -1, -1, root, &label};
   run(d, buf, buf, [&] {
     if (rank_ != root) move(buf, group_->slot(root).send, nbytes);
   });
@@ -221,7 +227,7 @@ void LocalComm::abort(const std::string& reason) {
 }
 
 void LocalComm::barrier(const std::string& label) {
-  CollectiveDesc d{"barrier", 0, -1, -1, -1, label};
+  CollectiveDesc d{"barrier", 0, -1, -1, -1, &label};
   run(d, nullptr, nullptr, [] {});
 }
 

@@ -13,6 +13,7 @@
 #include <functional>
 #include <memory>
 
+#include "../../base/function_ref.h"
 #include "../communicator.h"
 #include "local_group.h"
 
@@ -47,9 +48,10 @@ class LocalComm final : public Communicator {
   // called the same collective, runs `body` (which may call sync() for extra
   // phases) and waits again so that no rank's buffers are released while a
   // peer still reads them.
-  void run(CollectiveDesc desc, const void* send, void* recv, const std::function<void()>& body);
-  void run_checked(CollectiveDesc desc, const void* send, void* recv, const std::function<void()>& body);
-  void sync(const std::string& what);
+  void run(CollectiveDesc desc, const void* send, void* recv, base::FunctionRef<void()> body);
+  void run_checked(CollectiveDesc desc, const void* send, void* recv, base::FunctionRef<void()> body);
+  // `what` names the phase in an error (built only then).
+  void sync(base::FunctionRef<std::string()> what);
   // The device path's halves of a phase: publish this rank's mark, and make
   // this rank's stream wait for every peer's.
   void publish_mark();

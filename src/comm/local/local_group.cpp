@@ -80,13 +80,13 @@ void LocalGroup::abort(fsdp_status_t status, const std::string& reason, bool wit
   for (auto& c : children) c->abort(first_status, first_reason, true);
 }
 
-void LocalGroup::arrive_and_wait(int rank, double timeout_s, const std::string& what) {
+void LocalGroup::arrive_and_wait(int rank, double timeout_s, base::FunctionRef<std::string()> what) {
   std::unique_lock<std::mutex> lock(mu_);
   if (aborted_) {
     std::string reason = abort_reason_;
     lock.unlock();
     fail(FSDP_ERR_COMM,
-         what + " on rank " + std::to_string(world_rank(rank)) + ": the communicator was aborted earlier: " + reason);
+         what() + " on rank " + std::to_string(world_rank(rank)) + ": the communicator was aborted earlier: " + reason);
   }
   uint64_t target = ++phase_[static_cast<size_t>(rank)];
   auto all_here = [&] {
@@ -106,7 +106,7 @@ void LocalGroup::arrive_and_wait(int rank, double timeout_s, const std::string& 
           missing += (n_missing++ ? ", " : "") + std::to_string(world_rank(r));
         }
       }
-      std::string msg = what + ": timed out after " + base::format_double(timeout_s) + " s waiting for rank" +
+      std::string msg = what() + ": timed out after " + base::format_double(timeout_s) + " s waiting for rank" +
                         (n_missing > 1 ? "s " : " ") + missing + " (seen from rank " +
                         std::to_string(world_rank(rank)) +
                         "; the missing rank may have failed, hung, or called a different collective)";

@@ -15,6 +15,7 @@
 #include <utility>
 #include <vector>
 
+#include "../../base/function_ref.h"
 #include "fsdp.h"
 
 namespace fsdp::comm {
@@ -26,7 +27,8 @@ struct CollectiveDesc {
   int dtype = -1;
   int op = -1;
   int root = -1;
-  std::string label;
+  // The caller's label: read only while every rank is inside the collective.
+  const std::string* label = nullptr;
   bool device = false;  // moves memory of the communicator's DataPlane (set by the rank's run)
 };
 
@@ -68,7 +70,7 @@ class LocalGroup {
   // has. Throws Error(TIMEOUT) naming the ranks that did not arrive, or the
   // status the group was aborted with. Publishing a slot before this call makes
   // it visible to every rank after it.
-  void arrive_and_wait(int rank, double timeout_s, const std::string& what);
+  void arrive_and_wait(int rank, double timeout_s, base::FunctionRef<std::string()> what);
   // Fails every current and future collective of the group; with
   // `with_children`, also of every sub-group split from it, including those
   // split after this call.

@@ -2,6 +2,7 @@
 #include "block_cache.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <cstdlib>
 
 namespace fsdp::device {
@@ -17,6 +18,17 @@ void* aligned(size_t nbytes) { return std::aligned_alloc(kAlign, nbytes); }
 
 HostMemory plain_host_memory() { return {aligned, std::free}; }
 
+BlockCache::BlockCache(bool enabled, HostMemory system) : enabled_(enabled), system_(system) {
+  // Spare nodes for more blocks than a step takes, made now rather than when
+  // the first blocks of a size go back.
+  constexpr int kSpareNodes = 64;
+  for (int i = 0; i < kSpareNodes; ++i) {
+    spare_cached_.push_back(free_.extract(free_.emplace(size_t(0), nullptr)));
+    spare_in_use_.push_back(in_use_.extract(in_use_.emplace(reinterpret_cast<void*>(uintptr_t(i) + 1), 0).first));
+  }
+  in_use_.reserve(kSpareNodes);
+}
+
 BlockCache::~BlockCache() {
   for (auto& kv : free_) system_.free(kv.second);
   for (auto& kv : zero_) system_.free(kv.second);
@@ -28,7 +40,7 @@ void* BlockCache::take_locked(std::multimap<size_t, void*>& from, size_t n) {
   auto it = from.find(n);
   if (it == from.end()) return nullptr;
   void* p = it->second;
-  from.erase(it);
+  spare_cached_.push_back(from.extract(it));
   cached_ -= n;
   return p;
 }
@@ -44,9 +56,13 @@ void* BlockCache::alloc(size_t nbytes, bool want_zero, bool* is_zero) {
   } else if ((p = take_locked(want_zero ? free_ : zero_, n)) != nullptr) {
     if (is_zero != nullptr) *is_zero = !want_zero;
   } else {
-    // A new block: make room under the peak first, so that the footprint
-    // grows only when the bytes in use do.
-    trim_locked(std::max(peak_, used_ + n) - n);
+    // A new block: make room under the bound first (the peak in use plus the
+    // largest block), so that the footprint grows only when the bytes in use
+    // do. The one block of slack lets scratch blocks of a few sizes that are
+    // never in use together stay cached together, instead of each evicting
+    // the other on every use (a reduction's scratch, unit after unit).
+    largest_ = std::max(largest_, n);
+    trim_locked(std::max(peak_, used_ + n) + largest_ - n);
     p = system_.alloc(n);
     if (p == nullptr && cached_ > 0) {
       trim_locked(used_);  // out of memory: give every cached block back and retry
@@ -54,7 +70,15 @@ void* BlockCache::alloc(size_t nbytes, bool want_zero, bool* is_zero) {
     }
     if (p == nullptr) return nullptr;
   }
-  in_use_.emplace(p, n);
+  if (spare_in_use_.empty()) {
+    in_use_.emplace(p, n);
+  } else {
+    InUse::node_type node = std::move(spare_in_use_.back());
+    spare_in_use_.pop_back();
+    node.key() = p;
+    node.mapped() = n;
+    in_use_.insert(std::move(node));
+  }
   used_ += n;
   peak_ = std::max(peak_, used_);
   return p;
@@ -76,9 +100,18 @@ void BlockCache::release(void* ptr, bool zero) noexcept {
     return;
   }
   size_t n = it->second;
-  in_use_.erase(it);
+  spare_in_use_.push_back(in_use_.extract(it));
   used_ -= n;
-  (zero ? zero_ : free_).emplace(n, ptr);
+  Cached& to = zero ? zero_ : free_;
+  if (spare_cached_.empty()) {
+    to.emplace(n, ptr);
+  } else {
+    Cached::node_type node = std::move(spare_cached_.back());
+    spare_cached_.pop_back();
+    node.key() = n;
+    node.mapped() = ptr;
+    to.insert(std::move(node));
+  }
   cached_ += n;
 }
 
@@ -88,7 +121,7 @@ void BlockCache::trim_locked(size_t limit) {
       auto last = std::prev(from->end());  // the largest block
       cached_ -= last->first;
       system_.free(last->second);
-      from->erase(last);
+      spare_cached_.push_back(from->extract(last));
     }
   }
 }

@@ -4,14 +4,16 @@
 // per 4 MB, against 0.2 ms to zero it), and the engine frees and allocates the
 // same sizes every step (gathered params, full grads, scratch). Blocks are
 // reused only at their exact size; the cache never holds more than keeps the
-// device's footprint (in use + cached) at its peak in-use bytes, so it costs
-// no memory beyond the peak a run reaches anyway.
+// device's footprint (in use + cached) at its peak in-use bytes plus its
+// largest block, so it costs at most one block beyond the peak a run reaches
+// anyway (and scratch blocks of different sizes do not evict each other).
 #pragma once
 
 #include <cstddef>
 #include <map>
 #include <mutex>
 #include <unordered_map>
+#include <vector>
 
 #include "../device.h"
 
@@ -23,7 +25,7 @@ class BlockCache {
   // builds, so that AddressSanitizer sees each use after free).
   // Blocks come from and go back to `system` (a GPU's pinned memory for the
   // host half of offload=cpu).
-  BlockCache(bool enabled, HostMemory system) : enabled_(enabled), system_(system) {}
+  BlockCache(bool enabled, HostMemory system);
   ~BlockCache();
   BlockCache(const BlockCache&) = delete;
   BlockCache& operator=(const BlockCache&) = delete;
@@ -50,12 +52,20 @@ class BlockCache {
   const bool enabled_;
   const HostMemory system_;
   mutable std::mutex mu_;
-  std::multimap<size_t, void*> free_;         // rounded size -> block
-  std::multimap<size_t, void*> zero_;         // the same, for blocks known to be all zero
-  std::unordered_map<void*, size_t> in_use_;  // block -> rounded size
+  using Cached = std::multimap<size_t, void*>;
+  using InUse = std::unordered_map<void*, size_t>;
+  Cached free_;   // rounded size -> block
+  Cached zero_;   // the same, for blocks known to be all zero
+  InUse in_use_;  // block -> rounded size
+  // The containers' nodes, kept when an entry leaves and reused by the next
+  // entry (C++17 node handles): moving a block between the maps allocates
+  // nothing once the cache holds its peak number of blocks (test_alloc).
+  std::vector<Cached::node_type> spare_cached_;
+  std::vector<InUse::node_type> spare_in_use_;
   size_t cached_ = 0;
   size_t used_ = 0;
   size_t peak_ = 0;
+  size_t largest_ = 0;  // the largest block made
 };
 
 }  // namespace fsdp::device

@@ -178,7 +178,11 @@ FSDP_SIMD_CLONES double sum_squares_loop(const float* x, size_t b, size_t e) {
 template <typename Fn>
 double sum_over_chunks(ThreadPool& pool, size_t n, Fn&& fn) {
   size_t chunk = pool.chunk_size(n, kGrain);
-  std::vector<double> partial(chunk == 0 ? 0 : (n + chunk - 1) / chunk, 0.0);
+  // The caller's own, kept: a pass allocates nothing once warm (test_alloc).
+  // (A reference: the pool's threads would see their own thread_local.)
+  thread_local std::vector<double> kept;
+  std::vector<double>& partial = kept;
+  partial.assign(chunk == 0 ? 0 : (n + chunk - 1) / chunk, 0.0);
   pool.parallel_for(n, kGrain, [&](size_t b, size_t e) { partial[b / chunk] = fn(b, e); });
   double s = 0.0;
   for (double v : partial) s += v;

@@ -68,10 +68,24 @@ EventPtr CpuEvent::completed() {
   return done;
 }
 
+// Items whose wait vectors have room for a few events: the vectors circulate
+// (the ring's, waits_ and the worker's), so a task that waits allocates
+// nothing once the ring is warm.
+std::vector<WorkerStream::Item> WorkerStream::ring_of(size_t n) {
+  std::vector<Item> ring(n);
+  for (Item& item : ring) item.after.reserve(kWaitsReserved);
+  return ring;
+}
+
 WorkerStream::WorkerStream(std::string name, StreamHooks hooks, std::chrono::microseconds delay)
-    : name_(make_label(std::move(name))), hooks_(std::move(hooks)), delay_(delay), ring_(8), worker_([this] {
-        loop();
-      }) {}
+    : name_(make_label(std::move(name))),
+      hooks_(std::move(hooks)),
+      delay_(delay),
+      ring_(ring_of(kRingInitial)),
+      worker_([this] { loop(); }) {
+  std::lock_guard<std::mutex> lock(mu_);
+  waits_.reserve(kWaitsReserved);
+}
 
 WorkerStream::~WorkerStream() {
   bool pending;
@@ -87,7 +101,7 @@ WorkerStream::~WorkerStream() {
 
 WorkerStream::Item& WorkerStream::push_slot() {
   if (queue_size_ == ring_.size()) {  // full: unwrap into a ring twice the size
-    std::vector<Item> bigger(ring_.size() * 2);
+    std::vector<Item> bigger = ring_of(ring_.size() * 2);
     for (size_t i = 0; i < queue_size_; ++i) std::swap(bigger[i], ring_[(ring_head_ + i) % ring_.size()]);
     ring_.swap(bigger);
     ring_head_ = 0;
@@ -143,6 +157,7 @@ void WorkerStream::synchronize(double timeout_s) {
 
 void WorkerStream::loop() {
   Item item;  // swapped with the ring's oldest: the vectors' capacity goes round
+  item.after.reserve(kWaitsReserved);
   for (;;) {
     {
       std::unique_lock<std::mutex> lock(mu_);

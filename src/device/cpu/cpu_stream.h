@@ -80,6 +80,12 @@ class WorkerStream final : public Stream {
   // The queue is a ring of Items whose vectors keep their capacity as they
   // are swapped in and out: queueing allocates nothing once it is warm.
   Item& push_slot();  // the slot of a new last item (under mu_)
+  static constexpr size_t kWaitsReserved = 8;
+  // Deeper than the engine's streams get in a step (the host's own stream
+  // holds about three tasks per unit), so that the ring rarely grows after
+  // the first steps; when it does, it doubles and stays.
+  static constexpr size_t kRingInitial = 64;
+  static std::vector<Item> ring_of(size_t n);
 
   Label name_;
   StreamHooks hooks_;

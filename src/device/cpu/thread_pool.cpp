@@ -24,7 +24,7 @@ size_t ThreadPool::chunk_size(size_t n, size_t grain) const {
   return (chunk + grain - 1) / grain * grain;
 }
 
-void ThreadPool::parallel_for(size_t n, size_t grain, const std::function<void(size_t, size_t)>& fn) {
+void ThreadPool::parallel_for(size_t n, size_t grain, base::FunctionRef<void(size_t, size_t)> fn) {
   if (n == 0) return;
   std::lock_guard<std::mutex> job(job_mu_);
   size_t chunk = chunk_size(n, grain);
@@ -50,7 +50,7 @@ void ThreadPool::parallel_for(size_t n, size_t grain, const std::function<void(s
 void ThreadPool::worker_loop(int index) {
   unsigned long seen = 0;
   for (;;) {
-    const std::function<void(size_t, size_t)>* fn;
+    const base::FunctionRef<void(size_t, size_t)>* fn;
     size_t begin, end;
     {
       std::unique_lock<std::mutex> lock(mu_);

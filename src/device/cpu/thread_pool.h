@@ -5,10 +5,11 @@
 
 #include <condition_variable>
 #include <cstddef>
-#include <functional>
 #include <mutex>
 #include <thread>
 #include <vector>
+
+#include "../../base/function_ref.h"
 
 namespace fsdp::device {
 
@@ -22,7 +23,7 @@ class ThreadPool {
   int size() const { return static_cast<int>(workers_.size()) + 1; }
   // Calls fn(begin, end) on disjoint chunks covering [0, n); chunk bounds are
   // multiples of `grain` so vector loops stay aligned. Returns when all are done.
-  void parallel_for(size_t n, size_t grain, const std::function<void(size_t, size_t)>& fn);
+  void parallel_for(size_t n, size_t grain, base::FunctionRef<void(size_t, size_t)> fn);
   // The chunk length parallel_for uses for (n, grain): chunk k starts at k * chunk.
   size_t chunk_size(size_t n, size_t grain) const;
 
@@ -34,7 +35,7 @@ class ThreadPool {
   std::mutex mu_;
   std::condition_variable work_cv_;
   std::condition_variable done_cv_;
-  const std::function<void(size_t, size_t)>* fn_ = nullptr;
+  const base::FunctionRef<void(size_t, size_t)>* fn_ = nullptr;
   size_t n_ = 0;
   size_t chunk_ = 0;
   unsigned long generation_ = 0;
