@@ -433,6 +433,7 @@ class RunStages(ScriptTest):
         for line in runs:
             self.assertIn("*TwoGpus*", line)
             self.assertIn("NcclChild.*", line)
+            self.assertIn("GpuFaultChild.*", line)  # the GPU fault on purpose
             self.assertIn("--error-exitcode 99", line)
         self.assertIn("--report-api-errors explicit", runs[0])  # test_cuda: only libfsdp calls CUDA
         self.assertIn("--report-api-errors no", runs[1])        # test_cuda_engine: NCCL in the process

@@ -202,6 +202,15 @@ void Context::settle_units() {
   for (const auto& u : units_) u->drop_stale_gathered();
   for (const auto& u : units_) u->wait_reductions();
   rt_.reductions_in_flight.clear();
+  // A collective that NCCL aborted completes its GPU event as if it had run:
+  // the waits above pass, and what they waited for holds whatever the buffer
+  // held. The communicators know; nothing may read those results.
+  for (const comm::Communicator* c : {world_.get(), shard_.get(), replica_.get()}) {
+    if (c != nullptr && c->failure() != FSDP_OK) {
+      fail(c->failure(), rt_.where() + ": a collective of this context failed earlier (fsdp_ctx_async_error " +
+                             "reported it); its results are not used");
+    }
+  }
 }
 
 void Context::step(device::Stream& caller) {
