@@ -797,6 +797,7 @@ INSTANTIATE_TEST_SUITE_P(Variants, TrainingVariant, ::testing::ValuesIn(variant_
 // With sync_module_states=1 rank 0's values win, so ranks start identical even
 // when the others pass NULL or different values.
 TEST(SyncModuleStates, RankZerosValuesWinAndOtherRanksMayPassNull) {
+  FSDP_SKIP_WHEN_LATE("no host compute and no call that takes a stream: set_values and gather_param alone");
   const std::vector<ParamSpec> params = {{"w", {4, 3}}, {"b", {4}}};
   const std::vector<float> w = Rng(9).uniform_vec(12, -1, 1);
   std::vector<std::vector<float>> got(3);
