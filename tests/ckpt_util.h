@@ -1,6 +1,9 @@
 // Test helpers for checkpoints: a small model trained through the public API
 // (any world size, sharding and optimizer), an independent safetensors reader
 // (header parsed here, not by libfsdp), temporary directories and file damage.
+// The model's compute goes through tests/host_stream.h's Host (white-box: a
+// test that includes this links fsdp_internal): at once, or late on a host
+// stream (the .late CTests).
 #ifndef FSDP_TESTS_CKPT_UTIL_H
 #define FSDP_TESTS_CKPT_UTIL_H
 
@@ -12,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "host_stream.h"
 #include "rank_runner.h"
 
 namespace fsdp_test {
@@ -54,6 +58,7 @@ inline float target(int step, int row, size_t k, size_t i, size_t e) {
 struct Job {
   CtxPtr ctx;
   std::vector<fsdp_unit_t*> units;
+  Host host;  // after ctx: drained before the context goes
 };
 
 inline std::map<std::string, std::string> base_options(const std::string& sharding) {
@@ -69,6 +74,7 @@ inline void open_job(Job& job, const Net& net, const std::map<std::string, std::
   fsdp_ctx_t* raw = nullptr;
   ASSERT_OK(fsdp_ctx_create(cfg.get(), group, rank, &raw));
   job.ctx.reset(raw);
+  job.host.attach(raw);
   job.units.assign(net.units.size(), nullptr);
   for (size_t k = 0; k < net.units.size(); ++k)
     ASSERT_OK(register_unit(raw, net.unit_name(k), net.units[k], &job.units[k]));
@@ -82,33 +88,37 @@ inline void set_state(Job& job, const State& s) {
 
 // Steps [s0, s1): loss = the mean over the step's rows of 0.5 * |p - target|^2,
 // each rank taking the mean over its share of the rows (grads are averaged
-// over the ranks, as with PyTorch).
+// over the ranks, as with PyTorch). The grads are computed by job.host.
 inline void train(Job& job, const Net& net, int s0, int s1, int world, int rank) {
   const int rows = kRows / world;
   fsdp_dtype_t dt = FSDP_DTYPE_FP32;
   ASSERT_OK(fsdp_ctx_param_dtype(job.ctx.get(), &dt));
+  void* stream = job.host.stream();
   for (int s = s0; s < s1; ++s) {
     for (auto* u : job.units) {
-      ASSERT_OK(fsdp_forward_begin(u, nullptr));
-      ASSERT_OK(fsdp_forward_end(u, nullptr));
+      ASSERT_OK(fsdp_forward_begin(u, stream));
+      ASSERT_OK(fsdp_forward_end(u, stream));
     }
     for (size_t k = net.units.size(); k-- > 0;) {
-      ASSERT_OK(fsdp_backward_begin(job.units[k], nullptr));
+      ASSERT_OK(fsdp_backward_begin(job.units[k], stream));
       for (size_t i = 0; i < net.units[k].size(); ++i) {
         void* pp = nullptr;
         void* gp = nullptr;
         ASSERT_OK(fsdp_param_ptr(job.units[k], i, &pp));
         ASSERT_OK(fsdp_grad_ptr(job.units[k], i, &gp));
-        for (size_t e = 0; e < numel_of(net.units[k][i].shape); ++e) {
-          const float p = load_elem(pp, e, dt);
-          float g = 0;
-          for (int b = rank * rows; b < (rank + 1) * rows; ++b) g += (p - target(s, b, k, i, e)) / float(rows);
-          add_elem(gp, e, dt, g);
-        }
+        const size_t n = numel_of(net.units[k][i].shape);
+        job.host.run([pp, gp, n, dt, s, rank, rows, k, i] {
+          for (size_t e = 0; e < n; ++e) {
+            const float p = load_elem(pp, e, dt);
+            float g = 0;
+            for (int b = rank * rows; b < (rank + 1) * rows; ++b) g += (p - target(s, b, k, i, e)) / float(rows);
+            add_elem(gp, e, dt, g);
+          }
+        });
       }
-      ASSERT_OK(fsdp_backward_end(job.units[k], nullptr));
+      ASSERT_OK(fsdp_backward_end(job.units[k], stream));
     }
-    ASSERT_OK(fsdp_step(job.ctx.get(), nullptr));
+    ASSERT_OK(fsdp_step(job.ctx.get(), stream));
   }
 }
 

@@ -2,6 +2,9 @@
 // (params and optimizer state bitwise unchanged) and backs the scale off; clean
 // steps grow it after growth_interval; a static scale stays put; the scale is
 // divided out exactly (scaled training equals unscaled training bitwise).
+// The host's grads go through tests/host_stream.h's Host: at once, or late on
+// a host stream (the .late CTests), where only the events libfsdp waits for
+// order them before the reductions, the inf/nan check and the step.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -11,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "host_stream.h"
 #include "rank_runner.h"
 
 using namespace fsdp_test;
@@ -22,6 +26,7 @@ constexpr size_t kNumel = 37;
 struct Rank {
   CtxPtr ctx;
   fsdp_unit_t* unit = nullptr;
+  Host host;  // after ctx: drained before the context goes
 };
 
 void make(Rank& s, std::map<std::string, std::string> opts, fsdp_local_group_t* group, int rank) {
@@ -31,6 +36,7 @@ void make(Rank& s, std::map<std::string, std::string> opts, fsdp_local_group_t* 
   fsdp_ctx_t* raw = nullptr;
   ASSERT_OK(fsdp_ctx_create(cfg.get(), group, rank, &raw));
   s.ctx.reset(raw);
+  s.host.attach(raw);
   ASSERT_OK(register_unit(raw, "u", {{"w", {int64_t(kNumel)}}}, &s.unit));
   const auto init = Rng(9).uniform_vec(kNumel, -1.f, 1.f);
   ASSERT_OK(fsdp_param_set_values(s.unit, 0, init.data(), kNumel));
@@ -41,17 +47,19 @@ void make(Rank& s, std::map<std::string, std::string> opts, fsdp_local_group_t* 
 void pass(Rank& s, int rank, int step, double scale, bool poison) {
   fsdp_dtype_t dt;
   ASSERT_OK(fsdp_ctx_param_dtype(s.ctx.get(), &dt));
-  ASSERT_OK(fsdp_forward_begin(s.unit, nullptr));
-  ASSERT_OK(fsdp_forward_end(s.unit, nullptr));
-  ASSERT_OK(fsdp_backward_begin(s.unit, nullptr));
+  ASSERT_OK(fsdp_forward_begin(s.unit, s.host.stream()));
+  ASSERT_OK(fsdp_forward_end(s.unit, s.host.stream()));
+  ASSERT_OK(fsdp_backward_begin(s.unit, s.host.stream()));
   void* g = nullptr;
   ASSERT_OK(fsdp_grad_ptr(s.unit, 0, &g));
   const auto grad =
       Rng(1000 + 10 * static_cast<uint64_t>(step) + static_cast<uint64_t>(rank)).uniform_vec(kNumel, -0.01f, 0.01f);
-  for (size_t k = 0; k < kNumel; ++k) add_elem(g, k, dt, static_cast<float>(grad[k] * scale));
-  if (poison) add_elem(g, 3, dt, std::numeric_limits<float>::infinity());
-  ASSERT_OK(fsdp_backward_end(s.unit, nullptr));
-  ASSERT_OK(fsdp_step(s.ctx.get(), nullptr));
+  s.host.run([g, dt, grad, scale, poison] {
+    for (size_t k = 0; k < kNumel; ++k) add_elem(g, k, dt, static_cast<float>(grad[k] * scale));
+    if (poison) add_elem(g, 3, dt, std::numeric_limits<float>::infinity());
+  });
+  ASSERT_OK(fsdp_backward_end(s.unit, s.host.stream()));
+  ASSERT_OK(fsdp_step(s.ctx.get(), s.host.stream()));
 }
 
 std::vector<float> params(Rank& s) {
@@ -167,6 +175,7 @@ TEST(LossScale, TheScaleIsDividedOutExactly) {
 }
 
 TEST(LossScale, DefaultIsOffOutsideFp16AndNullArgumentsAreRejected) {
+  FSDP_SKIP_WHEN_LATE("no host compute and no call that takes a stream: only defaults and argument checks");
   run_ranks(1, [](int rank, fsdp_local_group_t* group) {
     Rank s;
     make(s, {{"param_dtype", "bf16"}}, group, rank);
@@ -201,20 +210,21 @@ TEST(LossScale, ASkippedFirstStepIsAStepThatRanForTheGradNorm) {
     if (::testing::Test::HasFatalFailure()) return;
     double norm = 0;
     EXPECT_STATUS(FSDP_ERR_INVALID_STATE, fsdp_last_grad_norm(s.ctx.get(), &norm));
-    ASSERT_OK(fsdp_forward_begin(s.unit, nullptr));
-    ASSERT_OK(fsdp_forward_end(s.unit, nullptr));
-    ASSERT_OK(fsdp_backward_begin(s.unit, nullptr));
+    ASSERT_OK(fsdp_forward_begin(s.unit, s.host.stream()));
+    ASSERT_OK(fsdp_forward_end(s.unit, s.host.stream()));
+    ASSERT_OK(fsdp_backward_begin(s.unit, s.host.stream()));
     void* g = nullptr;
     ASSERT_OK(fsdp_grad_ptr(s.unit, 0, &g));
-    if (rank == 1) static_cast<float*>(g)[5] = std::numeric_limits<float>::quiet_NaN();
-    ASSERT_OK(fsdp_backward_end(s.unit, nullptr));
+    if (rank == 1) s.host.run([g] { static_cast<float*>(g)[5] = std::numeric_limits<float>::quiet_NaN(); });
+    ASSERT_OK(fsdp_backward_end(s.unit, s.host.stream()));
     const auto before = params(s);
-    ASSERT_OK(fsdp_step(s.ctx.get(), nullptr));
+    ASSERT_OK(fsdp_step(s.ctx.get(), s.host.stream()));
     EXPECT_EQ(params(s), before) << "the step was not skipped";
     norm = 0;
     ASSERT_OK(fsdp_last_grad_norm(s.ctx.get(), &norm));
     EXPECT_TRUE(std::isnan(norm)) << norm;
     ASSERT_OK(fsdp_save(s.ctx.get(), dir.c_str(), "sharded"));
+    s.host.attach(nullptr);  // its stream goes with the context
     s.ctx.reset();
     Rank t;
     make(t, {{"sharding", "FULL_SHARD"}}, group, rank);

@@ -1,5 +1,7 @@
 // Proves that sharding divides per-rank memory by the world size (exactly, per the flat layout rule) and that
-// FULL_SHARD holds one gathered unit at a time.
+// FULL_SHARD holds one gathered unit at a time. The host's compute (its grads)
+// goes through tests/host_stream.h's Host: at once, or late on a host stream
+// (the .late CTests), where each figure must hold as well.
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -9,6 +11,7 @@
 #include <thread>
 #include <vector>
 
+#include "host_stream.h"
 #include "rank_runner.h"
 
 using namespace fsdp_test;
@@ -85,6 +88,7 @@ fsdp_memory_stats_t stats_of(fsdp_ctx_t* ctx) {
 struct RankSetup {
   CtxPtr ctx;
   std::vector<fsdp_unit_t*> units;
+  Host host;  // after ctx: drained before the context goes
 };
 
 // Creates the ctx and registers kUnits with random values.
@@ -95,6 +99,7 @@ void setup(RankSetup& s, const std::map<std::string, std::string>& opts, fsdp_lo
   fsdp_ctx_t* raw = nullptr;
   ASSERT_OK(fsdp_ctx_create(cfg.get(), group, rank, &raw));
   s.ctx.reset(raw);
+  s.host.attach(raw);
   Rng rng(5);
   for (size_t u = 0; u < units.size(); ++u) {
     fsdp_unit_t* unit = nullptr;
@@ -107,22 +112,27 @@ void setup(RankSetup& s, const std::map<std::string, std::string>& opts, fsdp_lo
   }
 }
 
+// The host's grad of one unit: 1 added to its first element.
+void add_grad(RankSetup& s, fsdp_unit_t* u) {
+  void* g = nullptr;
+  ASSERT_OK(fsdp_grad_ptr(u, 0, &g));
+  fsdp_dtype_t dt = FSDP_DTYPE_FP32;
+  ASSERT_OK(fsdp_ctx_param_dtype(s.ctx.get(), &dt));
+  s.host.run([g, dt] { add_elem(g, 0, dt, 1.f); });
+}
+
 // One forward + backward pass (grads: ones) and a step.
 void train_step(RankSetup& s) {
   for (auto* u : s.units) {
-    ASSERT_OK(fsdp_forward_begin(u, nullptr));
-    ASSERT_OK(fsdp_forward_end(u, nullptr));
+    ASSERT_OK(fsdp_forward_begin(u, s.host.stream()));
+    ASSERT_OK(fsdp_forward_end(u, s.host.stream()));
   }
   for (size_t k = s.units.size(); k-- > 0;) {
-    ASSERT_OK(fsdp_backward_begin(s.units[k], nullptr));
-    void* g = nullptr;
-    ASSERT_OK(fsdp_grad_ptr(s.units[k], 0, &g));
-    fsdp_dtype_t dt = FSDP_DTYPE_FP32;
-    ASSERT_OK(fsdp_ctx_param_dtype(s.ctx.get(), &dt));
-    add_elem(g, 0, dt, 1.f);
-    ASSERT_OK(fsdp_backward_end(s.units[k], nullptr));
+    ASSERT_OK(fsdp_backward_begin(s.units[k], s.host.stream()));
+    ASSERT_NO_FATAL_FAILURE(add_grad(s, s.units[k]));
+    ASSERT_OK(fsdp_backward_end(s.units[k], s.host.stream()));
   }
-  ASSERT_OK(fsdp_step(s.ctx.get(), nullptr));
+  ASSERT_OK(fsdp_step(s.ctx.get(), s.host.stream()));
 }
 
 // ---- sharded bytes: FULL_SHARD x 4 == HYBRID_SHARD (2 x 2) x 2 == NO_SHARD up to padding
@@ -244,30 +254,28 @@ TEST_P(GatheredBytes, FullShardGathersOneUnitAtATimeShardGradOpKeepsAllUntilBack
     ASSERT_OK(fsdp_memory_stats_reset_peak(ctx));
     size_t gathered_so_far = 0;
     for (size_t u = 0; u < s.units.size(); ++u) {
-      ASSERT_OK(fsdp_forward_begin(s.units[u], nullptr));
+      ASSERT_OK(fsdp_forward_begin(s.units[u], s.host.stream()));
       gathered_so_far += unit_bytes[u];
       EXPECT_EQ(stats_of(ctx).gathered_params_nbytes, full ? unit_bytes[u] : gathered_so_far)
           << "in forward of unit " << u;
-      ASSERT_OK(fsdp_forward_end(s.units[u], nullptr));
+      ASSERT_OK(fsdp_forward_end(s.units[u], s.host.stream()));
       if (full) {
         EXPECT_EQ(stats_of(ctx).gathered_params_nbytes, 0u) << "after forward_end of unit " << u;
       }
     }
     EXPECT_EQ(stats_of(ctx).gathered_params_nbytes, full ? 0 : sum) << "between forward and backward";
     for (size_t u = s.units.size(); u-- > 0;) {
-      ASSERT_OK(fsdp_backward_begin(s.units[u], nullptr));
+      ASSERT_OK(fsdp_backward_begin(s.units[u], s.host.stream()));
       const fsdp_memory_stats_t m = stats_of(ctx);
       // The previous unit's reduction may still run on the comm stream (at
       // most one runs behind the unit being computed, by design).
       const size_t behind = u + 1 < s.units.size() ? unit_bytes[u + 1] : 0;
       EXPECT_GE(m.unsharded_grads_nbytes, unit_bytes[u]) << "in backward of unit " << u;
       EXPECT_LE(m.unsharded_grads_nbytes, unit_bytes[u] + behind) << "in backward of unit " << u;
-      void* g = nullptr;
-      ASSERT_OK(fsdp_grad_ptr(s.units[u], 0, &g));
-      add_elem(g, 0, dt, 1.f);
-      ASSERT_OK(fsdp_backward_end(s.units[u], nullptr));
+      ASSERT_NO_FATAL_FAILURE(add_grad(s, s.units[u]));
+      ASSERT_OK(fsdp_backward_end(s.units[u], s.host.stream()));
     }
-    ASSERT_OK(fsdp_step(ctx, nullptr));
+    ASSERT_OK(fsdp_step(ctx, s.host.stream()));
     const fsdp_memory_stats_t m = stats_of(ctx);
     EXPECT_EQ(m.gathered_params_peak_nbytes, full ? largest : sum);
     size_t largest_pair = 0;
@@ -334,6 +342,9 @@ TEST_P(LayoutRule, ShardInfoAndFlatRangesFollowAlignmentAndPadding) {
   const int world = std::get<1>(GetParam());
   const std::string sharding = std::get<2>(GetParam());
   const bool no_shard = sharding == "NO_SHARD";
+  FSDP_SKIP_WHEN_LATE(
+      "no host compute and no call that takes a stream: set_values and the layout are read back "
+      "on the calling thread alone");
   run_ranks(world, [&](int rank, fsdp_local_group_t* group) {
     RankSetup s;
     setup(s, {{"sharding", sharding}, {"align_bytes", std::to_string(align)}}, group, rank);
@@ -413,7 +424,21 @@ TEST_P(OffloadPools, DeviceHoldsOnlyGatheredParamsAndGradsInFlightHostHoldsAllSt
       // else beyond the state it held anyway (the staged shard is freed).
       const size_t resident = offload ? 0 : state;
       for (size_t u = 0; u < s.units.size(); ++u) {
-        ASSERT_OK(fsdp_forward_begin(s.units[u], nullptr));
+        ASSERT_OK(fsdp_forward_begin(s.units[u], s.host.stream()));
+        if (s.host.late()) {
+          // Late, forward_begin returned before the gather ran (as on a GPU):
+          // the shard's transient stage that the gather reads (offload's copy
+          // on the device, or bf16's cast of the fp32 master: half the unit's
+          // bytes at world 2) is held while the gather's task runs, in both
+          // modes, so the device may hold that much more now. The figures
+          // below are those the host's compute of the unit sees, once its
+          // stream has waited for the gather (on the NULL stream,
+          // forward_begin itself waits).
+          const fsdp_memory_stats_t early = stats_of(ctx);
+          EXPECT_GE(early.device_nbytes - resident - early.free_slots_nbytes, early.gathered_params_nbytes)
+              << "in forward of unit " << u << ", before the gather ran";
+          s.host.sync();
+        }
         const fsdp_memory_stats_t f = stats_of(ctx);
         EXPECT_EQ(f.device_nbytes - resident - f.free_slots_nbytes, f.gathered_params_nbytes)
             << "in forward of unit " << u;
@@ -422,13 +447,13 @@ TEST_P(OffloadPools, DeviceHoldsOnlyGatheredParamsAndGradsInFlightHostHoldsAllSt
           EXPECT_GE(f.gathered_params_nbytes, unit_bytes[u]) << "in forward of unit " << u;
         }
         EXPECT_EQ(f.host_nbytes, offload ? state : 0) << "in forward of unit " << u;
-        ASSERT_OK(fsdp_forward_end(s.units[u], nullptr));
+        ASSERT_OK(fsdp_forward_end(s.units[u], s.host.stream()));
       }
       for (size_t u = s.units.size(); u-- > 0;) {
-        ASSERT_OK(fsdp_backward_begin(s.units[u], nullptr));
-        ASSERT_OK(fsdp_backward_end(s.units[u], nullptr));
+        ASSERT_OK(fsdp_backward_begin(s.units[u], s.host.stream()));
+        ASSERT_OK(fsdp_backward_end(s.units[u], s.host.stream()));
       }
-      ASSERT_OK(fsdp_step(ctx, nullptr));
+      ASSERT_OK(fsdp_step(ctx, s.host.stream()));
       const fsdp_memory_stats_t after = stats_of(ctx);
       EXPECT_EQ(after.device_nbytes, resident + after.free_slots_nbytes) << "after the second step";
       EXPECT_EQ(after.free_slots_nbytes, m.free_slots_nbytes) << "the second step made no slot";
@@ -474,6 +499,7 @@ TEST(MemoryStats, FieldsPastAnOlderCallersStructSizeAreNotWritten) {
 // ---- handle lifetime ---------------------------------------------------------------
 
 TEST(LocalGroup, MayBeDestroyedBeforeItsContexts) {
+  FSDP_SKIP_WHEN_LATE("no host compute: the test is about the local group's lifetime under its contexts");
   fsdp_local_group_t* group = nullptr;
   ASSERT_OK(fsdp_local_group_create(2, &group));
   std::atomic<int> created{0};

@@ -5,13 +5,18 @@
 // (docs/architecture.md, "A unit used twice"). A tiny tied-embedding model
 // trained at worlds 1-3 under every strategy, with prefetch on and off, must
 // land where a single-process AdamW on the whole batch lands (computed here in
-// double, without libfsdp).
+// double, without libfsdp). The host's compute goes through
+// tests/host_stream.h's Host: at once, or late on a host stream (the .late
+// CTests), where the second gather of the embedding, the reductions of both
+// uses' grads and the reuse of its buffers are ordered by libfsdp's events alone.
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <memory>
 #include <string>
 #include <vector>
 
+#include "host_stream.h"
 #include "rank_runner.h"
 
 using namespace fsdp_test;
@@ -108,20 +113,24 @@ std::pair<std::vector<double>, std::vector<double>> reference() {
   return {E, W};
 }
 
-// Reads a unit's only param (fp32) through fsdp_param_ptr.
-std::vector<float> read(fsdp_unit_t* u, size_t n) {
+// A unit's only param (fp32) and grad, through fsdp_param_ptr and
+// fsdp_grad_ptr: taken on the calling thread, used by the host's compute.
+const float* param_of(fsdp_unit_t* u) {
   void* p = nullptr;
   EXPECT_OK(fsdp_param_ptr(u, 0, &p));
-  const float* f = static_cast<const float*>(p);
-  return std::vector<float>(f, f + n);
+  return static_cast<const float*>(p);
+}
+float* grad_of(fsdp_unit_t* u) {
+  void* p = nullptr;
+  EXPECT_OK(fsdp_grad_ptr(u, 0, &p));
+  return static_cast<float*>(p);
 }
 
-void add_grads(fsdp_unit_t* u, const std::vector<float>& g) {
-  void* p = nullptr;
-  ASSERT_OK(fsdp_grad_ptr(u, 0, &p));
-  float* f = static_cast<float*>(p);
-  for (size_t i = 0; i < g.size(); ++i) f[i] += g[i];
-}
+// What the host's compute of one step keeps from forward to backward.
+struct StepState {
+  std::vector<float> E, W;
+  Grads<float> g;
+};
 
 }  // namespace
 
@@ -149,32 +158,48 @@ TEST_P(SharedUnit, TiedEmbeddingsTrainLikeOneProcess) {
     std::vector<float> e0 = init(kVocab * kDim, 1), w0 = init(kDim * kDim, 2);
     ASSERT_OK(fsdp_param_set_values(embed, 0, e0.data(), e0.size()));
     ASSERT_OK(fsdp_param_set_values(block, 0, w0.data(), w0.size()));
-    Data d = make_data();
+    const Data d = make_data();
     const int rows = kTokens / world, lo = rank * rows, hi = lo + rows;
+    const size_t ne = e0.size(), nw = w0.size();
+    Host host(raw);
     for (int step = 0; step < kSteps; ++step) {
+      auto st = std::make_shared<StepState>();
       // Forward: the embedding at the input, the block, the embedding again
       // at the output head. The host keeps what backward needs.
-      ASSERT_OK(fsdp_forward_begin(embed, nullptr));
-      std::vector<float> E = read(embed, e0.size());
-      ASSERT_OK(fsdp_forward_end(embed, nullptr));
-      ASSERT_OK(fsdp_forward_begin(block, nullptr));
-      std::vector<float> W = read(block, w0.size());
-      ASSERT_OK(fsdp_forward_end(block, nullptr));
-      ASSERT_OK(fsdp_forward_begin(embed, nullptr));
-      EXPECT_EQ(read(embed, e0.size()), E) << "the second use sees the same params";
-      ASSERT_OK(fsdp_forward_end(embed, nullptr));
-      Grads<float> g = backprop(E, W, d, lo, hi);
+      ASSERT_OK(fsdp_forward_begin(embed, host.stream()));
+      const float* pe = param_of(embed);
+      host.run([st, pe, ne] { st->E.assign(pe, pe + ne); });
+      ASSERT_OK(fsdp_forward_end(embed, host.stream()));
+      ASSERT_OK(fsdp_forward_begin(block, host.stream()));
+      const float* pw = param_of(block);
+      host.run([st, pw, nw] { st->W.assign(pw, pw + nw); });
+      ASSERT_OK(fsdp_forward_end(block, host.stream()));
+      ASSERT_OK(fsdp_forward_begin(embed, host.stream()));
+      const float* pe2 = param_of(embed);
+      host.run([st, pe2, ne, step, rank] {
+        EXPECT_EQ(std::vector<float>(pe2, pe2 + ne), st->E)
+            << "the second use sees the same params (rank " << rank << ", step " << step << ")";
+      });
+      ASSERT_OK(fsdp_forward_end(embed, host.stream()));
+      host.run([st, d, lo, hi] { st->g = backprop(st->E, st->W, d, lo, hi); });
       // Backward in reverse: the head's use, the block, the input's use.
-      ASSERT_OK(fsdp_backward_begin(embed, nullptr));
-      add_grads(embed, g.e_head);
-      ASSERT_OK(fsdp_backward_end(embed, nullptr));
-      ASSERT_OK(fsdp_backward_begin(block, nullptr));
-      add_grads(block, g.w);
-      ASSERT_OK(fsdp_backward_end(block, nullptr));
-      ASSERT_OK(fsdp_backward_begin(embed, nullptr));
-      add_grads(embed, g.e_input);
-      ASSERT_OK(fsdp_backward_end(embed, nullptr));
-      ASSERT_OK(fsdp_step(raw, nullptr));
+      const auto add = [&host, st](float* to, std::vector<float> Grads<float>::*part) {
+        if (to == nullptr) return;  // fsdp_grad_ptr failed (reported)
+        host.run([st, to, part] {
+          const std::vector<float>& g = (st->g).*part;
+          for (size_t i = 0; i < g.size(); ++i) to[i] += g[i];
+        });
+      };
+      ASSERT_OK(fsdp_backward_begin(embed, host.stream()));
+      add(grad_of(embed), &Grads<float>::e_head);
+      ASSERT_OK(fsdp_backward_end(embed, host.stream()));
+      ASSERT_OK(fsdp_backward_begin(block, host.stream()));
+      add(grad_of(block), &Grads<float>::w);
+      ASSERT_OK(fsdp_backward_end(block, host.stream()));
+      ASSERT_OK(fsdp_backward_begin(embed, host.stream()));
+      add(grad_of(embed), &Grads<float>::e_input);
+      ASSERT_OK(fsdp_backward_end(embed, host.stream()));
+      ASSERT_OK(fsdp_step(raw, host.stream()));
     }
     got_e[static_cast<size_t>(rank)].resize(e0.size());
     got_w[static_cast<size_t>(rank)].resize(w0.size());
