@@ -738,18 +738,17 @@ std::vector<Case> variant_cases() {
   // fsdp_step itself reduces the grads that no_sync left pending: alone and
   // in bf16 those are added into the grad shard on the caller's stream, which
   // the step must wait for (review finding 2).
-  Case until_step;
-  until_step.name = "NoSyncUntilStep";
-  until_step.micro = 2;
-  until_step.no_sync = true;
-  until_step.sync_at_step = true;
+  auto syncing_at_step = [](Case c, const char* name) {
+    c.name = name;
+    c.micro = 2;
+    c.no_sync = true;
+    c.sync_at_step = true;
+    return c;
+  };
+  Case until_step = syncing_at_step(Case(), "NoSyncUntilStep");
   for (int w : {1, 3}) add(until_step, w, "FULL_SHARD");
   add(until_step, 2, "NO_SHARD");
-  Case until_step_bf16 = bf16;
-  until_step_bf16.name = "NoSyncUntilStepBf16";
-  until_step_bf16.micro = 2;
-  until_step_bf16.no_sync = true;
-  until_step_bf16.sync_at_step = true;
+  Case until_step_bf16 = syncing_at_step(bf16, "NoSyncUntilStepBf16");
   for (int w : {1, 2}) add(until_step_bf16, w, "FULL_SHARD");
   add(until_step_bf16, 1, "NO_SHARD");
   Case late_until_step = until_step_bf16;

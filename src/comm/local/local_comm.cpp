@@ -41,7 +41,9 @@ void reduce_range(LocalGroup& g, DataPlane* plane, void* out, size_t first, size
 }
 
 std::string describe(const CollectiveDesc& d) {
-  std::string s = std::string(d.kind) + "(" + (d.label ? *d.label : std::string()) + ", size " + std::to_string(d.size);
+  std::string label = d.label_text;
+  if (d.label_size >= sizeof d.label_text) label += "...";
+  std::string s = std::string(d.kind) + "(" + label + ", size " + std::to_string(d.size);
   if (d.dtype >= 0) s += std::string(", ") + dtype_name(static_cast<DType>(d.dtype));
   if (d.root >= 0) s += ", root " + std::to_string(d.root);
   if (d.device) s += ", device memory";
@@ -50,11 +52,22 @@ std::string describe(const CollectiveDesc& d) {
 
 bool same(const CollectiveDesc& a, const CollectiveDesc& b) {
   return std::strcmp(a.kind, b.kind) == 0 && a.size == b.size && a.dtype == b.dtype && a.op == b.op &&
-         a.root == b.root && a.device == b.device &&
-         (a.label == b.label || (a.label && b.label && *a.label == *b.label));
+         a.root == b.root && a.device == b.device && a.label_hash == b.label_hash && a.label_size == b.label_size;
 }
 
 }  // namespace
+
+void CollectiveDesc::copy_label() {
+  static const std::string kNone;
+  const std::string& l = label != nullptr ? *label : kNone;
+  uint64_t h = 1469598103934665603ull;  // FNV-1a
+  for (char c : l) h = (h ^ static_cast<unsigned char>(c)) * 1099511628211ull;
+  label_hash = h;
+  label_size = l.size();
+  size_t n = std::min(l.size(), sizeof label_text - 1);
+  std::memcpy(label_text, l.data(), n);
+  label_text[n] = '\0';
+}
 
 LocalComm::LocalComm(std::shared_ptr<LocalGroup> group, int rank, double timeout_s)
     : group_(std::move(group)), rank_(rank), timeout_s_(timeout_s) {
@@ -123,6 +136,7 @@ void LocalComm::run_checked(CollectiveDesc desc, const void* send, void* recv, b
   auto what = [&desc, seq] {
     return (desc.label ? *desc.label : std::string()) + " (" + desc.kind + ", collective #" + std::to_string(seq) + ")";
   };
+  desc.copy_label();
   Slot& mine = group_->slot(rank_);
   mine.desc = desc;
   mine.seq = seq_;

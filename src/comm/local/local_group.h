@@ -27,9 +27,17 @@ struct CollectiveDesc {
   int dtype = -1;
   int op = -1;
   int root = -1;
-  // The caller's label: read only while every rank is inside the collective.
+  // The caller's label, read by this rank only (its call holds it).
   const std::string* label = nullptr;
   bool device = false;  // moves memory of the communicator's DataPlane (set by the rank's run)
+  // What the other ranks read of the label (a rank may return, and its label
+  // go, while a peer still builds a mismatch's message): its hash and length
+  // to compare, and its start (truncated) for messages. Copied into the slot
+  // without an allocation.
+  uint64_t label_hash = 0;
+  size_t label_size = 0;
+  char label_text[96] = {};
+  void copy_label();
 };
 
 struct Slot {

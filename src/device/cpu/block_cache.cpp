@@ -10,6 +10,20 @@ namespace {
 
 constexpr size_t kAlign = 64;
 
+// Inserts (key, value) into `map` in a spare node when there is one.
+template <typename Map, typename K, typename V>
+void insert_reusing(Map& map, std::vector<typename Map::node_type>& spares, K key, V value) {
+  if (spares.empty()) {
+    map.emplace(key, value);
+    return;
+  }
+  typename Map::node_type node = std::move(spares.back());
+  spares.pop_back();
+  node.key() = key;
+  node.mapped() = value;
+  map.insert(std::move(node));
+}
+
 size_t rounded(size_t nbytes) { return nbytes == 0 ? kAlign : (nbytes + kAlign - 1) / kAlign * kAlign; }
 
 void* aligned(size_t nbytes) { return std::aligned_alloc(kAlign, nbytes); }
@@ -70,15 +84,7 @@ void* BlockCache::alloc(size_t nbytes, bool want_zero, bool* is_zero) {
     }
     if (p == nullptr) return nullptr;
   }
-  if (spare_in_use_.empty()) {
-    in_use_.emplace(p, n);
-  } else {
-    InUse::node_type node = std::move(spare_in_use_.back());
-    spare_in_use_.pop_back();
-    node.key() = p;
-    node.mapped() = n;
-    in_use_.insert(std::move(node));
-  }
+  insert_reusing(in_use_, spare_in_use_, p, n);
   used_ += n;
   peak_ = std::max(peak_, used_);
   return p;
@@ -102,16 +108,7 @@ void BlockCache::release(void* ptr, bool zero) noexcept {
   size_t n = it->second;
   spare_in_use_.push_back(in_use_.extract(it));
   used_ -= n;
-  Cached& to = zero ? zero_ : free_;
-  if (spare_cached_.empty()) {
-    to.emplace(n, ptr);
-  } else {
-    Cached::node_type node = std::move(spare_cached_.back());
-    spare_cached_.pop_back();
-    node.key() = n;
-    node.mapped() = ptr;
-    to.insert(std::move(node));
-  }
+  insert_reusing(zero ? zero_ : free_, spare_cached_, n, ptr);
   cached_ += n;
 }
 
