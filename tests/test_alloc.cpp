@@ -21,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "base/ring.h"
 #include "host_stream.h"
 #include "rank_runner.h"
 
@@ -210,6 +211,33 @@ std::vector<AllocCase> cases() {
   for (int w : {1, 2}) add("FULL_SHARD_fp32_Offload", w, {{"sharding", "FULL_SHARD"}, {"offload", "cpu"}});
   add("FULL_SHARD_bf16_Offload", 2, {{"sharding", "FULL_SHARD"}, {"param_dtype", "bf16"}, {"offload", "cpu"}});
   return cs;
+}
+
+// base::Ring (the nccl communicator's queue of collectives in flight, which
+// no CPU test reaches): FIFO order across growth, and no allocation once it
+// has held its deepest backlog.
+TEST(Ring, KeepsFifoOrderAcrossGrowthAndAllocatesNothingOnceWarm) {
+  fsdp::base::Ring<std::string> ring(2);
+  int next_in = 0, next_out = 0;
+  auto cycle = [&](int backlog) {
+    while (static_cast<int>(ring.size()) < backlog) ring.push_back(std::string(40, char('a' + next_in++ % 26)));
+    while (!ring.empty()) {
+      EXPECT_EQ(ring.front(), std::string(40, char('a' + next_out++ % 26)));
+      ring.pop_front();
+    }
+  };
+  cycle(7);  // grows 2 -> 4 -> 8
+  EXPECT_EQ(next_out, 7);
+  long before = g_allocs.load();
+  g_counting = true;
+  for (int i = 0; i < 50; ++i) {
+    ring.push_back(std::string());  // empty strings: nothing of their own to allocate
+    ring.push_back(std::string());
+    ring.pop_front();
+    ring.pop_front();
+  }
+  g_counting = false;
+  EXPECT_EQ(g_allocs.load() - before, 0);
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, SteadyState, ::testing::ValuesIn(cases()),

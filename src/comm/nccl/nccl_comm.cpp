@@ -152,9 +152,9 @@ NcclComm::~NcclComm() {
     }
     aborted_ = true;
   }
-  for (InFlight& f : in_flight_) {  // legal while pending: CUDA releases them once they complete
-    cudaEventDestroy(f.start);
-    cudaEventDestroy(f.done);
+  for (size_t i = 0; i < in_flight_.size(); ++i) {  // legal while pending: CUDA releases them once they complete
+    cudaEventDestroy(in_flight_[i].start);
+    cudaEventDestroy(in_flight_[i].done);
   }
   for (cudaEvent_t ev : events_) cudaEventDestroy(ev);
   if (staged_pending_) cudaEventSynchronize(staged_done_);  // its copies use the staging memory
@@ -286,7 +286,9 @@ void NcclComm::collective(const char* kind, const std::string& label, uint64_t s
     }
     cuda_check(e, "queueing " + describe(kind, label, seq));
   }
-  f.label = label;
+  size_t n = std::min(label.size(), sizeof f.label - 4);
+  std::memcpy(f.label, label.data(), n);
+  if (n < label.size()) std::memcpy(f.label + n, "...", 3);
   {
     std::lock_guard<std::mutex> lock(mu_);
     in_flight_.push_back(std::move(f));

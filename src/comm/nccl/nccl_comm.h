@@ -35,13 +35,13 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
-#include <deque>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "../../base/ring.h"
 #include "../communicator.h"
 #include "../options.h"
 
@@ -91,7 +91,9 @@ class NcclComm final : public Communicator {
   struct InFlight {
     cudaEvent_t start = nullptr;
     cudaEvent_t done = nullptr;
-    std::string label;
+    // The label's first bytes: copied without an allocation (the caller's
+    // string may go before the watchdog reads it, only for a message).
+    char label[96] = {};
     const char* kind = "";
     uint64_t seq = 0;
     std::chrono::steady_clock::time_point started{};  // when the watchdog first saw `start` complete
@@ -168,7 +170,7 @@ class NcclComm final : public Communicator {
   std::atomic<int64_t> call_since_ns_{0};  // when the NCCL call now in progress began (0: none)
   mutable std::mutex mu_;                  // in_flight_, events_, reason_, stop_
   std::condition_variable cv_;
-  std::deque<InFlight> in_flight_;
+  base::Ring<InFlight> in_flight_{64};
   std::vector<cudaEvent_t> events_;  // free events for InFlight
   size_t events_made_ = 0;
   std::string reason_;
