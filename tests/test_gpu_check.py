@@ -583,6 +583,41 @@ class LaunchLocal(ScriptTest):
 # ----------------------------------------------------------------------------- the GPU tests' skip rule
 
 
+class GpuExamplesSkipOnlyWithoutAGpu(ScriptTest):
+    """tests/gpu_example.sh, in front of the examples' CTests, which CTest
+    skips on the words 'no CUDA device can be used'."""
+
+    def run_example(self, gpus, says, rc, **extra):
+        prog = os.path.join(self.sb.tmp, "example.sh")
+        write(prog, "#!/bin/sh\necho 'step 1 loss 2.0'\necho '%s'\nexit %d\n" % (says, rc), 0o755)
+        env = self.sb.env(FAKE_GPUS=str(gpus), **extra)
+        return subprocess.run([os.path.join(ROOT, "tests/gpu_example.sh"), prog], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, timeout=60)
+
+    def test_without_a_gpu_the_examples_words_pass_through_and_ctest_skips(self):
+        p = self.run_example(0, "device=cuda: no CUDA device can be used by this process", 1)
+        self.assertEqual(p.returncode, 1)
+        self.assertIn("no CUDA device can be used", p.stdout)
+        self.assertIn("step 1 loss 2.0", p.stdout)
+
+    def test_a_listed_gpu_that_cuda_cannot_use_fails_and_is_not_skipped(self):
+        for rc in (1, 0):  # an example that exits 0 after saying it has no GPU fails too
+            p = self.run_example(1, "device=cuda: no CUDA device can be used by this process", rc)
+            self.assertNotEqual(p.returncode, 0, p.stdout)
+            self.assertNotIn("no CUDA device can be used", p.stdout)
+            self.assertIn("CUDA could not use a GPU that nvidia-smi lists (1 visible", p.stdout)
+        p = self.run_example(1, "device=cuda: no CUDA device can be used by this process", 1, CUDA_VISIBLE_DEVICES="")
+        self.assertIn("no CUDA device can be used", p.stdout)  # hidden on purpose: a skip
+        p = self.run_example(0, "device=cuda: no CUDA device can be used by this process", 1, FSDP_REQUIRE_GPU="1")
+        self.assertNotIn("no CUDA device can be used", p.stdout)
+
+    def test_a_run_on_a_gpu_keeps_its_output_and_status(self):
+        p = self.run_example(1, "loss halved: ok", 0)
+        self.assertEqual(p.returncode, 0, p.stdout)
+        self.assertIn("loss halved: ok", p.stdout)
+        self.assertEqual(self.run_example(1, "loss did not fall", 3).returncode, 3)
+
+
 class GpuTestsSkipOnlyWithoutAGpu(ScriptTest):
     """Each binary runs one test that starts with SKIP_WITHOUT_GPU. CUDA is
     made to find no device everywhere, a GPU machine included: the
