@@ -1,13 +1,11 @@
 // Pins the heap allocations of the transition path in the steady state: after
 // warm-up steps, a forward and backward pass over every unit (the calls, and
-// the gathers, reductions and copies they queue on the streams) allocates
-// nothing on the heap, on the host's NULL stream and on a late host stream,
-// for every sharding strategy, fp32 and bf16, world 1 to 4 and offload. The
-// engine's events, slots, labels, task captures and stream queues are the
-// same code on a GPU, where a heap allocation per call is host time taken
-// from the < 5 us per transition goal (docs/gpu.md). Counted by replacing the
-// global operator new (every thread of the process). Set
-// FSDP_ALLOC_BACKTRACE=1 to print where each counted allocation came from.
+// the gathers, reductions and copies they queue on the streams) and the step
+// that follows (grad norm, clipping, the optimizer) allocate nothing on the heap, on the host's NULL stream and on a
+// late host stream, for every sharding strategy, fp32 and bf16, world 1 to 4 and offload. The engine's events, slots,
+// labels, task captures and stream queues are the same code on a GPU, where a heap allocation per call is host time
+// taken from the < 5 us per transition goal (docs/gpu.md). Counted by replacing the global operator new (every thread
+// of the process). Set FSDP_ALLOC_BACKTRACE=1 to print where each counted allocation came from.
 #include <execinfo.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -124,9 +122,9 @@ class Barrier {
 
 // One pass: forward over the units, backward in reverse, the grads written
 // by the host's compute (through `host`), then fsdp_step. With `counted`, the
-// ranks meet, count the transitions' allocations and those of the work they
-// queued, and meet again before the step (the optimizer's pass is not a
-// transition).
+// ranks meet, count the allocations of the transitions, of the work they
+// queued (waited for before the step, so that it counts wherever it runs) and
+// of the step, and meet again.
 void pass(Host& host, std::vector<fsdp_unit_t*>& units, fsdp_ctx_t* ctx, Barrier* counted) {
   void* s = host.stream();
   if (counted != nullptr) {
@@ -150,16 +148,16 @@ void pass(Host& host, std::vector<fsdp_unit_t*>& units, fsdp_ctx_t* ctx, Barrier
   for (fsdp::device::Stream* engine : {rt.stream, rt.copy_in, rt.copy_out, rt.host_work}) {
     if (engine != nullptr) engine->synchronize(0);
   }
+  ASSERT_OK(fsdp_step(ctx, s));
   if (counted != nullptr) {
     counted->arrive_and_wait();
     g_counting = false;
   }
-  ASSERT_OK(fsdp_step(ctx, s));
 }
 
 class SteadyState : public ::testing::TestWithParam<AllocCase> {};
 
-TEST_P(SteadyState, TransitionsAllocateNothingOnTheHeap) {
+TEST_P(SteadyState, TransitionsAndStepsAllocateNothingOnTheHeap) {
   const AllocCase& c = GetParam();
   Barrier barrier(c.world);
   long before = 0;
@@ -183,8 +181,8 @@ TEST_P(SteadyState, TransitionsAllocateNothingOnTheHeap) {
   if (::testing::Test::HasFailure()) return;
   const long transitions = long(kMeasured) * long(kUnits.size()) * 4 * c.world;
   EXPECT_EQ(g_allocs.load() - before, 0) << " heap allocations over " << transitions
-                                         << " transition calls of every rank and the work they queued "
-                                            "(FSDP_ALLOC_BACKTRACE=1 says where)";
+                                         << " transition calls of every rank, the work they queued and " << kMeasured
+                                         << " steps (FSDP_ALLOC_BACKTRACE=1 says where)";
 }
 
 std::vector<AllocCase> cases() {

@@ -43,7 +43,7 @@ void Optimizer::restore(long step, double last_grad_norm, std::vector<std::vecto
   }
 }
 
-void Optimizer::on_state_device(const char* what, const std::function<void()>& launches) {
+void Optimizer::on_state_device(const device::Label& what, base::FunctionRef<void()> launches) {
   if (rt_.state_dev->host_visible()) {
     launches();  // the host's loops: done when they return
     return;
@@ -75,7 +75,8 @@ void Optimizer::step(const std::vector<std::unique_ptr<Unit>>& units) {
   bool finite = std::isfinite(sq);
   scaler_.update(finite);
   if (!finite) {
-    on_state_device("zero the grads of a skipped step", [&] {
+    static const device::Label kSkipped = device::make_label("zero the grads of a skipped step");
+    on_state_device(kSkipped, [&] {
       for (const auto& u : units) rt_.state_dev->zero(u->sharded_grad(), u->shard_numel() * sizeof(float));
     });
     return;
@@ -86,11 +87,13 @@ void Optimizer::step(const std::vector<std::unique_ptr<Unit>>& units) {
     if (coef < 1.0) grad_scale = static_cast<float>(coef / scale);
   }
   ++step_;
-  on_state_device("optimizer step", [&] { update(units, grad_scale); });
+  static const device::Label kStep = device::make_label("optimizer step");
+  on_state_device(kStep, [&] { update(units, grad_scale); });
 }
 
-std::vector<device::ShardSpan> Optimizer::spans(const std::vector<std::unique_ptr<Unit>>& units) const {
-  std::vector<device::ShardSpan> out;
+void Optimizer::collect_spans(const std::vector<std::unique_ptr<Unit>>& units) {
+  std::vector<device::ShardSpan>& out = spans_;
+  out.clear();
   size_t out_es = dtype_size(rt_.opts.param_dtype);
   for (size_t k = 0; k < units.size(); ++k) {
     const Unit& u = *units[k];
@@ -104,7 +107,6 @@ std::vector<device::ShardSpan> Optimizer::spans(const std::vector<std::unique_pt
     }
     // Padding between and after params is never written: it stays zero.
   }
-  return out;
 }
 
 namespace {
@@ -128,8 +130,8 @@ void Optimizer::update(const std::vector<std::unique_ptr<Unit>>& units, float gr
   // The table is made again only when a span changed (a unit registered, a
   // checkpoint loaded new buffers, a param's weight decay set): on a GPU that
   // is an upload, so the step itself sends nothing but its scalars.
-  std::vector<device::ShardSpan> now = spans(units);
-  if (!table_ || !same_spans(table_->spans(), now)) table_ = rt_.state_dev->make_span_table(std::move(now));
+  collect_spans(units);
+  if (!table_ || !same_spans(table_->spans(), spans_)) table_ = rt_.state_dev->make_span_table(spans_);
   const auto lr = static_cast<float>(o.lr);
   if (o.optimizer == OptimizerKind::kSgd) {
     kernels::SgdOp op{lr, 0.0f, static_cast<float>(o.momentum), grad_scale, o.nesterov, step_ == 1};

@@ -4,10 +4,11 @@
 // next step's param_dtype shard.
 #pragma once
 
-#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
+
+#include "../base/function_ref.h"
 
 #include "loss_scaler.h"
 #include "memory.h"
@@ -53,15 +54,18 @@ class Optimizer {
   // also writes the param_dtype copy and clears the grads.
   void update(const std::vector<std::unique_ptr<Unit>>& units, float grad_scale);
   // Every param range of every unit's shard, with its state and weight decay.
-  std::vector<device::ShardSpan> spans(const std::vector<std::unique_ptr<Unit>>& units) const;
+  // The spans of every unit's segments, into spans_ (kept: a step allocates
+  // nothing once warm).
+  void collect_spans(const std::vector<std::unique_ptr<Unit>>& units);
   // Runs `launches` (state device operations) so that they are done on
   // return, with one host wait where the state device is a GPU.
-  void on_state_device(const char* what, const std::function<void()>& launches);
+  void on_state_device(const device::Label& what, base::FunctionRef<void()> launches);
 
   Runtime& rt_;
   LossScaler scaler_;
   std::vector<State> states_;
-  std::unique_ptr<device::SpanTable> table_;  // spans() as the state device keeps it
+  std::unique_ptr<device::SpanTable> table_;  // spans_ as the state device keeps it
+  std::vector<device::ShardSpan> spans_;
   long step_ = 0;
   double last_grad_norm_ = 0.0;
 };

@@ -3,12 +3,18 @@
 
 namespace fsdp::core {
 
+const device::Label& SyncComm::task_label(const std::string& label) {
+  auto it = labels_.find(label);
+  if (it == labels_.end()) it = labels_.emplace(label, device::make_label(label)).first;
+  return it->second;
+}
+
 template <typename Fn>
 void SyncComm::run(const std::string& label, const Fn& fn) {
   if (alone_) {
     fn();
   } else {
-    stream_.submit(label, [&fn] { fn(); })->wait(0);  // the collective bounds itself (timeout_s)
+    stream_.submit(task_label(label), [&fn] { fn(); })->wait(0);  // the collective bounds itself (timeout_s)
   }
 }
 

@@ -5,6 +5,7 @@
 // matched.
 #pragma once
 
+#include <map>
 #include <memory>
 #include <string>
 
@@ -42,7 +43,11 @@ class SyncComm final : public comm::Communicator {
  private:
   template <typename Fn>
   void run(const std::string& label, const Fn& fn);
+  // The stream task's name for `label`, made the first time it is seen: the
+  // step's collectives ("grad norm", ...) name their tasks without allocating.
+  const device::Label& task_label(const std::string& label);
 
+  std::map<std::string, device::Label, std::less<>> labels_;  // used on the API's thread only
   device::Stream& stream_;
   comm::Communicator& inner_;
   bool alone_;
