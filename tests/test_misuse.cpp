@@ -2,6 +2,7 @@
 // fails with the documented status and a message, changes nothing, and never hangs.
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -1036,4 +1037,64 @@ TEST(Launch, AProcessOfAnMpirunJobIsRefusedByABuildWithoutMpi) {
   ASSERT_TRUE(local);
   ASSERT_OK(fsdp_ctx_create(local.get(), nullptr, -1, &raw));
   fsdp_ctx_destroy(raw);
+}
+
+// ---- debug_poison: a read after *_end shows as NaN --------------------------
+
+// With debug_poison=1 a gathered buffer is filled with NaN once the host's
+// stream is done with it, so a view kept past fsdp_forward_end reads NaN in
+// every dtype instead of params that look right (the autograd bug a binding's
+// glue can make: issue 25). Without it, the same read still sees the params.
+TEST(DebugPoison, AViewReadAfterItsEndIsNanInEveryDtype) {
+  for (const char* dtype : {"fp32", "bf16", "fp16"}) {
+    for (bool poison : {false, true}) {
+      SCOPED_TRACE(std::string(dtype) + (poison ? " poisoned" : " plain"));
+      run_ranks(2, [&](int rank, fsdp_local_group_t* group) {
+        ConfigPtr cfg =
+            make_config({{"param_dtype", dtype}, {"debug_poison", poison ? "1" : "0"}, {"timeout_s", "20"}});
+        ASSERT_TRUE(cfg);
+        fsdp_ctx_t* raw = nullptr;
+        ASSERT_OK(fsdp_ctx_create(cfg.get(), group, rank, &raw));
+        CtxPtr ctx(raw);
+        fsdp_unit_t* u = nullptr;
+        ASSERT_OK(register_unit(raw, "u", {{"w", {64}}}, &u));
+        const std::vector<float> ones(64, 1.0f);
+        ASSERT_OK(fsdp_param_set_values(u, 0, ones.data(), 64));
+        fsdp_dtype_t dt;
+        ASSERT_OK(fsdp_ctx_param_dtype(raw, &dt));
+        ASSERT_OK(fsdp_forward_begin(u, nullptr));
+        void* p = nullptr;
+        ASSERT_OK(fsdp_param_ptr(u, 0, &p));
+        EXPECT_EQ(load_elem(p, 5, dt), 1.0f);
+        ASSERT_OK(fsdp_forward_end(u, nullptr));
+        double x = 1.0;  // a collective on the comm stream: the fill queued before it is done
+        ASSERT_OK(fsdp_metrics_reduce(raw, &x, 1, FSDP_REDUCE_SUM));
+        for (size_t i = 0; i < 64; ++i) {
+          const float v = load_elem(p, i, dt);  // the slot is the pool's, still mapped
+          if (poison) {
+            ASSERT_TRUE(std::isnan(v)) << "element " << i << " reads " << v << " after forward_end";
+          } else {
+            ASSERT_EQ(v, 1.0f) << "element " << i;
+          }
+        }
+        EXPECT_OK(fsdp_ctx_finalize(raw));
+      });
+    }
+  }
+}
+
+// FSDP_DEBUG_POISON=1 in the environment turns it on for configs made after.
+TEST(DebugPoison, TheEnvironmentSetsTheDefault) {
+  char value[8] = {};
+  ConfigPtr plain = make_config({});
+  ASSERT_OK(fsdp_config_get(plain.get(), "debug_poison", value, sizeof value, nullptr));
+  EXPECT_STREQ(value, "0");
+  setenv("FSDP_DEBUG_POISON", "1", 1);
+  ConfigPtr env = make_config({});
+  unsetenv("FSDP_DEBUG_POISON");
+  ASSERT_OK(fsdp_config_get(env.get(), "debug_poison", value, sizeof value, nullptr));
+  EXPECT_STREQ(value, "1");
+  ConfigPtr off = make_config({{"debug_poison", "0"}});
+  ASSERT_OK(fsdp_config_get(off.get(), "debug_poison", value, sizeof value, nullptr));
+  EXPECT_STREQ(value, "0") << "the key wins over the environment";
 }

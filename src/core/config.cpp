@@ -453,6 +453,10 @@ const std::vector<Entry>& table() {
        {},
        [](Options& o, const std::string& v) { o.sync_module_states = parse_bool("sync_module_states", v); },
        [](const Options& o) { return std::string(o.sync_module_states ? "1" : "0"); }},
+      {"debug_poison",
+       {},
+       [](Options& o, const std::string& v) { o.debug_poison = parse_bool("debug_poison", v); },
+       [](const Options& o) { return std::string(o.debug_poison ? "1" : "0"); }},
   };
   return entries;
 }
@@ -479,6 +483,11 @@ const Entry& find_or_fail(const std::string& key) {
 }
 
 }  // namespace
+
+bool debug_poison_from_env() {
+  const char* v = std::getenv("FSDP_DEBUG_POISON");
+  return v != nullptr && std::string(v) == "1";
+}
 
 const char* sharding_name(Sharding s) {
   switch (s) {

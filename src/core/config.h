@@ -28,6 +28,9 @@ std::string optimizer_name(OptimizerKind k);
 void check_lr(double lr, const char* call);
 void check_weight_decay(double weight_decay, const char* call);
 
+// FSDP_DEBUG_POISON=1 in the environment (debug_poison's default).
+bool debug_poison_from_env();
+
 struct Options {
   Sharding sharding = Sharding::kFullShard;
   DType param_dtype = DType::kFp32;
@@ -48,6 +51,11 @@ struct Options {
   double timeout_s = 300.0;
   int threads = 1;
   bool sync_module_states = false;
+  // Debugging a host's integration: every gathered buffer and transient stage
+  // is filled with NaN (all bits set: NaN in fp32, bf16 and fp16) when it is
+  // freed, so a read after *_end shows as a NaN loss instead of stale values.
+  // Its default comes from the environment, FSDP_DEBUG_POISON=1.
+  bool debug_poison = debug_poison_from_env();
   bool forward_prefetch = false;
   // param_dtype != fp32: keep a param_dtype copy of the shard beside the fp32
   // master as the gathers' source (kYes), or cast the master into a transient

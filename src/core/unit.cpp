@@ -232,6 +232,7 @@ void Unit::issue_gather(bool prefetch) {
     } else {
       gather_event_ = rt_.stream->submit(tasks_.gather, [me, shard, dst, nbytes] {
         shard->all_gather(me->offload_stage_.data(), dst, nbytes, me->gather_label_);
+        if (me->rt_.opts.debug_poison) me->rt_.dev->fill_nan(me->offload_stage_.data(), me->offload_stage_.nbytes());
         me->offload_stage_.reset();
       });
     }
@@ -253,6 +254,7 @@ void Unit::issue_gather(bool prefetch) {
       Buffer stage(rt.dev, &rt.mem, MemCategory::kScratch, dt, n, /*zeroed=*/false);
       rt.dev->cast(stage.data(), dt, master, DType::kFp32, n);
       shard->all_gather(stage.data(), dst, nbytes, self->gather_label_);
+      if (rt.opts.debug_poison) rt.dev->fill_nan(stage.data(), stage.nbytes());
     });
     set_state(UnitState::kGathering);
     trace_memory();
@@ -278,10 +280,24 @@ void Unit::wait_gathered(device::Stream& s) {
   }
 }
 
+EventPtr Unit::poisoned_after(const EventPtr& after) {
+  if (!rt_.opts.debug_poison || gathered_.empty()) return after;
+  // On the comm stream, after the last read: the next gather into the slot
+  // (which waits for the returned event) comes after the fill.
+  static const device::Label kPoison = device::make_label("debug_poison: fill freed gathered params with NaN");
+  device::Device* dev = rt_.dev;
+  void* p = gathered_.data();
+  size_t n = gathered_.nbytes();
+  rt_.stream->wait(after);
+  return rt_.stream->submit(kPoison, [dev, p, n] { dev->fill_nan(p, n); });
+}
+
 void Unit::free_gathered(const EventPtr& read) {
   gather_event_.reset();
   slot_read_.reset();
-  rt_.gather_slots->release(std::move(gathered_), read, false);  // reused once the host has read it
+  EventPtr free_after = poisoned_after(read);
+  free_after = poisoned_after(free_after);
+  rt_.gather_slots->release(std::move(gathered_), free_after, false);  // reused once the host has read it
   set_state(UnitState::kSharded);
   trace_memory();
   rt_.sched->on_freed();
@@ -559,6 +575,7 @@ void Unit::drop_stale_gathered() {
   // the gather on its stream.
   EventPtr free_after = slot_read_ ? std::move(slot_read_) : ev;
   slot_read_.reset();
+  free_after = poisoned_after(free_after);
   rt_.gather_slots->release(std::move(gathered_), free_after, false);
   set_state(UnitState::kSharded);
   trace_memory();

@@ -108,6 +108,9 @@ class Unit {
   // after the caller's stream's last read, so that the block is not reused
   // while that stream may still read it.
   void free_gathered(const EventPtr& read);
+  // With debug_poison: queues the NaN fill of gathered_ after `after` and
+  // returns its event (the slot's new release event); else `after`.
+  EventPtr poisoned_after(const EventPtr& after);
   // At *_end: the event after what the caller's stream `s` queued so far (its
   // use of this unit's buffers), kept in host_use_; null on a synchronous stream.
   EventPtr note_host_use(device::Stream& s);

@@ -118,6 +118,8 @@ class Device {
   // Releases a block the caller knows to be all zero (for alloc_zeroed).
   virtual void free_zeroed(void* ptr) noexcept = 0;
   virtual void zero(void* ptr, size_t nbytes) = 0;
+  // Every bit set: NaN in fp32, bf16 and fp16 (debug_poison's fill).
+  virtual void fill_nan(void* ptr, size_t nbytes) = 0;
   virtual void copy(void* dst, const void* src, size_t nbytes) = 0;
   virtual void copy_from_host(void* dst, const void* host_src, size_t nbytes) = 0;
   virtual void copy_to_host(void* host_dst, const void* src, size_t nbytes) = 0;

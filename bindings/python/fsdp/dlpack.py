@@ -16,7 +16,8 @@ keeps the DeviceArray's owner object alive until the consumer calls the deleter,
 ``*_end`` gives the buffer back (on CUDA into a pool that keeps it mapped), the next gather reuses it, and
 a tensor kept past the block (a param saved by autograd for backward, say) then reads another unit's
 values with no fault and no error. Copy what must outlive the block (``tensor.clone()``). A debug
-option that fills freed buffers with NaN, so that such reads show, is coming (issue 25).
+option, debug_poison=1 (or FSDP_DEBUG_POISON=1), fills freed gathered buffers with NaN, so
+that such reads show as a NaN loss.
 
 The read-only flag (DLPack 1.x, ``data[1]`` of the CUDA Array Interface) is advisory: numpy honours it,
 torch has no read-only tensors and CuPy ignores it. Where libfsdp gathers nothing (world 1, NO_SHARD, a

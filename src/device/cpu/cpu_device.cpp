@@ -271,6 +271,11 @@ void CpuDevice::zero(void* ptr, size_t nbytes) {
                      [&](size_t b, size_t e) { std::memset(static_cast<char*>(ptr) + b, 0, e - b); });
 }
 
+void CpuDevice::fill_nan(void* ptr, size_t nbytes) {
+  pool_.parallel_for(nbytes, kGrain * 4,
+                     [&](size_t b, size_t e) { std::memset(static_cast<char*>(ptr) + b, 0xFF, e - b); });
+}
+
 void CpuDevice::copy(void* dst, const void* src, size_t nbytes) {
   pool_.parallel_for(nbytes, kGrain * 4, [&](size_t b, size_t e) {
     std::memcpy(static_cast<char*>(dst) + b, static_cast<const char*>(src) + b, e - b);

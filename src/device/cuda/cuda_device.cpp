@@ -308,6 +308,11 @@ void CudaDevice::zero(void* ptr, size_t nbytes) {
   issued(cudaMemsetAsync(ptr, 0, nbytes, target()), "cudaMemsetAsync");
 }
 
+void CudaDevice::fill_nan(void* ptr, size_t nbytes) {
+  bind(ordinal_);
+  issued(cudaMemsetAsync(ptr, 0xFF, nbytes, target()), "cudaMemsetAsync");
+}
+
 void CudaDevice::copy(void* dst, const void* src, size_t nbytes) {
   bind(ordinal_);
   issued(cudaMemcpyAsync(dst, src, nbytes, cudaMemcpyDefault, target()), "cudaMemcpyAsync (device to device)");

@@ -58,6 +58,7 @@ class CudaDevice final : public Device {
   void* alloc_zeroed(size_t nbytes) override;
   void free_zeroed(void* ptr) noexcept override { free(ptr); }
   void zero(void* ptr, size_t nbytes) override;
+  void fill_nan(void* ptr, size_t nbytes) override;
   void copy(void* dst, const void* src, size_t nbytes) override;
   void copy_from_host(void* dst, const void* host_src, size_t nbytes) override;
   void copy_to_host(void* host_dst, const void* src, size_t nbytes) override;
