@@ -82,6 +82,7 @@ WorkerStream::WorkerStream(std::string name, StreamHooks hooks, std::chrono::mic
       hooks_(std::move(hooks)),
       delay_(delay),
       ring_(ring_of(kRingInitial)),
+      worker_item_(std::move(ring_of(1).front())),
       worker_([this] { loop(); }) {
   std::lock_guard<std::mutex> lock(mu_);
   waits_.reserve(kWaitsReserved);
@@ -156,8 +157,7 @@ void WorkerStream::synchronize(double timeout_s) {
 }
 
 void WorkerStream::loop() {
-  Item item;  // swapped with the ring's oldest: the vectors' capacity goes round
-  item.after.reserve(kWaitsReserved);
+  Item& item = worker_item_;  // swapped with the ring's oldest: the vectors' capacity goes round
   for (;;) {
     {
       std::unique_lock<std::mutex> lock(mu_);

@@ -101,6 +101,9 @@ class WorkerStream final : public Stream {
   EventPtr last_;                // the last item's event
   bool busy_ = false;
   bool stop_ = false;
+  // The worker's item, made (its wait list reserved) before the thread starts:
+  // a thread that starts late allocates nothing then.
+  Item worker_item_;
   std::thread worker_;
 };
 
