@@ -419,7 +419,7 @@ stage_python() {
   fi
   if [ $rc -ne 0 ] && [ "$GC_STAGE_FAILED" -eq 0 ]; then
     tail -40 "$GC_STATE/logs/python.log"
-    gc_item "pytest ${files[*]##*/}" "$([ $rc -eq 124 ] || [ $rc -eq 137 ] && echo TIMEOUT || echo FAIL)" \
+    gc_item "pytest ${files[*]##*/}" "$(failed_verdict $rc)" \
       "$(($(date +%s) - t0))" "exit $rc (log: logs/python.log)"
   fi
   gc_stage_end
@@ -446,7 +446,7 @@ stage_go() {
     tail -30 "$GC_STATE/logs/go.log"
     mapfile -t failed < <(sed -n 's/^ *--- FAIL: \([^ ]*\).*/\1/p' "$GC_STATE/logs/go.log")
     for t in "${failed[@]}"; do gc_item "go test $t" FAIL "" "log: logs/go.log"; done
-    [ ${#failed[@]} -gt 0 ] || gc_item "tools/test_go.sh" "$([ $rc -eq 124 ] || [ $rc -eq 137 ] && echo TIMEOUT || echo FAIL)" \
+    [ ${#failed[@]} -gt 0 ] || gc_item "tools/test_go.sh" "$(failed_verdict $rc)" \
       "$(($(date +%s) - t0))" "exit $rc (log: logs/go.log)"
   fi
   gc_stage_end
@@ -556,7 +556,7 @@ stage_bench() {
       gc_item "train_mlp_cuda --check forward_prefetch=$p" PASS "$(($(date +%s) - t0))" "$line"
     else
       tail -20 "$GC_STATE/logs/train_mlp_cuda-prefetch$p.log"
-      gc_item "train_mlp_cuda --check forward_prefetch=$p" "$([ $rc -eq 124 ] || [ $rc -eq 137 ] && echo TIMEOUT || echo FAIL)" \
+      gc_item "train_mlp_cuda --check forward_prefetch=$p" "$(failed_verdict $rc)" \
         "$(($(date +%s) - t0))" "exit $rc${line:+: $line}"
     fi
   done
@@ -578,7 +578,7 @@ stage_demo() {
     gc_item "train_gpt --device cuda" PASS "$(($(date +%s) - t0))" "$detail"
   else
     tail -20 "$log"
-    gc_item "train_gpt --device cuda" "$([ $rc -eq 124 ] || [ $rc -eq 137 ] && echo TIMEOUT || echo FAIL)" \
+    gc_item "train_gpt --device cuda" "$(failed_verdict $rc)" \
       "$(($(date +%s) - t0))" "exit $rc (log: logs/train_gpt_cuda.log)"
   fi
   gc_stage_end

@@ -107,6 +107,13 @@ gc_note() {
   [ "$GC_OUT" = "$GC_STATE" ] || printf '[%s] %s\n' "$GC_STAGE" "$*" >>"$GC_OUT/progress.log"
 }
 # gc_item NAME VERDICT SECONDS DETAIL: one test, pass or run; FAIL and TIMEOUT fail the stage.
+# failed_verdict RC: the verdict of a step that did not pass, from its exit
+# status: TIMEOUT when gc_timed's timeout ended it (124, or 137 after KILL),
+# FAIL otherwise.
+failed_verdict() {
+  if [ "$1" -eq 124 ] || [ "$1" -eq 137 ]; then echo TIMEOUT; else echo FAIL; fi
+}
+
 gc_item() {
   printf '%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "${4//$'\t'/ }" >>"$(gc_rec)/$GC_STAGE.items"
   case $2 in FAIL | TIMEOUT) GC_STAGE_FAILED=1 ;; esac

@@ -201,7 +201,7 @@ void Unit::issue_gather(bool prefetch) {
   const void* src = lowp_.empty() ? master_.data() : lowp_.data();
   void* dst = gathered_.data();
   size_t nbytes = shard_numel() * es;
-  const Unit* self = this;  // tasks read only the unit's labels, made once (the streams stop before units go)
+  Unit* self = this;  // tasks reach the unit's constants and stages through it (the streams stop before units go)
   if (rt_.trace.enabled()) {
     rt_.trace.add(std::string(prefetch ? "prefetch " : "issue ") + gather_label_, 'i', Track::kCaller);
   }
@@ -214,15 +214,14 @@ void Unit::issue_gather(bool prefetch) {
     // by the gather task (each stream-ordered on its own stream); the next
     // copy of this unit waits for this gather, which is done with the stage.
     bool alone = rt_.shard_world() == 1;
-    Unit* me = this;
     rt_.copy_in->wait(last_gather_);
-    EventPtr copied = rt_.copy_in->submit(tasks_.copy_in, [me, alone, dst, src, nbytes] {
-      Runtime& rt = me->rt_;
+    EventPtr copied = rt_.copy_in->submit(tasks_.copy_in, [self, alone, dst, src, nbytes] {
+      Runtime& rt = self->rt_;
       void* to = dst;
       if (!alone) {
-        me->offload_stage_ = Buffer(rt.dev, &rt.mem, MemCategory::kScratch, rt.opts.param_dtype, me->shard_numel(),
-                                    /*zeroed=*/false);
-        to = me->offload_stage_.data();
+        self->offload_stage_ = Buffer(rt.dev, &rt.mem, MemCategory::kScratch, rt.opts.param_dtype, self->shard_numel(),
+                                      /*zeroed=*/false);
+        to = self->offload_stage_.data();
       }
       rt.dev->copy_from_host(to, src, nbytes);
     });
@@ -230,10 +229,11 @@ void Unit::issue_gather(bool prefetch) {
     if (alone) {
       gather_event_ = copied;
     } else {
-      gather_event_ = rt_.stream->submit(tasks_.gather, [me, shard, dst, nbytes] {
-        shard->all_gather(me->offload_stage_.data(), dst, nbytes, me->gather_label_);
-        if (me->rt_.opts.debug_poison) me->rt_.dev->fill_nan(me->offload_stage_.data(), me->offload_stage_.nbytes());
-        me->offload_stage_.reset();
+      gather_event_ = rt_.stream->submit(tasks_.gather, [self, shard, dst, nbytes] {
+        shard->all_gather(self->offload_stage_.data(), dst, nbytes, self->gather_label_);
+        if (self->rt_.opts.debug_poison)
+          self->rt_.dev->fill_nan(self->offload_stage_.data(), self->offload_stage_.nbytes());
+        self->offload_stage_.reset();
       });
     }
     last_gather_ = gather_event_;

@@ -71,9 +71,15 @@ EventPtr CpuEvent::completed() {
 // Items whose wait vectors have room for a few events: the vectors circulate
 // (the ring's, waits_ and the worker's), so a task that waits allocates
 // nothing once the ring is warm.
+WorkerStream::Item WorkerStream::reserved_item() {
+  Item item;
+  item.after.reserve(kWaitsReserved);
+  return item;
+}
+
 std::vector<WorkerStream::Item> WorkerStream::ring_of(size_t n) {
   std::vector<Item> ring(n);
-  for (Item& item : ring) item.after.reserve(kWaitsReserved);
+  for (Item& item : ring) item = reserved_item();
   return ring;
 }
 
@@ -82,7 +88,7 @@ WorkerStream::WorkerStream(std::string name, StreamHooks hooks, std::chrono::mic
       hooks_(std::move(hooks)),
       delay_(delay),
       ring_(ring_of(kRingInitial)),
-      worker_item_(std::move(ring_of(1).front())),
+      worker_item_(reserved_item()),
       worker_([this] { loop(); }) {
   std::lock_guard<std::mutex> lock(mu_);
   waits_.reserve(kWaitsReserved);

@@ -85,6 +85,7 @@ class WorkerStream final : public Stream {
   // holds about three tasks per unit), so that the ring rarely grows after
   // the first steps; when it does, it doubles and stays.
   static constexpr size_t kRingInitial = 64;
+  static Item reserved_item();
   static std::vector<Item> ring_of(size_t n);
 
   Label name_;
