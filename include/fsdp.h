@@ -274,6 +274,16 @@ FSDP_API fsdp_status_t fsdp_metrics_reduce(fsdp_ctx_t* ctx, double* values, size
  * `out` (`numel` must equal the param's element count). Only while no unit
  * is in use. */
 FSDP_API fsdp_status_t fsdp_gather_param(fsdp_unit_t* unit, size_t param_index, float* out, size_t numel);
+/* Collective, for tests and debugging. Copies param `param_index`'s reduced
+ * grad, in fp32, into `out` (`numel` must equal the param's element count):
+ * what the grad shards hold after the backward passes since the last
+ * fsdp_step, reduced over the ranks with reduce_op (the mean by default) and
+ * not yet unscaled or clipped (a loss scale other than 1 is still in it).
+ * Waits for the unit's queued reductions. Zeros right after fsdp_step (which
+ * zeroes the grads). Only while the unit is not in use;
+ * FSDP_ERR_INVALID_STATE while grads accumulated with gradient sync off wait
+ * unreduced. */
+FSDP_API fsdp_status_t fsdp_gather_grad(fsdp_unit_t* unit, size_t param_index, float* out, size_t numel);
 /* This rank's flat fp32 master shard of the unit: pointer, offset of its
  * first element in the unit's flat buffer, and element count. Params lie in
  * the flat buffer in registration order, each start aligned to align_bytes;

@@ -5,6 +5,7 @@ package fsdp
 
 import (
 	"errors"
+	"fmt"
 	"math"
 	"os"
 	"path/filepath"
@@ -255,6 +256,16 @@ func TestZeroCopyGrad(t *testing.T) {
 		}
 		if err := u.BackwardEnd(); err != nil {
 			return err
+		}
+		// The reduced grad, read back before the step: the ranks' mean.
+		reduced, err := u.GatherGrad(0)
+		if err != nil {
+			return err
+		}
+		for _, v := range reduced {
+			if v != 1.5 {
+				return fmt.Errorf("GatherGrad gave %v, not the ranks' mean 1.5", v)
+			}
 		}
 		if err := ctx.Step(); err != nil {
 			return err

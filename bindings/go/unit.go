@@ -255,14 +255,30 @@ func (u *Unit) GradU16(i int) ([]uint16, error) {
 // Gather (collective) returns a copy of param i's full fp32 master values.
 // Only while no unit is in use.
 func (u *Unit) Gather(i int) ([]float32, error) {
-	if err := u.checkIndex("fsdp_gather_param", i); err != nil {
+	return u.gatherFull("fsdp_gather_param", i, func(out *C.float, n C.size_t) C.fsdp_status_t {
+		return C.fsdp_gather_param(u.ptr, C.size_t(i), out, n)
+	})
+}
+
+// GatherGrad (collective) returns a copy of param i's reduced fp32 grad: what
+// the grad shards hold after backward, before Step unscales and clips it (for
+// tests and debugging). Only while no unit is in use and no grads wait
+// unreduced under SetGradSync(false).
+func (u *Unit) GatherGrad(i int) ([]float32, error) {
+	return u.gatherFull("fsdp_gather_grad", i, func(out *C.float, n C.size_t) C.fsdp_status_t {
+		return C.fsdp_gather_grad(u.ptr, C.size_t(i), out, n)
+	})
+}
+
+// gatherFull runs fsdp_gather_param or fsdp_gather_grad into a new slice of
+// param i's element count.
+func (u *Unit) gatherFull(what string, i int, fn func(out *C.float, n C.size_t) C.fsdp_status_t) ([]float32, error) {
+	if err := u.checkIndex(what, i); err != nil {
 		return nil, err
 	}
 	n := u.params[i].Numel()
 	out := make([]float32, n+1) // +1: &out[0] exists for n == 0
-	err := call("fsdp_gather_param", func() C.fsdp_status_t {
-		return C.fsdp_gather_param(u.ptr, C.size_t(i), (*C.float)(unsafe.Pointer(&out[0])), C.size_t(n))
-	})
+	err := call(what, func() C.fsdp_status_t { return fn((*C.float)(unsafe.Pointer(&out[0])), C.size_t(n)) })
 	if err != nil {
 		return nil, err
 	}

@@ -202,6 +202,14 @@ fsdp_status_t fsdp_gather_param(fsdp_unit_t* unit, size_t param_index, float* ou
   });
 }
 
+fsdp_status_t fsdp_gather_grad(fsdp_unit_t* unit, size_t param_index, float* out, size_t numel) {
+  return guard([&] {
+    Unit& u = live_unit(unit, "fsdp_gather_grad");
+    require(out, "fsdp_gather_grad", "out");
+    u.gather_grad(param_index, out, numel);
+  });
+}
+
 fsdp_status_t fsdp_shard_info(fsdp_unit_t* unit, float** ptr, size_t* offset, size_t* numel) {
   return guard([&] {
     Unit& u = live_unit(unit, "fsdp_shard_info");

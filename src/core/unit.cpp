@@ -601,29 +601,51 @@ void* Unit::grad_ptr(size_t param_index) {
   return static_cast<char*>(grads) + layout_.param_offset(param_index) * dtype_size(rt_.opts.param_dtype);
 }
 
-void Unit::gather_param(size_t param_index, float* out, size_t numel) {
-  check_param_index(param_index, "fsdp_gather_param");
+void Unit::check_gather_out(size_t param_index, size_t numel, const char* call) const {
+  check_param_index(param_index, call);
   if (numel != layout_.param(param_index).numel) {
-    fail(FSDP_ERR_INVALID_ARGUMENT, "fsdp_gather_param: param " + base::quote(layout_.param(param_index).name) +
+    fail(FSDP_ERR_INVALID_ARGUMENT, std::string(call) + ": param " + base::quote(layout_.param(param_index).name) +
                                         " has " + std::to_string(layout_.param(param_index).numel) + " elements, not " +
                                         std::to_string(numel));
   }
-  if (in_use()) bad_state("fsdp_gather_param", "the unit outside forward and backward");
+  if (in_use()) bad_state(call, "the unit outside forward and backward");
+}
+
+void Unit::gather_param(size_t param_index, float* out, size_t numel) {
+  check_gather_out(param_index, numel, "fsdp_gather_param");
+  gather_shard(master(), param_index, out, numel, "fsdp_gather_param");
+}
+
+void Unit::gather_grad(size_t param_index, float* out, size_t numel) {
+  check_gather_out(param_index, numel, "fsdp_gather_grad");
+  if (grads_pending_) {
+    fail(FSDP_ERR_INVALID_STATE, "fsdp_gather_grad on unit " + base::quote(name_) + " (" + rt_.where() +
+                                     "): its grads were accumulated with gradient sync off and are not reduced yet; "
+                                     "turn sync on (fsdp_set_grad_sync) and run a backward pass first");
+  }
+  // The grad shard is complete once the reduction queued for it and the
+  // caller's stream's own writes into it (a world of one) are done.
+  wait_host_use();
+  wait_reductions();
+  gather_shard(sharded_grad(), param_index, out, numel, "fsdp_gather_grad");
+}
+
+void Unit::gather_shard(const float* shard, size_t param_index, float* out, size_t numel, const char* call) {
   size_t off = layout_.param_offset(param_index);
   if (rt_.shard_world() == 1) {  // this rank's shard holds every param
-    rt_.state_dev->copy_to_host(out, master() + off, numel * sizeof(float));
+    rt_.state_dev->copy_to_host(out, shard + off, numel * sizeof(float));
     return;
   }
   // The collective runs on the compute device: an offloaded shard is staged there.
-  const float* src = master();
+  const float* src = shard;
   Buffer staged;
   if (rt_.offload()) {
     staged = Buffer(rt_.dev, &rt_.mem, MemCategory::kScratch, DType::kFp32, shard_numel(), /*zeroed=*/false);
-    rt_.dev->copy_from_host(staged.data(), master(), shard_numel() * sizeof(float));
+    rt_.dev->copy_from_host(staged.data(), shard, shard_numel() * sizeof(float));
     src = staged.as<float>();
   }
   Buffer full(rt_.dev, &rt_.mem, MemCategory::kScratch, DType::kFp32, layout_.padded_numel(), /*zeroed=*/false);
-  rt_.shard_sync->all_gather(src, full.data(), shard_numel() * sizeof(float), label("fsdp_gather_param"));
+  rt_.shard_sync->all_gather(src, full.data(), shard_numel() * sizeof(float), label(call));
   rt_.dev->copy_to_host(out, full.as<float>() + off, numel * sizeof(float));
 }
 

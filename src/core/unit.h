@@ -68,6 +68,10 @@ class Unit {
   void* param_ptr(size_t param_index);
   void* grad_ptr(size_t param_index);
   void gather_param(size_t param_index, float* out, size_t numel);
+  // The reduced fp32 grad of one param as the grad shards hold it after
+  // backward (before fsdp_step unscales and clips it). Collective like
+  // gather_param; refused while grads wait unreduced (no_sync).
+  void gather_grad(size_t param_index, float* out, size_t numel);
 
   // For fsdp_step: reduce grads left pending by no_sync, wait for queued
   // reductions, and drop gathered params that the update will make stale.
@@ -99,6 +103,11 @@ class Unit {
 
  private:
   void check_param_index(size_t param_index, const char* call) const;
+  // gather_param's and gather_grad's argument and state checks.
+  void check_gather_out(size_t param_index, size_t numel, const char* call) const;
+  // Copies param `param_index`'s range of the flat fp32 state whose shard is
+  // `shard` (master or grads, state device) into the host's `out`.
+  void gather_shard(const float* shard, size_t param_index, float* out, size_t numel, const char* call);
   [[noreturn]] void bad_state(const char* call, const char* expected) const;
   void* full_params() const;
   // `s` waits for the gather (GATHERING|GATHERED -> in use); a synchronous

@@ -58,6 +58,7 @@ _PROTOTYPES = {
     "fsdp_last_grad_norm": (None, [c_void_p, P(c_double)]),
     "fsdp_metrics_reduce": (None, [c_void_p, P(c_double), c_size_t, c_int]),
     "fsdp_gather_param": (None, [c_void_p, c_size_t, c_void_p, c_size_t]),
+    "fsdp_gather_grad": (None, [c_void_p, c_size_t, c_void_p, c_size_t]),
     "fsdp_shard_info": (None, [c_void_p, P(c_void_p), P(c_size_t), P(c_size_t)]),
     "fsdp_param_flat_range": (None, [c_void_p, c_size_t, P(c_size_t), P(c_size_t)]),
     "fsdp_save": (None, [c_void_p, c_char_p, c_char_p]),

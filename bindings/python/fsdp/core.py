@@ -524,9 +524,18 @@ class Unit:
 
     def gather(self, i):
         """Collective. A new float32 array with the param's full fp32 master values."""
+        return self._gather_full(LIB.fsdp_gather_param, i, "fsdp_gather_param")
+
+    def gather_grad(self, i):
+        """Collective, for tests and debugging. A new float32 array with the param's reduced grad: what the
+        grad shards hold after backward (averaged over the ranks by default), before step() unscales and
+        clips it. Outside the unit's blocks, with no grads waiting unreduced under no_sync."""
+        return self._gather_full(LIB.fsdp_gather_grad, i, "fsdp_gather_grad")
+
+    def _gather_full(self, fn, i, what):
         i = self.index(i)
         out = np.empty(self.shapes[i], dtype=np.float32)
-        check(LIB.fsdp_gather_param(self._handle(), i, out.ctypes.data, out.size), "fsdp_gather_param")
+        check(fn(self._handle(), i, out.ctypes.data, out.size), what)
         return out
 
     def shard_info(self):
