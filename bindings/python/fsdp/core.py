@@ -362,6 +362,7 @@ class Unit:
         self.names, self.shapes = list(names), list(shapes)
         self._index = {n: i for i, n in enumerate(self.names)}
         self._last_stream = None  # the stream of the last forward_begin/backward_begin (CUDA)
+        self._flat = None  # [(offset, numel)] of each param in the flat buffer, once asked (flat_array)
 
     def __repr__(self):
         return f"Unit({self.name!r}, {dict(zip(self.names, self.shapes))})"
@@ -447,6 +448,33 @@ class Unit:
         sync = functools.partial(cudart.stream_wait, device_id=ctx.device_id) if cuda else None
         return DeviceArray(p, self.shapes[i], _ARRAY_DTYPES[ctx.param_dtype], device=ctx.device_kind,
                            device_id=ctx.device_id, stream=stream, owner=self, readonly=readonly, sync=sync)
+
+    def flat_array(self, grad=False):
+        """(DeviceArray, offsets): the unit's params (grad=True: its grads) as ONE array over the flat buffer
+        from the first param's start to the last param's end, and each param's element offset in it; param
+        i is array[offsets[i]:offsets[i] + numel(i)] reshaped to shapes[i]. One DLPack import per unit
+        instead of one per param. Valid as param_array()/grad_array() are; the params' part read only.
+        None for a unit without elements or if the pointers do not lie at their flat_range offsets."""
+        if self._flat is None:
+            self._flat = [self.flat_range(i) for i in range(len(self.names))]
+        first = next((k for k, (_, n) in enumerate(self._flat) if n), None)
+        if first is None:
+            return None
+        fn, what = (LIB.fsdp_grad_ptr, "grad") if grad else (LIB.fsdp_param_ptr, "param")
+        ctx = self.ctx
+        esz = 4 if ctx.param_dtype == "fp32" else 2
+        start = self._flat[first][0]
+        _, base = self._ptr(fn, first, what)
+        for i, (off, n) in enumerate(self._flat):
+            if n and self._ptr(fn, i, what)[1] != base + (off - start) * esz:
+                return None
+        last = max(off + n for off, n in self._flat)
+        cuda = ctx.device_kind == "cuda"
+        arr = DeviceArray(base, (last - start,), _ARRAY_DTYPES[ctx.param_dtype], device=ctx.device_kind,
+                          device_id=ctx.device_id, stream=(self._last_stream or 1) if cuda else None, owner=self,
+                          readonly=not grad,
+                          sync=functools.partial(cudart.stream_wait, device_id=ctx.device_id) if cuda else None)
+        return arr, [off - start for off, _ in self._flat]
 
     def param_array(self, i):
         """param(i) as a DeviceArray (any device): DLPack (numpy/torch/cupy/jax .from_dlpack) and, on CUDA,

@@ -1,0 +1,515 @@
+# torch.py - fsdp.torch: shard a torch.nn.Module over libfsdp units; module and autograd hooks drive the brackets.
+"""PyTorch adapter: ``shard(model, units=...)`` puts each group of the model's params into a libfsdp unit
+and drives ``forward_begin/end`` and ``backward_begin/end`` from module and autograd hooks, so that the
+training loop stays torch's::
+
+    sharded = fsdp.torch.shard(model, units=GPT2Block, group=group, rank=rank, lr=3e-4, weight_decay=0.1)
+    for batch in data:
+        loss = model(**batch).loss
+        loss.backward()
+        sharded.step()
+
+How it works (docs/bindings.md, "PyTorch"):
+
+- Each unit module (and the model itself, for the params outside every unit module: the root unit) gets a
+  forward pre-hook (``forward_begin``; the module's ``nn.Parameter`` objects get the gathered memory as
+  their ``.data``) and a forward hook (``forward_end``; the params' ``.data`` become empty tensors). The
+  ``nn.Parameter`` objects stay the same objects all along: hooks, ``named_parameters()`` and tied params
+  keep working, and they hold no memory between the brackets.
+- Autograd saves tensors in forward that it reads in backward: a matmul's weight, a LayerNorm's gamma,
+  views of them. Those point into gathered memory that ``forward_end`` gave back. A
+  ``torch.autograd.graph.saved_tensors_hooks`` pair, active during the model's forward, replaces every
+  saved tensor that lies in a unit's gathered memory by (unit, offset, sizes, strides) and re-makes it in
+  backward from the views ``backward_begin`` hands out, gathering the unit first if it is not yet.
+- Backward begins for a unit when the first grad reaches one of its outputs (a tensor hook) or when
+  autograd first unpacks one of its saved params, whichever comes first; each param's ``.grad`` is then the
+  unit's grad buffer itself, and autograd accumulates into it in place. Backward ends when the grads of
+  the unit's inputs are computed (an identity autograd Function on the inputs, as FSDP2 does), and at the
+  end of the backward pass for the units whose inputs need no grad (the root, the embeddings).
+- A param shared by modules in different units (tied embeddings) belongs to the root unit, gathered for
+  the whole forward and backward.
+- Params are read only: an in-place write to a param inside a bracket (under ``torch.no_grad()``; with
+  grad enabled torch refuses it itself) raises at the bracket's end, naming the param. Torch ignores
+  DLPack's read-only flag, so the adapter checks the params' version counters instead. A write through
+  ``p.data`` is not seen: don't.
+
+Thread ranks (``fsdp.run_ranks``) share torch's process-wide state: its RNG (ranks building a model at once
+get different random inits: ``sync_module_states`` is on by default here, so rank 0's values win), its
+intra-op thread pool size (``torch.set_num_threads``; give each rank cores / ranks), its default dtype.
+"""
+import contextlib
+import functools
+import weakref
+
+try:
+    import torch
+    import torch.nn as nn
+except ImportError as e:  # fsdp itself needs numpy only; this module is the one that needs torch
+    raise ImportError(f"fsdp.torch needs PyTorch (pip install torch): {e}") from e
+
+from .core import Context, InvalidArgument, InvalidState
+
+_TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _tensors(obj, out):
+    """Appends the tensors in a module's output (tensor, tuple/list, dict, ModelOutput) to `out`."""
+    if isinstance(obj, torch.Tensor):
+        out.append(obj)
+    elif isinstance(obj, (list, tuple)):
+        for o in obj:
+            _tensors(o, out)
+    elif isinstance(obj, dict) or hasattr(obj, "values") and callable(obj.values):
+        for o in obj.values():
+            _tensors(o, out)
+    return out
+
+
+class _SavedParam:
+    """What the pack hook saves instead of a tensor that lies in a unit's gathered memory."""
+    __slots__ = ("unit", "key", "size", "stride", "offset", "dtype")
+
+    def __init__(self, unit, key, t):
+        self.unit, self.key = unit, key
+        self.size, self.stride, self.offset, self.dtype = t.size(), t.stride(), t.storage_offset(), t.dtype
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a unit module's inputs: its backward runs once the inputs' grads are computed, that is
+    after the module's whole backward (the adapter ends the unit's backward there)."""
+
+    @staticmethod
+    def forward(ctx, state, *tensors):
+        ctx.state = state
+        return tensors if len(tensors) != 1 else tensors[0]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        state = ctx.state
+        state.owner()._post_backward(state)
+        return (None,) + grads
+
+
+class _UnitState:
+    """The adapter's view of one unit: its params, its views now, and where it is in the step."""
+
+    def __init__(self, owner, unit, module, params):
+        self.owner = weakref.ref(owner)
+        self.unit, self.module, self.params = unit, module, params  # params: [nn.Parameter] in unit order
+        self.phase = None  # None (sharded), "forward", "backward"
+        self.base = None  # the tensor(s) the current views slice: [flat] or one per param
+        self.views = None  # [tensor] of the params, in unit order
+        self.grads = None  # [tensor] of the grad buffers, in unit order (in backward)
+        self.index = {p: i for i, p in enumerate(params)}
+        self.versions = None
+        self.cache = {}  # (grad, data pointer) -> (base tensors, views): gathered slots come back
+        self.pending = 0  # forward calls whose _PostBackward has not run yet (this step)
+        self.in_forward = 0  # nested calls of the unit module
+
+
+class ShardedModule:
+    """The result of shard(): .ctx, .units (libfsdp Units, registration order), .step(), .no_sync(),
+    .state_dict(), .close(). The model itself is used as before: model(x), loss.backward()."""
+
+    def __init__(self, model, ctx, groups, check_writes, pack_saved):
+        self.model, self.ctx = model, ctx
+        self._pdtype = _TORCH_DTYPES[ctx.param_dtype]
+        self._device = torch.device("cuda", ctx.device_id) if ctx.device_kind == "cuda" else torch.device("cpu")
+        self._check_writes, self._pack_saved = check_writes, pack_saved
+        self._states, self._state_of_param, self._hooks = [], {}, []
+        self._storages = {}  # data pointer of a live view's storage -> (state, key)
+        self._saved_hooks = None
+        self._in_backward = False
+        self._empty = torch.empty(0, dtype=self._pdtype, device=self._device)
+        self.units = []
+        for name, module, params in groups:
+            unit = ctx.register_unit(name, [(n, tuple(p.shape)) for n, p in params])
+            st = _UnitState(self, unit, module, [p for _, p in params])
+            self._states.append(st)
+            self.units.append(unit)
+            for p in st.params:
+                self._state_of_param[p] = st
+        self._param_names = {p: n for _, _, params in groups for n, p in params}
+        self._root = next((st for st in self._states if st.module is model), None)
+
+    @property
+    def dtype(self):
+        """The torch dtype of the params inside the brackets (the context's param_dtype)."""
+        return self._pdtype
+
+    # ---- setup ----
+    def _set_values(self, sync):
+        for st in self._states:
+            for i, p in enumerate(st.params):
+                if sync and self.ctx.rank != 0:
+                    st.unit.set_values(i, None)
+                else:
+                    st.unit.set_values(i, p.detach().to(torch.float32).cpu().numpy())
+                p.data = self._empty  # the model's own copy goes: the unit holds the values now
+
+    def _install(self):
+        model = self.model
+        for st in self._states:
+            if st.module is model:
+                continue
+            self._hooks.append(st.module.register_forward_pre_hook(
+                functools.partial(self._unit_pre_forward, st), with_kwargs=True))
+            self._hooks.append(st.module.register_forward_hook(
+                functools.partial(self._unit_post_forward, st), always_call=True))
+        self._hooks.append(model.register_forward_pre_hook(self._root_pre_forward, with_kwargs=True))
+        self._hooks.append(model.register_forward_hook(self._root_post_forward, always_call=True))
+        for p, st in self._state_of_param.items():
+            self._hooks.append(p.register_post_accumulate_grad_hook(functools.partial(self._grad_arrived, st)))
+        self._expected = list(model.named_parameters())
+
+    # ---- views ----
+    def _make_views(self, st, grad):
+        """The unit's params (or grads) as torch tensors over libfsdp's memory, one DLPack import per unit
+        (per param where the params do not lie in one span), cached by the memory's address."""
+        unit = st.unit
+        got = unit.flat_array(grad=grad)
+        if got is not None:
+            arr, offs = got
+            key = (grad, arr.ptr)
+            hit = st.cache.get(key)
+            if hit is not None:
+                return hit
+            flat = torch.from_dlpack(arr)
+            base = [flat]
+            views = [flat[o:o + unit.numel(i)].view(unit.shapes[i]) for i, o in enumerate(offs)]
+        else:
+            base = [torch.from_dlpack(unit.grad_array(i) if grad else unit.param_array(i)) if unit.numel(i)
+                    else torch.empty(unit.shapes[i], dtype=self._pdtype, device=self._device)
+                    for i in range(len(unit.names))]
+            views = base
+            key = (grad, tuple(t.data_ptr() for t in base))
+        if len(st.cache) >= 8:  # a few slots per unit come back; forget the oldest
+            st.cache.pop(next(iter(st.cache)))
+        st.cache[key] = (base, views)
+        return base, views
+
+    def _attach(self, st, phase):
+        """After *_begin: the params' .data are the gathered views (and their .grad the grad buffers)."""
+        base, views = self._make_views(st, grad=False)
+        for p, v in zip(st.params, views):
+            if p.numel() != 0 and p.data_ptr() != v.data_ptr():
+                raise InvalidState(2, f"fsdp.torch: param {self._param_names[p]!r} of unit {st.unit.name!r} was "
+                                      f"given new data after shard(); set values through the unit "
+                                      f"(unit.set_values) instead")
+            p.data = v
+        st.base, st.views, st.phase = base, views, phase
+        for k, b in enumerate(base):
+            if b.numel():
+                self._storages[b.untyped_storage().data_ptr()] = (st, k)
+        if phase == "backward":
+            _, st.grads = self._make_views(st, grad=True)
+            for p, g in zip(st.params, st.grads):
+                p.grad = g
+        if self._check_writes:
+            st.versions = [p._version for p in st.params]
+
+    def _detach(self, st):
+        """Before *_end: checks that nothing wrote the params, then empties .data and .grad."""
+        if self._check_writes and st.versions is not None:
+            for p, v in zip(st.params, st.versions):
+                if p._version != v:
+                    raise InvalidState(2, f"fsdp.torch: param {self._param_names[p]!r} of unit {st.unit.name!r} "
+                                          f"was written in place during its {st.phase}; params are read-only "
+                                          f"views of gathered memory (the write would be lost, or change the "
+                                          f"weights outside the optimizer)")
+        for b in st.base or ():
+            if b.numel():
+                self._storages.pop(b.untyped_storage().data_ptr(), None)
+        for p in st.params:
+            p.data = self._empty
+            p.grad = None
+        st.base = st.views = st.grads = st.versions = None
+        st.phase = None
+
+    def _stream(self):
+        return torch.cuda.current_stream(self._device) if self._device.type == "cuda" else None
+
+    # ---- forward ----
+    def _begin_forward(self, st):
+        if st.in_forward:
+            st.in_forward += 1
+            return
+        if st.phase == "backward":  # recomputation (activation checkpointing) inside the unit's backward
+            st.in_forward += 1
+            return
+        st.unit.forward_begin(self._stream())
+        st.in_forward = 1
+        self._attach(st, "forward")
+
+    def _end_forward(self, st):
+        st.in_forward -= 1
+        if st.in_forward or st.phase != "forward":
+            return
+        self._detach(st)
+        st.unit.forward_end(self._stream())
+
+    def _unit_pre_forward(self, st, module, args, kwargs):
+        self._begin_forward(st)
+        if not torch.is_grad_enabled():
+            return None
+        # Wrap the inputs that need grad: their grads come last in the module's backward.
+        flat = [(i, a) for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+        kflat = [(k, a) for k, a in kwargs.items() if isinstance(a, torch.Tensor) and a.requires_grad]
+        if not flat and not kflat:
+            return None
+        st.pending += 1
+        out = _PostBackward.apply(st, *[a for _, a in flat], *[a for _, a in kflat])
+        out = out if isinstance(out, tuple) else (out,)
+        args = list(args)
+        for (i, _), t in zip(flat, out):
+            args[i] = t
+        kwargs = dict(kwargs)
+        for (k, _), t in zip(kflat, out[len(flat):]):
+            kwargs[k] = t
+        return tuple(args), kwargs
+
+    def _unit_post_forward(self, st, module, args, output):
+        self._end_forward(st)
+        self._hook_outputs(st, output)
+        return None
+
+    def _hook_outputs(self, st, output):
+        if not torch.is_grad_enabled():
+            return
+        for t in _tensors(output, []):
+            if t.requires_grad:
+                t.register_hook(functools.partial(self._pre_backward, st))
+
+    def _root_pre_forward(self, module, args, kwargs):
+        if self._saved_hooks is not None:
+            raise InvalidState(2, "fsdp.torch: the model's forward was entered again before it returned")
+        self._check_params()
+        if self._pack_saved:
+            self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            self._saved_hooks.__enter__()
+        if self._root is not None:
+            self._begin_forward(self._root)
+        return None
+
+    def _root_post_forward(self, module, args, output):
+        hooks, self._saved_hooks = self._saved_hooks, None
+        try:
+            if self._root is not None:
+                self._end_forward(self._root)
+                self._hook_outputs(self._root, output)
+        finally:
+            if hooks is not None:
+                hooks.__exit__(None, None, None)
+        return None
+
+    def _check_params(self):
+        now = list(self.model.named_parameters())
+        if len(now) != len(self._expected) or any(a is not b or n != m for (n, a), (m, b) in zip(now, self._expected)):
+            known = {id(p) for _, p in self._expected}
+            new = [n for n, p in now if id(p) not in known]
+            gone = sorted(set(n for n, _ in self._expected) - set(n for n, _ in now))
+            raise InvalidState(2, f"fsdp.torch: the model's params changed after shard(): "
+                                  f"{'new or replaced: ' + ', '.join(new) if new else ''}"
+                                  f"{'; ' if new and gone else ''}{'gone: ' + ', '.join(gone) if gone else ''}"
+                                  f"{'reordered' if not new and not gone else ''}; shard the new model instead")
+
+    # ---- saved tensors ----
+    def _pack(self, t):
+        try:
+            hit = self._storages.get(t.untyped_storage().data_ptr())
+        except (RuntimeError, NotImplementedError):  # tensors without storage (meta, some subclasses)
+            return t
+        if hit is None:
+            return t
+        return _SavedParam(hit[0], hit[1], t)
+
+    def _unpack(self, saved):
+        if not isinstance(saved, _SavedParam):
+            return saved
+        st = saved.unit
+        if st.phase != "backward":
+            self._begin_backward(st)
+        base = st.base[saved.key]
+        if base.dtype != saved.dtype:
+            base = base.view(saved.dtype)
+        return base.as_strided(saved.size, saved.stride, saved.offset)
+
+    # ---- backward ----
+    def _begin_backward(self, st):
+        if st.phase == "forward":
+            raise InvalidState(2, f"fsdp.torch: backward reached unit {st.unit.name!r} while its forward is still "
+                                  f"running (backward inside the module's forward is not supported)")
+        if not self._in_backward:
+            self._in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        st.unit.backward_begin(self._stream())
+        self._attach(st, "backward")
+
+    def _pre_backward(self, st, grad):
+        if st.phase != "backward":
+            self._begin_backward(st)
+        return None
+
+    def _post_backward(self, st):
+        st.pending -= 1
+        if st.pending <= 0 and st.phase == "backward":
+            self._end_backward(st)
+
+    def _end_backward(self, st):
+        self._detach(st)
+        st.unit.backward_end(self._stream())
+
+    def _grad_arrived(self, st, p):
+        """After autograd accumulated p's grad: it must be in the unit's grad buffer."""
+        if st.phase != "backward":
+            # The grad arrived outside the unit's backward (after it ended): autograd took its own tensor.
+            # Take the unit into backward again (libfsdp adds this use's grads to the reduced ones) and
+            # add the grad there.
+            g, p.grad = p.grad, None
+            self._begin_backward(st)
+            p.grad.add_(g)
+            return
+        view = st.grads[st.index[p]]
+        if p.grad is not view:  # autograd replaced the buffer (create_graph=True): keep the sum in it
+            view.copy_(p.grad)
+            p.grad = view
+
+    def _finish_backward(self):
+        self._in_backward = False
+        for st in reversed(self._states):
+            st.pending = 0
+            if st.phase == "backward":
+                self._end_backward(st)
+
+    # ---- the step and the rest ----
+    def step(self):
+        """Collective: the optimizer step on every rank's shards (fsdp_step)."""
+        self.ctx.step(self._stream())
+
+    def set_lr(self, lr):
+        self.ctx.set_lr(lr)
+
+    def no_sync(self):
+        """Context manager: backward passes inside accumulate grads locally, without communication."""
+        return self.ctx.no_sync()
+
+    def gather_grads(self):
+        """Collective: {param name: reduced fp32 grad as a torch tensor} (fsdp_gather_grad), after backward
+        and before step(); for tests of an integration."""
+        return {self._param_names[p]: torch.from_numpy(st.unit.gather_grad(i))
+                for st in self._states for i, p in enumerate(st.params)}
+
+    def state_dict(self):
+        """Collective: the model's state_dict with every param gathered in fp32 (tied params under each of
+        their names, one tensor), buffers as the model holds them; what model.load_state_dict and
+        transformers' save_pretrained take."""
+        full = {}
+        for st in self._states:
+            for i, p in enumerate(st.params):
+                full[p] = torch.from_numpy(st.unit.gather(i))
+        out = {}
+        for name, v in self.model.state_dict(keep_vars=True).items():
+            out[name] = full[v] if isinstance(v, nn.Parameter) and v in full else v.detach()
+        return out
+
+    def close(self):
+        """Removes the hooks and closes the context (local)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        self.ctx.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _group(model, units):
+    """[(unit name, module, [(param name, param)])]: the root first (params outside every unit module,
+    and params shared between units), then each unit module in module order."""
+    if units is None:
+        unit_modules = []
+    elif isinstance(units, type) or (isinstance(units, tuple) and units and all(isinstance(u, type) for u in units)):
+        unit_modules = [m for m in model.modules() if isinstance(m, units) and m is not model]
+    elif callable(units) and not isinstance(units, nn.Module):
+        unit_modules = [m for n, m in model.named_modules() if m is not model and units(n, m)]
+    else:
+        unit_modules = list(units)
+        for m in unit_modules:
+            if not isinstance(m, nn.Module):
+                raise InvalidArgument(1, f"fsdp.torch.shard: units must be modules, module classes or a predicate "
+                                         f"(name, module) -> bool; got {type(m).__name__}")
+    names, rank_of = {}, {}
+    for n, m in model.named_modules(remove_duplicate=False):
+        names.setdefault(m, n)
+        rank_of.setdefault(m, len(rank_of))
+    for m in unit_modules:
+        if m not in names:
+            raise InvalidArgument(1, f"fsdp.torch.shard: unit module {type(m).__name__} is not part of the model")
+    # A chosen module inside another chosen one stays in the outer one (no nesting).
+    unit_modules = sorted(set(unit_modules), key=rank_of.get)
+    chosen, covered = [], set()
+    for m in unit_modules:
+        if m not in covered:
+            chosen.append(m)
+            covered |= set(m.modules())
+    # Where each param is used: in which unit modules, and whether by a module outside all of them.
+    owners = {}
+    for m in chosen:
+        for p in m.parameters():
+            owners.setdefault(p, set()).add(m)
+    outside = {p for m in model.modules() if m not in covered for p in m.parameters(recurse=False)}
+    in_units = {m: [] for m in chosen}
+    root = []
+    for n, p in model.named_parameters():
+        o = owners.get(p, ())
+        if len(o) == 1 and p not in outside:
+            in_units[next(iter(o))].append((n, p))
+        else:
+            root.append((n, p))
+    groups = []
+    if root:
+        groups.append(("root", model, root))
+    for m in chosen:
+        if in_units[m]:
+            groups.append((names[m] or type(m).__name__, m, in_units[m]))
+    return groups
+
+
+def shard(model, units=None, *, group=None, rank=None, config=None, sync_module_states=True, check_writes=True,
+          **options):
+    """Shards `model`'s params over libfsdp units and installs the hooks that drive them. Collective.
+
+    units: a list of submodules, a module class (or tuple of classes: every module of that class, like
+      FSDP's ModuleWrapPolicy), or a predicate (name, module) -> bool; each chosen module is a unit (a
+      chosen module inside another stays in the outer one). Params outside every unit module, and params
+      shared by modules of different units, form the root unit. None: the whole model is one unit.
+    group, rank: as Context (thread ranks: fsdp.run_ranks gives both; under mpirun leave them None).
+    config: a fsdp.Config, or options as keywords (lr=..., sharding=..., param_dtype="bf16", ...).
+    sync_module_states: rank 0's param values go to every rank (on by default: thread ranks share torch's
+      RNG, so their inits differ).
+    check_writes: raise at a bracket's end if a param was written in place inside it.
+
+    The model must not be used for forward before shard() returns; its params hold no memory afterwards
+    outside a unit's bracket (their .data is an empty tensor), and their .grad is the unit's grad buffer
+    only during the unit's backward. Run the optimizer through .step(), not a torch optimizer."""
+    if not isinstance(model, nn.Module):
+        raise InvalidArgument(1, f"fsdp.torch.shard: model must be a torch.nn.Module, not {type(model).__name__}")
+    pack_saved = options.pop("_pack_saved", True)  # tests only: the naive glue, without saved-tensor hooks
+    if config is None:
+        options.setdefault("sync_module_states", 1 if sync_module_states else 0)
+        ctx = Context(None, group, rank, **options)
+    else:
+        ctx = Context(config, group, rank, **options)
+    try:
+        sync = config.get("sync_module_states") if config is not None else options["sync_module_states"]
+        groups = _group(model, units)
+        sharded = ShardedModule(model, ctx, groups, check_writes, pack_saved)
+        sharded._set_values(str(sync) not in ("0", "false", "False"))
+        sharded._install()
+    except BaseException:
+        ctx.close()
+        raise
+    return sharded

@@ -1,0 +1,346 @@
+# test_torch_adapter.py - fsdp.torch against plain torch: the same model, data and AdamW, unsharded, in the test.
+"""Each case trains through fsdp.torch.shard at worlds 1, 2 and 4 (thread ranks; test_torch_mpirun below runs
+processes) and compares with reference_train (torch_models.py: plain torch, whole batch, torch.optim.AdamW):
+the first step's reduced grads through fsdp_gather_grad, every step's loss, and the params after the last
+step. Tolerances:
+
+- fp32, world 1: every rank-0 op is the reference's op on the same values, and the grads land in the
+  unit's zeroed buffer by an exact add: grads bitwise equal.
+- fp32, worlds 2 and 4: each rank's grad is the mean over its rows; their mean equals the full-batch mean
+  up to the order of the sums: a few fp32 ulps (rtol 1e-5, atol 1e-6).
+- params after 10 steps: libfsdp's AdamW evaluates torch's formula in another order (ulps per step);
+  where a grad is near 0, m / sqrt(v) amplifies that, bounded by the step's size lr: atol 2e-5 is 2% of
+  one step's largest move.
+- bf16 (params and grads bf16, master fp32): the reduction is in bf16 at world 2 (reduce_dtype = param
+  dtype): one bf16 rounding of the mean, 2^-8 relative.
+
+torch and transformers come from PyPI (tools/test_python.sh installs them into a reused venv); without
+them the module is skipped with the reason, and the runner counts the skip."""
+import copy
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+try:
+    import torch
+except ImportError as e:  # counted by tools/test_python.sh, which says whether torch should be here
+    pytest.skip(f"torch is not installed in this venv ({e}); tools/test_python.sh installs it", allow_module_level=True)
+
+import fsdp
+import fsdp.torch as ft
+from torch_models import BATCH, HYPER, Block, make_data, make_gpt2, make_net, mse, reference_train
+
+torch.set_num_threads(1)  # thread ranks share torch's intra-op pool size; one thread each on 2 cores
+STEPS = 10
+
+
+def sharded_train(init, world, steps, units=Block, loss_fn=None, x=None, y=None, micro=1, **options):
+    """Thread ranks through fsdp.torch; rank 0's (losses averaged over the ranks, first step's gathered
+    grads, final state_dict)."""
+    x, y = make_data() if x is None else (x, y)
+    loss_fn = loss_fn or mse
+
+    def rank_fn(rank, group):
+        model = copy.deepcopy(init)
+        with ft.shard(model, units=units, group=group, rank=rank, **HYPER, **options) as sh:
+            rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+            xs, ys = x[rows], y[rows]
+            losses, grads0 = [], None
+            for step in range(steps):
+                total = 0.0
+                for k, (xm, ym) in enumerate(zip(xs.chunk(micro), ys.chunk(micro))):
+                    sync = k == micro - 1
+                    with (sh.no_sync() if not sync else _nothing()):
+                        loss = loss_fn(model, xm.to(sh.dtype), ym.to(sh.dtype)) / micro
+                        loss.backward()
+                    total += loss.item()
+                if step == 0:
+                    grads0 = sh.gather_grads()
+                sh.step()
+                losses.append(float(sh.ctx.metrics_reduce([total], "avg")[0]))
+            return losses, grads0, sh.state_dict()
+
+    return fsdp.run_ranks(world, rank_fn)[0]
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def close(a, b, rtol, atol, what):
+    for name in b:
+        torch.testing.assert_close(a[name].float(), b[name].float(), rtol=rtol, atol=atol,
+                                   msg=lambda m: f"{what} {name}: {m}")
+
+
+CASES = [(1, "FULL_SHARD", {}), (2, "FULL_SHARD", {}), (4, "FULL_SHARD", {}), (2, "SHARD_GRAD_OP", {}),
+         (4, "SHARD_GRAD_OP", {}), (4, "HYBRID_SHARD", {"shard_group_size": 2}), (2, "FULL_SHARD", {"offload": "cpu"}),
+         (2, "FULL_SHARD", {"debug_poison": 1})]
+
+
+@pytest.fixture(scope="module")
+def net_reference():
+    init = make_net()
+    x, y = make_data()
+    return init, reference_train(init, x, y, STEPS)
+
+
+@pytest.mark.parametrize("world,sharding,extra", CASES, ids=[f"{w}-{s}-{'-'.join(e) or 'plain'}" for w, s, e in CASES])
+def test_mlp_matches_plain_torch(net_reference, world, sharding, extra):
+    init, (ref_losses, ref_grads, ref_params) = net_reference
+    losses, grads, params = sharded_train(init, world, STEPS, sharding=sharding, **extra)
+    assert set(grads) == set(ref_grads)
+    if world == 1:
+        for n in ref_grads:
+            assert torch.equal(grads[n], ref_grads[n]), f"grad of {n} differs at world 1"
+    else:
+        close(grads, ref_grads, 1e-5, 1e-6, "grad")
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    close(params, ref_params, 0, 2e-5, "param")
+
+
+def test_mlp_no_sync_accumulation_matches_the_whole_batch(net_reference):
+    init, _ = net_reference
+    x, y = make_data()
+    ref_losses, ref_grads, ref_params = reference_train(init, x, y, 4, micro=2)
+    losses, grads, params = sharded_train(init, 2, 4, micro=2)
+    close(grads, ref_grads, 1e-5, 1e-6, "grad")
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    close(params, ref_params, 0, 2e-5, "param")
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_mlp_bf16_matches_torch_in_bf16(world):
+    init = make_net()
+    x, y = make_data()
+    ref_losses, ref_grads, _ = reference_train(init, x, y, 3, dtype=torch.bfloat16)
+    losses, grads, _ = sharded_train(init, world, 3, param_dtype="bf16")
+    if world == 1:  # the same bf16 ops; the grads reach the fp32 shard by exact conversions
+        for n in ref_grads:
+            assert torch.equal(grads[n], ref_grads[n]), f"bf16 grad of {n} differs at world 1"
+    else:
+        # Each rank's backward runs in bf16 over half the rows, so its sums round differently from the
+        # whole batch's at every op, and the mean is rounded to bf16 once more: a few bf16 ulps (2^-8) of
+        # the tensor's largest grad.
+        for n in ref_grads:
+            scale = ref_grads[n].abs().max().item()
+            torch.testing.assert_close(grads[n], ref_grads[n], rtol=0, atol=4 * 2 ** -8 * scale,
+                                       msg=lambda m: f"bf16 grad {n}: {m}")
+    np.testing.assert_allclose(losses, ref_losses, rtol=2 ** -7)
+
+
+def test_param_views_are_bf16_torch_tensors_only_inside_the_bracket():
+    seen = {}
+
+    def rank_fn(rank, group):
+        model = make_net()
+        with ft.shard(model, units=Block, group=group, rank=rank, param_dtype="bf16") as sh:
+            blk = model.blocks[1]
+            def look(m, args):
+                seen[rank] = (m.fc1.weight.dtype, tuple(m.fc1.weight.shape))
+            blk.register_forward_pre_hook(look)
+            model(torch.randn(2, 6, dtype=torch.bfloat16)).float().sum().backward()
+            sh.step()
+            return tuple(blk.fc1.weight.shape), blk.fc1.weight.grad
+
+    outside = fsdp.run_ranks(2, rank_fn)
+    assert seen[0] == (torch.bfloat16, (64, 16)) and seen[1] == seen[0]
+    assert outside[0] == ((0,), None), "a param holds memory, or a grad, outside its unit's bracket"
+
+
+def test_gpt2_matches_plain_torch_with_tied_embeddings():
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed in this venv")
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+    init = make_gpt2()
+    ids = torch.randint(0, 128, (BATCH, 16), generator=torch.Generator().manual_seed(3))
+
+    def lm_loss(model, x, y):
+        return model(x.long(), labels=x.long()).loss
+
+    ref = copy.deepcopy(init)
+    opt = torch.optim.AdamW(ref.parameters(), lr=HYPER["lr"], eps=HYPER["eps"], weight_decay=HYPER["weight_decay"],
+                            foreach=False)
+    ref_losses = []
+    for step in range(STEPS):
+        loss = lm_loss(ref, ids, ids)
+        loss.backward()
+        if step == 0:
+            ref_grads = {n: p.grad.clone() for n, p in ref.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+        ref_losses.append(loss.item())
+    for world in (1, 2, 4):
+        losses, grads, sd = sharded_train(init, world, STEPS, units=GPT2Block, loss_fn=lm_loss, x=ids, y=ids,
+                                          debug_poison=1)
+        if world == 1:
+            for n in ref_grads:
+                assert torch.equal(grads[n], ref_grads[n]), f"grad of {n} differs at world 1"
+        else:
+            close(grads, ref_grads, 1e-5, 1e-6, f"world {world} grad")
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+        # The state_dict keeps the tie (one tensor under both names) and loads into transformers.
+        assert sd["lm_head.weight"] is sd["transformer.wte.weight"]
+        fresh = make_gpt2(seed=7)
+        fresh.load_state_dict(sd)
+        with torch.no_grad():
+            torch.testing.assert_close(fresh(ids).logits, ref(ids).logits, rtol=0, atol=2e-4)
+
+
+class _NaiveGlue:
+    """The obvious glue without saved-tensor hooks: each unit's params are the DLPack views themselves,
+    made leaves for autograd, and kept by autograd past forward_end; their grads are added into the
+    unit's buffers after loss.backward(). Under debug_poison its backward reads NaN."""
+
+    def __init__(self, ctx, init):
+        self.ctx, self.units, self.modules = ctx, [], []
+        for k, blk in enumerate(init.blocks):
+            names = [n for n, _ in blk.named_parameters()]
+            u = ctx.register_unit(f"block{k}", [(n, tuple(p.shape)) for n, p in blk.named_parameters()])
+            for n, p in blk.named_parameters():
+                u.set_values(n, p.detach().numpy())
+            self.units.append((u, names))
+        self.head = copy.deepcopy(init)  # inp, ln_f and out stay plain torch (the test only reads the loss)
+
+    def loss(self, x, y):
+        h = self.head.inp(x)
+        leaves = []
+        for u, names in self.units:
+            with u.forward():
+                ps = {n: torch.from_dlpack(u.param_array(n)).requires_grad_() for n in names}
+                h = torch.func.functional_call(self.head.blocks[0], ps, (h,))
+            leaves.append(ps)
+        loss = ((self.head.out(self.head.ln_f(h)) - y) ** 2).mean()
+        loss.backward()  # reads the views saved in forward: the units' gathered memory, given back
+        for (u, names), ps in reversed(list(zip(self.units, leaves))):
+            with u.backward():
+                for n in names:
+                    u.grad(n)[...] += ps[n].grad.numpy()
+        return loss.item()
+
+
+@pytest.mark.parametrize("poison", [0, 1])
+def test_naive_glue_reads_freed_memory_and_poison_makes_it_nan(poison):
+    init = make_net()
+    x, y = make_data()
+
+    def rank_fn(rank, group):
+        with fsdp.Context(group=group, rank=rank, sharding="FULL_SHARD", debug_poison=poison, **HYPER) as ctx:
+            glue = _NaiveGlue(ctx, init)
+            rows = slice(rank * BATCH // 2, (rank + 1) * BATCH // 2)
+            norms = []
+            for _ in range(3):
+                glue.loss(x[rows], y[rows])
+                ctx.step()
+                norms.append(ctx.last_grad_norm)
+            return norms, ctx.skipped_steps
+
+    norms, skipped = fsdp.run_ranks(2, rank_fn)[0]
+    if poison:
+        # Autograd's backward read the poisoned slots: NaN grads, which fsdp_step refuses (every step
+        # skipped, the grad norm NaN) instead of training on whatever the next gather left there.
+        assert np.isnan(norms).all() and skipped == 3, f"freed memory read without a NaN: norms {norms}"
+    else:
+        # Without the option the same glue trains on whatever the slots hold now, with no error: the
+        # silent failure the option exists to expose.
+        assert np.isfinite(norms).all() and skipped == 0
+    # The adapter under the same poison trains to the reference (test_mlp_matches_plain_torch's
+    # debug_poison case, test_gpt2_matches_plain_torch_with_tied_embeddings).
+
+
+def test_in_place_write_to_a_param_raises_naming_it():
+    def rank_fn(rank, group):
+        model = make_net()
+        with ft.shard(model, units=Block, group=group, rank=rank) as sh:
+            def write(m, args):
+                with torch.no_grad():
+                    m.fc1.weight.mul_(2.0)
+            model.blocks[1].register_forward_pre_hook(write)
+            with pytest.raises(fsdp.InvalidState, match=r"blocks\.1\.fc1\.weight.*written in place"):
+                model(torch.randn(2, 6))
+            return True
+
+    assert fsdp.run_ranks(1, rank_fn) == [True]
+
+
+def test_changed_params_after_shard_are_refused_by_name():
+    def rank_fn(rank, group):
+        model = make_net()
+        with ft.shard(model, units=Block, group=group, rank=rank) as sh:
+            model.out = torch.nn.Linear(16, 3)
+            with pytest.raises(fsdp.InvalidState, match=r"out\.weight.*shard the new model"):
+                model(torch.randn(2, 6))
+            return True
+
+    assert fsdp.run_ranks(1, rank_fn) == [True]
+
+
+def test_bad_units_are_refused():
+    model = make_net()
+    with pytest.raises(fsdp.InvalidArgument, match="not part of the model"):
+        ft.shard(model, units=[torch.nn.Linear(2, 2)])
+    with pytest.raises(fsdp.InvalidArgument, match="must be a torch.nn.Module"):
+        ft.shard("not a model")
+
+
+def test_units_by_predicate_and_list_group_the_same_params():
+    model = make_net()
+    by_class = ft._group(model, Block)
+    by_list = ft._group(model, list(model.blocks))
+    by_pred = ft._group(model, lambda name, m: name.startswith("blocks.") and name.count(".") == 1)
+    names = [(g[0], [n for n, _ in g[2]]) for g in by_class]
+    assert names == [(g[0], [n for n, _ in g[2]]) for g in by_list] == [(g[0], [n for n, _ in g[2]]) for g in by_pred]
+    assert names[0] == ("root", ["inp.weight", "inp.bias", "ln_f.weight", "ln_f.bias", "out.weight", "out.bias"])
+    assert [n for n, _ in names[1:]] == ["blocks.0", "blocks.1", "blocks.2"]
+
+
+JOB = """
+import json, sys, copy, torch
+sys.path.insert(0, sys.argv[2])
+import fsdp, fsdp.torch as ft
+from torch_models import BATCH, HYPER, Block, make_data, make_net, mse
+torch.set_num_threads(1)
+def fn(rank, group):
+    model = make_net()
+    x, y = make_data()
+    with ft.shard(model, units=Block, **HYPER) as sh:
+        rows = slice(rank * BATCH // 2, (rank + 1) * BATCH // 2)
+        losses = []
+        for step in range(3):
+            loss = mse(model, x[rows], y[rows])
+            loss.backward()
+            if step == 0:
+                grads = {n: g.tolist() for n, g in sh.gather_grads().items()}
+            sh.step()
+            losses.append(float(sh.ctx.metrics_reduce([loss.item()], "avg")[0]))
+        if rank == 0:
+            with open(sys.argv[1], "w") as f:
+                json.dump({"losses": losses, "grads": grads}, f)
+fsdp.run_ranks(2, fn)
+"""
+
+
+@pytest.mark.skipif(shutil.which("mpirun") is None or "mpi" not in fsdp.build_info().split("comms=")[-1],
+                    reason="needs mpirun and a libfsdp built with MPI")
+def test_torch_mpirun_two_processes_match_plain_torch(tmp_path):
+    init = make_net()
+    x, y = make_data()
+    ref_losses, ref_grads, _ = reference_train(init, x, y, 3)
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMP_NUM_THREADS="1",
+               FSDP_LIBRARY=fsdp.LIB_PATH, PYTHONPATH=os.path.dirname(os.path.dirname(fsdp.__file__)))
+    out = tmp_path / "rank0.json"
+    r = subprocess.run(["mpirun", "--oversubscribe", "-np", "2", sys.executable, "-c", JOB, str(out),
+                        os.path.dirname(os.path.abspath(__file__))], capture_output=True, text=True, timeout=120,
+                       env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    got = json.loads(out.read_text())
+    close({n: torch.tensor(v) for n, v in got["grads"].items()}, ref_grads, 1e-5, 1e-6, "mpirun grad")
+    np.testing.assert_allclose(got["losses"], ref_losses, rtol=1e-5)
