@@ -1,12 +1,20 @@
 #!/usr/bin/env bash
-# test_python.sh - the Python binding as a user gets it: a fresh venv (build/pyvenv, made anew each run),
-# `pip install ./bindings/python` (builds libfsdp with CMake through scikit-build-core and ships it inside
-# the package), then the tests in bindings/python/tests and the example, against the installed package
-# and the libfsdp.so inside it (FSDP_LIBRARY is unset).
+# test_python.sh - the Python binding as a user gets it, then its framework adapters.
+#
+# 1. A fresh venv (build/pyvenv, made anew each run) with numpy and pytest only, and the package built
+#    from this checkout (`pip wheel ./bindings/python`: scikit-build-core builds libfsdp with CMake and
+#    ships it inside): every test in bindings/python/tests but the adapters', and the numpy example.
+#    `import fsdp` needs nothing more than numpy.
+# 2. The adapters (fsdp.torch, fsdp.jax) against their frameworks' own unsharded runs, in a venv with
+#    torch, transformers, JAX and safetensors from PyPI (bindings/python/tests/requirements-frameworks.txt).
+#    That venv is kept between runs (FSDP_FRAMEWORKS_VENV, by default ~/.cache/libfsdp/frameworks-venv:
+#    outside the checkout, so that CI's fresh clones reuse it) and reinstalled only when the
+#    requirements change; the same wheel goes into it. Where it cannot be made (no PyPI), the adapter
+#    tests run in the first venv, where each skips saying why, and the skips are counted below.
+#
 # Usage: tools/test_python.sh
 #   An argument (the library path that callers used to pass) is accepted and ignored.
-# Needs python3 with venv, a C++ compiler, CMake >= 3.25 and the libraries tools/deps.sh installs, and
-# PyPI (numpy, pytest; scikit-build-core for the build).
+# Needs python3 with venv, a C++ compiler, CMake >= 3.25, the libraries tools/deps.sh installs, PyPI.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -14,18 +22,69 @@ if [[ $# -gt 0 ]]; then
   echo "test_python.sh: ignoring '$*': the tests use the libfsdp built into the installed package" >&2
 fi
 unset FSDP_LIBRARY
+pipq() { "$1" -m pip install -q --disable-pip-version-check "${@:2}"; }
+adapters=(test_torch_adapter.py test_jax_adapter.py)
+present=()
+for t in "${adapters[@]}"; do [[ -f bindings/python/tests/$t ]] && present+=("$t"); done
+
 venv="$root/build/pyvenv"
-rm -rf "$venv"
+rm -rf "$venv" "$root/build/wheel"
 python3 -m venv "$venv"
 py="$venv/bin/python"
-"$py" -m pip install -q --disable-pip-version-check numpy pytest
-echo "== pip install ./bindings/python (builds libfsdp)"
+pipq "$py" numpy pytest
+echo "== pip wheel ./bindings/python (builds libfsdp)"
 start=$SECONDS
-"$py" -m pip install -q --disable-pip-version-check ./bindings/python
-echo "   installed in $((SECONDS - start)) s"
+"$py" -m pip wheel -q --disable-pip-version-check --no-deps -w "$root/build/wheel" ./bindings/python
+wheel="$(ls "$root"/build/wheel/fsdp-*.whl)"
+pipq "$py" "$wheel"
+echo "   built and installed in $((SECONDS - start)) s"
+ignore=()
+for t in "${present[@]}"; do ignore+=(--ignore="$t"); done
 cd "$root/bindings/python/tests"  # not bindings/python: 'import fsdp' must find the installed package
-"$py" -m pytest -q -p no:cacheprovider .
+"$py" -m pytest -q -p no:cacheprovider "${ignore[@]}" .
 cd "$root"
 echo "== examples/python/train_mlp.py --ranks 4 --steps 20 --check"
 "$py" examples/python/train_mlp.py --ranks 4 --steps 20 --check
+
+echo "== the framework adapters (${present[*]})"
+fw="${FSDP_FRAMEWORKS_VENV:-$HOME/.cache/libfsdp/frameworks-venv}"
+req="$root/bindings/python/tests/requirements-frameworks.txt"
+stamp="$fw/.requirements.sha256"
+want="$(sha256sum "$req" | cut -d' ' -f1)"
+fw_ok=1
+if [[ ! -x "$fw/bin/python" || "$(cat "$stamp" 2>/dev/null)" != "$want" ]]; then
+  echo "   making $fw (torch, transformers, JAX from PyPI: a few minutes once, then reused)"
+  start=$SECONDS
+  rm -rf "$fw"
+  if python3 -m venv "$fw" && pipq "$fw/bin/python" -r "$req"; then
+    echo "$want" >"$stamp"
+    echo "   made in $((SECONDS - start)) s"
+  else
+    fw_ok=0
+    echo "   could not make the frameworks venv; the adapter tests run without their frameworks and skip" >&2
+  fi
+fi
+cd "$root/bindings/python/tests"
+if [[ $fw_ok == 1 ]]; then
+  pipq "$fw/bin/python" --force-reinstall --no-deps "$wheel"
+  fpy="$fw/bin/python"
+else
+  fpy="$py"
+fi
+log="$root/build/adapter-tests.log"
+set +e
+"$fpy" -m pytest -q -p no:cacheprovider -rs "${present[@]}" 2>&1 | tee "$log"
+rc=${PIPESTATUS[0]}
+set -e
+cd "$root"
+[[ $rc == 0 ]] || { echo "test_python.sh: the adapter tests failed" >&2; exit "$rc"; }
+skipped="$(grep -Eo '[0-9]+ skipped' "$log" | tail -1 | cut -d' ' -f1 || true)"
+echo "   adapter tests skipped: ${skipped:-0} (each with its reason above)"
+if [[ $fw_ok == 1 ]]; then
+  for ex in examples/python/torch_gpt2.py examples/python/jax_mlp.py; do
+    [[ -f $ex ]] || continue
+    echo "== $ex --ranks 2 --check"
+    "$fpy" "$ex" --ranks 2 --steps 10 --check
+  done
+fi
 echo "test_python.sh: OK"

@@ -37,7 +37,6 @@ Thread ranks (``fsdp.run_ranks``) share torch's process-wide state: its RNG (ran
 get different random inits: ``sync_module_states`` is on by default here, so rank 0's values win), its
 intra-op thread pool size (``torch.set_num_threads``; give each rank cores / ranks), its default dtype.
 """
-import contextlib
 import functools
 import weakref
 

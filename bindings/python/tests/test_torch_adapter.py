@@ -158,7 +158,7 @@ def test_param_views_are_bf16_torch_tensors_only_inside_the_bracket():
 
 
 def test_gpt2_matches_plain_torch_with_tied_embeddings():
-    transformers = pytest.importorskip("transformers", reason="transformers is not installed in this venv")
+    pytest.importorskip("transformers", reason="transformers is not installed in this venv")
     from transformers.models.gpt2.modeling_gpt2 import GPT2Block
     init = make_gpt2()
     ids = torch.randint(0, 128, (BATCH, 16), generator=torch.Generator().manual_seed(3))
@@ -259,7 +259,7 @@ def test_naive_glue_reads_freed_memory_and_poison_makes_it_nan(poison):
 def test_in_place_write_to_a_param_raises_naming_it():
     def rank_fn(rank, group):
         model = make_net()
-        with ft.shard(model, units=Block, group=group, rank=rank) as sh:
+        with ft.shard(model, units=Block, group=group, rank=rank):
             def write(m, args):
                 with torch.no_grad():
                     m.fc1.weight.mul_(2.0)
@@ -274,7 +274,7 @@ def test_in_place_write_to_a_param_raises_naming_it():
 def test_changed_params_after_shard_are_refused_by_name():
     def rank_fn(rank, group):
         model = make_net()
-        with ft.shard(model, units=Block, group=group, rank=rank) as sh:
+        with ft.shard(model, units=Block, group=group, rank=rank):
             model.out = torch.nn.Linear(16, 3)
             with pytest.raises(fsdp.InvalidState, match=r"out\.weight.*shard the new model"):
                 model(torch.randn(2, 6))
