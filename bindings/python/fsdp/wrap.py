@@ -1,7 +1,7 @@
 # wrap.py - wrap(): groups a dict of named numpy params into units and sets them up on a Context.
 import numpy as np
 
-from .core import Config, Context
+from .core import Config, Context, InvalidArgument
 
 
 def group_params(params, auto_wrap=None, block=None, min_num_params=None):
@@ -115,11 +115,18 @@ class Wrapped:
 
 def wrap(params, auto_wrap=None, mp="fp32", shard_strat="FULL_SHARD", block=None, min_num_params=None,
          group=None, rank=None, **config):
-    """Creates a Context (param_dtype=mp, sharding=shard_strat, plus any other option as a keyword),
+    """numpy only. Creates a Context (param_dtype=mp, sharding=shard_strat, plus any other option as a keyword),
     registers the units of group_params(...) and sets every param's values from `params`
     ({name: array}, in forward order). mp: fp32|bf16|fp16; shard_strat: FULL_SHARD (the default, as
     the library's; Zeta's fsdp() defaults to NO_SHARD), SHARD_GRAD_OP (alias SHARD_GRAD), NO_SHARD,
     HYBRID_SHARD (and the library's other names)."""
+    for n, v in params.items():
+        if type(v).__module__.split(".")[0] in ("torch", "jax", "jaxlib"):
+            raise InvalidArgument(1, f"wrap: param {n!r} is a {type(v).__module__}.{type(v).__name__}; wrap() takes "
+                                     f"numpy arrays (a name -> array dict in forward order) and its units are name "
+                                     f"groups, not modules: for a torch.nn.Module use fsdp.torch.shard(model, units=...)"
+                                     f" (tied params stay tied, units follow the modules), for a JAX pytree "
+                                     f"fsdp.jax.shard(params, ...)")
     groups = group_params(params, auto_wrap, block, min_num_params)
     options = dict(param_dtype=mp, sharding=shard_strat)
     options.update(config)  # an explicit sharding=/param_dtype= keyword wins over shard_strat/mp

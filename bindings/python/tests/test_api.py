@@ -169,6 +169,15 @@ def test_metrics_reduce():
         assert empty.shape == (0,)
 
 
+def test_wrap_refuses_framework_tensors_pointing_at_the_adapters():
+    """wrap() groups numpy arrays by name; a torch tensor (from a module's state_dict, say) would lose its
+    ties and its modules' order, so it is refused with the adapter to use instead (whether or not torch
+    is installed: the check is by the value's type's module)."""
+    Tensor = type("Tensor", (), {"__module__": "torch"})
+    with pytest.raises(fsdp.InvalidArgument, match=r"fsdp\.torch\.shard"):
+        fsdp.wrap({"w": Tensor()})
+
+
 def test_wrap_defaults_to_full_shard():
     """wrap() without shard_strat shards like the library's default: at 2 ranks each holds about half of a
     unit, and its repr says FULL_SHARD; NO_SHARD, asked for, holds all of it."""
