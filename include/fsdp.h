@@ -224,7 +224,12 @@ FSDP_API fsdp_status_t fsdp_backward_begin(fsdp_unit_t* unit, void* stream);
  * gradient sync is off) and frees the full params and grads. */
 FSDP_API fsdp_status_t fsdp_backward_end(fsdp_unit_t* unit, void* stream);
 /* Pointer to param `param_index`'s full values (param_dtype, row-major),
- * valid between a *_begin and its *_end. Read only. On device=cuda it is GPU
+ * valid between a *_begin and its *_end. Read only: where nothing is gathered
+ * (a world of one, NO_SHARD) it is the library's own copy of the weights and
+ * a write changes them outside the optimizer; elsewhere a write changes a
+ * gathered copy that is thrown away, so a host that writes would train
+ * differently at another world size. Bindings hand it out read-only where
+ * their array type can say so (docs/bindings.md). On device=cuda it is GPU
  * memory (so is fsdp_grad_ptr's). */
 FSDP_API fsdp_status_t fsdp_param_ptr(fsdp_unit_t* unit, size_t param_index, void** ptr);
 /* Pointer to param `param_index`'s grad (param_dtype), valid between
