@@ -49,6 +49,17 @@ std::vector<float> rank_grads(int rank, int pass, size_t p, fsdp_dtype_t dt) {
   return g;
 }
 
+// This rank's context with `options` and the unit "u" of kParams registered.
+void open_unit(const std::map<std::string, std::string>& options, int rank, fsdp_local_group_t* group, CtxPtr& ctx,
+               fsdp_unit_t** unit) {
+  ConfigPtr cfg = make_config(options);
+  ASSERT_TRUE(cfg);
+  fsdp_ctx_t* raw = nullptr;
+  ASSERT_OK(fsdp_ctx_create(cfg.get(), group, group ? rank : -1, &raw));
+  ctx.reset(raw);
+  ASSERT_OK(register_unit(ctx.get(), "u", kParams, unit));
+}
+
 class GatherGrad : public ::testing::TestWithParam<Case> {};
 
 TEST_P(GatherGrad, IsTheMeanOverRanksOfEachRanksSummedPasses) {
@@ -73,13 +84,10 @@ TEST_P(GatherGrad, IsTheMeanOverRanksOfEachRanksSummedPasses) {
     }
   }
   run_ranks(c.world, [&](int rank, fsdp_local_group_t* group) {
-    ConfigPtr cfg = make_config(options);
-    ASSERT_TRUE(cfg);
-    fsdp_ctx_t* raw = nullptr;
-    ASSERT_OK(fsdp_ctx_create(cfg.get(), group, group ? rank : -1, &raw));
-    CtxPtr ctx(raw);
+    CtxPtr ctx;
     fsdp_unit_t* unit = nullptr;
-    ASSERT_OK(register_unit(ctx.get(), "u", kParams, &unit));
+    open_unit(options, rank, group, ctx, &unit);
+    if (HasFatalFailure()) return;
     Host host(ctx.get());
     for (int k = 0; k < kPasses; ++k) {
       ASSERT_OK(fsdp_backward_begin(unit, host.stream()));
@@ -127,13 +135,10 @@ INSTANTIATE_TEST_SUITE_P(
 
 TEST(GatherGradMisuse, RefusedInsideTheBracketWhileUnreducedAndForAWrongCountChangingNothing) {
   run_ranks(2, [&](int rank, fsdp_local_group_t* group) {
-    ConfigPtr cfg = make_config({{"sharding", "FULL_SHARD"}});
-    ASSERT_TRUE(cfg);
-    fsdp_ctx_t* raw = nullptr;
-    ASSERT_OK(fsdp_ctx_create(cfg.get(), group, group ? rank : -1, &raw));
-    CtxPtr ctx(raw);
+    CtxPtr ctx;
     fsdp_unit_t* unit = nullptr;
-    ASSERT_OK(register_unit(ctx.get(), "u", kParams, &unit));
+    open_unit({{"sharding", "FULL_SHARD"}}, rank, group, ctx, &unit);
+    if (HasFatalFailure()) return;
     std::vector<float> out(numel_of(kParams[1].shape), NAN);
     // No grads yet: zeros.
     ASSERT_OK(fsdp_gather_grad(unit, 1, out.data(), out.size()));
