@@ -12,7 +12,13 @@ def run_ranks(n, fn):
     threads are joined and the first exception, the failed rank's own, is re-raised.
 
     Under mpirun (OMPI_COMM_WORLD_SIZE / PMI_SIZE set) this process is one rank: fn(launcher rank,
-    None) is called once, and a Context created with group None takes its rank from the launcher."""
+    None) is called once, and a Context created with group None takes its rank from the launcher.
+
+    Thread ranks share everything process-wide: torch's global RNG (ranks that build a model at once draw
+    different inits, with no error: fsdp.torch.shard's sync_module_states, on by default, gives every rank
+    rank 0's values), torch's intra-op thread count (torch.set_num_threads(cores // n)), default dtype,
+    JAX's runtime, config and jit caches, numpy's global RNG. Processes (mpirun) share none of it.
+    docs/bindings.md, "PyTorch" and "JAX"."""
     lw = launcher_world()
     if lw is not None:
         return [fn(lw[0], None)]
