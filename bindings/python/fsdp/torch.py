@@ -46,7 +46,7 @@ try:
 except ImportError as e:  # fsdp itself needs numpy only; this module is the one that needs torch
     raise ImportError(f"fsdp.torch needs PyTorch (pip install torch): {e}") from e
 
-from .core import Context, InvalidArgument, InvalidState
+from .core import Context, InvalidArgument, InvalidState, Unsupported
 
 _TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -303,6 +303,7 @@ class ShardedModule:
 
     def _check_params(self):
         now = list(self.model.named_parameters())
+        _refuse_frozen(now)
         if len(now) != len(self._expected) or any(a is not b or n != m for (n, a), (m, b) in zip(now, self._expected)):
             known = {id(p) for _, p in self._expected}
             new = [n for n, p in now if id(p) not in known]
@@ -425,6 +426,14 @@ class ShardedModule:
         self.close()
 
 
+def _refuse_frozen(named_params):
+    frozen = [n for n, p in named_params if not p.requires_grad]
+    if frozen:
+        raise Unsupported(3, f"fsdp.torch: params with requires_grad=False ({', '.join(frozen[:5])}"
+                             f"{', ...' if len(frozen) > 5 else ''}) are not supported yet: libfsdp's optimizer "
+                             f"would update them (weight decay, moments) although torch computes no grad for them")
+
+
 def _group(model, units):
     """[(unit name, module, [(param name, param)])]: the root first (params outside every unit module,
     and params shared between units), then each unit module in module order."""
@@ -440,6 +449,7 @@ def _group(model, units):
             if not isinstance(m, nn.Module):
                 raise InvalidArgument(1, f"fsdp.torch.shard: units must be modules, module classes or a predicate "
                                          f"(name, module) -> bool; got {type(m).__name__}")
+    _refuse_frozen(list(model.named_parameters()))
     names, rank_of = {}, {}
     for n, m in model.named_modules(remove_duplicate=False):
         names.setdefault(m, n)

@@ -283,6 +283,23 @@ def test_changed_params_after_shard_are_refused_by_name():
     assert fsdp.run_ranks(1, rank_fn) == [True]
 
 
+def test_frozen_params_are_refused_at_shard_and_at_forward():
+    model = make_net()
+    model.inp.weight.requires_grad_(False)
+    with pytest.raises(fsdp.Unsupported, match=r"requires_grad=False \(inp\.weight\)"):
+        ft.shard(model, units=Block)
+
+    def rank_fn(rank, group):
+        model = make_net()
+        with ft.shard(model, units=Block, group=group, rank=rank):
+            model.blocks[0].fc1.bias.requires_grad_(False)
+            with pytest.raises(fsdp.Unsupported, match=r"blocks\.0\.fc1\.bias"):
+                model(torch.randn(2, 6))
+            return True
+
+    assert fsdp.run_ranks(1, rank_fn) == [True]
+
+
 def test_bad_units_are_refused():
     model = make_net()
     with pytest.raises(fsdp.InvalidArgument, match="not part of the model"):
