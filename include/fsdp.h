@@ -240,7 +240,8 @@ FSDP_API fsdp_status_t fsdp_grad_ptr(fsdp_unit_t* unit, size_t param_index, void
  * scale, clips (max_grad_norm), runs the optimizer on this rank's shards and
  * zeroes the sharded grads. If any rank's grads hold inf or nan the step is
  * skipped on every rank: params and optimizer state stay as they were (the
- * grads are still zeroed, the loss scale backs off). No unit may be between
+ * grads are still zeroed, the loss scale backs off), and rank 0 logs it: a
+ * warning, unless the loss scale is dynamic (where skips are routine). No unit may be between
  * *_begin and *_end. */
 FSDP_API fsdp_status_t fsdp_step(fsdp_ctx_t* ctx, void* stream);
 /* enabled=0: following backward passes accumulate full grads locally without

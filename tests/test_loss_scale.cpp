@@ -11,6 +11,8 @@
 #include <cstring>
 #include <limits>
 #include <map>
+#include <mutex>
+#include <utility>
 #include <string>
 #include <vector>
 
@@ -235,4 +237,59 @@ TEST(LossScale, ASkippedFirstStepIsAStepThatRanForTheGradNorm) {
     ASSERT_OK(fsdp_last_grad_norm(t.ctx.get(), &norm));
     EXPECT_TRUE(std::isnan(norm)) << "after loading a checkpoint of a skipped first step: " << norm;
   });
+}
+
+namespace {
+std::mutex g_log_mu;
+std::vector<std::pair<fsdp_log_level_t, std::string>> g_log;
+void keep_log(fsdp_log_level_t level, int, const char* message, void*) {
+  std::lock_guard<std::mutex> lock(g_log_mu);
+  g_log.emplace_back(level, message);
+}
+// The messages about skipped steps, with their levels.
+std::vector<std::pair<fsdp_log_level_t, std::string>> skipped_messages() {
+  std::lock_guard<std::mutex> lock(g_log_mu);
+  std::vector<std::pair<fsdp_log_level_t, std::string>> out;
+  for (const auto& m : g_log) {
+    if (m.second.find("the step is skipped") != std::string::npos) out.push_back(m);
+  }
+  return out;
+}
+}  // namespace
+
+// Without a dynamic loss scale, inf/nan grads are a fault of the host (a NaN
+// loss, or params read after their *_end: what debug_poison exposes), and the
+// skipped step says so loudly, once (rank 0); with a dynamic scale a skip is
+// how the scale finds its level and is only information.
+TEST(LossScale, ASkippedStepWarnsWithoutADynamicScaleAndInformsWithOne) {
+  for (const char* dtype : {"fp32", "fp16"}) {
+    SCOPED_TRACE(dtype);
+    {
+      std::lock_guard<std::mutex> lock(g_log_mu);
+      g_log.clear();
+    }
+    ASSERT_OK(fsdp_log_set_level(FSDP_LOG_INFO));
+    ASSERT_OK(fsdp_log_set_callback(keep_log, nullptr));
+    run_ranks(2, [dtype](int rank, fsdp_local_group_t* group) {
+      Rank s;
+      make(s, {{"param_dtype", dtype}, {"sharding", "FULL_SHARD"}}, group, rank);
+      if (::testing::Test::HasFatalFailure()) return;
+      double scale = 0;
+      uint64_t skipped = 0;
+      scale_of(s, &scale, &skipped);
+      pass(s, rank, 0, scale, rank == 1);
+      EXPECT_OK(fsdp_ctx_finalize(s.ctx.get()));
+    });
+    ASSERT_OK(fsdp_log_set_callback(nullptr, nullptr));
+    ASSERT_OK(fsdp_log_set_level(FSDP_LOG_WARN));
+    const auto got = skipped_messages();
+    ASSERT_EQ(got.size(), 1u) << "rank 0 says it, once";
+    if (std::string(dtype) == "fp32") {
+      EXPECT_EQ(got[0].first, FSDP_LOG_WARN) << got[0].second;
+      EXPECT_NE(got[0].second.find("debug_poison=1"), std::string::npos) << got[0].second;
+    } else {
+      EXPECT_EQ(got[0].first, FSDP_LOG_INFO) << got[0].second;
+      EXPECT_NE(got[0].second.find("backs off"), std::string::npos) << got[0].second;
+    }
+  }
 }

@@ -16,6 +16,9 @@ class LossScaler {
   explicit LossScaler(const Options& o);
   double scale() const { return scale_; }
   uint64_t skipped_steps() const { return skipped_; }
+  // Whether the scale moves (loss_scale dynamic, or auto with fp16): then a
+  // skipped step is how it finds its level, not a fault.
+  bool dynamic() const { return dynamic_; }
   long clean_steps() const { return clean_steps_; }
   // From a checkpoint. A static or disabled scale stays what the options say.
   void restore(double scale, long clean_steps, uint64_t skipped_steps);

@@ -3,6 +3,9 @@
 #include "optimizer.h"
 
 #include <cmath>
+#include <string>
+
+#include "../base/log.h"
 
 namespace fsdp::core {
 
@@ -75,6 +78,7 @@ void Optimizer::step(const std::vector<std::unique_ptr<Unit>>& units) {
   bool finite = std::isfinite(sq);
   scaler_.update(finite);
   if (!finite) {
+    report_skipped();
     static const device::Label kSkipped = device::make_label("zero the grads of a skipped step");
     on_state_device(kSkipped, [&] {
       for (const auto& u : units) rt_.state_dev->zero(u->sharded_grad(), u->shard_numel() * sizeof(float));
@@ -89,6 +93,20 @@ void Optimizer::step(const std::vector<std::unique_ptr<Unit>>& units) {
   ++step_;
   static const device::Label kStep = device::make_label("optimizer step");
   on_state_device(kStep, [&] { update(units, grad_scale); });
+}
+
+void Optimizer::report_skipped() const {
+  if (rt_.rank != 0) return;  // the norm is all-reduced: every rank skips, rank 0 says so
+  std::string msg = "fsdp_step: the grads hold inf or nan (grad norm " + std::to_string(last_grad_norm_) +
+                    "): the step is skipped on every rank, params and optimizer state unchanged (" +
+                    std::to_string(scaler_.skipped_steps()) + " skipped so far)";
+  if (scaler_.dynamic()) {
+    base::log(FSDP_LOG_INFO, rt_.rank, msg + "; the loss scale backs off to " + std::to_string(scaler_.scale()));
+    return;
+  }
+  base::log(FSDP_LOG_WARN, rt_.rank,
+            msg + ". Without a dynamic loss scale this is a fault: a loss or a backward that made inf/nan, or a "
+                  "host that read params after their unit's *_end (debug_poison=1 turns such reads into NaN)");
 }
 
 void Optimizer::collect_spans(const std::vector<std::unique_ptr<Unit>>& units) {

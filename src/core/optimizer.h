@@ -45,6 +45,9 @@ class Optimizer {
   LossScaler& loss_scaler() { return scaler_; }
 
  private:
+  // fsdp_step found inf/nan grads: says so on rank 0 (a warning unless the
+  // loss scale is dynamic, where skipped steps are routine).
+  void report_skipped() const;
   struct State {
     Buffer exp_avg;     // Adam first moment, or SGD momentum buffer
     Buffer exp_avg_sq;  // Adam second moment
