@@ -325,11 +325,12 @@ sys.path.insert(0, sys.argv[2])
 import fsdp, fsdp.torch as ft
 from torch_models import BATCH, HYPER, Block, make_data, make_net, mse
 torch.set_num_threads(1)
+world, options = int(sys.argv[3]), json.loads(sys.argv[4])
 def fn(rank, group):
     model = make_net()
     x, y = make_data()
-    with ft.shard(model, units=Block, **HYPER) as sh:
-        rows = slice(rank * BATCH // 2, (rank + 1) * BATCH // 2)
+    with ft.shard(model, units=Block, **HYPER, **options) as sh:
+        rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
         losses = []
         for step in range(3):
             loss = mse(model, x[rows], y[rows])
@@ -341,22 +342,27 @@ def fn(rank, group):
         if rank == 0:
             with open(sys.argv[1], "w") as f:
                 json.dump({"losses": losses, "grads": grads}, f)
-fsdp.run_ranks(2, fn)
+fsdp.run_ranks(world, fn)
 """
+
+
+MPI_CASES = [(2, {"sharding": "FULL_SHARD"}), (4, {"sharding": "HYBRID_SHARD", "shard_group_size": 2}),
+             (4, {"sharding": "SHARD_GRAD_OP"})]
 
 
 @pytest.mark.skipif(shutil.which("mpirun") is None or "mpi" not in fsdp.build_info().split("comms=")[-1],
                     reason="needs mpirun and a libfsdp built with MPI")
-def test_torch_mpirun_two_processes_match_plain_torch(tmp_path):
+@pytest.mark.parametrize("world,options", MPI_CASES, ids=[f"{w}-{o['sharding']}" for w, o in MPI_CASES])
+def test_torch_mpirun_processes_match_plain_torch(tmp_path, world, options):
     init = make_net()
     x, y = make_data()
     ref_losses, ref_grads, _ = reference_train(init, x, y, 3)
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMP_NUM_THREADS="1",
                FSDP_LIBRARY=fsdp.LIB_PATH, PYTHONPATH=os.path.dirname(os.path.dirname(fsdp.__file__)))
     out = tmp_path / "rank0.json"
-    r = subprocess.run(["mpirun", "--oversubscribe", "-np", "2", sys.executable, "-c", JOB, str(out),
-                        os.path.dirname(os.path.abspath(__file__))], capture_output=True, text=True, timeout=120,
-                       env=env)
+    r = subprocess.run(["mpirun", "--oversubscribe", "-np", str(world), sys.executable, "-c", JOB, str(out),
+                        os.path.dirname(os.path.abspath(__file__)), str(world), json.dumps(options)],
+                       capture_output=True, text=True, timeout=180, env=env)
     assert r.returncode == 0, r.stdout + r.stderr
     got = json.loads(out.read_text())
     close({n: torch.tensor(v) for n, v in got["grads"].items()}, ref_grads, 1e-5, 1e-6, "mpirun grad")
