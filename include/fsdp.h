@@ -257,6 +257,11 @@ FSDP_API fsdp_status_t fsdp_loss_scale(const fsdp_ctx_t* ctx, double* scale, uin
 /* The global grad norm of the last fsdp_step (unscaled), before clipping;
  * inf or nan if that step was skipped. */
 FSDP_API fsdp_status_t fsdp_last_grad_norm(const fsdp_ctx_t* ctx, double* norm);
+/* The optimizer's step count: the fsdp_step calls that updated the params
+ * (skipped steps do not count; fsdp_loss_scale counts those), as fsdp_load
+ * restores it from a checkpoint. AdamW's bias correction uses it; a host can
+ * resume its schedules from it. */
+FSDP_API fsdp_status_t fsdp_ctx_step(const fsdp_ctx_t* ctx, uint64_t* step);
 
 /* How fsdp_metrics_reduce combines the ranks' values. */
 typedef enum fsdp_reduce_op {
@@ -315,14 +320,31 @@ FSDP_API fsdp_status_t fsdp_param_flat_range(fsdp_unit_t* unit, size_t param_ind
  * until the new one is complete. Grads are not saved. No unit may be in use. */
 FSDP_API fsdp_status_t fsdp_save(fsdp_ctx_t* ctx, const char* dir, const char* kind);
 /* Collective. Loads a checkpoint of either kind, written at any world size
- * and sharding strategy, into the registered units (same units, param names
- * and shapes, and an optimizer keeping the same state; else
- * FSDP_ERR_INVALID_ARGUMENT naming the first difference). Each rank reads
+ * and sharding strategy, into the registered units: the same params by
+ * name and shape, in any grouping into units and any order (matched by
+ * position where the units are those saved), and an optimizer keeping the
+ * same state; else FSDP_ERR_INVALID_ARGUMENT naming every param missing,
+ * unexpected or of another shape. Each rank reads
  * only the byte ranges that overlap its own shard and checks their checksums.
  * Restores params, optimizer state, step, learning rate and loss scale; zeroes
  * the sharded grads. A damaged checkpoint gives FSDP_ERR_CORRUPT naming the
  * file and tensor. All or nothing: if any rank fails, no rank changes. */
 FSDP_API fsdp_status_t fsdp_load(fsdp_ctx_t* ctx, const char* dir);
+/* Collective. fsdp_load, not strict (PyTorch's load_state_dict(strict=False)):
+ * the registered params the checkpoint has (by name) get its values and
+ * optimizer state; those it lacks keep their own, and the params it has that
+ * are not registered are ignored. A shape that differs is still
+ * FSDP_ERR_INVALID_ARGUMENT. Rank 0 logs what was left out as a warning, and
+ * fsdp_load_report returns it. */
+FSDP_API fsdp_status_t fsdp_load_partial(fsdp_ctx_t* ctx, const char* dir);
+/* Local. What the last successful fsdp_load or fsdp_load_partial on this
+ * context left out: one line "missing: NAME" per registered param the
+ * checkpoint did not have, then one line "unexpected: NAME" per param it had
+ * that is not registered; "" when it matched everything. Copied as
+ * fsdp_config_get copies: into `text` of `text_nbytes` bytes with its NUL;
+ * *text_len (if not NULL) receives the length without the NUL, also when the
+ * buffer is too small (then FSDP_ERR_INVALID_ARGUMENT, nothing written). */
+FSDP_API fsdp_status_t fsdp_load_report(const fsdp_ctx_t* ctx, char* text, size_t text_nbytes, size_t* text_len);
 
 /* ---- observe ------------------------------------------------------------- */
 

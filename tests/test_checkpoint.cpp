@@ -7,6 +7,8 @@
 // CTests), so saves and loads also follow steps whose compute ran late.
 #include <sys/wait.h>
 
+#include <algorithm>
+
 #include "ckpt_util.h"
 
 using namespace fsdp_test;
@@ -492,9 +494,16 @@ TEST(Checkpoint, LoadRefusesOtherUnitsOrOptimizer) {
   };
   auto sgd = base_options("FULL_SHARD");
   sgd["optimizer"] = "sgd";
+  // kNet's params without blocks.2, plus a head: every offender named at once.
+  Net other = Net::make(2, 10);
+  other.units.push_back({{"head.weight", {4, 4}}});
   const std::vector<Misfit> misfits = {
-      {Net::make(4, 10), base_options("FULL_SHARD"), "holds 3 units, this context registered 4"},
-      {Net::make(3, 12), base_options("FULL_SHARD"), "has shape"},
+      {Net::make(4, 10), base_options("FULL_SHARD"),
+       "registered but not in the checkpoint: 'blocks.3.weight' and 'blocks.3.bias'"},
+      {other, base_options("FULL_SHARD"),
+       "registered but not in the checkpoint: 'head.weight'; in the checkpoint but not registered: "
+       "'blocks.2.bias' and 'blocks.2.weight'"},
+      {Net::make(3, 12), base_options("FULL_SHARD"), "shapes differ: 'blocks.0.weight' ([10, 6] saved, [12, 7] registered)"},
       {kNet, sgd, "optimizer 'adamw' keeps state [exp_avg, exp_avg_sq]"},
   };
   for (const Misfit& m : misfits) {
@@ -508,6 +517,139 @@ TEST(Checkpoint, LoadRefusesOtherUnitsOrOptimizer) {
       EXPECT_NE(msg.find("fsdp_checkpoint.json"), std::string::npos) << msg;
     });
   }
+}
+
+// ---- load by name into another grouping ----------------------------------------------
+
+// kNet's six params in other units: split (blocks.0), merged (blocks.1 with
+// blocks.2's bias), reordered (blocks.2's weight first), under other unit names.
+Net regrouped() {
+  const auto& b = kNet.units;
+  Net n;
+  n.units = {{b[2][0], b[0][1]}, {b[1][0], b[1][1], b[2][1]}, {b[0][0]}};
+  return n;
+}
+
+std::map<std::string, Tensor> by_name(const Net& net, const State& s) {
+  std::map<std::string, Tensor> out;
+  for (size_t k = 0; k < net.units.size(); ++k)
+    for (size_t i = 0; i < net.units[k].size(); ++i) out[net.units[k][i].name] = s[k][i];
+  return out;
+}
+
+struct RegroupCase {
+  std::string kind;
+  int world;
+  std::string sharding;
+};
+
+class LoadByName : public ::testing::TestWithParam<RegroupCase> {};
+
+// Saved at world 4 with kNet's units, loaded into other units at another
+// world size and strategy: params and optimizer state bitwise by name, the
+// step and the learning rate restored.
+TEST_P(LoadByName, AnotherGroupingGetsEveryParamAndMomentBitwise) {
+  const RegroupCase& c = GetParam();
+  Source& src = source();
+  ASSERT_FALSE(src.params.empty());
+  const Net net = regrouped();
+  TempDir out;
+  std::vector<std::map<std::string, Tensor>> got(static_cast<size_t>(c.world));
+  run_ranks(c.world, [&](int rank, fsdp_local_group_t* group) {
+    Job job;
+    open_job(job, net, base_options(c.sharding), rank, group);
+    ASSERT_OK(fsdp_load(job.ctx.get(), (src.tmp / c.kind).c_str()));
+    uint64_t step = 0;
+    EXPECT_OK(fsdp_ctx_step(job.ctx.get(), &step));
+    EXPECT_EQ(step, uint64_t(kSourceSteps));
+    got[size_t(rank)] = by_name(net, gather(job, net));
+    ASSERT_OK(fsdp_save(job.ctx.get(), (out / "again").c_str(), "full"));
+  });
+  const auto want = by_name(kNet, src.params);
+  for (int r = 0; r < c.world; ++r) {
+    ASSERT_EQ(got[size_t(r)].size(), want.size());
+    for (const auto& [name, values] : want) EXPECT_TRUE(bitwise_equal(got[size_t(r)][name], values)) << name;
+  }
+  auto optim = read_safetensors(out / "again/optimizer.safetensors");
+  ASSERT_EQ(optim.size(), src.optim.size());
+  for (const auto& [name, t] : src.optim) EXPECT_TRUE(bitwise_equal(optim[name].values, t.values)) << name;
+  auto meta = read_meta(out / "again");
+  EXPECT_EQ(meta["optimizer"]["step"].get<int>(), kSourceSteps);
+}
+
+INSTANTIATE_TEST_SUITE_P(Checkpoint, LoadByName,
+                         ::testing::Values(RegroupCase{"sharded", 1, "FULL_SHARD"}, RegroupCase{"sharded", 3, "FULL_SHARD"},
+                                           RegroupCase{"full", 2, "SHARD_GRAD_OP"}, RegroupCase{"sharded", 2, "NO_SHARD"},
+                                           RegroupCase{"full", 3, "FULL_SHARD"}),
+                         [](const auto& i) {
+                           return i.param.kind + "_to_world" + std::to_string(i.param.world) + "_" + i.param.sharding;
+                         });
+
+std::string load_report(fsdp_ctx_t* ctx) {
+  size_t n = 0;
+  fsdp_load_report(ctx, nullptr, 0, &n);  // refused, with the length
+  std::string text(n + 1, '\0');
+  EXPECT_OK(fsdp_load_report(ctx, text.data(), text.size(), &n));
+  text.resize(n);
+  return text;
+}
+
+// Not strict: the params the checkpoint has are loaded with their optimizer
+// state, the one it lacks keeps its values and (fresh) state, its params that
+// are not registered are ignored, and the report lists both kinds. A shape
+// that differs is refused all the same; a strict load that matched reports "".
+TEST(Checkpoint, APartialLoadLoadsWhatMatchesAndReportsTheRest) {
+  Source& src = source();
+  ASSERT_FALSE(src.params.empty());
+  Net net = Net::make(2, 10);
+  net.units.insert(net.units.begin(), {{"head.weight", {4, 4}}});
+  TempDir out;
+  std::vector<std::string> reports(2);
+  std::vector<State> got(2);
+  State init;
+  run_ranks(2, [&](int rank, fsdp_local_group_t* group) {
+    Job job;
+    open_job(job, net, base_options("FULL_SHARD"), rank, group);
+    const State mine = make_init(net, 5);
+    ASSERT_NO_FATAL_FAILURE(set_state(job, mine));
+    EXPECT_STATUS(FSDP_ERR_INVALID_ARGUMENT, fsdp_load(job.ctx.get(), (src.tmp / "sharded").c_str()));
+    ASSERT_OK(fsdp_load_partial(job.ctx.get(), (src.tmp / "sharded").c_str()));
+    reports[size_t(rank)] = load_report(job.ctx.get());
+    got[size_t(rank)] = gather(job, net);
+    if (rank == 0) init = mine;
+    ASSERT_OK(fsdp_save(job.ctx.get(), (out / "again").c_str(), "full"));
+  });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(reports[size_t(r)], "missing: head.weight\nunexpected: blocks.2.bias\nunexpected: blocks.2.weight\n");
+    EXPECT_TRUE(bitwise_equal(got[size_t(r)][0][0], init[0][0])) << "the param the checkpoint lacks changed";
+    for (size_t k = 1; k < net.units.size(); ++k)
+      for (size_t i = 0; i < net.units[k].size(); ++i)
+        EXPECT_TRUE(bitwise_equal(got[size_t(r)][k][i], src.params[k - 1][i])) << net.units[k][i].name;
+  }
+  auto optim = read_safetensors(out / "again/optimizer.safetensors");
+  for (const auto& [name, t] : optim) {
+    if (name.rfind("head.weight", 0) == 0) {
+      EXPECT_TRUE(std::all_of(t.values.begin(), t.values.end(), [](float v) { return v == 0.f; })) << name;
+    } else {
+      ASSERT_TRUE(src.optim.count(name)) << name;
+      EXPECT_TRUE(bitwise_equal(t.values, src.optim[name].values)) << name;
+    }
+  }
+  // A shape that differs is refused without strictness too; a strict load
+  // that matched everything reports nothing.
+  run_ranks(2, [&](int rank, fsdp_local_group_t* group) {
+    Job job;
+    open_job(job, Net::make(3, 12), base_options("FULL_SHARD"), rank, group);
+    EXPECT_STATUS(FSDP_ERR_INVALID_ARGUMENT, fsdp_load_partial(job.ctx.get(), (src.tmp / "sharded").c_str()));
+    EXPECT_NE(last_error_str().find("fsdp_load_partial: checkpoint"), std::string::npos) << last_error_str();
+    EXPECT_NE(last_error_str().find("shapes differ"), std::string::npos) << last_error_str();
+  });
+  run_ranks(2, [&](int rank, fsdp_local_group_t* group) {
+    Job same;
+    open_job(same, kNet, base_options("FULL_SHARD"), rank, group);
+    ASSERT_OK(fsdp_load(same.ctx.get(), (src.tmp / "sharded").c_str()));
+    EXPECT_EQ(load_report(same.ctx.get()), "");
+  });
 }
 
 // ---- crash safety --------------------------------------------------------------------
@@ -819,10 +961,20 @@ TEST(Checkpoint, BadArgumentsFailOnEveryRankAndWriteNothing) {
     EXPECT_STATUS(FSDP_ERR_INVALID_ARGUMENT, fsdp_save(nullptr, "x", "full"));
     EXPECT_STATUS(FSDP_ERR_INVALID_ARGUMENT, fsdp_save(job.ctx.get(), (tmp / "a").c_str(), nullptr));
     EXPECT_STATUS(FSDP_ERR_INVALID_ARGUMENT, fsdp_load(job.ctx.get(), nullptr));
+    EXPECT_STATUS(FSDP_ERR_INVALID_ARGUMENT, fsdp_load_partial(job.ctx.get(), nullptr));
+    EXPECT_STATUS(FSDP_ERR_INVALID_ARGUMENT, fsdp_load_partial(nullptr, "x"));
+    char small[1];
+    size_t len = 7;
+    EXPECT_STATUS(FSDP_ERR_INVALID_ARGUMENT, fsdp_load_report(nullptr, small, 1, &len));
+    EXPECT_STATUS(FSDP_ERR_INVALID_ARGUMENT, fsdp_load_report(job.ctx.get(), nullptr, 0, &len));
+    EXPECT_EQ(len, 0u) << "the report's length comes back with the refusal";
+    EXPECT_OK(fsdp_load_report(job.ctx.get(), small, 1, &len));
+    EXPECT_EQ(small[0], '\0');
     EXPECT_STATUS(FSDP_ERR_MISMATCH, fsdp_save(job.ctx.get(), (tmp / ("r" + std::to_string(rank))).c_str(), "sharded"));
     ASSERT_OK(fsdp_forward_begin(job.units[0], job.host.stream()));
     EXPECT_STATUS(FSDP_ERR_INVALID_STATE, fsdp_save(job.ctx.get(), (tmp / "a").c_str(), "sharded"));
     EXPECT_STATUS(FSDP_ERR_INVALID_STATE, fsdp_load(job.ctx.get(), (tmp / "a").c_str()));
+    EXPECT_STATUS(FSDP_ERR_INVALID_STATE, fsdp_load_partial(job.ctx.get(), (tmp / "a").c_str()));
     ASSERT_OK(fsdp_forward_end(job.units[0], job.host.stream()));
   });
   EXPECT_TRUE(std::filesystem::is_empty(tmp.path()));

@@ -91,6 +91,9 @@ TEST(LossScale, InfOnOneRankSkipsTheStepEverywhereAndBacksOff) {
       // Only the last rank's grads are poisoned: every rank must skip.
       pass(s, rank, 1, scale, rank == world - 1);
       EXPECT_EQ(params(s), before) << "a skipped step must not change params";
+      uint64_t steps = 0;
+      EXPECT_OK(fsdp_ctx_step(s.ctx.get(), &steps));
+      EXPECT_EQ(steps, 1u) << "the skipped step counts in fsdp_loss_scale, not in the optimizer's step";
       double norm = 0;
       EXPECT_OK(fsdp_last_grad_norm(s.ctx.get(), &norm));
       EXPECT_FALSE(std::isfinite(norm));

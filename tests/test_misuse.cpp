@@ -115,6 +115,7 @@ TEST(NullArguments, EveryFunctionRejectsNullHandlesAndOutputs) {
   size_t n = 0, off = 0;
   int i = 0;
   double d = 0;
+  uint64_t u64 = 0;
   float f[12] = {0};
   float* fp = nullptr;
   void* p = nullptr;
@@ -173,6 +174,8 @@ TEST(NullArguments, EveryFunctionRejectsNullHandlesAndOutputs) {
       {"set_lr", [&] { return fsdp_set_lr(nullptr, 0.1); }},
       {"last_grad_norm ctx", [&] { return fsdp_last_grad_norm(nullptr, &d); }},
       {"last_grad_norm out", [&] { return fsdp_last_grad_norm(ctx, nullptr); }},
+      {"ctx_step ctx", [&] { return fsdp_ctx_step(nullptr, &u64); }},
+      {"ctx_step out", [&] { return fsdp_ctx_step(ctx, nullptr); }},
       {"gather_param unit", [&] { return fsdp_gather_param(nullptr, 0, f, 12); }},
       {"gather_param out", [&] { return fsdp_gather_param(unit, 0, nullptr, 12); }},
       {"gather_grad unit", [&] { return fsdp_gather_grad(nullptr, 0, f, 12); }},
@@ -744,6 +747,7 @@ TEST(Finalize, EveryCallAfterFinalizeIsInvalidStateExceptDestroy) {
         size_t off = 0, n = 0;
         int i = 0;
         double d = 0;
+        uint64_t u64 = 0;
         fsdp_dtype_t dt;
         fsdp_unit_t* u2 = nullptr;
         fsdp_memory_stats_t ms;
@@ -767,6 +771,7 @@ TEST(Finalize, EveryCallAfterFinalizeIsInvalidStateExceptDestroy) {
             {"set_grad_sync", [&] { return fsdp_set_grad_sync(raw, 0); }},
             {"set_lr", [&] { return fsdp_set_lr(raw, 0.1); }},
             {"last_grad_norm", [&] { return fsdp_last_grad_norm(raw, &d); }},
+            {"ctx_step", [&] { return fsdp_ctx_step(raw, &u64); }},
             {"gather_param", [&] { return fsdp_gather_param(u, 0, f, 12); }},
             {"gather_grad", [&] { return fsdp_gather_grad(u, 0, f, 12); }},
             {"shard_info", [&] { return fsdp_shard_info(u, &fp, &off, &n); }},

@@ -370,6 +370,9 @@ func TestContextAccessors(t *testing.T) {
 	if s, skipped, err := ctx.LossScale(); err != nil || s != 1 || skipped != 0 {
 		t.Errorf("LossScale = %v %v %v", s, skipped, err)
 	}
+	if n, err := ctx.StepCount(); err != nil || n != 0 {
+		t.Errorf("StepCount = %v %v before any step", n, err)
+	}
 	if err := ctx.SetLR(0.5); err != nil {
 		t.Error(err)
 	}
@@ -524,5 +527,64 @@ func TestCommIDIsHexTextOrUnsupported(t *testing.T) {
 	}
 	if len(id) != 256 || strings.Trim(id, "0123456789abcdef") != "" {
 		t.Fatalf("CommIDCreate: %q is not 256 hex digits", id)
+	}
+}
+
+// A checkpoint of units a = {x, y} loads by name into units {x}, {w}: Load
+// refuses (w missing, y unexpected), LoadPartial loads x, keeps w and reports
+// both.
+func TestLoadPartialByName(t *testing.T) {
+	dir := t.TempDir()
+	ctx, err := newRankContext(nil, 0, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	a, err := ctx.RegisterUnit("a", []Param{{Name: "x", Shape: []int64{3}}, {Name: "y", Shape: []int64{2}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := a.SetValues(0, []float32{1, 2, 3}); err != nil {
+		t.Fatal(err)
+	}
+	if err := ctx.Save(dir, "sharded"); err != nil {
+		t.Fatal(err)
+	}
+	ctx.Close()
+	ctx, err = newRankContext(nil, 0, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ctx.Close()
+	x, err := ctx.RegisterUnit("ux", []Param{{Name: "x", Shape: []int64{3}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	w, err := ctx.RegisterUnit("uw", []Param{{Name: "w", Shape: []int64{2}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := w.SetValues(0, []float32{5, 6}); err != nil {
+		t.Fatal(err)
+	}
+	if err := ctx.Load(dir); !errors.Is(err, ErrInvalidArgument) {
+		t.Fatalf("strict Load of a checkpoint without w: %v", err)
+	}
+	missing, unexpected, err := ctx.LoadPartial(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if fmt.Sprint(missing, unexpected) != "[w] [y]" {
+		t.Errorf("LoadPartial reported missing %v, unexpected %v; want [w] [y]", missing, unexpected)
+	}
+	gx, err := x.Gather(0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	gw, err := w.Gather(0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if fmt.Sprint(gx, gw) != "[1 2 3] [5 6]" {
+		t.Errorf("after LoadPartial x = %v, w = %v; want [1 2 3] [5 6]", gx, gw)
 	}
 }

@@ -10,6 +10,7 @@ import "C"
 import (
 	"fmt"
 	"runtime"
+	"strings"
 	"sync"
 	"unsafe"
 )
@@ -249,6 +250,14 @@ func (c *Context) LastGradNorm() (float64, error) {
 	return float64(v), err
 }
 
+// StepCount is the optimizer's step count: the Steps that updated the params
+// (skipped ones not counted), as Load restores it.
+func (c *Context) StepCount() (uint64, error) {
+	var v C.uint64_t
+	err := c.simple("fsdp_ctx_step", func() C.fsdp_status_t { return C.fsdp_ctx_step(c.ptr, &v) })
+	return uint64(v), err
+}
+
 // ReduceOp is how MetricsReduce combines the ranks' values.
 type ReduceOp int
 
@@ -353,6 +362,47 @@ func (c *Context) Load(dir string) error {
 	return withCString(dir, func(d *C.char) error {
 		return call("fsdp_load", func() C.fsdp_status_t { return C.fsdp_load(c.ptr, d) })
 	})
+}
+
+// LoadPartial (collective) is Load, not strict: the registered params the
+// checkpoint has get its values and optimizer state, the others keep theirs,
+// and the checkpoint's params that are not registered are ignored; it
+// returns the names of both (as LoadReport).
+func (c *Context) LoadPartial(dir string) (missing, unexpected []string, err error) {
+	if err = c.live("fsdp_load_partial"); err != nil {
+		return nil, nil, err
+	}
+	err = withCString(dir, func(d *C.char) error {
+		return call("fsdp_load_partial", func() C.fsdp_status_t { return C.fsdp_load_partial(c.ptr, d) })
+	})
+	if err != nil {
+		return nil, nil, err
+	}
+	return c.LoadReport()
+}
+
+// LoadReport is what the last successful Load or LoadPartial left out: the
+// registered params the checkpoint lacked, and its params not registered.
+func (c *Context) LoadReport() (missing, unexpected []string, err error) {
+	if err = c.live("fsdp_load_report"); err != nil {
+		return nil, nil, err
+	}
+	var n C.size_t
+	// The length first (a NULL buffer is refused, but the length comes back).
+	_ = call("fsdp_load_report", func() C.fsdp_status_t { return C.fsdp_load_report(c.ptr, nil, 0, &n) })
+	buf := (*C.char)(C.malloc(n + 1))
+	defer C.free(unsafe.Pointer(buf))
+	if err = call("fsdp_load_report", func() C.fsdp_status_t { return C.fsdp_load_report(c.ptr, buf, n+1, &n) }); err != nil {
+		return nil, nil, err
+	}
+	for _, line := range strings.Split(C.GoStringN(buf, C.int(n)), "\n") {
+		if strings.HasPrefix(line, "missing: ") {
+			missing = append(missing, strings.TrimPrefix(line, "missing: "))
+		} else if strings.HasPrefix(line, "unexpected: ") {
+			unexpected = append(unexpected, strings.TrimPrefix(line, "unexpected: "))
+		}
+	}
+	return missing, unexpected, nil
 }
 
 // TraceBegin starts (or restarts) recording this rank's timeline.

@@ -71,11 +71,10 @@ def make_model():
     return params, x, t
 
 
-def saved_step(ckpt_dir):
-    """The optimizer steps a checkpoint has taken: libfsdp has no call for it, the metadata holds it."""
+def saved_world(ckpt_dir):
+    """The rank count a checkpoint was saved by (its metadata's world_size), for the resume line."""
     with open(os.path.join(ckpt_dir, "fsdp_checkpoint.json")) as f:
-        meta = json.load(f)
-    return int(meta["optimizer"]["step"]), int(meta["world_size"])
+        return int(json.load(f)["world_size"])
 
 
 def train_step(ctx, units, xs, ts):
@@ -103,7 +102,6 @@ def train_step(ctx, units, xs, ts):
 def main():
     args = parse_args()
     params, x, t = make_model()
-    first_step = saved_step(args.resume)[0] + 1 if args.resume else 1
 
     def rank_fn(rank, group):
         w = fsdp.wrap(params, block="layers", shard_strat=args.sharding, mp=args.dtype, group=group,
@@ -123,10 +121,12 @@ def main():
             say(fsdp.build_info())
             say(f"MLP {DIMS}, {len(units)} units, global batch {BATCH} over {ctx.world_size} {how}, "
                 f"{w.sharding}, param_dtype {ctx.param_dtype}, AdamW")
+            first_step = 1
             if args.resume:
                 ctx.load(args.resume)  # collective; any rank count and sharding
+                first_step = ctx.step_count + 1  # the optimizer steps the checkpoint had taken, plus this one
                 say(f"resumed from {args.resume} (saved after step {first_step - 1} by "
-                    f"{saved_step(args.resume)[1]} ranks)")
+                    f"{saved_world(args.resume)} ranks)")
             say("\nstep: optimizer step (1-based, counting the steps of a resumed checkpoint); loss: mean squared "
                 "error over the\nwhole batch before that step's update; grad norm: global L2 norm of its grads")
             say(f"{'step':>6}  {'loss':>10}  {'grad norm':>10}")

@@ -31,6 +31,20 @@ const Config* cfg_of(const fsdp_config_t* c) { return reinterpret_cast<const Con
 Context* ctx_of(fsdp_ctx_t* c) { return reinterpret_cast<Context*>(c); }
 const Context* ctx_of(const fsdp_ctx_t* c) { return reinterpret_cast<const Context*>(c); }
 
+// Copies `v` and its NUL into the caller's `out` of `cap` bytes; its length
+// into *len (when not NULL) even where the buffer is too small (then
+// FSDP_ERR_INVALID_ARGUMENT, `what` naming the text).
+void copy_text(const std::string& v, const char* call, const std::string& what, char* out, size_t cap, size_t* len) {
+  if (len != nullptr) *len = v.size();
+  if (out == nullptr || cap < v.size() + 1) {
+    fail(FSDP_ERR_INVALID_ARGUMENT, std::string(call) + ": " + what + " needs " + std::to_string(v.size() + 1) +
+                                        " bytes, the buffer " +
+                                        (out == nullptr ? std::string("is NULL") : "has " + std::to_string(cap)));
+  }
+  v.copy(out, v.size());
+  out[v.size()] = '\0';
+}
+
 }  // namespace
 
 namespace fsdp::api {
@@ -136,16 +150,8 @@ fsdp_status_t fsdp_config_get(const fsdp_config_t* cfg, const char* key, char* v
   return guard([&] {
     require(cfg, "fsdp_config_get", "cfg");
     require(key, "fsdp_config_get", "key");
-    std::string v = cfg_of(cfg)->get(key);
-    if (value_len != nullptr) *value_len = v.size();
-    if (value == nullptr || value_nbytes < v.size() + 1) {
-      fail(FSDP_ERR_INVALID_ARGUMENT,
-           "fsdp_config_get: the value of " + base::quote(key) + " needs " + std::to_string(v.size() + 1) +
-               " bytes, the buffer " +
-               (value == nullptr ? std::string("is NULL") : "has " + std::to_string(value_nbytes)));
-    }
-    v.copy(value, v.size());
-    value[v.size()] = '\0';
+    copy_text(cfg_of(cfg)->get(key), "fsdp_config_get", "the value of " + base::quote(key), value, value_nbytes,
+              value_len);
   });
 }
 
@@ -255,6 +261,23 @@ fsdp_status_t fsdp_load(fsdp_ctx_t* ctx, const char* dir) {
     require(dir, "fsdp_load", "dir");
     ctx_of(ctx)->check_live("fsdp_load");
     ctx_of(ctx)->load(dir);
+  });
+}
+
+fsdp_status_t fsdp_load_partial(fsdp_ctx_t* ctx, const char* dir) {
+  return guard([&] {
+    require(ctx, "fsdp_load_partial", "ctx");
+    require(dir, "fsdp_load_partial", "dir");
+    ctx_of(ctx)->check_live("fsdp_load_partial");
+    ctx_of(ctx)->load(dir, /*strict=*/false);
+  });
+}
+
+fsdp_status_t fsdp_load_report(const fsdp_ctx_t* ctx, char* text, size_t text_nbytes, size_t* text_len) {
+  return guard([&] {
+    require(ctx, "fsdp_load_report", "ctx");
+    ctx_of(ctx)->check_live("fsdp_load_report");
+    copy_text(ctx_of(ctx)->load_report(), "fsdp_load_report", "the report", text, text_nbytes, text_len);
   });
 }
 

@@ -169,6 +169,15 @@ fsdp_status_t fsdp_last_grad_norm(const fsdp_ctx_t* ctx, double* norm) {
   });
 }
 
+fsdp_status_t fsdp_ctx_step(const fsdp_ctx_t* ctx, uint64_t* step) {
+  return guard([&] {
+    require(ctx, "fsdp_ctx_step", "ctx");
+    require(step, "fsdp_ctx_step", "step");
+    ctx_of(ctx)->check_live("fsdp_ctx_step");
+    *step = ctx_of(ctx)->step_count();
+  });
+}
+
 fsdp_status_t fsdp_metrics_reduce(fsdp_ctx_t* ctx, double* values, size_t count, fsdp_reduce_op_t op) {
   // A C caller may pass any int as the enum; in C++ reading a value outside
   // the enumerators' range as the enum type is undefined, so take its bytes.

@@ -96,6 +96,13 @@ void CheckpointReader::read_param(size_t u, size_t p, const std::string& kind, u
 }
 
 void CheckpointReader::read_shard(size_t u, const std::string& kind, const FlatLayout& layout, int shard, float* out) {
+  std::vector<ParamRef> same(layout.n_params());
+  for (size_t i = 0; i < same.size(); ++i) same[i] = {u, i};
+  read_shard(same, kind, layout, shard, out);
+}
+
+void CheckpointReader::read_shard(const std::vector<ParamRef>& sources, const std::string& kind,
+                                  const FlatLayout& layout, int shard, float* out) {
   uint64_t lo = layout.shard_offset(shard);
   uint64_t hi = lo + layout.shard_numel();
   uint64_t pos = lo;  // everything before it is filled
@@ -105,7 +112,8 @@ void CheckpointReader::read_shard(size_t u, const std::string& kind, const FlatL
     uint64_t e = std::min(hi, off + layout.param(i).numel);
     if (b >= e) continue;
     std::memset(out + (pos - lo), 0, (b - pos) * sizeof(float));
-    read_param(u, i, kind, b - off, e - off, out + (b - lo));
+    const ParamRef& src = sources.at(i);
+    if (!src.none()) read_param(src.unit, src.param, kind, b - off, e - off, out + (b - lo));
     pos = e;
   }
   std::memset(out + (pos - lo), 0, (hi - pos) * sizeof(float));

@@ -8,11 +8,22 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "../base/layout.h"
 #include "meta.h"
 
 namespace fsdp::ckpt {
+
+// A param of the checkpoint: unit `unit`'s param `param` in its metadata.
+struct ParamRef {
+  // A param the checkpoint does not have (a non-strict load): read_shard
+  // leaves its range of `out` as the caller filled it.
+  static constexpr size_t kNone = static_cast<size_t>(-1);
+  size_t unit = 0;
+  size_t param = 0;
+  bool none() const { return unit == kNone; }
+};
 
 class CheckpointReader {
  public:
@@ -28,6 +39,10 @@ class CheckpointReader {
   // the checkpoint's: another world size or alignment); padding is zero.
   // `layout` must have the unit's params (checked by the caller).
   void read_shard(size_t u, const std::string& kind, const FlatLayout& layout, int shard, float* out);
+  // The same for a layout whose param i is the checkpoint's `sources[i]`,
+  // from any unit: a checkpoint loaded into another grouping of its params.
+  void read_shard(const std::vector<ParamRef>& sources, const std::string& kind, const FlatLayout& layout, int shard,
+                  float* out);
   // Every file read whole, every checksum checked; the damage found, one
   // line each ("" if none). Throws what is not damage (FSDP_ERR_IO).
   std::string verify_all();

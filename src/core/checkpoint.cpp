@@ -6,6 +6,8 @@
 // file format itself is src/ckpt/.
 #include <algorithm>
 #include <cstring>
+#include <map>
+#include <set>
 
 #include "../base/error.h"
 #include "../base/log.h"
@@ -243,35 +245,29 @@ void Context::save(const std::string& dir, const std::string& kind) {
   }
 }
 
-void Context::check_loadable(const ckpt::Meta& m, const std::string& file) const {
+namespace {
+
+// "a, b and c" of up to 8 names, then "and N more".
+std::string name_list(const std::vector<std::string>& names) {
+  constexpr size_t kShown = 8;
+  std::string out;
+  for (size_t i = 0; i < names.size() && i < kShown; ++i) {
+    if (i > 0) out += (i + 1 == names.size() && names.size() <= kShown) ? " and " : ", ";
+    out += base::quote(names[i]);
+  }
+  if (names.size() > kShown) out += " and " + std::to_string(names.size() - kShown) + " more";
+  return out;
+}
+
+}  // namespace
+
+std::vector<std::vector<ckpt::ParamRef>> Context::match_checkpoint(const ckpt::Meta& m, const std::string& file,
+                                                                   bool strict, std::string* left_out) const {
   auto bad = [&](const std::string& msg) {
     fail(FSDP_ERR_INVALID_ARGUMENT,
-         "fsdp_load: checkpoint " + base::quote_path(file) + " does not fit this context: " + msg);
+         std::string(strict ? "fsdp_load" : "fsdp_load_partial") + ": checkpoint " + base::quote_path(file) +
+             " does not fit this context: " + msg);
   };
-  if (m.units.size() != units_.size()) {
-    bad("it holds " + std::to_string(m.units.size()) + " units, this context registered " +
-        std::to_string(units_.size()));
-  }
-  for (size_t k = 0; k < units_.size(); ++k) {
-    const ckpt::UnitMeta& cu = m.units[k];
-    const FlatLayout& lay = units_[k]->layout();
-    std::string where = "unit #" + std::to_string(k) + " " + base::quote(units_[k]->name());
-    if (cu.name != units_[k]->name()) bad(where + " is " + base::quote(cu.name) + " in the checkpoint");
-    if (cu.params.size() != lay.n_params()) {
-      bad(where + " has " + std::to_string(cu.params.size()) + " params in the checkpoint, " +
-          std::to_string(lay.n_params()) + " here");
-    }
-    for (size_t i = 0; i < lay.n_params(); ++i) {
-      const ckpt::ParamMeta& cp = cu.params[i];
-      const ParamSpec& p = lay.param(i);
-      if (cp.name != p.name)
-        bad(where + " param " + std::to_string(i) + " is " + base::quote(cp.name) + ", here " + base::quote(p.name));
-      if (cp.shape != p.shape) {
-        bad("tensor " + base::quote(p.name) + " of " + where + " has shape " + ckpt::shape_string(cp.shape) +
-            ", registered " + ckpt::shape_string(p.shape));
-      }
-    }
-  }
   std::vector<std::string> states = optimizer_.state_names();
   if (m.optimizer.state != states) {
     auto list = [](const std::vector<std::string>& v) {
@@ -282,50 +278,133 @@ void Context::check_loadable(const ckpt::Meta& m, const std::string& file) const
     bad("its optimizer " + base::quote(m.optimizer.kind) + " keeps state " + list(m.optimizer.state) +
         ", this context's '" + optimizer_name(rt_.opts.optimizer) + "' keeps " + list(states));
   }
+  std::vector<std::vector<ckpt::ParamRef>> refs(units_.size());
+  // The same units, params and order as saved: matched by position, so that
+  // names may repeat across units.
+  bool same = m.units.size() == units_.size();
+  for (size_t k = 0; same && k < units_.size(); ++k) {
+    const FlatLayout& lay = units_[k]->layout();
+    same = m.units[k].name == units_[k]->name() && m.units[k].params.size() == lay.n_params();
+    for (size_t i = 0; same && i < lay.n_params(); ++i) same = m.units[k].params[i].name == lay.param(i).name;
+  }
+  // Otherwise by name: another grouping into units, another order.
+  std::map<std::string, ckpt::ParamRef> saved;
+  std::vector<std::string> repeated;
+  if (!same) {
+    for (size_t k = 0; k < m.units.size(); ++k) {
+      for (size_t i = 0; i < m.units[k].params.size(); ++i) {
+        if (!saved.emplace(m.units[k].params[i].name, ckpt::ParamRef{k, i}).second) {
+          repeated.push_back(m.units[k].params[i].name);
+        }
+      }
+    }
+    if (!repeated.empty()) {
+      bad("its units differ from this context's, and its param names repeat across units (" + name_list(repeated) +
+          "), so its params cannot be matched by name");
+    }
+  }
+  std::vector<std::string> missing, shapes, seen_twice;
+  std::set<std::string> used;
+  for (size_t k = 0; k < units_.size(); ++k) {
+    const FlatLayout& lay = units_[k]->layout();
+    for (size_t i = 0; i < lay.n_params(); ++i) {
+      const ParamSpec& p = lay.param(i);
+      ckpt::ParamRef ref{k, i};
+      if (!same) {
+        auto it = saved.find(p.name);
+        if (it == saved.end()) {
+          missing.push_back(p.name);
+          refs[k].push_back(ckpt::ParamRef{ckpt::ParamRef::kNone, 0});
+          continue;
+        }
+        if (!used.insert(p.name).second) {
+          seen_twice.push_back(p.name);
+          continue;
+        }
+        ref = it->second;
+      }
+      const ckpt::ParamMeta& cp = m.units[ref.unit].params[ref.param];
+      if (cp.shape != p.shape) {
+        shapes.push_back(base::quote(p.name) + " (" + ckpt::shape_string(cp.shape) + " saved, " +
+                         ckpt::shape_string(p.shape) + " registered)");
+      }
+      refs[k].push_back(ref);
+    }
+  }
+  std::vector<std::string> unexpected;
+  for (const auto& [name, ref] : saved) {
+    if (!used.count(name)) unexpected.push_back(name);
+  }
+  left_out->clear();
+  for (const auto& n : missing) *left_out += "missing: " + n + "\n";
+  for (const auto& n : unexpected) *left_out += "unexpected: " + n + "\n";
+  if (!strict) missing.clear(), unexpected.clear();  // loaded around; shapes and repeats still fail
+  std::string msg;
+  auto add = [&msg](const std::string& part) { msg += (msg.empty() ? "" : "; ") + part; };
+  if (!seen_twice.empty()) {
+    add("param names repeat across this context's units (" + name_list(seen_twice) +
+        "), so the checkpoint, saved with other units, cannot be matched by name");
+  }
+  if (!missing.empty()) add("registered but not in the checkpoint: " + name_list(missing));
+  if (!unexpected.empty()) add("in the checkpoint but not registered: " + name_list(unexpected));
+  if (!shapes.empty()) {
+    std::string list;
+    for (const auto& s : shapes) list += (list.empty() ? "" : ", ") + s;
+    add("shapes differ: " + list);
+  }
+  if (!msg.empty()) bad(msg);
+  return refs;
 }
 
-void Context::load(const std::string& dir) {
-  check_no_unit_in_use("fsdp_load");
-  agree(*rt_.comm, "fsdp_load", "dir=" + dir);
+void Context::load(const std::string& dir, bool strict) {
+  const char* call = strict ? "fsdp_load" : "fsdp_load_partial";
+  check_no_unit_in_use(call);
+  agree(*rt_.comm, call, "dir=" + dir);
   TraceScope scope(rt_.trace, "load");
-  const std::string what = "fsdp_load from " + base::quote_path(dir);
+  const std::string what = std::string(call) + " from " + base::quote_path(dir);
   // Gathered params would be stale after the load; queued reductions write
   // the grads that the load resets.
   settle_units();
   std::vector<Buffer> masters;
   std::vector<std::vector<Buffer>> states;
   ckpt::Meta meta;
+  std::string left_out;
   Outcome read = capture([&] {
     for (const auto& u : units_) {
       if (u->grads_pending()) {
-        fail(FSDP_ERR_INVALID_STATE, "fsdp_load (" + rt_.where() + "): unit " + base::quote(u->name()) +
+        fail(FSDP_ERR_INVALID_STATE, std::string(call) + " (" + rt_.where() + "): unit " + base::quote(u->name()) +
                                          " holds grads accumulated with grad sync off; run fsdp_step first");
       }
     }
     ckpt::CheckpointReader r(dir);
-    check_loadable(r.meta(), ckpt::join(dir, ckpt::kMetaFile));
+    const std::vector<std::vector<ckpt::ParamRef>> sources =
+        match_checkpoint(r.meta(), ckpt::join(dir, ckpt::kMetaFile), strict, &left_out);
     const std::vector<std::string>& names = r.meta().optimizer.state;
     HostStage stage(*rt_.state_dev);  // only for a device the host cannot see
-    auto read_into = [&](Buffer& b, size_t k, const std::string& kind) {
+    // `now`: the unit's current values of that kind, which the params the
+    // checkpoint lacks (a non-strict load) keep.
+    auto read_into = [&](Buffer& b, size_t k, const std::string& kind, const void* now) {
       const Unit& u = *units_[k];
       float* out = b.as<float>();
       if (!rt_.state_dev->host_visible()) out = static_cast<float*>(stage.get(u.shard_numel() * sizeof(float)));
-      r.read_shard(k, kind, u.layout(), rt_.shard_rank(), out);
+      bool partial = std::any_of(sources[k].begin(), sources[k].end(), [](const ckpt::ParamRef& p) { return p.none(); });
+      if (partial) rt_.state_dev->copy_to_host(out, now, u.shard_numel() * sizeof(float));
+      r.read_shard(sources[k], kind, u.layout(), rt_.shard_rank(), out);
       if (out != b.data()) rt_.state_dev->copy_from_host(b.data(), out, u.shard_numel() * sizeof(float));
     };
     for (size_t k = 0; k < units_.size(); ++k) {
       size_t n = units_[k]->shard_numel();
       masters.emplace_back(rt_.state_dev, &rt_.mem, MemCategory::kShardedParams, DType::kFp32, n, false);
-      read_into(masters.back(), k, "param");
+      read_into(masters.back(), k, "param", units_[k]->master());
       states.emplace_back();
-      for (const std::string& s : names) {
+      for (size_t i = 0; i < names.size(); ++i) {
         states.back().push_back(optimizer_.make_state_buffer(n));
-        read_into(states.back().back(), k, s);
+        read_into(states.back().back(), k, names[i], optimizer_.state(k, i).data());
       }
     }
     meta = r.meta();
   });
-  if (!read.ok()) read.message = "fsdp_load: " + read.message;
+  if (!read.ok()) read.message = std::string(call) + ": " + read.message;
   check_outcomes(*rt_.comm, what, read.status, read.message);
   // Every rank has everything: from here on nothing can fail.
   for (size_t k = 0; k < units_.size(); ++k) units_[k]->load_master(std::move(masters[k]));
@@ -333,6 +412,10 @@ void Context::load(const std::string& dir) {
   optimizer_.loss_scaler().restore(meta.scaler.scale, static_cast<long>(meta.scaler.clean_steps),
                                    meta.scaler.skipped_steps);
   optimizer_.set_lr(meta.optimizer.lr);
+  load_report_ = left_out;
+  if (!left_out.empty() && rt_.rank == 0) {
+    base::log(FSDP_LOG_WARN, rt_.rank, what + " left out (kept as they were: missing; ignored: unexpected):\n" + left_out);
+  }
 }
 
 }  // namespace fsdp::core

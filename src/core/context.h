@@ -16,6 +16,10 @@
 #include "sync_comm.h"
 #include "unit.h"
 
+namespace fsdp::ckpt {
+struct ParamRef;  // ckpt/reader.h
+}  // namespace fsdp::ckpt
+
 namespace fsdp::core {
 
 class Context {
@@ -47,6 +51,7 @@ class Context {
   void set_grad_sync(bool enabled) { rt_.grad_sync = enabled; }
   void set_lr(double lr);
   double last_grad_norm() const;
+  uint64_t step_count() const { return static_cast<uint64_t>(optimizer_.step_count()); }
   // Collective: fsdp_metrics_reduce.
   // `op` is an fsdp_reduce_op_t's value, checked here.
   void metrics_reduce(double* values, size_t count, int op);
@@ -55,7 +60,11 @@ class Context {
   // Checkpoints (checkpoint.cpp). Collective. kind is "sharded" or "full".
   void save(const std::string& dir, const std::string& kind);
   // Collective. All or nothing: on any rank's failure no rank changes.
-  void load(const std::string& dir);
+  // strict=false: the params the checkpoint lacks keep their values and
+  // state, the ones it has that are not registered are ignored; what was
+  // left out is in load_report() (after every load that succeeded).
+  void load(const std::string& dir, bool strict = true);
+  const std::string& load_report() const { return load_report_; }
   MemoryTracker& memory() { return rt_.mem; }
   Trace& trace() { return rt_.trace; }
   const MemoryTracker& memory() const { return rt_.mem; }
@@ -75,8 +84,16 @@ class Context {
   std::vector<ckpt::FileRecord> write_shard_file(const std::string& staged, const ckpt::Meta& meta);
   std::vector<ckpt::FileRecord> write_full_files(const std::string& staged, const ckpt::Meta& meta,
                                                  ckpt::FullEntries entries);
-  void check_loadable(const ckpt::Meta& meta, const std::string& file) const;
+  // Where each registered param comes from in a checkpoint: the same units in
+  // the same order, or else by name (any grouping and order; names unique on
+  // both sides); FSDP_ERR_INVALID_ARGUMENT naming every param missing from
+  // it, every param it has that is not registered, and every shape that differs.
+  // Non-strict: params missing from it get ParamRef::kNone, and `left_out`
+  // receives the report ("missing: <name>" / "unexpected: <name>" lines).
+  std::vector<std::vector<ckpt::ParamRef>> match_checkpoint(const ckpt::Meta& meta, const std::string& file,
+                                                            bool strict, std::string* left_out) const;
 
+  std::string load_report_;  // what the last load left out (load_report())
   Runtime rt_;
   std::unique_ptr<device::Device> dev_;
   std::unique_ptr<device::Device> host_;  // offload=cpu only

@@ -291,6 +291,14 @@ class Context(_Handle):
         check(LIB.fsdp_last_grad_norm(self._handle(), ctypes.byref(v)), "fsdp_last_grad_norm")
         return v.value
 
+    @property
+    def step_count(self):
+        """The optimizer's step count: steps that updated the params (skipped ones not counted), restored by
+        load()."""
+        v = ctypes.c_uint64()
+        check(LIB.fsdp_ctx_step(self._handle(), ctypes.byref(v)), "fsdp_ctx_step")
+        return v.value
+
     def _loss_scale(self):
         s, k = ctypes.c_double(), ctypes.c_uint64()
         check(LIB.fsdp_loss_scale(self._handle(), ctypes.byref(s), ctypes.byref(k)), "fsdp_loss_scale")
@@ -342,9 +350,29 @@ class Context(_Handle):
         """Collective. kind "sharded" (one file per rank) or "full" (model.safetensors by rank 0)."""
         check(LIB.fsdp_save(self._handle(), os.fsencode(dir), str(kind).encode()), "fsdp_save")
 
-    def load(self, dir):
-        """Collective. Loads a checkpoint of either kind, any world size; all or nothing."""
-        check(LIB.fsdp_load(self._handle(), os.fsencode(dir)), "fsdp_load")
+    def load(self, dir, strict=True):
+        """Collective. Loads a checkpoint of either kind, saved at any world size and in any grouping of the
+        same params into units (matched by name); all or nothing. strict=False (fsdp_load_partial): the
+        params the checkpoint lacks keep their values and state, its params that are not registered are
+        ignored. Returns load_report(): {"missing": [...], "unexpected": [...]}."""
+        if strict:
+            check(LIB.fsdp_load(self._handle(), os.fsencode(dir)), "fsdp_load")
+        else:
+            check(LIB.fsdp_load_partial(self._handle(), os.fsencode(dir)), "fsdp_load_partial")
+        return self.load_report()
+
+    def load_report(self):
+        """What the last successful load left out: {"missing": registered params the checkpoint lacked,
+        "unexpected": its params that are not registered}."""
+        n = ctypes.c_size_t()
+        LIB.fsdp_load_report(self._handle(), None, 0, ctypes.byref(n))  # the length (a NULL buffer is refused)
+        buf = ctypes.create_string_buffer(n.value + 1)
+        check(LIB.fsdp_load_report(self._handle(), buf, n.value + 1, ctypes.byref(n)), "fsdp_load_report")
+        out = {"missing": [], "unexpected": []}
+        for line in buf.value.decode().splitlines():
+            kind, _, name = line.partition(": ")
+            out[kind].append(name)
+        return out
 
     # ---- lifetime ----
     def finalize(self):

@@ -97,8 +97,8 @@ class Wrapped:
     def save(self, dir, kind="sharded"):
         self.ctx.save(dir, kind)
 
-    def load(self, dir):
-        self.ctx.load(dir)
+    def load(self, dir, strict=True):
+        return self.ctx.load(dir, strict)
 
     def finalize(self):
         self.ctx.finalize()

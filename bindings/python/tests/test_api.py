@@ -169,6 +169,59 @@ def test_metrics_reduce():
         assert empty.shape == (0,)
 
 
+def test_step_count_counts_updates_and_load_restores_it(tmp_path):
+    """Context.step_count (fsdp_ctx_step): the optimizer steps taken; a loaded checkpoint's at load."""
+    def fn(rank, group):
+        with fsdp.Context(group=group, rank=rank, timeout_s=20) as ctx:
+            u = ctx.register_unit("u", {"w": (6,)})
+            u.set_values(0, np.ones(6))
+            assert ctx.step_count == 0
+            for _ in range(3):
+                with u.backward():
+                    u.grad(0)[...] += 0.5
+                ctx.step()
+            assert ctx.step_count == 3
+            ctx.save(str(tmp_path / "ck"))
+            with u.backward():
+                u.grad(0)[...] += 0.5
+            ctx.step()
+            assert ctx.step_count == 4
+            ctx.load(str(tmp_path / "ck"))
+            return ctx.step_count
+
+    assert fsdp.run_ranks(2, fn) == [3, 3]
+
+
+def test_load_by_name_into_other_units_strict_and_partial(tmp_path):
+    """A checkpoint saved by 2 ranks with units a = {x, y}, b = {z} loads by name into 3 ranks' units
+    other = {z, x}, new = {w}: strictly refused naming both offenders; not strictly, x and z load, w keeps
+    its values, y is ignored, and the report says so."""
+    def save(rank, group):
+        with fsdp.Context(group=group, rank=rank, timeout_s=20) as ctx:
+            a = ctx.register_unit("a", {"x": (5,), "y": (3,)})
+            b = ctx.register_unit("b", {"z": (4,)})
+            a.set_values("x", np.arange(5))
+            a.set_values("y", [7, 8, 9])
+            b.set_values("z", [1, 2, 3, 4])
+            ctx.save(str(tmp_path / "ck"))
+
+    fsdp.run_ranks(2, save)
+
+    def load(rank, group):
+        with fsdp.Context(group=group, rank=rank, timeout_s=20) as ctx:
+            u = ctx.register_unit("other", {"z": (4,), "x": (5,)})
+            v = ctx.register_unit("new", {"w": (2,)})
+            v.set_values("w", [5, 6])
+            with pytest.raises(fsdp.InvalidArgument, match=r"not in the checkpoint: 'w'.*not registered: 'y'"):
+                ctx.load(str(tmp_path / "ck"))
+            report = ctx.load(str(tmp_path / "ck"), strict=False)
+            return report, u.gather("z").tolist(), u.gather("x").tolist(), v.gather("w").tolist()
+
+    for report, z, x, w in fsdp.run_ranks(3, load):
+        assert report == {"missing": ["w"], "unexpected": ["y"]}
+        assert (z, x, w) == ([1, 2, 3, 4], [0, 1, 2, 3, 4], [5, 6])
+
+
 def test_wrap_refuses_framework_tensors_pointing_at_the_adapters():
     """wrap() groups numpy arrays by name; a torch tensor (from a module's state_dict, say) would lose its
     ties and its modules' order, so it is refused with the adapter to use instead (whether or not torch

@@ -18,12 +18,10 @@
 package main
 
 import (
-	"encoding/json"
 	"flag"
 	"fmt"
 	"math"
 	"os"
-	"path/filepath"
 
 	fsdp "github.com/libfsdp/fsdp-go"
 )
@@ -113,7 +111,9 @@ var effective struct{ sharding, dtype string }
 
 // train runs one rank; it returns the loss per step (over all ranks' rows)
 // and this rank's final memory.
-func train(o options, rank int, g *fsdp.Group, x, y []float32) ([]float64, fsdp.MemoryStats, error) {
+// train runs one rank; step0 receives the optimizer steps a resumed checkpoint
+// had taken (Context.StepCount after Load).
+func train(o options, rank int, g *fsdp.Group, x, y []float32, step0 *uint64) ([]float64, fsdp.MemoryStats, error) {
 	var mem fsdp.MemoryStats
 	cfg, err := fsdp.NewConfig()
 	if err != nil {
@@ -166,6 +166,9 @@ func train(o options, rank int, g *fsdp.Group, x, y []float32) ([]float64, fsdp.
 	}
 	if o.resume != "" { // after registering (and initializing) the units
 		if err := ctx.Load(o.resume); err != nil {
+			return nil, mem, err
+		}
+		if *step0, err = ctx.StepCount(); err != nil {
 			return nil, mem, err
 		}
 	}
@@ -270,27 +273,6 @@ func train(o options, rank int, g *fsdp.Group, x, y []float32) ([]float64, fsdp.
 
 func mib(n uint64) float64 { return float64(n) / (1 << 20) }
 
-// checkpointStep is the optimizer step saved in dir (optimizer.step of
-// fsdp_checkpoint.json, docs/checkpoints.md): libfsdp has no call for it.
-func checkpointStep(dir string) (int, error) {
-	b, err := os.ReadFile(filepath.Join(dir, "fsdp_checkpoint.json"))
-	if err != nil {
-		return 0, err
-	}
-	var meta struct {
-		Optimizer struct {
-			Step *int `json:"step"`
-		} `json:"optimizer"`
-	}
-	if err := json.Unmarshal(b, &meta); err != nil {
-		return 0, fmt.Errorf("%s: %v", filepath.Join(dir, "fsdp_checkpoint.json"), err)
-	}
-	if meta.Optimizer.Step == nil {
-		return 0, fmt.Errorf("%s: no optimizer.step", filepath.Join(dir, "fsdp_checkpoint.json"))
-	}
-	return *meta.Optimizer.Step, nil
-}
-
 func fail(format string, a ...interface{}) {
 	fmt.Fprintf(os.Stderr, "train_mlp: "+format+"\n", a...)
 	os.Exit(1)
@@ -311,25 +293,18 @@ func main() {
 		flag.Usage()
 		os.Exit(2)
 	}
-	// step0: the optimizer steps taken before this run. Read now, before --save
-	// may replace the checkpoint; an error waits for Load's own message first.
-	step0, stepErr := 0, error(nil)
-	if o.resume != "" {
-		step0, stepErr = checkpointStep(o.resume)
-	}
 	x, y := data()
 	losses := make([][]float64, o.ranks) // every rank has the same
 	mems := make([]fsdp.MemoryStats, o.ranks)
+	steps0 := make([]uint64, o.ranks)
 	err := fsdp.RunRanks(o.ranks, func(rank int, g *fsdp.Group) (err error) {
-		losses[rank], mems[rank], err = train(o, rank, g, x, y)
+		losses[rank], mems[rank], err = train(o, rank, g, x, y, &steps0[rank])
 		return err
 	})
 	if err != nil {
 		fail("%v", err)
 	}
-	if stepErr != nil {
-		fail("--resume: %v", stepErr)
-	}
+	step0 := int(steps0[0]) // the optimizer steps taken before this run
 	fmt.Printf("%s\nMLP %v, %d units, global batch %d over %d goroutine-ranks, %s, param_dtype %s, AdamW\n",
 		fsdp.BuildInfo(), dims, len(dims)-1, batch, o.ranks, effective.sharding, effective.dtype)
 	if o.resume != "" {
