@@ -328,7 +328,9 @@ FSDP_API fsdp_status_t fsdp_save(fsdp_ctx_t* ctx, const char* dir, const char* k
  * only the byte ranges that overlap its own shard and checks their checksums.
  * Restores params, optimizer state, step, learning rate and loss scale; zeroes
  * the sharded grads. A damaged checkpoint gives FSDP_ERR_CORRUPT naming the
- * file and tensor. All or nothing: if any rank fails, no rank changes. */
+ * file and tensor. All or nothing: every rank checks its part before any
+ * rank changes anything (docs/checkpoints.md: the load reads twice and holds
+ * one unit's shard of scratch). */
 FSDP_API fsdp_status_t fsdp_load(fsdp_ctx_t* ctx, const char* dir);
 /* Collective. fsdp_load, not strict (PyTorch's load_state_dict(strict=False)):
  * the registered params the checkpoint has (by name) get its values and

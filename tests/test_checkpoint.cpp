@@ -652,6 +652,43 @@ TEST(Checkpoint, APartialLoadLoadsWhatMatchesAndReportsTheRest) {
   });
 }
 
+// A load reads each rank's part twice (checked first, then into place), so
+// that it holds one unit's fp32 shard more than the steady state instead of
+// a second copy of every param and moment; with offload=cpu that buffer is
+// host memory. Measured with fsdp_memory_stats around the load.
+TEST(Checkpoint, ALoadHoldsAtMostOneUnitShardAboveTheSteadyState) {
+  Source& src = source();
+  ASSERT_FALSE(src.params.empty());
+  for (const char* offload : {"none", "cpu"}) {
+    SCOPED_TRACE(std::string("offload=") + offload);
+    run_ranks(2, [&](int rank, fsdp_local_group_t* group) {
+      auto opts = base_options("FULL_SHARD");
+      opts["offload"] = offload;
+      Job job;
+      open_job(job, kNet, opts, rank, group);
+      size_t largest = 0;
+      for (fsdp_unit_t* u : job.units) {
+        float* p = nullptr;
+        size_t off = 0, n = 0;
+        ASSERT_OK(fsdp_shard_info(u, &p, &off, &n));
+        largest = std::max(largest, n * sizeof(float));
+      }
+      fsdp_memory_stats_t before{}, after{};
+      before.struct_size = after.struct_size = sizeof(fsdp_memory_stats_t);
+      ASSERT_OK(fsdp_memory_stats(job.ctx.get(), &before));
+      ASSERT_OK(fsdp_memory_stats_reset_peak(job.ctx.get()));
+      ASSERT_OK(fsdp_load(job.ctx.get(), (src.tmp / "sharded").c_str()));
+      ASSERT_OK(fsdp_memory_stats(job.ctx.get(), &after));
+      EXPECT_EQ(after.total_nbytes, before.total_nbytes);
+      EXPECT_LE(after.total_peak_nbytes, before.total_nbytes + largest)
+          << "the load's peak is " << after.total_peak_nbytes - before.total_nbytes
+          << " bytes above the steady state; the largest unit's shard is " << largest;
+      // The state it loaded is the checkpoint's (the two passes read the same).
+      EXPECT_TRUE(bitwise_equal(gather(job, kNet), src.params));
+    });
+  }
+}
+
 // ---- crash safety --------------------------------------------------------------------
 
 State save_world4(const std::string& dir, uint64_t seed, int steps) {

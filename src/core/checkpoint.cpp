@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstring>
 #include <map>
+#include <memory>
 #include <set>
 
 #include "../base/error.h"
@@ -365,50 +366,79 @@ void Context::load(const std::string& dir, bool strict) {
   // Gathered params would be stale after the load; queued reductions write
   // the grads that the load resets.
   settle_units();
-  std::vector<Buffer> masters;
-  std::vector<std::vector<Buffer>> states;
-  ckpt::Meta meta;
+  // Two passes, so that a load holds one unit's shard more than the steady
+  // state, not a second copy of the whole: the first reads every range this
+  // rank needs into one scratch shard, which checks the checksum of every
+  // chunk it touches, and keeps nothing; once every rank found its part
+  // whole, the second reads the same ranges again straight into the params
+  // and the optimizer state. The checkpoint is not written meanwhile (a
+  // save replaces a directory whole, by a rename).
+  std::unique_ptr<ckpt::CheckpointReader> reader;
+  std::vector<std::vector<ckpt::ParamRef>> sources;
   std::string left_out;
-  Outcome read = capture([&] {
+  size_t largest = 0;
+  for (const auto& u : units_) largest = std::max(largest, u->shard_numel());
+  HostStage stage(*rt_.state_dev);  // the host side of reads into a device the host cannot see
+  // Reads unit k's `kind` into `out` (host memory); the ranges of params the
+  // checkpoint lacks (non-strict) keep what `out` holds.
+  auto read_unit = [&](size_t k, const std::string& kind, float* out) {
+    reader->read_shard(sources[k], kind, units_[k]->layout(), rt_.shard_rank(), out);
+  };
+  // Into `dst`, a shard on the state device: in place when the host sees it.
+  auto read_into = [&](size_t k, const std::string& kind, float* dst) {
+    size_t bytes = units_[k]->shard_numel() * sizeof(float);
+    if (rt_.state_dev->host_visible()) return read_unit(k, kind, dst);
+    float* host = static_cast<float*>(stage.get(bytes));
+    rt_.state_dev->copy_to_host(host, dst, bytes);  // what the params the checkpoint lacks keep
+    read_unit(k, kind, host);
+    rt_.state_dev->copy_from_host(dst, host, bytes);
+  };
+  Outcome verified = capture([&] {
     for (const auto& u : units_) {
       if (u->grads_pending()) {
         fail(FSDP_ERR_INVALID_STATE, std::string(call) + " (" + rt_.where() + "): unit " + base::quote(u->name()) +
                                          " holds grads accumulated with grad sync off; run fsdp_step first");
       }
     }
-    ckpt::CheckpointReader r(dir);
-    const std::vector<std::vector<ckpt::ParamRef>> sources =
-        match_checkpoint(r.meta(), ckpt::join(dir, ckpt::kMetaFile), strict, &left_out);
-    const std::vector<std::string>& names = r.meta().optimizer.state;
-    HostStage stage(*rt_.state_dev);  // only for a device the host cannot see
-    // `now`: the unit's current values of that kind, which the params the
-    // checkpoint lacks (a non-strict load) keep.
-    auto read_into = [&](Buffer& b, size_t k, const std::string& kind, const void* now) {
-      const Unit& u = *units_[k];
-      float* out = b.as<float>();
-      if (!rt_.state_dev->host_visible()) out = static_cast<float*>(stage.get(u.shard_numel() * sizeof(float)));
-      bool partial = std::any_of(sources[k].begin(), sources[k].end(), [](const ckpt::ParamRef& p) { return p.none(); });
-      if (partial) rt_.state_dev->copy_to_host(out, now, u.shard_numel() * sizeof(float));
-      r.read_shard(sources[k], kind, u.layout(), rt_.shard_rank(), out);
-      if (out != b.data()) rt_.state_dev->copy_from_host(b.data(), out, u.shard_numel() * sizeof(float));
-    };
+    reader = std::make_unique<ckpt::CheckpointReader>(dir);
+    sources = match_checkpoint(reader->meta(), ckpt::join(dir, ckpt::kMetaFile), strict, &left_out);
+    // On the state device where the host sees it (counted in the memory
+    // stats), else the host stage the second pass uses too.
+    Buffer counted;
+    float* scratch = nullptr;
+    if (rt_.state_dev->host_visible()) {
+      counted = Buffer(rt_.state_dev, &rt_.mem, MemCategory::kScratch, DType::kFp32, largest, /*zeroed=*/false);
+      scratch = counted.as<float>();
+    } else {
+      scratch = static_cast<float*>(stage.get(largest * sizeof(float)));
+    }
     for (size_t k = 0; k < units_.size(); ++k) {
-      size_t n = units_[k]->shard_numel();
-      masters.emplace_back(rt_.state_dev, &rt_.mem, MemCategory::kShardedParams, DType::kFp32, n, false);
-      read_into(masters.back(), k, "param", units_[k]->master());
-      states.emplace_back();
-      for (size_t i = 0; i < names.size(); ++i) {
-        states.back().push_back(optimizer_.make_state_buffer(n));
-        read_into(states.back().back(), k, names[i], optimizer_.state(k, i).data());
+      read_unit(k, "param", scratch);
+      for (const std::string& s : reader->meta().optimizer.state) read_unit(k, s, scratch);
+    }
+  });
+  if (!verified.ok()) verified.message = std::string(call) + ": " + verified.message;
+  check_outcomes(*rt_.comm, what, verified.status, verified.message);
+  // Every rank found its part whole: read it into place.
+  const ckpt::Meta& meta = reader->meta();
+  Outcome read = capture([&] {
+    for (size_t k = 0; k < units_.size(); ++k) {
+      read_into(k, "param", units_[k]->master_for_load());
+      units_[k]->master_loaded();
+      for (size_t i = 0; i < meta.optimizer.state.size(); ++i) {
+        read_into(k, meta.optimizer.state[i], optimizer_.state_for_load(k, i));
       }
     }
-    meta = r.meta();
   });
-  if (!read.ok()) read.message = std::string(call) + ": " + read.message;
+  if (!read.ok()) {
+    // Only a checkpoint damaged or replaced between the passes, or an I/O
+    // error, gets here: the state is partly loaded on some rank.
+    read.message = std::string(call) + ": " + read.message +
+                   " (after every rank had checked its part: the checkpoint changed while it was read, and this "
+                   "context's params and optimizer state are now partly loaded; load again)";
+  }
   check_outcomes(*rt_.comm, what, read.status, read.message);
-  // Every rank has everything: from here on nothing can fail.
-  for (size_t k = 0; k < units_.size(); ++k) units_[k]->load_master(std::move(masters[k]));
-  optimizer_.restore(meta.optimizer.step, meta.optimizer.last_grad_norm, std::move(states));
+  optimizer_.restore(meta.optimizer.step, meta.optimizer.last_grad_norm);
   optimizer_.loss_scaler().restore(meta.scaler.scale, static_cast<long>(meta.scaler.clean_steps),
                                    meta.scaler.skipped_steps);
   optimizer_.set_lr(meta.optimizer.lr);

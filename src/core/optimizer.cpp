@@ -33,17 +33,9 @@ const Buffer& Optimizer::state(size_t unit, size_t i) const {
   return i == 0 ? states_.at(unit).exp_avg : states_.at(unit).exp_avg_sq;
 }
 
-Buffer Optimizer::make_state_buffer(size_t numel) const {
-  return Buffer(rt_.state_dev, &rt_.mem, MemCategory::kOptimizerState, DType::kFp32, numel, /*zeroed=*/false);
-}
-
-void Optimizer::restore(long step, double last_grad_norm, std::vector<std::vector<Buffer>> states) {
+void Optimizer::restore(long step, double last_grad_norm) {
   step_ = step;
   last_grad_norm_ = last_grad_norm;
-  for (size_t k = 0; k < states.size() && k < states_.size(); ++k) {
-    if (states[k].size() > 0) states_[k].exp_avg = std::move(states[k][0]);
-    if (states[k].size() > 1) states_[k].exp_avg_sq = std::move(states[k][1]);
-  }
 }
 
 void Optimizer::on_state_device(const device::Label& what, base::FunctionRef<void()> launches) {

@@ -40,8 +40,10 @@ class Optimizer {
   // the restore of everything a checkpoint holds (`states[unit][i]`).
   std::vector<std::string> state_names() const;
   const Buffer& state(size_t unit, size_t i) const;
-  Buffer make_state_buffer(size_t numel) const;
-  void restore(long step, double last_grad_norm, std::vector<std::vector<Buffer>> states);
+  // A checkpoint is read into the state in place (state_for_load), then the
+  // counters it holds are restored.
+  float* state_for_load(size_t unit, size_t i) { return const_cast<Buffer&>(state(unit, i)).as<float>(); }
+  void restore(long step, double last_grad_norm);
   LossScaler& loss_scaler() { return scaler_; }
 
  private:

@@ -171,12 +171,15 @@ void Unit::set_values(size_t param_index, const float* values, size_t numel) {
   }
 }
 
-void Unit::load_master(Buffer master) {
-  if (in_use() || holds_gathered() || master.numel() != shard_numel()) {
-    fail(FSDP_ERR_INTERNAL, "load_master on unit " + base::quote(name_) + " in state " + unit_state_name(state_));
+float* Unit::master_for_load() {
+  if (in_use() || holds_gathered()) {
+    fail(FSDP_ERR_INTERNAL, "master_for_load on unit " + base::quote(name_) + " in state " + unit_state_name(state_));
   }
   if (!rt_.gathers()) wait_host_use();  // the caller's stream may still read the shard in place
-  master_ = std::move(master);
+  return master();
+}
+
+void Unit::master_loaded() {
   if (!lowp_.empty()) rt_.state_dev->cast(lowp_.data(), lowp_.dtype(), master_.data(), DType::kFp32, shard_numel());
   rt_.state_dev->zero(sgrad_.data(), sgrad_.nbytes());
   grads_pending_ = false;

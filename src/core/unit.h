@@ -50,10 +50,12 @@ class Unit {
 
   void set_values(size_t param_index, const float* values, size_t numel);
   void set_weight_decay(size_t param_index, double weight_decay);
-  // A loaded checkpoint's fp32 master shard replaces this one (the
-  // param_dtype copy follows, sharded grads restart from zero). The unit holds
-  // no gathered params (the caller dropped them).
-  void load_master(Buffer master);
+  // A checkpoint is read into the fp32 master shard in place: the shard,
+  // once the caller's stream no longer reads it (the unit holds no gathered
+  // params: the caller dropped them); then master_loaded() makes the
+  // param_dtype copy follow and restarts the sharded grads from zero.
+  float* master_for_load();
+  void master_loaded();
   double weight_decay(size_t param_index) const { return weight_decay_[param_index]; }
 
   // The transitions order the engine's work after the caller's stream `s`
