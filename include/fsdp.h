@@ -347,6 +347,30 @@ FSDP_API fsdp_status_t fsdp_load_partial(fsdp_ctx_t* ctx, const char* dir);
  * *text_len (if not NULL) receives the length without the NUL, also when the
  * buffer is too small (then FSDP_ERR_INVALID_ARGUMENT, nothing written). */
 FSDP_API fsdp_status_t fsdp_load_report(const fsdp_ctx_t* ctx, char* text, size_t text_nbytes, size_t* text_len);
+/* Collective. Sets the registered params from pretrained weights that any
+ * program wrote in the safetensors format (Hugging Face's save_pretrained):
+ * `path` is a .safetensors file, or a directory with
+ * model.safetensors.index.json and the files its weight_map names, or with
+ * model.safetensors. Params are found by name: a file's tensor name T
+ * becomes a host name through `options` (NULL for none), "key=value" items
+ * separated by ';' or newlines:
+ *   strip_prefix=P   T without P where T starts with it
+ *   add_prefix=P     P before it
+ *   rename=FROM:TO   (repeatable; the first match wins) a name that matches
+ *                    FROM whole, where {i} in FROM stands for a number,
+ *                    becomes TO with that number in place of {i}
+ *   transpose=GLOB   (repeatable; '*' and '?') 2-D params registered as the
+ *                    transpose of their tensor (GPT-2's Conv1D weights)
+ *   strict=0|1       default 1: every registered param must be in the files
+ *                    and every tensor registered; 0 loads what matches
+ * F32, BF16 and F16 tensors become the fp32 master exactly. Each rank reads
+ * only the byte ranges of its own shard (a transposed param: the whole
+ * tensor). The optimizer state and step restart from zero; grads are zeroed.
+ * Names, shapes and dtypes are checked on every rank before any param
+ * changes (FSDP_ERR_INVALID_ARGUMENT naming every offender; a damaged or
+ * truncated file FSDP_ERR_CORRUPT naming it). fsdp_load_report lists what
+ * was left out. No unit may be in use. */
+FSDP_API fsdp_status_t fsdp_load_pretrained(fsdp_ctx_t* ctx, const char* path, const char* options);
 
 /* ---- observe ------------------------------------------------------------- */
 

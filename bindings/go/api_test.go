@@ -588,3 +588,49 @@ func TestLoadPartialByName(t *testing.T) {
 		t.Errorf("after LoadPartial x = %v, w = %v; want [1 2 3] [5 6]", gx, gw)
 	}
 }
+
+// A full checkpoint's model.safetensors is a plain safetensors file: loaded as
+// pretrained weights into a fresh context, by name, it gives the saved values;
+// a rename that leaves a param without a tensor is refused in strict mode.
+func TestLoadPretrainedFromASafetensorsFile(t *testing.T) {
+	dir := t.TempDir()
+	ctx, err := newRankContext(nil, 0, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	a, err := ctx.RegisterUnit("a", []Param{{Name: "x", Shape: []int64{2, 2}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := a.SetValues(0, []float32{1, 2, 3, 4}); err != nil {
+		t.Fatal(err)
+	}
+	if err := ctx.Save(dir, "full"); err != nil {
+		t.Fatal(err)
+	}
+	ctx.Close()
+	ctx, err = newRankContext(nil, 0, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ctx.Close()
+	b, err := ctx.RegisterUnit("b", []Param{{Name: "w", Shape: []int64{2, 2}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	file := filepath.Join(dir, "model.safetensors")
+	if _, _, err := ctx.LoadPretrained(file, ""); !errors.Is(err, ErrInvalidArgument) {
+		t.Fatalf("LoadPretrained without a rename: %v, want an invalid-argument error", err)
+	}
+	missing, unexpected, err := ctx.LoadPretrained(file, "rename=x:w;transpose=w")
+	if err != nil || len(missing)+len(unexpected) != 0 {
+		t.Fatalf("LoadPretrained: %v (missing %v, unexpected %v)", err, missing, unexpected)
+	}
+	got, err := b.Gather(0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if fmt.Sprint(got) != "[1 3 2 4]" {
+		t.Errorf("w = %v, want x transposed: [1 3 2 4]", got)
+	}
+}

@@ -381,6 +381,27 @@ func (c *Context) LoadPartial(dir string) (missing, unexpected []string, err err
 	return c.LoadReport()
 }
 
+// LoadPretrained (collective) sets the params from safetensors weights that
+// any program wrote (a file, or a Hugging Face directory with
+// model.safetensors or its index), by name; options are fsdp_load_pretrained's
+// "key=value" items separated by ';' (strip_prefix, add_prefix,
+// rename=FROM:TO, transpose=GLOB, strict=0|1; "" for none). The optimizer
+// state restarts. It returns what was left out, as LoadReport.
+func (c *Context) LoadPretrained(path, options string) (missing, unexpected []string, err error) {
+	if err = c.live("fsdp_load_pretrained"); err != nil {
+		return nil, nil, err
+	}
+	err = withCString(path, func(p *C.char) error {
+		return withCString(options, func(o *C.char) error {
+			return call("fsdp_load_pretrained", func() C.fsdp_status_t { return C.fsdp_load_pretrained(c.ptr, p, o) })
+		})
+	})
+	if err != nil {
+		return nil, nil, err
+	}
+	return c.LoadReport()
+}
+
 // LoadReport is what the last successful Load or LoadPartial left out: the
 // registered params the checkpoint lacked, and its params not registered.
 func (c *Context) LoadReport() (missing, unexpected []string, err error) {

@@ -273,6 +273,15 @@ fsdp_status_t fsdp_load_partial(fsdp_ctx_t* ctx, const char* dir) {
   });
 }
 
+fsdp_status_t fsdp_load_pretrained(fsdp_ctx_t* ctx, const char* path, const char* options) {
+  return guard([&] {
+    require(ctx, "fsdp_load_pretrained", "ctx");
+    require(path, "fsdp_load_pretrained", "path");
+    ctx_of(ctx)->check_live("fsdp_load_pretrained");
+    ctx_of(ctx)->load_pretrained(path, options);
+  });
+}
+
 fsdp_status_t fsdp_load_report(const fsdp_ctx_t* ctx, char* text, size_t text_nbytes, size_t* text_len) {
   return guard([&] {
     require(ctx, "fsdp_load_report", "ctx");

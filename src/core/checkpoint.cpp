@@ -10,12 +10,15 @@
 #include <memory>
 #include <set>
 
+#include "../../kernels/cast.h"
 #include "../base/error.h"
 #include "../base/log.h"
 #include "../base/text.h"
 #include "../ckpt/files.h"
 #include "../ckpt/io.h"
+#include "../ckpt/pretrained.h"
 #include "../ckpt/reader.h"
+#include "../ckpt/safetensors.h"
 #include "consensus.h"
 #include "context.h"
 
@@ -442,6 +445,196 @@ void Context::load(const std::string& dir, bool strict) {
   optimizer_.loss_scaler().restore(meta.scaler.scale, static_cast<long>(meta.scaler.clean_steps),
                                    meta.scaler.skipped_steps);
   optimizer_.set_lr(meta.optimizer.lr);
+  load_report_ = left_out;
+  if (!left_out.empty() && rt_.rank == 0) {
+    base::log(FSDP_LOG_WARN, rt_.rank, what + " left out (kept as they were: missing; ignored: unexpected):\n" + left_out);
+  }
+}
+
+}  // namespace fsdp::core
+
+namespace fsdp::core {
+
+namespace {
+
+// fp32 values of `n` elements of a safetensors dtype ("F32", "BF16", "F16";
+// exact conversions).
+void to_f32(const std::string& dtype, const unsigned char* raw, size_t n, float* out) {
+  if (dtype == "F32") {
+    std::memcpy(out, raw, n * sizeof(float));
+    return;
+  }
+  for (size_t i = 0; i < n; ++i) {
+    uint16_t h = static_cast<uint16_t>(raw[2 * i] | (raw[2 * i + 1] << 8));
+    out[i] = dtype == "BF16" ? kernels::bf16_bits_to_f32(h) : kernels::fp16_bits_to_f32(h);
+  }
+}
+
+}  // namespace
+
+void Context::load_pretrained(const std::string& path, const char* options) {
+  const char* call = "fsdp_load_pretrained";
+  check_no_unit_in_use(call);
+  agree(*rt_.comm, call, "path=" + path + " options=" + std::string(options ? options : ""));
+  TraceScope scope(rt_.trace, "load_pretrained");
+  const std::string what = std::string(call) + " from " + base::quote_path(path);
+  settle_units();
+  struct Source {
+    const ckpt::Reader* file = nullptr;  // null: not in the files (non-strict)
+    const ckpt::TensorInfo* tensor = nullptr;
+    bool transposed = false;
+  };
+  std::vector<std::unique_ptr<ckpt::Reader>> files;
+  std::vector<std::vector<Source>> sources(units_.size());
+  std::string left_out;
+  // First every file's header and every name, shape and dtype: a load that
+  // does not fit fails before any param changes.
+  Outcome checked = capture([&] {
+    for (const auto& u : units_) {
+      if (u->grads_pending()) {
+        fail(FSDP_ERR_INVALID_STATE, std::string(call) + " (" + rt_.where() + "): unit " + base::quote(u->name()) +
+                                         " holds grads accumulated with grad sync off; run fsdp_step first");
+      }
+    }
+    ckpt::PretrainedOptions o = ckpt::parse_pretrained_options(options);
+    for (const std::string& f : ckpt::pretrained_files(path)) {
+      files.push_back(std::make_unique<ckpt::Reader>(f, nullptr, uint64_t(1) << 20));
+    }
+    std::map<std::string, Source> by_host;
+    std::vector<std::string> twice, missing, shapes, dtypes;
+    for (const auto& f : files) {
+      for (const ckpt::TensorInfo& t : f->header().tensors) {
+        std::string h = ckpt::host_name(o, t.name);
+        if (!by_host.emplace(h, Source{f.get(), &t, false}).second) twice.push_back(h);
+      }
+    }
+    std::set<std::string> used;
+    for (size_t k = 0; k < units_.size(); ++k) {
+      const FlatLayout& lay = units_[k]->layout();
+      for (size_t i = 0; i < lay.n_params(); ++i) {
+        const ParamSpec& p = lay.param(i);
+        auto it = by_host.find(p.name);
+        if (it == by_host.end()) {
+          missing.push_back(p.name);
+          sources[k].push_back(Source{});
+          continue;
+        }
+        used.insert(p.name);
+        Source s = it->second;
+        s.transposed = std::any_of(o.transpose.begin(), o.transpose.end(),
+                                   [&](const std::string& g) { return ckpt::glob_match(g, p.name); });
+        const ckpt::TensorInfo& t = *s.tensor;
+        std::vector<int64_t> want = p.shape;
+        if (s.transposed) {
+          if (want.size() != 2) {
+            shapes.push_back(base::quote(p.name) + " (transposed, but registered with " +
+                             std::to_string(want.size()) + " dimensions)");
+            continue;
+          }
+          std::swap(want[0], want[1]);
+        }
+        if (t.shape != want) {
+          shapes.push_back(base::quote(p.name) + " (" + ckpt::shape_string(t.shape) + " in " +
+                           base::quote_path(s.file->path()) + " as " + base::quote(t.name) + ", " +
+                           ckpt::shape_string(p.shape) + " registered" + (s.transposed ? ", transposed" : "") + ")");
+        }
+        if (t.dtype != "F32" && t.dtype != "BF16" && t.dtype != "F16") {
+          dtypes.push_back(base::quote(p.name) + " (" + t.dtype + " in " + base::quote_path(s.file->path()) + ")");
+        }
+        sources[k].push_back(s);
+      }
+    }
+    std::vector<std::string> unexpected;
+    for (const auto& [name, s] : by_host) {
+      if (!used.count(name)) unexpected.push_back(name + " (" + s.tensor->name + ")");
+    }
+    left_out.clear();
+    for (const auto& n : missing) left_out += "missing: " + n + "\n";
+    for (const auto& n : unexpected) left_out += "unexpected: " + n + "\n";
+    if (!o.strict) missing.clear(), unexpected.clear();
+    std::string msg;
+    auto add = [&msg](const std::string& part) { msg += (msg.empty() ? "" : "; ") + part; };
+    if (!twice.empty()) add("several tensors map to the same name: " + name_list(twice));
+    if (!missing.empty()) add("registered but in no file: " + name_list(missing));
+    if (!unexpected.empty()) add("in the files but not registered: " + name_list(unexpected));
+    auto join = [](const std::vector<std::string>& items) {  // already quoted, with their details
+      std::string out;
+      for (size_t i = 0; i < items.size() && i < 8; ++i) out += (i ? ", " : "") + items[i];
+      if (items.size() > 8) out += " and " + std::to_string(items.size() - 8) + " more";
+      return out;
+    };
+    if (!shapes.empty()) add("shapes differ: " + join(shapes));
+    if (!dtypes.empty()) add("dtypes other than F32, BF16 and F16: " + join(dtypes));
+    if (!msg.empty()) {
+      fail(FSDP_ERR_INVALID_ARGUMENT, std::string(call) + ": " + base::quote_path(path) + " does not fit the "
+                                          "registered params: " + msg);
+    }
+  });
+  if (!checked.ok()) checked.message = std::string(call) + ": " + checked.message;
+  check_outcomes(*rt_.comm, what, checked.status, checked.message);
+  // Then each rank reads the ranges of its own shard (a transposed param:
+  // the whole tensor, once per unit that needs a part of it) into place.
+  Outcome read = capture([&] {
+    HostStage stage(*rt_.state_dev);
+    constexpr size_t kPiece = size_t(1) << 18;  // elements read and converted at a time
+    std::vector<unsigned char> raw;
+    std::vector<float> whole;
+    for (size_t k = 0; k < units_.size(); ++k) {
+      Unit& u = *units_[k];
+      const FlatLayout& lay = u.layout();
+      size_t n = u.shard_numel();
+      float* dst = u.master_for_load();
+      float* out = dst;
+      if (!rt_.state_dev->host_visible()) {
+        out = static_cast<float*>(stage.get(n * sizeof(float)));
+        rt_.state_dev->copy_to_host(out, dst, n * sizeof(float));  // what params not in the files keep
+      }
+      uint64_t lo = lay.shard_offset(rt_.shard_rank()), hi = lo + n;
+      for (size_t i = 0; i < lay.n_params(); ++i) {
+        const Source& s = sources[k][i];
+        if (s.file == nullptr) continue;
+        uint64_t off = lay.param_offset(i);
+        uint64_t a = std::max(lo, off), b = std::min(hi, off + lay.param(i).numel);
+        if (a >= b) continue;
+        const ckpt::TensorInfo& t = *s.tensor;
+        size_t es = ckpt::dtype_bytes(t.dtype);
+        float* o = out + (a - lo);
+        if (!s.transposed) {
+          for (uint64_t e = a - off; e < b - off;) {
+            size_t m = static_cast<size_t>(std::min<uint64_t>(kPiece, b - off - e));
+            raw.resize(m * es);
+            s.file->read(t.name, e * es, m * es, raw.data());
+            to_f32(t.dtype, raw.data(), m, o);
+            o += m;
+            e += m;
+          }
+          continue;
+        }
+        // Stored [rows, cols], registered [cols, rows]: the host's element
+        // (r, c) is the file's (c, r).
+        size_t total = lay.param(i).numel, rows = static_cast<size_t>(t.shape[0]), cols = static_cast<size_t>(t.shape[1]);
+        raw.resize(total * es);
+        whole.resize(total);
+        s.file->read(t.name, 0, total * es, raw.data());
+        to_f32(t.dtype, raw.data(), total, whole.data());
+        for (uint64_t h = a - off; h < b - off; ++h) {
+          size_t r = static_cast<size_t>(h) / rows, c = static_cast<size_t>(h) % rows;
+          *o++ = whole[c * cols + r];
+        }
+      }
+      if (out != dst) rt_.state_dev->copy_from_host(dst, out, n * sizeof(float));
+      u.master_loaded();
+      for (size_t i = 0; i < optimizer_.state_names().size(); ++i) {
+        rt_.state_dev->zero(optimizer_.state_for_load(k, i), n * sizeof(float));
+      }
+    }
+  });
+  if (!read.ok()) {
+    read.message = std::string(call) + ": " + read.message +
+                   " (after every rank had checked the files' headers: the params are now partly loaded; load again)";
+  }
+  check_outcomes(*rt_.comm, what, read.status, read.message);
+  optimizer_.restore(0, 0.0);
   load_report_ = left_out;
   if (!left_out.empty() && rt_.rank == 0) {
     base::log(FSDP_LOG_WARN, rt_.rank, what + " left out (kept as they were: missing; ignored: unexpected):\n" + left_out);

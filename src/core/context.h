@@ -65,6 +65,9 @@ class Context {
   // left out is in load_report() (after every load that succeeded).
   void load(const std::string& dir, bool strict = true);
   const std::string& load_report() const { return load_report_; }
+  // fsdp_load_pretrained: params from safetensors files written by anything
+  // (by name through `options`: ckpt/pretrained.h), optimizer state fresh.
+  void load_pretrained(const std::string& path, const char* options);
   MemoryTracker& memory() { return rt_.mem; }
   Trace& trace() { return rt_.trace; }
   const MemoryTracker& memory() const { return rt_.mem; }

@@ -361,6 +361,29 @@ class Context(_Handle):
             check(LIB.fsdp_load_partial(self._handle(), os.fsencode(dir)), "fsdp_load_partial")
         return self.load_report()
 
+    def load_pretrained(self, path, strip_prefix=None, add_prefix=None, rename=None, transpose=(), strict=True):
+        """Collective (fsdp_load_pretrained). Sets the params from safetensors weights written by anything (a
+        file, or a Hugging Face directory with model.safetensors or its index), by name: a file's tensor name
+        loses strip_prefix, gains add_prefix, then goes through the first matching rename rule
+        ({"h.{i}.attn.c_attn.weight": "blocks.{i}.qkv.weight"}, in order); `transpose` globs name the 2-D
+        params stored transposed. F32/BF16/F16 become fp32 exactly; optimizer state restarts. Returns
+        load_report()."""
+        items = []
+        if strip_prefix:
+            items.append(f"strip_prefix={strip_prefix}")
+        if add_prefix:
+            items.append(f"add_prefix={add_prefix}")
+        for src, dst in (rename or {}).items():
+            items.append(f"rename={src}:{dst}")
+        items += [f"transpose={g}" for g in ([transpose] if isinstance(transpose, str) else transpose)]
+        items.append(f"strict={1 if strict else 0}")
+        for item in items:
+            if ";" in item or "\n" in item:
+                raise InvalidArgument(1, f"load_pretrained: {item!r} holds ';' or a newline, which separate options")
+        check(LIB.fsdp_load_pretrained(self._handle(), os.fsencode(path), ";".join(items).encode()),
+              "fsdp_load_pretrained")
+        return self.load_report()
+
     def load_report(self):
         """What the last successful load left out: {"missing": registered params the checkpoint lacked,
         "unexpected": its params that are not registered}."""

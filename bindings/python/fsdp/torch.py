@@ -399,6 +399,13 @@ class ShardedModule:
         return {self._param_names[p]: torch.from_numpy(st.unit.gather_grad(i))
                 for st in self._states for i, p in enumerate(st.params)}
 
+    def load_pretrained(self, path, **kwargs):
+        """Collective: the params from a Hugging Face checkpoint directory (save_pretrained's safetensors, one
+        file or sharded with an index) or a .safetensors file, by the model's own param names
+        (Context.load_pretrained: strip_prefix, add_prefix, rename, transpose, strict). Tied params are stored
+        once; the optimizer state restarts. Returns the load report."""
+        return self.ctx.load_pretrained(path, **kwargs)
+
     def state_dict(self):
         """Collective: the model's state_dict with every param gathered in fp32 (tied params under each of
         their names, one tensor), buffers as the model holds them; what model.load_state_dict and

@@ -195,6 +195,33 @@ def test_gpt2_matches_plain_torch_with_tied_embeddings():
             torch.testing.assert_close(fresh(ids).logits, ref(ids).logits, rtol=0, atol=2e-4)
 
 
+@pytest.mark.parametrize("sharded_files", [False, True], ids=["one-file", "index"])
+def test_gpt2_loads_hugging_face_weights_by_name_at_worlds_1_and_3(tmp_path, sharded_files):
+    """transformers' save_pretrained (safetensors, one file or sharded with an index), loaded by name into a
+    GPT-2 of another init sharded over 1 and 3 ranks: the same logits as the saved model's."""
+    pytest.importorskip("transformers", reason="transformers is not installed in this venv")
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+    saved = make_gpt2(seed=0)
+    saved.save_pretrained(tmp_path, safe_serialization=True, max_shard_size="100KB" if sharded_files else "1GB")
+    assert (tmp_path / "model.safetensors.index.json").exists() == sharded_files
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        want = saved(ids).logits
+
+    def rank_fn(rank, group):
+        model = make_gpt2(seed=9)
+        with ft.shard(model, units=GPT2Block, group=group, rank=rank) as sh:
+            report = sh.load_pretrained(str(tmp_path))
+            with torch.no_grad():
+                return report, model(ids).logits, sh.ctx.step_count
+
+    for world in (1, 3):
+        for report, logits, step in fsdp.run_ranks(world, rank_fn):
+            assert report == {"missing": [], "unexpected": []} and step == 0
+            # The same fp32 params and the same ops: the same logits, to the bit.
+            assert torch.equal(logits, want), f"world {world}: logits differ from the saved model's"
+
+
 class _NaiveGlue:
     """The obvious glue without saved-tensor hooks: each unit's params are the DLPack views themselves,
     made leaves for autograd, and kept by autograd past forward_end; their grads are added into the
