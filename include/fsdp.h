@@ -371,6 +371,19 @@ FSDP_API fsdp_status_t fsdp_load_report(const fsdp_ctx_t* ctx, char* text, size_
  * truncated file FSDP_ERR_CORRUPT naming it). fsdp_load_report lists what
  * was left out. No unit may be in use. */
 FSDP_API fsdp_status_t fsdp_load_pretrained(fsdp_ctx_t* ctx, const char* path, const char* options);
+/* Collective. Writes the params, consolidated, as safetensors files that
+ * another program loads (Hugging Face's from_pretrained): into directory
+ * `dir` (new, or empty), model.safetensors, or with max_shard_bytes
+ * model-0000K-of-0000N.safetensors and model.safetensors.index.json. Each
+ * file's metadata is {"format": "pt"}. `options` are fsdp_load_pretrained's
+ * naming options (strip_prefix, add_prefix, rename, transpose), applied in
+ * reverse, so that the same options load what they exported, plus
+ *   dtype=fp32|bf16       the files' dtype (default fp32; bf16 rounds to
+ *                         nearest even)
+ *   max_shard_bytes=N     start another file before one would pass N bytes
+ * Shard group 0 gathers one unit at a time and rank 0 writes it: the peak is
+ * one full unit. Optimizer state is not written. No unit may be in use. */
+FSDP_API fsdp_status_t fsdp_export(fsdp_ctx_t* ctx, const char* dir, const char* options);
 
 /* ---- observe ------------------------------------------------------------- */
 

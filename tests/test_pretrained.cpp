@@ -263,4 +263,62 @@ TEST(PretrainedMisuse, MisfitsAreNamedTruncatedFilesRefusedAndNonStrictLoadsWhat
   });
 }
 
+// fsdp_export with the same naming options writes what fsdp_load_pretrained
+// reads back: the names and layouts reversed (stored names and transposed
+// shapes as the file had them), fp32 bitwise; bf16 files hold the params
+// rounded to nearest even; past max_shard_bytes several files and an index.
+TEST(Export, WhatItWritesLoadsBackWithTheSameOptionsAtAnotherWorldSize) {
+  TempDir tmp;
+  const auto ts = file_tensors();
+  const std::string src = tmp / "w.safetensors";
+  write_safetensors(src, ts);
+  const auto want = expected(ts);
+  const std::string opts = std::string(kOptions);
+  run_ranks(3, [&](int rank, fsdp_local_group_t* group) {
+    Ctx x;
+    open(x, {{"sharding", "FULL_SHARD"}}, rank, group);
+    if (HasFatalFailure()) return;
+    ASSERT_OK(fsdp_load_pretrained(x.ctx.get(), src.c_str(), kOptions));
+    ASSERT_OK(fsdp_export(x.ctx.get(), (tmp / "fp32").c_str(), kOptions));
+    ASSERT_OK(fsdp_export(x.ctx.get(), (tmp / "bf16").c_str(), (opts + ";dtype=bf16;max_shard_bytes=200").c_str()));
+    EXPECT_STATUS(FSDP_ERR_INVALID_ARGUMENT, fsdp_export(x.ctx.get(), (tmp / "fp32").c_str(), kOptions));
+    EXPECT_NE(last_error_str().find("not an empty directory"), std::string::npos) << last_error_str();
+    EXPECT_STATUS(FSDP_ERR_INVALID_ARGUMENT, fsdp_export(x.ctx.get(), (tmp / "x").c_str(), "dtype=fp8"));
+    EXPECT_STATUS(FSDP_ERR_INVALID_ARGUMENT, fsdp_load_pretrained(x.ctx.get(), src.c_str(), "dtype=bf16"));
+    EXPECT_OK(fsdp_ctx_finalize(x.ctx.get()));
+  });
+  // The fp32 file has the source's names, shapes and (for F32 sources) bytes.
+  std::ifstream f(tmp / "fp32/model.safetensors", std::ios::binary);
+  ASSERT_TRUE(f.good());
+  uint64_t n = 0;
+  f.read(reinterpret_cast<char*>(&n), 8);
+  std::string head(n, '\0');
+  f.read(head.data(), std::streamsize(n));
+  auto h = nlohmann::json::parse(head);
+  EXPECT_EQ(h["__metadata__"]["format"], "pt");
+  for (const FileTensor& t : ts) {
+    ASSERT_TRUE(h.contains(t.name)) << t.name;
+    EXPECT_EQ(h[t.name]["dtype"], "F32");
+    EXPECT_EQ(h[t.name]["shape"].get<std::vector<int64_t>>(), t.shape) << t.name;
+  }
+  // Both load back, at world 2, with the same options.
+  const int files = int(std::distance(fs::directory_iterator(tmp / "bf16"), fs::directory_iterator{}));
+  EXPECT_GE(files, 3) << "max_shard_bytes=200 should split the export into several files and an index";
+  EXPECT_TRUE(fs::exists(tmp / "bf16/model.safetensors.index.json"));
+  run_ranks(2, [&](int rank, fsdp_local_group_t* group) {
+    Ctx a;
+    open(a, {{"sharding", "FULL_SHARD"}}, rank, group);
+    if (HasFatalFailure()) return;
+    ASSERT_OK(fsdp_load_pretrained(a.ctx.get(), (tmp / "fp32").c_str(), kOptions));
+    EXPECT_EQ(gather(a), want);
+    ASSERT_OK(fsdp_load_pretrained(a.ctx.get(), (tmp / "bf16").c_str(), kOptions));
+    const auto got = gather(a);
+    for (size_t k = 0; k < want.size(); ++k)
+      for (size_t i = 0; i < want[k].size(); ++i)
+        for (size_t e = 0; e < want[k][i].size(); ++e)
+          ASSERT_EQ(got[k][i][e], round_to(FSDP_DTYPE_BF16, want[k][i][e])) << kUnits[k][i].name << "[" << e << "]";
+    EXPECT_OK(fsdp_ctx_finalize(a.ctx.get()));
+  });
+}
+
 }  // namespace

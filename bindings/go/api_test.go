@@ -633,4 +633,25 @@ func TestLoadPretrainedFromASafetensorsFile(t *testing.T) {
 	if fmt.Sprint(got) != "[1 3 2 4]" {
 		t.Errorf("w = %v, want x transposed: [1 3 2 4]", got)
 	}
+	// Exported with the same options, the file holds x again: loading it
+	// under the name x (no options) gives the first values back.
+	out := filepath.Join(t.TempDir(), "export")
+	if err := ctx.Export(out, "rename=x:w;transpose=w;dtype=bf16"); err != nil {
+		t.Fatal(err)
+	}
+	ctx2, err := newRankContext(nil, 0, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ctx2.Close()
+	x, err := ctx2.RegisterUnit("a", []Param{{Name: "x", Shape: []int64{2, 2}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := ctx2.LoadPretrained(out, ""); err != nil {
+		t.Fatal(err)
+	}
+	if got, err := x.Gather(0); err != nil || fmt.Sprint(got) != "[1 2 3 4]" {
+		t.Errorf("x after Export and LoadPretrained = %v, %v; want [1 2 3 4]", got, err)
+	}
 }

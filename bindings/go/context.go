@@ -402,6 +402,20 @@ func (c *Context) LoadPretrained(path, options string) (missing, unexpected []st
 	return c.LoadReport()
 }
 
+// Export (collective) writes the params, consolidated, as safetensors files
+// another program loads (fsdp_export): options are LoadPretrained's naming
+// items, applied in reverse, plus dtype=fp32|bf16 and max_shard_bytes=N.
+func (c *Context) Export(dir, options string) error {
+	if err := c.live("fsdp_export"); err != nil {
+		return err
+	}
+	return withCString(dir, func(d *C.char) error {
+		return withCString(options, func(o *C.char) error {
+			return call("fsdp_export", func() C.fsdp_status_t { return C.fsdp_export(c.ptr, d, o) })
+		})
+	})
+}
+
 // LoadReport is what the last successful Load or LoadPartial left out: the
 // registered params the checkpoint lacked, and its params not registered.
 func (c *Context) LoadReport() (missing, unexpected []string, err error) {

@@ -282,6 +282,15 @@ fsdp_status_t fsdp_load_pretrained(fsdp_ctx_t* ctx, const char* path, const char
   });
 }
 
+fsdp_status_t fsdp_export(fsdp_ctx_t* ctx, const char* dir, const char* options) {
+  return guard([&] {
+    require(ctx, "fsdp_export", "ctx");
+    require(dir, "fsdp_export", "dir");
+    ctx_of(ctx)->check_live("fsdp_export");
+    ctx_of(ctx)->export_weights(dir, options);
+  });
+}
+
 fsdp_status_t fsdp_load_report(const fsdp_ctx_t* ctx, char* text, size_t text_nbytes, size_t* text_len) {
   return guard([&] {
     require(ctx, "fsdp_load_report", "ctx");

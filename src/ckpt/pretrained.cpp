@@ -22,6 +22,33 @@ std::string trim(const std::string& s) {
   return b == std::string::npos ? "" : s.substr(b, e - b + 1);
 }
 
+// `name` matched against `pattern` with at most one "{i}" (a number): the
+// number ("" for a plain match), or false.
+bool match_rule(const std::string& pattern, const std::string& name, std::string* number) {
+  size_t at = pattern.find("{i}");
+  if (at == std::string::npos) {
+    number->clear();
+    return name == pattern;
+  }
+  std::string head = pattern.substr(0, at), tail = pattern.substr(at + 3);
+  if (name.size() <= head.size() + tail.size() || name.compare(0, head.size(), head) != 0 ||
+      name.compare(name.size() - tail.size(), tail.size(), tail) != 0) {
+    return false;
+  }
+  *number = name.substr(head.size(), name.size() - head.size() - tail.size());
+  for (char c : *number) {
+    if (!std::isdigit(static_cast<unsigned char>(c))) return false;
+  }
+  return true;
+}
+
+std::string fill(std::string pattern, const std::string& number) {
+  for (size_t p = pattern.find("{i}"); p != std::string::npos; p = pattern.find("{i}", p + number.size())) {
+    pattern.replace(p, 3, number);
+  }
+  return pattern;
+}
+
 }  // namespace
 
 std::vector<std::string> pretrained_files(const std::string& path) {
@@ -63,7 +90,7 @@ std::vector<std::string> pretrained_files(const std::string& path) {
   return out;
 }
 
-PretrainedOptions parse_pretrained_options(const char* text) {
+PretrainedOptions parse_pretrained_options(const char* text, const char* call, bool for_export) {
   PretrainedOptions o;
   if (text == nullptr) return o;
   std::string all(text);
@@ -76,8 +103,10 @@ PretrainedOptions parse_pretrained_options(const char* text) {
     if (item.empty()) continue;
     size_t eq = item.find('=');
     auto bad = [&](const std::string& why) {
-      fail(FSDP_ERR_INVALID_ARGUMENT, "fsdp_load_pretrained: option " + base::quote(item) + " " + why +
-                                          " (keys: strip_prefix, add_prefix, rename=FROM:TO, transpose=GLOB, strict=0|1)");
+      fail(FSDP_ERR_INVALID_ARGUMENT,
+           std::string(call) + ": option " + base::quote(item) + " " + why +
+               " (keys: strip_prefix, add_prefix, rename=FROM:TO, transpose=GLOB, " +
+               (for_export ? "dtype=fp32|bf16, max_shard_bytes=N)" : "strict=0|1)"));
     };
     if (eq == std::string::npos) bad("is not key=value");
     std::string key = trim(item.substr(0, eq)), value = trim(item.substr(eq + 1));
@@ -96,7 +125,15 @@ PretrainedOptions parse_pretrained_options(const char* text) {
     } else if (key == "transpose") {
       if (value.empty()) bad("has no glob");
       o.transpose.push_back(value);
-    } else if (key == "strict") {
+    } else if (for_export && key == "dtype") {
+      if (value != "fp32" && value != "bf16") bad("is not dtype=fp32 or dtype=bf16");
+      o.dtype = value == "fp32" ? "F32" : "BF16";
+    } else if (for_export && key == "max_shard_bytes") {
+      if (value.empty() || value.find_first_not_of("0123456789") != std::string::npos || value.size() > 18) {
+        bad("is not max_shard_bytes=<bytes>");
+      }
+      o.max_shard_bytes = std::stoull(value);
+    } else if (!for_export && key == "strict") {
       if (value != "0" && value != "1") bad("is not strict=0 or strict=1");
       o.strict = value == "1";
     } else {
@@ -112,28 +149,26 @@ std::string host_name(const PretrainedOptions& o, const std::string& tensor) {
     name = name.substr(o.strip_prefix.size());
   }
   name = o.add_prefix + name;
+  std::string number;
   for (const auto& [from, to] : o.rename) {
-    size_t at = from.find("{i}");
-    if (at == std::string::npos) {
-      if (name == from) return to;
-      continue;
-    }
-    std::string head = from.substr(0, at), tail = from.substr(at + 3);
-    if (name.size() <= head.size() + tail.size() || name.compare(0, head.size(), head) != 0 ||
-        name.compare(name.size() - tail.size(), tail.size(), tail) != 0) {
-      continue;
-    }
-    std::string number = name.substr(head.size(), name.size() - head.size() - tail.size());
-    bool digits = !number.empty();
-    for (char c : number) digits = digits && std::isdigit(static_cast<unsigned char>(c));
-    if (!digits) continue;
-    std::string out = to;
-    for (size_t p = out.find("{i}"); p != std::string::npos; p = out.find("{i}", p + number.size())) {
-      out.replace(p, 3, number);
-    }
-    return out;
+    if (match_rule(from, name, &number)) return fill(to, number);
   }
   return name;
+}
+
+std::string file_name(const PretrainedOptions& o, const std::string& host) {
+  std::string name = host;
+  std::string number;
+  for (const auto& [from, to] : o.rename) {
+    if (match_rule(to, host, &number)) {
+      name = fill(from, number);
+      break;
+    }
+  }
+  if (!o.add_prefix.empty() && name.compare(0, o.add_prefix.size(), o.add_prefix) == 0) {
+    name = name.substr(o.add_prefix.size());
+  }
+  return o.strip_prefix + name;
 }
 
 bool glob_match(const std::string& pattern, const std::string& name) {

@@ -29,10 +29,20 @@ struct PretrainedOptions {
   std::vector<std::pair<std::string, std::string>> rename;
   std::vector<std::string> transpose;
   bool strict = true;
+  // fsdp_export only: the files' dtype ("F32" or "BF16": dtype=fp32|bf16)
+  // and the size past which they are split (max_shard_bytes; 0: one file).
+  std::string dtype = "F32";
+  uint64_t max_shard_bytes = 0;
 };
-// FSDP_ERR_INVALID_ARGUMENT naming the item it cannot take. NULL: defaults.
-PretrainedOptions parse_pretrained_options(const char* text);
+// FSDP_ERR_INVALID_ARGUMENT naming the item it cannot take (`call` in the
+// message; the export keys only where `for_export`). NULL: defaults.
+PretrainedOptions parse_pretrained_options(const char* text, const char* call = "fsdp_load_pretrained",
+                                           bool for_export = false);
 std::string host_name(const PretrainedOptions& o, const std::string& tensor);
+// The reverse, for an export: the file's name of the host's param `host`
+// (the first rename rule whose TO matches, then without add_prefix, then
+// with strip_prefix), so that the same options load what they exported.
+std::string file_name(const PretrainedOptions& o, const std::string& host);
 bool glob_match(const std::string& pattern, const std::string& name);
 
 }  // namespace fsdp::ckpt

@@ -140,9 +140,10 @@ Writer::Writer(const std::string& path, const std::string& record_name, std::vec
   if (!metadata.empty()) h["__metadata__"] = metadata;
   uint64_t pos = 0;
   for (const Entry& e : entries_) {
-    uint64_t n = 4;
+    uint64_t n = dtype_bytes(e.dtype);
+    if (n == 0) fail(FSDP_ERR_INTERNAL, "safetensors writer: unknown dtype " + base::quote(e.dtype));
     for (int64_t d : e.shape) n *= static_cast<uint64_t>(d);
-    h[e.name] = {{"dtype", "F32"}, {"shape", e.shape}, {"data_offsets", {pos, pos + n}}};
+    h[e.name] = {{"dtype", e.dtype}, {"shape", e.shape}, {"data_offsets", {pos, pos + n}}};
     sizes_.push_back(n);
     pos += n;
     rec_.tensors[e.name] = TensorSums{};

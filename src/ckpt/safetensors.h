@@ -61,13 +61,14 @@ struct FileRecord {
 
 uint32_t crc32_of(const void* data, size_t n, uint32_t crc = 0);
 
-// Writes one fp32 safetensors file: the header at once, then the tensors'
+// Writes one safetensors file (fp32 tensors unless an entry says BF16): the header at once, then the tensors'
 // bytes in order as write() receives them.
 class Writer {
  public:
   struct Entry {
     std::string name;
     std::vector<int64_t> shape;
+    std::string dtype = "F32";  // "F32" or "BF16": write() then takes that dtype's bytes
   };
   Writer(const std::string& path, const std::string& record_name, std::vector<Entry> entries,
          const std::map<std::string, std::string>& metadata, uint64_t chunk_bytes);

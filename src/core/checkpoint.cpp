@@ -5,9 +5,11 @@
 // and only when every rank succeeded do they replace the context's state. The
 // file format itself is src/ckpt/.
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <map>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <set>
 
 #include "../../kernels/cast.h"
@@ -639,6 +641,182 @@ void Context::load_pretrained(const std::string& path, const char* options) {
   if (!left_out.empty() && rt_.rank == 0) {
     base::log(FSDP_LOG_WARN, rt_.rank, what + " left out (kept as they were: missing; ignored: unexpected):\n" + left_out);
   }
+}
+
+}  // namespace fsdp::core
+
+namespace fsdp::core {
+
+void Context::export_weights(const std::string& dir, const char* options) {
+  const char* call = "fsdp_export";
+  check_no_unit_in_use(call);
+  agree(*rt_.comm, call, "dir=" + dir + " options=" + std::string(options ? options : ""));
+  TraceScope scope(rt_.trace, "export");
+  const std::string what = std::string(call) + " to " + base::quote_path(dir);
+  settle_units();
+  bool root = rt_.rank == 0;
+  // The plan, the same on every rank: each param's name in the files, its
+  // stored shape, and the file it goes to (params in unit order).
+  struct Item {
+    size_t unit, param;
+    std::string name;
+    std::vector<int64_t> shape;
+    bool transposed;
+    size_t file;
+  };
+  std::vector<Item> items;
+  std::vector<std::vector<ckpt::Writer::Entry>> plan(1);
+  ckpt::PretrainedOptions o;
+  Outcome planned = capture([&] {
+    o = ckpt::parse_pretrained_options(options, call, /*for_export=*/true);
+    std::map<std::string, std::string> seen;  // file name -> host name
+    uint64_t in_file = 0;
+    size_t es = o.dtype == "F32" ? 4 : 2;
+    for (size_t k = 0; k < units_.size(); ++k) {
+      const FlatLayout& lay = units_[k]->layout();
+      for (size_t i = 0; i < lay.n_params(); ++i) {
+        const ParamSpec& p = lay.param(i);
+        Item it{k, i, ckpt::file_name(o, p.name), p.shape, false, 0};
+        it.transposed = std::any_of(o.transpose.begin(), o.transpose.end(),
+                                    [&](const std::string& g) { return ckpt::glob_match(g, p.name); });
+        if (it.transposed) {
+          if (it.shape.size() != 2) {
+            fail(FSDP_ERR_INVALID_ARGUMENT, std::string(call) + ": param " + base::quote(p.name) +
+                                                " matches a transpose glob but has " +
+                                                std::to_string(it.shape.size()) + " dimensions, not 2");
+          }
+          std::swap(it.shape[0], it.shape[1]);
+        }
+        auto [at, fresh] = seen.emplace(it.name, p.name);
+        if (!fresh) {
+          fail(FSDP_ERR_INVALID_ARGUMENT, std::string(call) + ": params " + base::quote(at->second) + " and " +
+                                              base::quote(p.name) + " would both be stored as " + base::quote(it.name));
+        }
+        uint64_t bytes = p.numel * es;
+        if (o.max_shard_bytes > 0 && in_file > 0 && in_file + bytes > o.max_shard_bytes) {
+          plan.emplace_back();
+          in_file = 0;
+        }
+        in_file += bytes;
+        it.file = plan.size() - 1;
+        plan.back().push_back(ckpt::Writer::Entry{it.name, it.shape, o.dtype});
+        items.push_back(std::move(it));
+      }
+    }
+    if (root) {
+      if (ckpt::path_exists(dir) && !(ckpt::is_dir(dir) && ckpt::is_empty_dir(dir))) {
+        fail(FSDP_ERR_INVALID_ARGUMENT, std::string(call) + ": " + base::quote_path(dir) +
+                                            " exists and is not an empty directory; export into a new one");
+      }
+      ckpt::make_dirs(dir);
+    }
+  });
+  if (!planned.ok() && planned.message.rfind(call, 0) != 0) planned.message = std::string(call) + ": " + planned.message;
+  check_outcomes(*rt_.comm, what, planned.status, planned.message);
+  auto file_of = [&](size_t f) {
+    if (plan.size() == 1) return std::string("model.safetensors");
+    char buf[64];
+    std::snprintf(buf, sizeof buf, "model-%05zu-of-%05zu.safetensors", f + 1, plan.size());
+    return std::string(buf);
+  };
+  // Shard group 0 gathers one unit at a time; rank 0 converts each param and
+  // writes it into its file (the peak: one full unit in fp32, plus one param).
+  Outcome io;
+  auto on_root = [&](auto&& body) {
+    if (root && io.ok()) io = capture(body);
+  };
+  std::vector<std::string> written;
+  if (rt_.rank < rt_.shard_world()) {
+    bool gather = rt_.shard_world() > 1;
+    HostStage stage(*rt_.dev);
+    std::unique_ptr<ckpt::Writer> w;
+    size_t next = 0;  // the next item to write
+    std::vector<float> host, moved;
+    std::vector<unsigned char> bytes;
+    for (size_t k = 0; k < units_.size(); ++k) {
+      Unit& u = *units_[k];
+      const FlatLayout& lay = u.layout();
+      const float* flat = u.master();
+      device::Device* where = rt_.state_dev;
+      Buffer full, staged_shard;
+      if (gather) {
+        full = Buffer(rt_.dev, &rt_.mem, MemCategory::kScratch, DType::kFp32, lay.padded_numel(), false);
+        const float* shard = u.master();
+        if (rt_.offload()) {
+          staged_shard = Buffer(rt_.dev, &rt_.mem, MemCategory::kScratch, DType::kFp32, u.shard_numel(), false);
+          rt_.dev->copy_from_host(staged_shard.data(), shard, u.shard_numel() * sizeof(float));
+          shard = staged_shard.as<float>();
+        }
+        rt_.shard_sync->all_gather(shard, full.data(), u.shard_numel() * sizeof(float),
+                                   "fsdp_export gather of unit " + base::quote(u.name()));
+        flat = full.as<float>();
+        where = rt_.dev;
+      }
+      on_root([&] {
+        for (size_t i = 0; i < lay.n_params(); ++i, ++next) {
+          const Item& it = items[next];
+          if (!w) w = std::make_unique<ckpt::Writer>(ckpt::join(dir, file_of(it.file)), file_of(it.file),
+                                                     plan[it.file], std::map<std::string, std::string>{{"format", "pt"}},
+                                                     uint64_t(1) << 20);
+          size_t n = lay.param(i).numel;
+          const float* src = flat + lay.param_offset(i);
+          if (!where->host_visible()) {
+            float* h = static_cast<float*>(stage.get(n * sizeof(float)));
+            where->copy_to_host(h, src, n * sizeof(float));
+            src = h;
+          }
+          if (it.transposed) {  // registered [r, c], stored [c, r]
+            size_t r = size_t(lay.param(i).shape[0]), c = size_t(lay.param(i).shape[1]);
+            moved.resize(n);
+            for (size_t a = 0; a < r; ++a)
+              for (size_t b = 0; b < c; ++b) moved[b * r + a] = src[a * c + b];
+            src = moved.data();
+          }
+          if (o.dtype == "F32") {
+            w->write(src, n * sizeof(float));
+          } else {
+            bytes.resize(n * 2);
+            for (size_t e = 0; e < n; ++e) {
+              uint16_t h = kernels::f32_to_bf16_bits(src[e]);
+              bytes[2 * e] = static_cast<unsigned char>(h & 0xff);
+              bytes[2 * e + 1] = static_cast<unsigned char>(h >> 8);
+            }
+            w->write(bytes.data(), bytes.size());
+          }
+          if (next + 1 == items.size() || items[next + 1].file != it.file) {
+            w->finish();
+            w.reset();
+            written.push_back(file_of(it.file));
+          }
+        }
+      });
+    }
+  }
+  on_root([&] {
+    if (plan.size() == 1) return;
+    nlohmann::ordered_json idx;
+    uint64_t total = 0;
+    for (const Item& it : items) {
+      uint64_t n = 1;
+      for (int64_t d : it.shape) n *= uint64_t(d);
+      total += n * (o.dtype == "F32" ? 4 : 2);
+    }
+    idx["metadata"] = {{"total_size", total}};
+    idx["weight_map"] = nlohmann::ordered_json::object();
+    for (const Item& it : items) idx["weight_map"][it.name] = file_of(it.file);
+    std::string text = idx.dump(2);
+    ckpt::File f = ckpt::File::create(ckpt::join(dir, "model.safetensors.index.json"));
+    f.write_all(text.data(), text.size());
+    f.sync();
+    f.close();
+  });
+  if (!io.ok()) {
+    io.message = std::string(call) + ": " + io.message;
+    if (root) {
+      for (const std::string& f : written) std::remove(ckpt::join(dir, f).c_str());
+    }
+  }
+  check_outcomes(*rt_.comm, what, io.status, io.message);
 }
 
 }  // namespace fsdp::core

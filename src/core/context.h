@@ -68,6 +68,9 @@ class Context {
   // fsdp_load_pretrained: params from safetensors files written by anything
   // (by name through `options`: ckpt/pretrained.h), optimizer state fresh.
   void load_pretrained(const std::string& path, const char* options);
+  // fsdp_export: the params, consolidated, as safetensors files another
+  // program loads (the names and layouts through the same options, reversed).
+  void export_weights(const std::string& dir, const char* options);
   MemoryTracker& memory() { return rt_.mem; }
   Trace& trace() { return rt_.trace; }
   const MemoryTracker& memory() const { return rt_.mem; }

@@ -66,6 +66,7 @@ _PROTOTYPES = {
     "fsdp_load": (None, [c_void_p, c_char_p]),
     "fsdp_load_partial": (None, [c_void_p, c_char_p]),
     "fsdp_load_pretrained": (None, [c_void_p, c_char_p, c_char_p]),
+    "fsdp_export": (None, [c_void_p, c_char_p, c_char_p]),
     "fsdp_load_report": (None, [c_void_p, c_char_p, c_size_t, P(c_size_t)]),
     "fsdp_memory_stats": (None, [c_void_p, P(MemoryStatsC)]),
     "fsdp_memory_stats_reset_peak": (None, [c_void_p]),

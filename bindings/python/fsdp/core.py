@@ -361,13 +361,9 @@ class Context(_Handle):
             check(LIB.fsdp_load_partial(self._handle(), os.fsencode(dir)), "fsdp_load_partial")
         return self.load_report()
 
-    def load_pretrained(self, path, strip_prefix=None, add_prefix=None, rename=None, transpose=(), strict=True):
-        """Collective (fsdp_load_pretrained). Sets the params from safetensors weights written by anything (a
-        file, or a Hugging Face directory with model.safetensors or its index), by name: a file's tensor name
-        loses strip_prefix, gains add_prefix, then goes through the first matching rename rule
-        ({"h.{i}.attn.c_attn.weight": "blocks.{i}.qkv.weight"}, in order); `transpose` globs name the 2-D
-        params stored transposed. F32/BF16/F16 become fp32 exactly; optimizer state restarts. Returns
-        load_report()."""
+    @staticmethod
+    def _name_options(strip_prefix, add_prefix, rename, transpose, **more):
+        """fsdp_load_pretrained's / fsdp_export's options text."""
         items = []
         if strip_prefix:
             items.append(f"strip_prefix={strip_prefix}")
@@ -376,13 +372,32 @@ class Context(_Handle):
         for src, dst in (rename or {}).items():
             items.append(f"rename={src}:{dst}")
         items += [f"transpose={g}" for g in ([transpose] if isinstance(transpose, str) else transpose)]
-        items.append(f"strict={1 if strict else 0}")
+        items += [f"{k}={v}" for k, v in more.items() if v is not None]
         for item in items:
             if ";" in item or "\n" in item:
-                raise InvalidArgument(1, f"load_pretrained: {item!r} holds ';' or a newline, which separate options")
-        check(LIB.fsdp_load_pretrained(self._handle(), os.fsencode(path), ";".join(items).encode()),
-              "fsdp_load_pretrained")
+                raise InvalidArgument(1, f"{item!r} holds ';' or a newline, which separate options")
+        return ";".join(items).encode()
+
+    def load_pretrained(self, path, strip_prefix=None, add_prefix=None, rename=None, transpose=(), strict=True):
+        """Collective (fsdp_load_pretrained). Sets the params from safetensors weights written by anything (a
+        file, or a Hugging Face directory with model.safetensors or its index), by name: a file's tensor name
+        loses strip_prefix, gains add_prefix, then goes through the first matching rename rule
+        ({"h.{i}.attn.c_attn.weight": "blocks.{i}.qkv.weight"}, in order); `transpose` globs name the 2-D
+        params stored transposed. F32/BF16/F16 become fp32 exactly; optimizer state restarts. Returns
+        load_report()."""
+        text = self._name_options(strip_prefix, add_prefix, rename, transpose, strict=1 if strict else 0)
+        check(LIB.fsdp_load_pretrained(self._handle(), os.fsencode(path), text), "fsdp_load_pretrained")
         return self.load_report()
+
+    def export(self, dir, strip_prefix=None, add_prefix=None, rename=None, transpose=(), dtype="fp32",
+               max_shard_bytes=None):
+        """Collective (fsdp_export). The params, consolidated, as safetensors files another program loads
+        (transformers' from_pretrained): model.safetensors, or several files and their index past
+        max_shard_bytes; dtype "fp32" or "bf16"; the naming options as load_pretrained's, applied in reverse.
+        `dir` must be new or empty."""
+        text = self._name_options(strip_prefix, add_prefix, rename, transpose, dtype=dtype,
+                                  max_shard_bytes=max_shard_bytes)
+        check(LIB.fsdp_export(self._handle(), os.fsencode(dir), text), "fsdp_export")
 
     def load_report(self):
         """What the last successful load left out: {"missing": registered params the checkpoint lacked,

@@ -406,6 +406,15 @@ class ShardedModule:
         once; the optimizer state restarts. Returns the load report."""
         return self.ctx.load_pretrained(path, **kwargs)
 
+    def save_pretrained(self, dir, dtype="fp32", max_shard_bytes=None, **kwargs):
+        """Collective: the params as a Hugging Face checkpoint directory (fsdp_export: safetensors under the
+        model's own param names, tied params once), and rank 0 writes the model's config beside them when
+        it has one (transformers' config.save_pretrained), so that from_pretrained(dir) loads it."""
+        self.ctx.export(dir, dtype=dtype, max_shard_bytes=max_shard_bytes, **kwargs)
+        config = getattr(self.model, "config", None)
+        if self.ctx.rank == 0 and config is not None and hasattr(config, "save_pretrained"):
+            config.save_pretrained(dir)
+
     def state_dict(self):
         """Collective: the model's state_dict with every param gathered in fp32 (tied params under each of
         their names, one tensor), buffers as the model holds them; what model.load_state_dict and

@@ -222,6 +222,37 @@ def test_gpt2_loads_hugging_face_weights_by_name_at_worlds_1_and_3(tmp_path, sha
             assert torch.equal(logits, want), f"world {world}: logits differ from the saved model's"
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_gpt2_trained_at_world_2_exports_what_transformers_loads(tmp_path, dtype):
+    """Three steps through fsdp.torch at world 2, then save_pretrained (fsdp_export, sharded past 100 KB for
+    bf16): transformers' from_pretrained gives the logits of the trained model (fp32: bit for bit; bf16:
+    those of its params rounded to bf16, which is what the file holds)."""
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed in this venv")
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+    init = make_gpt2(seed=0)
+    ids = torch.randint(0, 128, (BATCH, 16), generator=torch.Generator().manual_seed(5))
+
+    def rank_fn(rank, group):
+        model = copy.deepcopy(init)
+        with ft.shard(model, units=GPT2Block, group=group, rank=rank, **HYPER) as sh:
+            rows = ids[rank * BATCH // 2:(rank + 1) * BATCH // 2]
+            for _ in range(3):
+                model(rows, labels=rows).loss.backward()
+                sh.step()
+            sh.save_pretrained(str(tmp_path), dtype=dtype, max_shard_bytes=100_000 if dtype == "bf16" else None)
+            return sh.state_dict()
+
+    trained = fsdp.run_ranks(2, rank_fn)[0]
+    assert (tmp_path / "model.safetensors.index.json").exists() == (dtype == "bf16")
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path), dtype=torch.float32)
+    want = make_gpt2(seed=7)
+    if dtype == "bf16":
+        trained = {k: v.to(torch.bfloat16).to(torch.float32) for k, v in trained.items()}
+    want.load_state_dict(trained)
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, want(ids).logits)
+
+
 class _NaiveGlue:
     """The obvious glue without saved-tensor hooks: each unit's params are the DLPack views themselves,
     made leaves for autograd, and kept by autograd past forward_end; their grads are added into the
