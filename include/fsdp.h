@@ -364,8 +364,9 @@ FSDP_API fsdp_status_t fsdp_load_report(const fsdp_ctx_t* ctx, char* text, size_
  *   strict=0|1       default 1: every registered param must be in the files
  *                    and every tensor registered; 0 loads what matches
  * F32, BF16 and F16 tensors become the fp32 master exactly. Each rank reads
- * only the byte ranges of its own shard (a transposed param: the whole
- * tensor). The optimizer state and step restart from zero; grads are zeroed.
+ * only the byte ranges of its own shard (a transposed param: one run of
+ * columns per stored row). The optimizer state and step restart from zero;
+ * grads are zeroed.
  * Names, shapes and dtypes are checked on every rank before any param
  * changes (FSDP_ERR_INVALID_ARGUMENT naming every offender; a damaged or
  * truncated file FSDP_ERR_CORRUPT naming it). fsdp_load_report lists what

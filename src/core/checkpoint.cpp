@@ -574,8 +574,7 @@ void Context::load_pretrained(const std::string& path, const char* options) {
   });
   if (!checked.ok()) checked.message = std::string(call) + ": " + checked.message;
   check_outcomes(*rt_.comm, what, checked.status, checked.message);
-  // Then each rank reads the ranges of its own shard (a transposed param:
-  // the whole tensor, once per unit that needs a part of it) into place.
+  // Then each rank reads the ranges of its own shard into place.
   Outcome read = capture([&] {
     HostStage stage(*rt_.state_dev);
     constexpr size_t kPiece = size_t(1) << 18;  // elements read and converted at a time
@@ -612,17 +611,20 @@ void Context::load_pretrained(const std::string& path, const char* options) {
           }
           continue;
         }
-        // Stored [rows, cols], registered [cols, rows]: the host's element
-        // (r, c) is the file's (c, r).
-        size_t total = lay.param(i).numel, rows = static_cast<size_t>(t.shape[0]), cols = static_cast<size_t>(t.shape[1]);
-        raw.resize(total * es);
-        whole.resize(total);
-        s.file->read(t.name, 0, total * es, raw.data());
-        to_f32(t.dtype, raw.data(), total, whole.data());
-        for (uint64_t h = a - off; h < b - off; ++h) {
-          size_t r = static_cast<size_t>(h) / rows, c = static_cast<size_t>(h) % rows;
-          *o++ = whole[c * cols + r];
+        // Stored [A, B], registered [B, A]: the host's element (i, j) is the
+        // file's (j, i). The host rows i0..i1 that [a, b) touches are, in
+        // each of the file's A rows, one run of columns: A reads of that run,
+        // so that a rank reads only its shard's part (and up to two rows).
+        size_t rows_a = static_cast<size_t>(t.shape[0]), cols_b = static_cast<size_t>(t.shape[1]);
+        size_t h0 = static_cast<size_t>(a - off), h1 = static_cast<size_t>(b - off);  // [h0, h1) of the param
+        size_t i0 = h0 / rows_a, i1 = (h1 - 1) / rows_a, run = i1 - i0 + 1;
+        raw.resize(run * es);
+        whole.resize(rows_a * run);
+        for (size_t j = 0; j < rows_a; ++j) {
+          s.file->read(t.name, (j * cols_b + i0) * es, run * es, raw.data());
+          to_f32(t.dtype, raw.data(), run, whole.data() + j * run);
         }
+        for (size_t h = h0; h < h1; ++h) *o++ = whole[(h % rows_a) * run + (h / rows_a - i0)];
       }
       if (out != dst) rt_.state_dev->copy_from_host(dst, out, n * sizeof(float));
       u.master_loaded();
