@@ -64,6 +64,21 @@ class HostStage {
 
 // Streams `nbytes` of `dev` memory into the writer (staged through `stage`
 // in pieces when the device's memory is not host-visible).
+// The full flat fp32 unit from this rank's `shard` (state device), gathered
+// over the shard group into `full` on the compute device (an offloaded shard
+// staged there through `staged` first); *where becomes the compute device.
+const float* gather_flat(Runtime& rt, const Unit& u, const float* shard, Buffer& full, Buffer& staged,
+                         const char* call, device::Device** where) {
+  if (rt.offload()) {
+    rt.dev->copy_from_host(staged.data(), shard, u.shard_numel() * sizeof(float));
+    shard = staged.as<float>();
+  }
+  rt.shard_sync->all_gather(shard, full.data(), u.shard_numel() * sizeof(float),
+                            std::string(call) + " gather of unit " + base::quote(u.name()));
+  *where = rt.dev;
+  return full.as<float>();
+}
+
 void write_from(ckpt::Writer& w, device::Device* dev, HostStage& stage, const void* src, size_t nbytes) {
   if (dev->host_visible()) {
     w.write(src, nbytes);
@@ -171,18 +186,9 @@ std::vector<ckpt::FileRecord> Context::write_full_files(const std::string& stage
     }
     for (size_t s = 0; s <= states.size(); ++s) {
       const float* shard = s == 0 ? u.master() : optimizer_.state(k, s - 1).as<float>();
-      const float* flat = shard;
       device::Device* where = rt_.state_dev;
-      if (gather) {
-        if (rt_.offload()) {
-          rt_.dev->copy_from_host(staged_shard.data(), shard, u.shard_numel() * sizeof(float));
-          shard = staged_shard.as<float>();
-        }
-        rt_.shard_sync->all_gather(shard, full.data(), u.shard_numel() * sizeof(float),
-                                   "fsdp_save gather of unit " + base::quote(u.name()));
-        flat = full.as<float>();
-        where = rt_.dev;
-      }
+      const float* flat =
+          gather ? gather_flat(rt_, u, shard, full, staged_shard, "fsdp_save", &where) : shard;
       on_root([&] {
         ckpt::Writer& w = s == 0 ? *files.model : *files.optimizer;
         for (size_t i = 0; i < lay.n_params(); ++i) {
@@ -738,22 +744,15 @@ void Context::export_weights(const std::string& dir, const char* options) {
     for (size_t k = 0; k < units_.size(); ++k) {
       Unit& u = *units_[k];
       const FlatLayout& lay = u.layout();
-      const float* flat = u.master();
       device::Device* where = rt_.state_dev;
       Buffer full, staged_shard;
       if (gather) {
         full = Buffer(rt_.dev, &rt_.mem, MemCategory::kScratch, DType::kFp32, lay.padded_numel(), false);
-        const float* shard = u.master();
         if (rt_.offload()) {
           staged_shard = Buffer(rt_.dev, &rt_.mem, MemCategory::kScratch, DType::kFp32, u.shard_numel(), false);
-          rt_.dev->copy_from_host(staged_shard.data(), shard, u.shard_numel() * sizeof(float));
-          shard = staged_shard.as<float>();
         }
-        rt_.shard_sync->all_gather(shard, full.data(), u.shard_numel() * sizeof(float),
-                                   "fsdp_export gather of unit " + base::quote(u.name()));
-        flat = full.as<float>();
-        where = rt_.dev;
       }
+      const float* flat = gather ? gather_flat(rt_, u, u.master(), full, staged_shard, call, &where) : u.master();
       on_root([&] {
         for (size_t i = 0; i < lay.n_params(); ++i, ++next) {
           const Item& it = items[next];
