@@ -271,7 +271,32 @@ std::string name_list(const std::vector<std::string>& names) {
   return out;
 }
 
+// fsdp_load_report's text: a "missing: NAME" line per registered param not
+// loaded, then an "unexpected: NAME" line per one not registered.
+std::string report_lines(const std::vector<std::string>& missing, const std::vector<std::string>& unexpected) {
+  std::string out;
+  for (const auto& n : missing) out += "missing: " + n + "\n";
+  for (const auto& n : unexpected) out += "unexpected: " + n + "\n";
+  return out;
+}
+
 }  // namespace
+
+void Context::check_no_pending_grads(const char* call) const {
+  for (const auto& u : units_) {
+    if (u->grads_pending()) {
+      fail(FSDP_ERR_INVALID_STATE, std::string(call) + " (" + rt_.where() + "): unit " + base::quote(u->name()) +
+                                       " holds grads accumulated with grad sync off; run fsdp_step first");
+    }
+  }
+}
+
+void Context::set_load_report(const std::string& what, std::string left_out) {
+  if (!left_out.empty() && rt_.rank == 0) {
+    base::log(FSDP_LOG_WARN, rt_.rank, what + " left out (kept as they were: missing; ignored: unexpected):\n" + left_out);
+  }
+  load_report_ = std::move(left_out);
+}
 
 std::vector<std::vector<ckpt::ParamRef>> Context::match_checkpoint(const ckpt::Meta& m, const std::string& file,
                                                                    bool strict, std::string* left_out) const {
@@ -347,9 +372,7 @@ std::vector<std::vector<ckpt::ParamRef>> Context::match_checkpoint(const ckpt::M
   for (const auto& [name, ref] : saved) {
     if (!used.count(name)) unexpected.push_back(name);
   }
-  left_out->clear();
-  for (const auto& n : missing) *left_out += "missing: " + n + "\n";
-  for (const auto& n : unexpected) *left_out += "unexpected: " + n + "\n";
+  *left_out = report_lines(missing, unexpected);
   if (!strict) missing.clear(), unexpected.clear();  // loaded around; shapes and repeats still fail
   std::string msg;
   auto add = [&msg](const std::string& part) { msg += (msg.empty() ? "" : "; ") + part; };
@@ -405,12 +428,7 @@ void Context::load(const std::string& dir, bool strict) {
     rt_.state_dev->copy_from_host(dst, host, bytes);
   };
   Outcome verified = capture([&] {
-    for (const auto& u : units_) {
-      if (u->grads_pending()) {
-        fail(FSDP_ERR_INVALID_STATE, std::string(call) + " (" + rt_.where() + "): unit " + base::quote(u->name()) +
-                                         " holds grads accumulated with grad sync off; run fsdp_step first");
-      }
-    }
+    check_no_pending_grads(call);
     reader = std::make_unique<ckpt::CheckpointReader>(dir);
     sources = match_checkpoint(reader->meta(), ckpt::join(dir, ckpt::kMetaFile), strict, &left_out);
     // On the state device where the host sees it (counted in the memory
@@ -453,10 +471,7 @@ void Context::load(const std::string& dir, bool strict) {
   optimizer_.loss_scaler().restore(meta.scaler.scale, static_cast<long>(meta.scaler.clean_steps),
                                    meta.scaler.skipped_steps);
   optimizer_.set_lr(meta.optimizer.lr);
-  load_report_ = left_out;
-  if (!left_out.empty() && rt_.rank == 0) {
-    base::log(FSDP_LOG_WARN, rt_.rank, what + " left out (kept as they were: missing; ignored: unexpected):\n" + left_out);
-  }
+  set_load_report(what, left_out);
 }
 
 }  // namespace fsdp::core
@@ -498,12 +513,7 @@ void Context::load_pretrained(const std::string& path, const char* options) {
   // First every file's header and every name, shape and dtype: a load that
   // does not fit fails before any param changes.
   Outcome checked = capture([&] {
-    for (const auto& u : units_) {
-      if (u->grads_pending()) {
-        fail(FSDP_ERR_INVALID_STATE, std::string(call) + " (" + rt_.where() + "): unit " + base::quote(u->name()) +
-                                         " holds grads accumulated with grad sync off; run fsdp_step first");
-      }
-    }
+    check_no_pending_grads(call);
     ckpt::PretrainedOptions o = ckpt::parse_pretrained_options(options);
     for (const std::string& f : ckpt::pretrained_files(path)) {
       files.push_back(std::make_unique<ckpt::Reader>(f, nullptr, uint64_t(1) << 20));
@@ -556,9 +566,7 @@ void Context::load_pretrained(const std::string& path, const char* options) {
     for (const auto& [name, s] : by_host) {
       if (!used.count(name)) unexpected.push_back(name + " (" + s.tensor->name + ")");
     }
-    left_out.clear();
-    for (const auto& n : missing) left_out += "missing: " + n + "\n";
-    for (const auto& n : unexpected) left_out += "unexpected: " + n + "\n";
+    left_out = report_lines(missing, unexpected);
     if (!o.strict) missing.clear(), unexpected.clear();
     std::string msg;
     auto add = [&msg](const std::string& part) { msg += (msg.empty() ? "" : "; ") + part; };
@@ -645,10 +653,7 @@ void Context::load_pretrained(const std::string& path, const char* options) {
   }
   check_outcomes(*rt_.comm, what, read.status, read.message);
   optimizer_.restore(0, 0.0);
-  load_report_ = left_out;
-  if (!left_out.empty() && rt_.rank == 0) {
-    base::log(FSDP_LOG_WARN, rt_.rank, what + " left out (kept as they were: missing; ignored: unexpected):\n" + left_out);
-  }
+  set_load_report(what, left_out);
 }
 
 }  // namespace fsdp::core

@@ -99,6 +99,10 @@ class Context {
   std::vector<std::vector<ckpt::ParamRef>> match_checkpoint(const ckpt::Meta& meta, const std::string& file,
                                                             bool strict, std::string* left_out) const;
 
+  // A load's refusal while no_sync grads wait unreduced; what a load left
+  // out, kept for load_report() and logged on rank 0.
+  void check_no_pending_grads(const char* call) const;
+  void set_load_report(const std::string& what, std::string left_out);
   std::string load_report_;  // what the last load left out (load_report())
   Runtime rt_;
   std::unique_ptr<device::Device> dev_;
