@@ -6,6 +6,7 @@
 
 #include <string>
 #include <utility>
+#include <cstdint>
 #include <vector>
 
 namespace fsdp::ckpt {
