@@ -359,7 +359,10 @@ TEST(CudaKernels, NonFiniteFlagFindsOneInfOrNanAnywhere) {
   for (float bad : {std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity(),
                     std::numeric_limits<float>::quiet_NaN(), 0.0f}) {
     for (size_t at : {size_t(0), n / 2, n - 1}) {
-      std::vector<float> x = random_floats(n, 12, 3e38f);
+      // Finite values up to 1e38 (a scale of 3e38 made the distribution's
+      // width, 6e38, overflow to inf, and it drew infinities: the first H100 run).
+      std::vector<float> x = random_floats(n, 12, 1e38f);
+      ASSERT_TRUE(std::all_of(x.begin(), x.end(), [](float v) { return std::isfinite(v); }));
       x[at] = bad;
       DeviceArray d = upload(gpu, x);
       int zero = 0;
@@ -626,6 +629,39 @@ TEST(CudaMemory, AnAllocationOutsideATaskDoesNotWaitForAnotherStreamsFree) {
 // first, and is still held when the task has built, used and dropped its
 // table: a pageable cudaMemcpy on the legacy stream, or the device-wide wait
 // of a cudaFree, would have waited for it.
+// The first launch of each kernel in a process does not wait for other
+// streams: CudaDevice loads libfsdp's kernels when it is made. Under CUDA's
+// lazy loading (the default), a kernel loaded at its first launch may wait
+// for the whole context; on the first H100 run the span-table test below
+// saw its first launch wait for the legacy default stream. Each ctest runs
+// in a process of its own, so these launches are the process's first.
+TEST(CudaKernels, AFirstLaunchWaitsForNoOtherStream) {
+  SKIP_WITHOUT_GPU();
+  CudaDevice gpu(0);
+  const size_t n = 4099;
+  DeviceArray a = upload(gpu, random_floats(n, 41)), b = upload(gpu, random_floats(n, 42));
+  DeviceArray flag(gpu, nullptr, sizeof(int)), sum(gpu, nullptr, sizeof(double)),
+      scratch(gpu, nullptr, fsdp::kernels::cuda::sum_squares_scratch_nbytes(n)), bf16(gpu, nullptr, n * 2);
+  cudaStream_t s = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  queue_host_sleep(nullptr, 500);
+  cudaEvent_t legacy_done = nullptr;
+  ASSERT_EQ(cudaEventCreateWithFlags(&legacy_done, cudaEventDisableTiming), cudaSuccess);
+  ASSERT_EQ(cudaEventRecord(legacy_done, nullptr), cudaSuccess);
+  namespace kc = fsdp::kernels::cuda;
+  ASSERT_EQ(kc::cast(bf16.ptr, FSDP_DTYPE_BF16, a.ptr, FSDP_DTYPE_FP32, n, false, s), cudaSuccess);
+  ASSERT_EQ(kc::accumulate(a.as<float>(), b.ptr, FSDP_DTYPE_FP32, 0.5f, n, false, s), cudaSuccess);
+  ASSERT_EQ(kc::sum_squares(a.as<float>(), n, sum.as<double>(), scratch.ptr, s), cudaSuccess);
+  ASSERT_EQ(kc::flag_non_finite(a.as<float>(), n, flag.as<int>(), s), cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+  const bool legacy_busy = cudaEventQuery(legacy_done) == cudaErrorNotReady;
+  EXPECT_TRUE(legacy_busy) << "a first launch on a non-blocking stream waited for the legacy default stream";
+  ASSERT_EQ(cudaStreamSynchronize(nullptr), cudaSuccess);
+  cudaEventDestroy(legacy_done);
+  cudaStreamDestroy(s);
+}
+
 TEST(CudaKernels, ASpanTableIsUploadedUsedAndFreedInTheOrderOfItsStream) {
   SKIP_WITHOUT_GPU();
   CudaDevice gpu(0);

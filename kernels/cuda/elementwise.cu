@@ -441,4 +441,6 @@ cudaError_t flag_non_finite(const float* x, size_t n, int* flag, cudaStream_t s)
   return cudaGetLastError();
 }
 
+const void* elementwise_module_kernel() { return reinterpret_cast<const void*>(&non_finite_kernel); }
+
 }  // namespace fsdp::kernels::cuda

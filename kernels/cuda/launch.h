@@ -71,4 +71,18 @@ cudaError_t sum_squares(const float* x, size_t n, double* out, void* scratch, cu
 // left as it is otherwise (the caller clears it once per step).
 cudaError_t flag_non_finite(const float* x, size_t n, int* flag, cudaStream_t s);
 
+// Loads every kernel above into the current device's context. Under lazy
+// loading (CUDA_MODULE_LOADING=LAZY, the default since CUDA 12.2) a kernel is
+// otherwise loaded at its first launch, and loading may wait for the whole
+// context: for every stream's queued work, the application's included (seen
+// on the first H100 run: a first launch on a non-blocking stream waited for
+// the legacy default stream). The device calls this once when it is made.
+// On an error, `what` says which step failed.
+cudaError_t load_kernels(const char** what);
+
+// One kernel of each translation unit above, for load_kernels: a unit's
+// kernels are one CUDA module, found through any of its kernels.
+const void* elementwise_module_kernel();
+const void* norm_module_kernel();
+
 }  // namespace fsdp::kernels::cuda

@@ -78,4 +78,6 @@ cudaError_t sum_squares(const float* x, size_t n, double* out, void* scratch, cu
   return cudaGetLastError();
 }
 
+const void* norm_module_kernel() { return reinterpret_cast<const void*>(&step_sums); }
+
 }  // namespace fsdp::kernels::cuda

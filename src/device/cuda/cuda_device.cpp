@@ -4,10 +4,13 @@
 #include <cstdint>
 #include <limits>
 #include <map>
+#include <mutex>
 #include <new>
+#include <set>
 #include <string>
 
 #include "../../../kernels/cuda/launch.h"
+#include "../../base/log.h"
 #include "../../base/pool.h"
 #include "cuda_check.h"
 
@@ -196,6 +199,37 @@ void* pinned_alloc(size_t nbytes) {
 
 void pinned_free(void* p) { cudaFreeHost(p); }
 
+// libfsdp's kernels loaded into the device's context once per process, when
+// its first CudaDevice is made (k::load_kernels says why). Kernels built
+// without this GPU's architecture are refused here, by name, rather than at
+// a first launch in the middle of a step.
+void load_kernels_once(int ordinal) {
+  static std::mutex mu;
+  static std::set<int> loaded;
+  std::lock_guard<std::mutex> lock(mu);
+  if (loaded.count(ordinal) != 0) return;
+  const char* what = "";
+  cudaError_t e = k::load_kernels(&what);
+  if (e == cudaSuccess) {
+    loaded.insert(ordinal);
+    return;
+  }
+  cudaGetLastError();  // not sticky: clear it
+  if (e == cudaErrorNoKernelImageForDevice || e == cudaErrorInvalidDeviceFunction) {
+    cudaDeviceProp prop{};
+    std::string arch = cudaGetDeviceProperties(&prop, ordinal) == cudaSuccess
+                           ? "sm_" + std::to_string(prop.major) + std::to_string(prop.minor)
+                           : "this GPU's architecture";
+    fail(FSDP_ERR_UNSUPPORTED, "device=cuda:" + std::to_string(ordinal) + ": libfsdp's kernels were not built for " +
+                                   arch + " (" + describe(e) +
+                                   "); build it with CMAKE_CUDA_ARCHITECTURES naming that architecture");
+  }
+  loaded.insert(ordinal);  // said once: every kernel still loads at its first launch
+  base::log(FSDP_LOG_WARN, -1,
+            "device=cuda:" + std::to_string(ordinal) + ": loading libfsdp's kernels up front failed at " + what + " (" +
+                describe(e) + "); each loads at its first launch instead, which may wait for all work queued on the GPU");
+}
+
 }  // namespace
 
 HostMemory CudaDevice::host_memory() const { return {pinned_alloc, pinned_free}; }
@@ -218,6 +252,7 @@ CudaDevice::CudaDevice(int ordinal) : ordinal_(ordinal) {
                                         std::to_string(n) + " CUDA device(s), numbered 0.." + std::to_string(n - 1));
   }
   bind(ordinal_);
+  load_kernels_once(ordinal_);
   pool_ = MemPool::of(ordinal_);
   ops_ = std::make_unique<CudaStream>(ordinal_, "device operations", 0, StreamHooks{});
 }
