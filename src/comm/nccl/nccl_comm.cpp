@@ -48,22 +48,44 @@ int64_t now_ns() {
   return t == 0 ? 1 : t;  // 0 means "no call"
 }
 
-// A formation call of the non-blocking `parent` (a split into `child`, may be
-// null): polls NCCL until neither is in progress, until `deadline` (then
-// ncclInProgress is returned). NCCL's fault tolerance guide polls the parent;
-// the child is polled too in case its state lags.
-ncclResult_t settle_formation(ncclResult_t r, ncclComm_t parent, ncclComm_t child, Clock::time_point deadline,
+// A formation call of the non-blocking `parent`: a split into `*child`
+// (null for another kind of call). Polls until it is complete, until
+// `deadline` (then ncclInProgress is returned). NCCL 2.28 (seen on an H100
+// and an H200) returns ncclSuccess from a split of a non-blocking
+// communicator at once, the parent's state reads ncclSuccess, and the child
+// appears in *child some milliseconds later, written by NCCL's own thread:
+// so the split is complete once the child is there and neither it nor the
+// parent is in progress. An error of either ends the wait.
+ncclResult_t settle_formation(ncclResult_t r, ncclComm_t parent, ncclComm_t* child, Clock::time_point deadline,
                               double timeout_s) {
-  while (r == ncclInProgress) {
-    if (timeout_s > 0 && Clock::now() > deadline) return ncclInProgress;
-    std::this_thread::sleep_for(std::chrono::microseconds(100));
+  for (;;) {
+    if (r != ncclSuccess && r != ncclInProgress) return r;
+    ncclComm_t c = child != nullptr ? __atomic_load_n(child, __ATOMIC_ACQUIRE) : nullptr;
     ncclResult_t a = ncclSuccess, b = ncclSuccess;
     if (nccl().CommGetAsyncError(parent, &a) != ncclSuccess) return ncclInternalError;
-    if (a == ncclSuccess && child != nullptr && nccl().CommGetAsyncError(child, &b) != ncclSuccess) {
-      return ncclInternalError;
-    }
-    r = a != ncclSuccess ? a : b;
+    if (c != nullptr && nccl().CommGetAsyncError(c, &b) != ncclSuccess) return ncclInternalError;
+    if (a != ncclSuccess && a != ncclInProgress) return a;
+    if (b != ncclSuccess && b != ncclInProgress) return b;
+    if (a == ncclSuccess && b == ncclSuccess && (child == nullptr || c != nullptr)) return ncclSuccess;
+    if (timeout_s > 0 && Clock::now() > deadline) return ncclInProgress;
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+    r = ncclInProgress;
   }
+}
+
+// Splits the non-blocking `parent` (bounded by timeout_s). The child's slot
+// is on the heap: a split that has not finished by the deadline may still
+// write it, so then the slot is left to it (a pointer's worth, once, on a
+// failing rank) rather than freed under NCCL's thread.
+ncclResult_t split_bounded(ncclComm_t parent, int color, int key, ncclConfig_t* config, double timeout_s,
+                           ncclComm_t* out) {
+  auto* slot = new ncclComm_t(nullptr);
+  auto deadline = base::deadline_after(timeout_s);
+  ncclResult_t r = nccl().CommSplit(parent, color, key, slot, config);
+  r = settle_formation(r, parent, slot, deadline, timeout_s);
+  if (r == ncclInProgress) return r;  // NOLINT(clang-analyzer-cplusplus.NewDeleteLeaks): see above
+  *out = __atomic_load_n(slot, __ATOMIC_ACQUIRE);
+  delete slot;
   return r;
 }
 
@@ -107,9 +129,7 @@ NcclComm::NcclComm(ncclComm_t formed, int ordinal, std::vector<int> world_ranks,
   // same order, formed by a split of the non-blocking one (bounded).
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
   config.blocking = 1;
-  auto deadline = base::deadline_after(timeout_s_);
-  res = nccl().CommSplit(ctrl_, 0, rank_, &comm_, &config);
-  res = settle_formation(res, ctrl_, comm_, deadline, timeout_s_);
+  res = split_bounded(ctrl_, 0, rank_, &config, timeout_s_, &comm_);
   const std::string who =
       "rank " + std::to_string(world_ranks_[static_cast<size_t>(rank_)]) + " of " + std::to_string(world_ranks_.size());
   if (res == ncclInProgress) {
@@ -117,7 +137,7 @@ NcclComm::NcclComm(ncclComm_t formed, int ordinal, std::vector<int> world_ranks,
                                   "complete within timeout_s = " + base::format_double(timeout_s_) +
                                   " s: a rank did not take part (it may have failed)");
   }
-  if (res != ncclSuccess || comm_ == nullptr) {
+  if (res != ncclSuccess) {
     give_up(FSDP_ERR_COMM, "nccl communicator (" + who +
                                "): forming its blocking data communicator failed: " + nccl_describe(res, nullptr));
   }
@@ -506,9 +526,7 @@ std::unique_ptr<Communicator> NcclComm::split(int color, int key, const std::str
   ncclResult_t r = ncclSuccess;
   {
     Call guard(*this, /*watched=*/false);  // bounded here
-    auto deadline = base::deadline_after(timeout_s_);
-    r = nccl().CommSplit(ctrl_, color, key, &child, &config);
-    r = settle_formation(r, ctrl_, child, deadline, timeout_s_);
+    r = split_bounded(ctrl_, color, key, &config, timeout_s_, &child);
     if (r != ncclSuccess && child != nullptr) nccl().CommAbort(child);
   }
   if (r == ncclInProgress) {
