@@ -29,9 +29,11 @@ using fsdp::device::cuda::CudaStream;
 
 int main(int argc, char** argv) {
   int log2n = 28, reps = 20;
+  size_t stagger = 0;  // --stagger B: the k-th array starts k*B bytes into its block (B a multiple of 256)
   for (int i = 1; i + 1 < argc; i += 2) {
     if (!std::strcmp(argv[i], "--log2n")) log2n = std::atoi(argv[i + 1]);
     if (!std::strcmp(argv[i], "--reps")) reps = std::atoi(argv[i + 1]);
+    if (!std::strcmp(argv[i], "--stagger")) stagger = std::strtoull(argv[i + 1], nullptr, 10) / 256 * 256;
   }
   if (CudaDevice::count() == 0) {
     std::printf(
@@ -43,11 +45,20 @@ int main(int argc, char** argv) {
   cudaDeviceProp prop{};
   cudaGetDeviceProperties(&prop, 0);
   const size_t n = size_t(1) << log2n;
-  float* p = static_cast<float*>(gpu.alloc(n * 4));
-  float* g = static_cast<float*>(gpu.alloc(n * 4));
-  float* m = static_cast<float*>(gpu.alloc(n * 4));
-  float* v = static_cast<float*>(gpu.alloc(n * 4));
-  void* lowp = gpu.alloc(n * 2);
+  // Equal blocks from the pool lie a multiple of their size apart; --stagger
+  // moves each array off that alignment (DRAM channel conflicts, if any, show
+  // as a difference between the two runs).
+  std::vector<void*> blocks;
+  auto array = [&](size_t nbytes) {
+    const size_t skew = stagger * blocks.size();
+    blocks.push_back(gpu.alloc(nbytes + skew));
+    return static_cast<char*>(blocks.back()) + skew;
+  };
+  float* p = reinterpret_cast<float*>(array(n * 4));
+  float* g = reinterpret_cast<float*>(array(n * 4));
+  float* m = reinterpret_cast<float*>(array(n * 4));
+  float* v = reinterpret_cast<float*>(array(n * 4));
+  void* lowp = array(n * 2);
   for (float* x : {p, g, m, v}) gpu.zero(x, n * 4);
 
   auto stream = gpu.create_stream("bench", 0, fsdp::device::StreamHooks{});
@@ -59,6 +70,7 @@ int main(int argc, char** argv) {
                             .add("bench", "cuda_kernels")
                             .add("gpu", prop.name)
                             .add("kernel", what)
+                            .add("stagger_bytes", static_cast<double>(stagger))
                             .add("numel", static_cast<double>(n))
                             .add("seconds", t)
                             .add("GBps", bytes / t / 1e9)
@@ -109,7 +121,6 @@ int main(int argc, char** argv) {
   report("cast_bf16_to_fp32", 6.0 * n,
          best_gpu_seconds(s, reps, [&] { gpu.cast(p, DType::kFp32, lowp, DType::kBf16, n); }));
   report("sum_squares", 4.0 * n, best_gpu_seconds(s, reps, [&] { (void)gpu.sum_squares(g, n); }));
-  for (void* x : {static_cast<void*>(p), static_cast<void*>(g), static_cast<void*>(m), static_cast<void*>(v), lowp})
-    gpu.free(x);
+  for (void* b : blocks) gpu.free(b);
   return 0;
 }
