@@ -429,15 +429,25 @@ class RunStages(ScriptTest):
         rc, out = self.sb.check("memcheck")
         self.assertRan(rc, out)
         runs = [l for l in self.sb.calls().splitlines() if l.startswith("compute-sanitizer")]
-        self.assertEqual(len(runs), 3, runs)
+        self.assertEqual(len(runs), 4, runs)
         for line in runs:
             self.assertIn("*TwoGpus*", line)
             self.assertIn("NcclChild.*", line)
             self.assertIn("GpuFaultChild.*", line)  # the GPU fault on purpose
+            self.assertIn("*AFirstLaunchWaitsForNoOtherStream*", line)  # the tool serializes launches
             self.assertIn("--error-exitcode 99", line)
-        self.assertIn("--report-api-errors explicit", runs[0])  # test_cuda: only libfsdp calls CUDA
-        self.assertIn("--report-api-errors no", runs[1])        # test_cuda_engine: NCCL in the process
-        self.assertIn("--report-api-errors no", runs[2])        # test_gpt_cuda: cuDNN and cuBLAS
+        # test_cuda but its NCCL tests: only libfsdp calls CUDA.
+        self.assertIn("--report-api-errors explicit", runs[0])
+        self.assertIn("test_cuda --gtest_filter=*-", runs[0])
+        self.assertTrue(runs[0].endswith(":CudaNccl.*"), runs[0])
+        # test_cuda's NCCL tests: libnccl probes its kernels with calls that fail.
+        self.assertIn("--report-api-errors no", runs[1])
+        self.assertIn("test_cuda --gtest_filter=CudaNccl.*-", runs[1])
+        self.assertIn("--report-api-errors no", runs[2])        # test_cuda_engine: NCCL in the process
+        self.assertIn("--report-api-errors no", runs[3])        # test_gpt_cuda: cuDNN and cuBLAS
+        names = self.sb.summary_text()
+        self.assertIn("compute-sanitizer memcheck test_cuda (-CudaNccl.*)", names)
+        self.assertIn("compute-sanitizer memcheck test_cuda (CudaNccl.*)", names)
 
     def test_a_sanitizer_pass_whose_tests_skip_or_that_reports_errors_fails(self):
         self.build()
