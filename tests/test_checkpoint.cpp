@@ -8,6 +8,8 @@
 #include <sys/wait.h>
 
 #include <algorithm>
+#include <atomic>
+#include <thread>
 
 #include "ckpt_util.h"
 
@@ -789,6 +791,39 @@ TEST(Checkpoint, CrashBetweenTheTwoRenamesIsRecoveredByTheNextSave) {
   unsetenv("FSDP_CKPT_FAULT");
   EXPECT_TRUE(bitwise_equal(load_world(dir, 1), next));
   EXPECT_FALSE(std::filesystem::exists(tmp / ".ck.fsdp-staging.old"));
+}
+
+// The second pass of a load fails on one rank (a disk error after every rank
+// had checked its part, injected after rank 1's first unit): every rank
+// returns FSDP_ERR_IO saying the state is partly loaded, and loading again
+// mends it.
+TEST(Checkpoint, AReadErrorInTheSecondPassFailsEveryRankSayingSoAndLoadingAgainMendsIt) {
+  TempDir tmp;
+  const std::string dir = tmp / "ck";
+  const State saved = save_world4(dir, 15, 2);
+  setenv("FSDP_CKPT_FAULT", "read_error_rank=1", 1);
+  std::atomic<int> failed{0};
+  std::atomic<bool> cleared{false};
+  run_ranks(2, [&](int rank, fsdp_local_group_t* group) {
+    Job job;
+    open_job(job, kNet, base_options("FULL_SHARD"), rank, group);
+    fsdp_status_t st = fsdp_load(job.ctx.get(), dir.c_str());
+    std::string msg = last_error_str();
+    EXPECT_EQ(st, FSDP_ERR_IO) << msg;
+    EXPECT_NE(msg.find("injected by FSDP_CKPT_FAULT"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("are now partly loaded; load again"), std::string::npos) << msg;
+    // Both ranks past the failed load: no getenv runs while it is cleared.
+    failed.fetch_add(1);
+    while (failed.load() < 2) std::this_thread::yield();
+    if (rank == 0) {
+      unsetenv("FSDP_CKPT_FAULT");
+      cleared.store(true);
+    }
+    while (!cleared.load()) std::this_thread::yield();
+    ASSERT_OK(fsdp_load(job.ctx.get(), dir.c_str()));
+    EXPECT_TRUE(bitwise_equal(gather(job, kNet), saved));
+  });
+  unsetenv("FSDP_CKPT_FAULT");
 }
 
 // One rank's write fails: every rank returns FSDP_ERR_IO naming that file,

@@ -298,4 +298,6 @@ void after_file_written() {
 
 bool inject_io_error(int rank) { return fault_value("io_error_rank") == rank; }
 
+bool inject_read_error(int rank) { return fault_value("read_error_rank") == rank; }
+
 }  // namespace fsdp::ckpt

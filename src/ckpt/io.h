@@ -80,6 +80,9 @@ std::string remove_failed_staging(const std::string& staged);
 //                        checkpoint files have been written in it, counting
 //                        across its ranks;
 //   io_error_rank=R      rank R's shard write fails with FSDP_ERR_IO;
+//   read_error_rank=R    rank R's reads into place (fsdp_load's second pass,
+//                        fsdp_load_pretrained's read) fail with FSDP_ERR_IO
+//                        after its first unit, as a disk error would;
 //   no_exchange=1        commit_dir acts as on a file system without
 //                        RENAME_EXCHANGE (two renames);
 //   crash_after_aside=1  with no_exchange, the process exits between them;
@@ -89,5 +92,6 @@ std::string remove_failed_staging(const std::string& staged);
 // Unset in production: each check is one getenv.
 void after_file_written();
 bool inject_io_error(int rank);
+bool inject_read_error(int rank);
 
 }  // namespace fsdp::ckpt

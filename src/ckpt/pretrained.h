@@ -4,9 +4,9 @@
 // names (fsdp_load_pretrained's options).
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <utility>
-#include <cstdint>
 #include <vector>
 
 namespace fsdp::ckpt {

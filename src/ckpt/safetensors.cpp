@@ -16,8 +16,8 @@ namespace {
 
 using nlohmann::json;
 
-[[noreturn]] void corrupt(const std::string& file, const std::string& msg) {
-  fail(FSDP_ERR_CORRUPT, "checkpoint file " + base::quote_path(file) + ": " + msg);
+[[noreturn]] void corrupt(const char* kind, const std::string& file, const std::string& msg) {
+  fail(FSDP_ERR_CORRUPT, std::string(kind) + " " + base::quote_path(file) + ": " + msg);
 }
 
 constexpr size_t kWriteBuffer = 4u << 20;
@@ -67,48 +67,49 @@ uint32_t crc32_of(const void* data, size_t n, uint32_t crc) {
   return libdeflate_crc32(crc, data, n);
 }
 
-Header parse_header(const std::string& file, const char* text, size_t n, uint64_t file_size) {
+Header parse_header(const std::string& file, const char* text, size_t n, uint64_t file_size, const char* kind) {
+  auto corrupt = [&](const std::string& msg) { ckpt::corrupt(kind, file, msg); };
   json j = json::parse(text, text + n, nullptr, /*allow_exceptions=*/false);
-  if (j.is_discarded()) corrupt(file, "its safetensors header is not valid JSON");
-  if (!j.is_object()) corrupt(file, "its safetensors header is not a JSON object");
+  if (j.is_discarded()) corrupt("its safetensors header is not valid JSON");
+  if (!j.is_object()) corrupt("its safetensors header is not a JSON object");
   Header h;
   h.json_bytes = n;
   for (auto it = j.begin(); it != j.end(); ++it) {
     const std::string& name = it.key();
     const json& v = it.value();
     if (name == "__metadata__") {
-      if (!v.is_object()) corrupt(file, "__metadata__ is not an object");
+      if (!v.is_object()) corrupt("__metadata__ is not an object");
       for (auto m = v.begin(); m != v.end(); ++m) {
-        if (!m.value().is_string()) corrupt(file, "__metadata__ value " + base::quote(m.key()) + " is not a string");
+        if (!m.value().is_string()) corrupt("__metadata__ value " + base::quote(m.key()) + " is not a string");
         h.metadata[m.key()] = m.value().get<std::string>();
       }
       continue;
     }
     std::string where = "tensor " + base::quote(name);
-    if (!v.is_object()) corrupt(file, where + " is not described by an object");
+    if (!v.is_object()) corrupt(where + " is not described by an object");
     auto dt = v.find("dtype");
     auto sh = v.find("shape");
     auto off = v.find("data_offsets");
-    if (dt == v.end() || !dt->is_string()) corrupt(file, where + " has no dtype string");
-    if (sh == v.end() || !sh->is_array()) corrupt(file, where + " has no shape array");
-    if (off == v.end() || !off->is_array() || off->size() != 2) corrupt(file, where + " has no data_offsets pair");
+    if (dt == v.end() || !dt->is_string()) corrupt(where + " has no dtype string");
+    if (sh == v.end() || !sh->is_array()) corrupt(where + " has no shape array");
+    if (off == v.end() || !off->is_array() || off->size() != 2) corrupt(where + " has no data_offsets pair");
     TensorInfo t;
     t.name = name;
     t.dtype = dt->get<std::string>();
     size_t es = dtype_bytes(t.dtype);
-    if (es == 0) corrupt(file, where + " has unknown dtype " + base::quote(t.dtype));
+    if (es == 0) corrupt(where + " has unknown dtype " + base::quote(t.dtype));
     uint64_t nbytes = es;
     for (const json& d : *sh) {
       uint64_t dim = 0;
-      if (!as_u64(d, &dim) || dim > (uint64_t{1} << 62)) corrupt(file, where + " has a bad dimension in its shape");
-      if (__builtin_mul_overflow(nbytes, dim, &nbytes)) corrupt(file, where + " has a shape too large to exist");
+      if (!as_u64(d, &dim) || dim > (uint64_t{1} << 62)) corrupt(where + " has a bad dimension in its shape");
+      if (__builtin_mul_overflow(nbytes, dim, &nbytes)) corrupt(where + " has a shape too large to exist");
       t.shape.push_back(static_cast<int64_t>(dim));
     }
     if (!as_u64((*off)[0], &t.begin) || !as_u64((*off)[1], &t.end) || t.end < t.begin) {
-      corrupt(file, where + " has bad data_offsets");
+      corrupt(where + " has bad data_offsets");
     }
     if (t.end - t.begin != nbytes) {
-      corrupt(file, where + " has data_offsets [" + std::to_string(t.begin) + ", " + std::to_string(t.end) + ") of " +
+      corrupt(where + " has data_offsets [" + std::to_string(t.begin) + ", " + std::to_string(t.end) + ") of " +
                         std::to_string(t.end - t.begin) + " bytes, but its dtype and shape need " +
                         std::to_string(nbytes));
     }
@@ -120,15 +121,28 @@ Header parse_header(const std::string& file, const char* text, size_t n, uint64_
   uint64_t pos = 0;
   for (const TensorInfo& t : h.tensors) {
     if (t.begin != pos) {
-      corrupt(file, "tensor " + base::quote(t.name) + " starts at data byte " + std::to_string(t.begin) +
+      corrupt("tensor " + base::quote(t.name) + " starts at data byte " + std::to_string(t.begin) +
                         ", expected " + std::to_string(pos) +
                         " (tensors must tile the data section without gaps or overlaps)");
     }
     pos = t.end;
   }
-  if (file_size != 0 && h.data_start() + pos != file_size) {
-    corrupt(file, "its tensors end at byte " + std::to_string(h.data_start() + pos) + " but the file has " +
-                      std::to_string(file_size) + " bytes (truncated or padded)");
+  if (file_size != 0 && h.data_start() + pos < file_size) {
+    corrupt("its tensors end at byte " + std::to_string(h.data_start() + pos) + " but the file has " +
+            std::to_string(file_size) + " bytes (padded, or not what its header describes)");
+  }
+  if (file_size != 0 && h.data_start() + pos > file_size) {
+    // Truncated: name the first tensor that does not fit, and how many after it.
+    auto past = std::find_if(h.tensors.begin(), h.tensors.end(),
+                             [&](const TensorInfo& t) { return h.data_start() + t.end > file_size; });
+    std::string which;
+    if (past != h.tensors.end()) {
+      auto after = h.tensors.end() - past - 1;
+      which = ", but tensor " + base::quote(past->name) + " ends at byte " + std::to_string(h.data_start() + past->end) +
+              (after > 0 ? " (and " + std::to_string(after) + " tensor(s) after it lie past the end too)" : "");
+    }
+    corrupt("truncated: it has " + std::to_string(file_size) + " bytes" + which + "; its header needs " +
+            std::to_string(h.data_start() + pos));
   }
   return h;
 }
@@ -222,8 +236,9 @@ FileRecord Writer::finish() {
   return rec_;
 }
 
-Reader::Reader(const std::string& path, const FileRecord* expect, uint64_t chunk_bytes)
-    : file_(File::open_read(path)), expect_(expect), chunk_bytes_(chunk_bytes) {
+Reader::Reader(const std::string& path, const FileRecord* expect, uint64_t chunk_bytes, const char* kind)
+    : file_(File::open_read(path)), expect_(expect), chunk_bytes_(chunk_bytes), kind_(kind) {
+  auto corrupt = [&](const std::string& file, const std::string& msg) { ckpt::corrupt(kind_, file, msg); };
   uint64_t size = file_.size();
   if (expect_ != nullptr && size != expect_->size) {
     corrupt(path, "it has " + std::to_string(size) + " bytes, the checkpoint metadata says " +
@@ -244,7 +259,7 @@ Reader::Reader(const std::string& path, const FileRecord* expect, uint64_t chunk
       (8 + n != expect_->header_bytes || crc32_of(head.data(), head.size()) != expect_->header_crc32)) {
     corrupt(path, "its safetensors header fails its checksum");
   }
-  header_ = parse_header(path, head.data() + 8, n, size);
+  header_ = parse_header(path, head.data() + 8, n, size, kind_);
   if (expect_ == nullptr) return;
   for (const auto& [name, sums] : expect_->tensors) {
     const TensorInfo& t = tensor(name);
@@ -262,14 +277,14 @@ Reader::Reader(const std::string& path, const FileRecord* expect, uint64_t chunk
 
 const TensorInfo& Reader::tensor(const std::string& name) const {
   const TensorInfo* t = header_.find(name);
-  if (t == nullptr) corrupt(path(), "tensor " + base::quote(name) + " is missing");
+  if (t == nullptr) corrupt(kind_, path(), "tensor " + base::quote(name) + " is missing");
   return *t;
 }
 
 void Reader::check_chunk(const TensorInfo& t, uint64_t chunk, const char* data, uint64_t n) const {
   if (crc32_of(data, n) != expect_->tensors.at(t.name).chunks[chunk]) {
     uint64_t b = chunk * chunk_bytes_;
-    corrupt(path(), "tensor " + base::quote(t.name) + " fails its checksum in bytes [" + std::to_string(b) + ", " +
+    corrupt(kind_, path(), "tensor " + base::quote(t.name) + " fails its checksum in bytes [" + std::to_string(b) + ", " +
                         std::to_string(b + n) + ")");
   }
 }

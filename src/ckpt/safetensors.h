@@ -40,8 +40,9 @@ constexpr uint64_t kMaxHeaderBytes = 100u << 20;
 // known dtypes, shapes matching byte ranges, ranges that tile the data section
 // in order with no gap or overlap, and (when file_size != 0) a data section
 // that ends exactly at the end of the file. Throws FSDP_ERR_CORRUPT naming
-// `file` and the tensor.
-Header parse_header(const std::string& file, const char* json, size_t n, uint64_t file_size);
+// `file` (as a `kind`: "checkpoint file") and the tensor.
+Header parse_header(const std::string& file, const char* json, size_t n, uint64_t file_size,
+                    const char* kind = "checkpoint file");
 
 // Checksums of one tensor's bytes: the whole, and each chunk of chunk_bytes
 // (the last one shorter).
@@ -96,10 +97,12 @@ class Writer {
 
 // One safetensors file opened for reading, its header parsed. With `expect`
 // the header and size are checked against the metadata's record, and every
-// read() verifies the chunks it touches.
+// read() verifies the chunks it touches. Its errors call the file a `kind`
+// ("checkpoint file", "pretrained weights file").
 class Reader {
  public:
-  Reader(const std::string& path, const FileRecord* expect, uint64_t chunk_bytes);
+  Reader(const std::string& path, const FileRecord* expect, uint64_t chunk_bytes,
+         const char* kind = "checkpoint file");
   const Header& header() const { return header_; }
   const std::string& path() const { return file_.path(); }
   // The tensor, or FSDP_ERR_CORRUPT naming the file and tensor.
@@ -117,6 +120,7 @@ class Reader {
   Header header_;
   const FileRecord* expect_;
   uint64_t chunk_bytes_;
+  const char* kind_;
 };
 
 }  // namespace fsdp::ckpt

@@ -34,30 +34,37 @@ constexpr size_t kStageBytes = 8u << 20;
 // full speed), taken on first use and grown as asked.
 class HostStage {
  public:
-  explicit HostStage(const device::Device& dev) : mem_(dev.host_memory()) {}
-  ~HostStage() {
-    if (data_ != nullptr) mem_.free(data_);
-  }
+  // Counted in `tracker` (scratch, host pool) where one is given.
+  explicit HostStage(const device::Device& dev, MemoryTracker* tracker = nullptr)
+      : mem_(dev.host_memory()), tracker_(tracker) {}
+  ~HostStage() { release(); }
   HostStage(const HostStage&) = delete;
   HostStage& operator=(const HostStage&) = delete;
   // At least `nbytes` (the contents are not kept when it grows).
   void* get(size_t nbytes) {
     if (nbytes > nbytes_) {
-      if (data_ != nullptr) mem_.free(data_);
-      data_ = nullptr;
-      nbytes_ = 0;
+      release();
       data_ = mem_.alloc(nbytes);
       if (data_ == nullptr) {
         fail(FSDP_ERR_OUT_OF_MEMORY, "checkpoint: could not allocate " + std::to_string(nbytes) +
                                          " bytes of host memory to stage device memory through");
       }
       nbytes_ = nbytes;
+      if (tracker_ != nullptr) tracker_->add(MemCategory::kScratch, device::Pool::kHost, nbytes_);
     }
     return data_;
   }
 
  private:
+  void release() {
+    if (data_ == nullptr) return;
+    mem_.free(data_);
+    if (tracker_ != nullptr) tracker_->sub(MemCategory::kScratch, device::Pool::kHost, nbytes_);
+    data_ = nullptr;
+    nbytes_ = 0;
+  }
   device::HostMemory mem_;
+  MemoryTracker* tracker_;
   void* data_ = nullptr;
   size_t nbytes_ = 0;
 };
@@ -141,7 +148,7 @@ std::vector<ckpt::FileRecord> Context::write_shard_file(const std::string& stage
                           ": injected by FSDP_CKPT_FAULT");
   }
   std::unique_ptr<ckpt::Writer> w = ckpt::create_shard_file(staged, meta, rt_.shard_rank());
-  HostStage stage(*rt_.state_dev);
+  HostStage stage(*rt_.state_dev, &rt_.mem);
   for (size_t k = 0; k < units_.size(); ++k) {
     size_t nbytes = units_[k]->shard_numel() * sizeof(float);
     write_from(*w, rt_.state_dev, stage, units_[k]->master(), nbytes);
@@ -170,7 +177,7 @@ std::vector<ckpt::FileRecord> Context::write_full_files(const std::string& stage
   // unit one state at a time.
   on_root([&] { files = ckpt::create_full_files(staged, meta, std::move(entries)); });
   bool gather = rt_.shard_world() > 1;
-  HostStage stage(*rt_.dev);  // the full unit is on the compute device, or the shard on the state device
+  HostStage stage(*rt_.dev, &rt_.mem);  // the full unit is on the compute device, or the shard on the state device
   for (size_t k = 0; k < units_.size(); ++k) {
     Unit& u = *units_[k];
     const FlatLayout& lay = u.layout();
@@ -412,7 +419,7 @@ void Context::load(const std::string& dir, bool strict) {
   std::string left_out;
   size_t largest = 0;
   for (const auto& u : units_) largest = std::max(largest, u->shard_numel());
-  HostStage stage(*rt_.state_dev);  // the host side of reads into a device the host cannot see
+  HostStage stage(*rt_.state_dev, &rt_.mem);  // the host side of reads into a device the host cannot see
   // Reads unit k's `kind` into `out` (host memory); the ranges of params the
   // checkpoint lacks (non-strict) keep what `out` holds.
   auto read_unit = [&](size_t k, const std::string& kind, float* out) {
@@ -431,8 +438,8 @@ void Context::load(const std::string& dir, bool strict) {
     check_no_pending_grads(call);
     reader = std::make_unique<ckpt::CheckpointReader>(dir);
     sources = match_checkpoint(reader->meta(), ckpt::join(dir, ckpt::kMetaFile), strict, &left_out);
-    // On the state device where the host sees it (counted in the memory
-    // stats), else the host stage the second pass uses too.
+    // On the state device where the host sees it, else the host stage the
+    // second pass uses too (counted in the memory stats either way).
     Buffer counted;
     float* scratch = nullptr;
     if (rt_.state_dev->host_visible()) {
@@ -452,6 +459,9 @@ void Context::load(const std::string& dir, bool strict) {
   const ckpt::Meta& meta = reader->meta();
   Outcome read = capture([&] {
     for (size_t k = 0; k < units_.size(); ++k) {
+      if (k == 1 && ckpt::inject_read_error(rt_.rank)) {
+        fail(FSDP_ERR_IO, "reading " + base::quote_path(dir) + ": injected by FSDP_CKPT_FAULT");
+      }
       read_into(k, "param", units_[k]->master_for_load());
       units_[k]->master_loaded();
       for (size_t i = 0; i < meta.optimizer.state.size(); ++i) {
@@ -516,7 +526,7 @@ void Context::load_pretrained(const std::string& path, const char* options) {
     check_no_pending_grads(call);
     ckpt::PretrainedOptions o = ckpt::parse_pretrained_options(options);
     for (const std::string& f : ckpt::pretrained_files(path)) {
-      files.push_back(std::make_unique<ckpt::Reader>(f, nullptr, uint64_t(1) << 20));
+      files.push_back(std::make_unique<ckpt::Reader>(f, nullptr, uint64_t(1) << 20, "pretrained weights file"));
     }
     std::map<std::string, Source> by_host;
     std::vector<std::string> twice, missing, shapes, dtypes;
@@ -588,13 +598,21 @@ void Context::load_pretrained(const std::string& path, const char* options) {
   });
   if (!checked.ok()) checked.message = std::string(call) + ": " + checked.message;
   check_outcomes(*rt_.comm, what, checked.status, checked.message);
-  // Then each rank reads the ranges of its own shard into place.
+  // Then each rank reads the ranges of its own shard into place, through
+  // kPiece elements of the files' bytes and kPiece fp32 values (2 MiB of
+  // host memory, counted) and, where the host cannot see the state device,
+  // one unit's shard of host memory to stage it through.
   Outcome read = capture([&] {
-    HostStage stage(*rt_.state_dev);
     constexpr size_t kPiece = size_t(1) << 18;  // elements read and converted at a time
-    std::vector<unsigned char> raw;
-    std::vector<float> whole;
+    HostStage stage(*rt_.state_dev, &rt_.mem);
+    HostStage raw_stage(*rt_.state_dev, &rt_.mem);
+    HostStage conv_stage(*rt_.state_dev, &rt_.mem);
+    auto* raw = static_cast<unsigned char*>(raw_stage.get(kPiece * sizeof(float)));
+    auto* conv = static_cast<float*>(conv_stage.get(kPiece * sizeof(float)));
     for (size_t k = 0; k < units_.size(); ++k) {
+      if (k == 1 && ckpt::inject_read_error(rt_.rank)) {
+        fail(FSDP_ERR_IO, "reading " + base::quote_path(path) + ": injected by FSDP_CKPT_FAULT");
+      }
       Unit& u = *units_[k];
       const FlatLayout& lay = u.layout();
       size_t n = u.shard_numel();
@@ -613,32 +631,46 @@ void Context::load_pretrained(const std::string& path, const char* options) {
         if (a >= b) continue;
         const ckpt::TensorInfo& t = *s.tensor;
         size_t es = ckpt::dtype_bytes(t.dtype);
-        float* o = out + (a - lo);
+        float* o = out + (a - lo);  // the param's element a - off
         if (!s.transposed) {
           for (uint64_t e = a - off; e < b - off;) {
             size_t m = static_cast<size_t>(std::min<uint64_t>(kPiece, b - off - e));
-            raw.resize(m * es);
-            s.file->read(t.name, e * es, m * es, raw.data());
-            to_f32(t.dtype, raw.data(), m, o);
+            if (t.dtype == "F32") {
+              s.file->read(t.name, e * es, m * es, o);
+            } else {
+              s.file->read(t.name, e * es, m * es, raw);
+              to_f32(t.dtype, raw, m, o);
+            }
             o += m;
             e += m;
           }
           continue;
         }
         // Stored [A, B], registered [B, A]: the host's element (i, j) is the
-        // file's (j, i). The host rows i0..i1 that [a, b) touches are, in
-        // each of the file's A rows, one run of columns: A reads of that run,
-        // so that a rank reads only its shard's part (and up to two rows).
+        // file's (j, i). The host rows [i0, i1] that [h0, h1) touches are, in
+        // each of the file's A rows, one run of columns; taken in groups of
+        // at most kPiece host rows, and of file rows as many as fit with
+        // them in kPiece values, so that a rank reads only its shard's part
+        // (and up to two rows) and holds no more than kPiece values of it.
         size_t rows_a = static_cast<size_t>(t.shape[0]), cols_b = static_cast<size_t>(t.shape[1]);
-        size_t h0 = static_cast<size_t>(a - off), h1 = static_cast<size_t>(b - off);  // [h0, h1) of the param
-        size_t i0 = h0 / rows_a, i1 = (h1 - 1) / rows_a, run = i1 - i0 + 1;
-        raw.resize(run * es);
-        whole.resize(rows_a * run);
-        for (size_t j = 0; j < rows_a; ++j) {
-          s.file->read(t.name, (j * cols_b + i0) * es, run * es, raw.data());
-          to_f32(t.dtype, raw.data(), run, whole.data() + j * run);
+        size_t h0 = static_cast<size_t>(a - off), h1 = static_cast<size_t>(b - off);
+        size_t i0 = h0 / rows_a, i1 = (h1 - 1) / rows_a;
+        for (size_t ia = i0; ia <= i1; ia += kPiece) {
+          size_t ib = std::min(i1 + 1, ia + kPiece), run = ib - ia;
+          size_t step = std::max<size_t>(1, kPiece / run);
+          for (size_t ja = 0; ja < rows_a; ja += step) {
+            size_t jb = std::min(rows_a, ja + step);
+            for (size_t j = ja; j < jb; ++j) {
+              s.file->read(t.name, (j * cols_b + ia) * es, run * es, raw);
+              to_f32(t.dtype, raw, run, conv + (j - ja) * run);
+            }
+            for (size_t r = ia; r < ib; ++r) {  // host row r, its columns [ja, jb) within [h0, h1)
+              size_t row = r * rows_a;
+              size_t c0 = std::max(ja, h0 > row ? h0 - row : 0), c1 = std::min(jb, h1 - row);
+              for (size_t c = c0; c < c1; ++c) o[row + c - h0] = conv[(c - ja) * run + (r - ia)];
+            }
+          }
         }
-        for (size_t h = h0; h < h1; ++h) *o++ = whole[(h % rows_a) * run + (h / rows_a - i0)];
       }
       if (out != dst) rt_.state_dev->copy_from_host(dst, out, n * sizeof(float));
       u.master_loaded();
@@ -741,7 +773,7 @@ void Context::export_weights(const std::string& dir, const char* options) {
   std::vector<std::string> written;
   if (rt_.rank < rt_.shard_world()) {
     bool gather = rt_.shard_world() > 1;
-    HostStage stage(*rt_.dev);
+    HostStage stage(*rt_.dev, &rt_.mem);
     std::unique_ptr<ckpt::Writer> w;
     size_t next = 0;  // the next item to write
     std::vector<float> host, moved;
