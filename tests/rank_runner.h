@@ -212,6 +212,34 @@ inline void run_ranks(int world, const std::function<void(int rank, fsdp_local_g
   fsdp_local_group_destroy(group);
 }
 
+// A meeting of the thread-ranks of one run_ranks world, once: meet() returns
+// when every rank has arrived and `fn`, run by rank 0 alone meanwhile, has
+// returned. For what no rank may do while another still runs (clear an
+// environment variable they read, measure the process between two phases).
+// Thread-ranks only: under mpirun each process holds one rank.
+class Meeting {
+ public:
+  explicit Meeting(int world) : world_(world) {}
+  void meet(int rank, const std::function<void()>& fn = {}) {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (++arrived_ == world_) cv_.notify_all();
+    cv_.wait(lock, [&] { return arrived_ >= world_; });
+    if (rank == 0) {
+      if (fn) fn();
+      done_ = true;
+      cv_.notify_all();
+    }
+    cv_.wait(lock, [&] { return done_; });
+  }
+
+ private:
+  const int world_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  int arrived_ = 0;
+  bool done_ = false;
+};
+
 // Every rank's `mine`, in rank order. With threads there is one process and
 // the caller already holds every rank's result: {mine} is returned. Under
 // mpirun the ranks' bytes are exchanged (the test's own MPI_Allgatherv, after

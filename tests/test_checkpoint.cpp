@@ -8,8 +8,6 @@
 #include <sys/wait.h>
 
 #include <algorithm>
-#include <atomic>
-#include <thread>
 
 #include "ckpt_util.h"
 
@@ -802,8 +800,7 @@ TEST(Checkpoint, AReadErrorInTheSecondPassFailsEveryRankSayingSoAndLoadingAgainM
   const std::string dir = tmp / "ck";
   const State saved = save_world4(dir, 15, 2);
   setenv("FSDP_CKPT_FAULT", "read_error_rank=1", 1);
-  std::atomic<int> failed{0};
-  std::atomic<bool> cleared{false};
+  Meeting failed(2);
   run_ranks(2, [&](int rank, fsdp_local_group_t* group) {
     Job job;
     open_job(job, kNet, base_options("FULL_SHARD"), rank, group);
@@ -812,14 +809,7 @@ TEST(Checkpoint, AReadErrorInTheSecondPassFailsEveryRankSayingSoAndLoadingAgainM
     EXPECT_EQ(st, FSDP_ERR_IO) << msg;
     EXPECT_NE(msg.find("injected by FSDP_CKPT_FAULT"), std::string::npos) << msg;
     EXPECT_NE(msg.find("are now partly loaded; load again"), std::string::npos) << msg;
-    // Both ranks past the failed load: no getenv runs while it is cleared.
-    failed.fetch_add(1);
-    while (failed.load() < 2) std::this_thread::yield();
-    if (rank == 0) {
-      unsetenv("FSDP_CKPT_FAULT");
-      cleared.store(true);
-    }
-    while (!cleared.load()) std::this_thread::yield();
+    failed.meet(rank, [] { unsetenv("FSDP_CKPT_FAULT"); });  // no rank reads it meanwhile
     ASSERT_OK(fsdp_load(job.ctx.get(), dir.c_str()));
     EXPECT_TRUE(bitwise_equal(gather(job, kNet), saved));
   });

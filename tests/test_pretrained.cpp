@@ -9,14 +9,12 @@
 #include <gtest/gtest.h>
 #include <malloc.h>
 
-#include <atomic>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "rank_runner.h"
@@ -100,16 +98,19 @@ const char* kOptions =
     "rename=h.{i}.attn.c_attn.weight:blocks.{i}.qkv.weight\nrename=h.{i}.attn.c_attn.bias:blocks.{i}.qkv.bias;"
     "transpose=blocks.*.qkv.weight";
 
+// A 2-D tensor's values transposed: what a host that registers it the other
+// way round holds.
+std::vector<float> transposed(const FileTensor& t) {
+  size_t r = size_t(t.shape[0]), c = size_t(t.shape[1]);
+  std::vector<float> out(r * c);
+  for (size_t i = 0; i < r; ++i)
+    for (size_t j = 0; j < c; ++j) out[j * r + i] = t.values[i * c + j];
+  return out;
+}
+
 // The params the files should give, in kUnits' order (the transposes undone).
 std::vector<std::vector<std::vector<float>>> expected(const std::vector<FileTensor>& ts) {
-  auto transpose = [](const FileTensor& t) {
-    size_t r = size_t(t.shape[0]), c = size_t(t.shape[1]);
-    std::vector<float> out(r * c);
-    for (size_t i = 0; i < r; ++i)
-      for (size_t j = 0; j < c; ++j) out[j * r + i] = t.values[i * c + j];
-    return out;
-  };
-  return {{ts[0].values, ts[1].values}, {transpose(ts[2]), ts[3].values, transpose(ts[4])}};
+  return {{ts[0].values, ts[1].values}, {transposed(ts[2]), ts[3].values, transposed(ts[4])}};
 }
 
 struct Ctx {
@@ -279,8 +280,7 @@ TEST(PretrainedMisuse, AReadErrorOnOneRankFailsEveryRankSayingSoAndLoadingAgainM
   write_safetensors(path, ts);
   const auto want = expected(ts);
   setenv("FSDP_CKPT_FAULT", "read_error_rank=1", 1);
-  std::atomic<int> failed{0};
-  std::atomic<bool> cleared{false};
+  Meeting failed(2);
   run_ranks(2, [&](int rank, fsdp_local_group_t* group) {
     Ctx x;
     open(x, {{"sharding", "FULL_SHARD"}}, rank, group);
@@ -293,14 +293,7 @@ TEST(PretrainedMisuse, AReadErrorOnOneRankFailsEveryRankSayingSoAndLoadingAgainM
     if (rank == 0) {
       EXPECT_NE(msg.find("failed on rank 1"), std::string::npos) << msg;
     }
-    // Both ranks past the failed load: no getenv runs while it is cleared.
-    failed.fetch_add(1);
-    while (failed.load() < 2) std::this_thread::yield();
-    if (rank == 0) {
-      unsetenv("FSDP_CKPT_FAULT");
-      cleared.store(true);
-    }
-    while (!cleared.load()) std::this_thread::yield();
+    failed.meet(rank, [] { unsetenv("FSDP_CKPT_FAULT"); });  // no rank reads it meanwhile
     ASSERT_OK(fsdp_load_pretrained(x.ctx.get(), path.c_str(), kOptions));
     EXPECT_EQ(gather(x), want);
     EXPECT_OK(fsdp_ctx_finalize(x.ctx.get()));
@@ -321,14 +314,7 @@ std::vector<FileTensor> big_tensors() {
 const char* kBigOptions = "transpose=wide.weight;transpose=tall.weight";
 
 std::vector<std::vector<std::vector<float>>> big_expected(const std::vector<FileTensor>& ts) {
-  auto transpose = [](const FileTensor& t) {
-    size_t r = size_t(t.shape[0]), c = size_t(t.shape[1]);
-    std::vector<float> out(r * c);
-    for (size_t i = 0; i < r; ++i)
-      for (size_t j = 0; j < c; ++j) out[j * r + i] = t.values[i * c + j];
-    return out;
-  };
-  return {{transpose(ts[0]), transpose(ts[1])}, {ts[2].values, ts[3].values}};
+  return {{transposed(ts[0]), transposed(ts[1])}, {ts[2].values, ts[3].values}};
 }
 
 // fsdp_load_pretrained holds 2 MiB of host memory above the steady state
@@ -399,34 +385,25 @@ TEST(PretrainedMemory, TheProcessPeakDuringALoadStaysWithinTheBound) {
   const auto ts = big_tensors();
   const std::string path = tmp / "big.safetensors";
   write_safetensors(path, ts);
-  std::atomic<int> arrived{0};
-  std::atomic<long> rss_before{0}, hwm{0};
+  long rss_before = 0, hwm = 0;
+  Meeting settled(2), loaded(2);
   run_ranks(2, [&](int rank, fsdp_local_group_t* group) {
     Ctx x;
     open(x, {{"sharding", "FULL_SHARD"}}, rank, group, kBigUnits);
     if (HasFatalFailure()) return;
     ASSERT_OK(fsdp_load_pretrained(x.ctx.get(), path.c_str(), kBigOptions));  // every page of the state touched
-    // Both ranks settled before the peak is reset, and both loaded before it is read.
-    arrived.fetch_add(1);
-    while (arrived.load() < 2) std::this_thread::yield();
-    if (rank == 0) {
-      // Memory the first load freed goes back to the system, so that the
-      // second load's allocations show (glibc keeps freed memory resident).
-      malloc_trim(0);
+    settled.meet(rank, [&] {
+      malloc_trim(0);  // what the first load freed goes back to the system
       std::ofstream("/proc/self/clear_refs") << "5";
-      rss_before.store(status_kib("VmRSS:"));
-      arrived.fetch_add(1);
-    }
-    while (arrived.load() < 3) std::this_thread::yield();
+      rss_before = status_kib("VmRSS:");
+    });
     ASSERT_OK(fsdp_load_pretrained(x.ctx.get(), path.c_str(), kBigOptions));
-    arrived.fetch_add(1);
-    while (arrived.load() < 5) std::this_thread::yield();
-    if (rank == 0) hwm.store(status_kib("VmHWM:"));
+    loaded.meet(rank, [&] { hwm = status_kib("VmHWM:"); });
     EXPECT_OK(fsdp_ctx_finalize(x.ctx.get()));
   });
   const long bound_kib = 2 * 2048 + 3072;  // two ranks' 2 MiB, and 3 MiB of margin
-  EXPECT_LE(hwm.load() - rss_before.load(), bound_kib)
-      << "peak resident memory during the load grew by " << hwm.load() - rss_before.load() << " KiB";
+  EXPECT_LE(hwm - rss_before, bound_kib) << "peak resident memory during the load grew by " << hwm - rss_before
+                                          << " KiB";
 #endif
 }
 
