@@ -140,6 +140,14 @@ TEST_F(DecimalComma, OptionsAndEnvironmentVariablesTakeNumbersInTheCLocaleSyntax
     EXPECT_STATUS(FSDP_ERR_INVALID_ARGUMENT, fsdp_config_set(cfg.get(), "weight_decay", bad)) << bad;
   }
   EXPECT_EQ(get_option(cfg.get(), "weight_decay"), "0");
+  // A sign after the '+' is no number, even where its value would be in range.
+  for (const char* bad : {"+-0", "+-0.5", "++0.5", "+"}) {
+    EXPECT_STATUS(FSDP_ERR_INVALID_ARGUMENT, fsdp_config_set(cfg.get(), "momentum", bad)) << bad;
+  }
+  EXPECT_STATUS(FSDP_ERR_INVALID_ARGUMENT, fsdp_config_set(cfg.get(), "shard_group_size", "+-0"));
+  EXPECT_EQ(get_option(cfg.get(), "momentum"), "0");
+  EXPECT_OK(fsdp_config_set(cfg.get(), "momentum", "+0.5"));
+  EXPECT_EQ(get_option(cfg.get(), "momentum"), "0.5");
   EXPECT_OK(fsdp_config_set(cfg.get(), "weight_decay", "0.1"));
   EXPECT_EQ(get_option(cfg.get(), "weight_decay"), "0.1");
 

@@ -51,10 +51,11 @@ void append_hex(std::string& out, unsigned char c) {
 }
 
 // from_chars takes no '+': drops one, and false if what is left cannot start
-// a number (empty, or a second '+').
+// a number (empty; or, after the '+', another sign: "+-0" is no number).
 bool strip_plus(std::string_view& s) {
-  if (!s.empty() && s[0] == '+') s.remove_prefix(1);
-  return !s.empty() && s[0] != '+';
+  if (s.empty() || s[0] != '+') return !s.empty();
+  s.remove_prefix(1);
+  return !s.empty() && s[0] != '+' && s[0] != '-';
 }
 
 }  // namespace
