@@ -196,6 +196,18 @@ FSDP_API fsdp_status_t fsdp_param_set_values(fsdp_unit_t* unit, size_t param_ind
 /* Weight decay for one param, overriding the context's weight_decay and the
  * no_weight_decay patterns (use 0 for biases and norms). */
 FSDP_API fsdp_status_t fsdp_param_set_weight_decay(fsdp_unit_t* unit, size_t param_index, double weight_decay);
+/* Freezes (trainable 0) or unfreezes (1) a unit of `ctx`: a frozen unit keeps
+ * no grad shard and no optimizer state and reduces nothing; its backward
+ * bracket still gathers the params (for the grads of its inputs), and
+ * fsdp_grad_ptr / fsdp_gather_grad on it are FSDP_ERR_INVALID_STATE; fsdp_step
+ * leaves its params as they are. Unfreezing gives it zero grads and fresh
+ * optimizer state (Adam's bias correction counts from its next step).
+ * Collective, between steps: no unit in use and no grads since the last
+ * fsdp_step (else FSDP_ERR_INVALID_STATE), the same unit and choice on every
+ * rank (else FSDP_ERR_MISMATCH). Units are trainable when registered. */
+FSDP_API fsdp_status_t fsdp_unit_set_trainable(fsdp_ctx_t* ctx, fsdp_unit_t* unit, int trainable);
+/* 1 if the unit is trainable, 0 if it is frozen. */
+FSDP_API fsdp_status_t fsdp_unit_trainable(const fsdp_unit_t* unit, int* trainable);
 
 /* ---- the training step ------------------------------------------------- */
 

@@ -88,7 +88,8 @@ inline void set_state(Job& job, const State& s) {
 
 // Steps [s0, s1): loss = the mean over the step's rows of 0.5 * |p - target|^2,
 // each rank taking the mean over its share of the rows (grads are averaged
-// over the ranks, as with PyTorch). The grads are computed by job.host.
+// over the ranks, as with PyTorch). The grads are computed by job.host; a
+// frozen unit's are not (it has none).
 inline void train(Job& job, const Net& net, int s0, int s1, int world, int rank) {
   const int rows = kRows / world;
   fsdp_dtype_t dt = FSDP_DTYPE_FP32;
@@ -101,7 +102,9 @@ inline void train(Job& job, const Net& net, int s0, int s1, int world, int rank)
     }
     for (size_t k = net.units.size(); k-- > 0;) {
       ASSERT_OK(fsdp_backward_begin(job.units[k], stream));
-      for (size_t i = 0; i < net.units[k].size(); ++i) {
+      int trainable = 1;
+      ASSERT_OK(fsdp_unit_trainable(job.units[k], &trainable));
+      for (size_t i = 0; trainable == 1 && i < net.units[k].size(); ++i) {  // a frozen unit has no grads
         void* pp = nullptr;
         void* gp = nullptr;
         ASSERT_OK(fsdp_param_ptr(job.units[k], i, &pp));

@@ -166,7 +166,13 @@ struct RefOptions {
   int world = 1;                                // only used to emulate per-rank rounding of low-precision grads
   double weight_decay = 0.01;                   // "*bias" params get 0
   double max_grad_norm = 0;
+  unsigned frozen = 0;  // bit u: unit u frozen (requires_grad False): no grad, no state, no update
+  int unfreeze_at = -1;  // the step (1-based) from which the frozen units train, with fresh state
 };
+
+bool frozen_at(const RefOptions& o, size_t u, int step) {
+  return (o.frozen >> u & 1u) != 0 && (o.unfreeze_at < 0 || step < o.unfreeze_at);
+}
 
 struct RefResult {
   Params params;
@@ -241,14 +247,22 @@ RefResult reference_train(const Model& m, const Params& init, const Data& d, con
   for (auto* s : {&mom, &var})
     for (auto& unit : *s)
       for (auto& t : unit) std::fill(t.begin(), t.end(), 0.f);
+  std::vector<int> t(m.n_units(), 0);  // each unit's AdamW steps (PyTorch's per-param step count)
   for (int step = 1; step <= kSteps; ++step) {
     Params g = step_grads(m, rounded(res.params, o.dtype), d, o);
+    // A frozen param has no grad: it is not in the norm, and not updated.
+    for (size_t u = 0; u < m.n_units(); ++u) {
+      if (frozen_at(o, u, step)) g[u].clear();
+    }
     bool clipped = false;
     res.norms.push_back(clip_grads(g, o.max_grad_norm, &clipped));
     res.clipped_steps += clipped ? 1 : 0;
-    for (size_t u = 0; u < m.n_units(); ++u)
+    for (size_t u = 0; u < m.n_units(); ++u) {
+      if (g[u].empty()) continue;
+      ++t[u];
       for (size_t i = 0; i < g[u].size(); ++i)
-        adamw_update(res.params[u][i], mom[u][i], var[u][i], g[u][i], step, is_bias(m, u, i) ? 0.0 : o.weight_decay);
+        adamw_update(res.params[u][i], mom[u][i], var[u][i], g[u][i], t[u], is_bias(m, u, i) ? 0.0 : o.weight_decay);
+    }
   }
   return res;
 }
@@ -284,6 +298,10 @@ struct Case {
   // says otherwise): every call gets that stream and returns before the
   // compute it must be ordered with has run.
   int host_stream_delay_us = 0;
+  // Bit u: unit u frozen (fsdp_unit_set_trainable(0)) after registration,
+  // unfrozen before step `unfreeze_at` (1-based; -1: never).
+  unsigned frozen = 0;
+  int unfreeze_at = -1;
 };
 
 void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
@@ -295,8 +313,12 @@ struct LibResult {
 
 // Pointers to unit u's params (grads: `grads`), taken on the calling thread:
 // compute on a late host stream may run after the unit's state moved on.
+// A frozen unit has no grads: null pointers, and its backward adds none.
 std::vector<void*> buffer_ptrs(fsdp_unit_t* unit, size_t n, bool grads) {
   std::vector<void*> out(n, nullptr);
+  int trainable = 1;
+  EXPECT_OK(fsdp_unit_trainable(unit, &trainable));
+  if (grads && trainable == 0) return out;
   for (size_t i = 0; i < n; ++i) EXPECT_OK(grads ? fsdp_grad_ptr(unit, i, &out[i]) : fsdp_param_ptr(unit, i, &out[i]));
   return out;
 }
@@ -358,7 +380,7 @@ void lib_pass(Host& host, const Model& m, const std::vector<fsdp_unit_t*>& units
       Tensor dx;
       unit_backward(m, u, p, st->acts[u], st->acts[u + 1], st->dh, rows, g, dx);
       for (size_t i = 0; i < g.size(); ++i)
-        for (size_t k = 0; k < g[i].size(); ++k) add_elem(gptrs[i], k, dt, g[i][k]);
+        for (size_t k = 0; gptrs[i] != nullptr && k < g[i].size(); ++k) add_elem(gptrs[i], k, dt, g[i][k]);
       st->dh.swap(dx);
     });
     ASSERT_OK(fsdp_backward_end(units[u], host.stream()));
@@ -395,7 +417,7 @@ void lib_pass_backward_only(Host& host, const Model& m, const std::vector<fsdp_u
       Tensor dx;
       unit_backward(m, u, st->params[u], st->acts[u], st->acts[u + 1], st->dh, rows, g, dx);
       for (size_t i = 0; i < g.size(); ++i)
-        for (size_t k = 0; k < g[i].size(); ++k) add_elem(gptrs[i], k, dt, g[i][k]);
+        for (size_t k = 0; gptrs[i] != nullptr && k < g[i].size(); ++k) add_elem(gptrs[i], k, dt, g[i][k]);
       st->dh.swap(dx);
     });
     ASSERT_OK(fsdp_backward_end(units[u], host.stream()));
@@ -441,12 +463,20 @@ LibResult lib_train(const Case& c, const Model& m, const Params& init, const Dat
         ASSERT_OK(fsdp_param_set_values(units[u], i, mine.data(), mine.size()));
       }
     }
+    for (size_t u = 0; u < m.n_units(); ++u) {
+      if (c.frozen >> u & 1u) ASSERT_OK(fsdp_unit_set_trainable(ctx.get(), units[u], 0));
+    }
     const Params init_rounded = rounded(init, dt);
     const bool init_known = !c.rank_dependent_init || c.sync_module_states;
     const int rows = kBatch / c.world, micro_rows = rows / c.micro;
     // The case's own late host stream, or the environment's (the .late CTests).
     Host host(ctx.get(), c.host_stream_delay_us > 0 ? c.host_stream_delay_us : -1);
     for (int step = 0; step < kSteps; ++step) {
+      if (step + 1 == c.unfreeze_at) {
+        for (size_t u = 0; u < m.n_units(); ++u) {
+          if (c.frozen >> u & 1u) ASSERT_OK(fsdp_unit_set_trainable(ctx.get(), units[u], 1));
+        }
+      }
       for (int k = 0; k < c.micro; ++k) {
         if (c.no_sync) {
           // The last micro-batch syncs, or (sync_at_step) none does and
@@ -549,6 +579,8 @@ void check_case(const Case& c) {
   o.world = c.world;
   o.weight_decay = c.weight_decay;
   o.max_grad_norm = c.max_grad_norm;
+  o.frozen = c.frozen;
+  o.unfreeze_at = c.unfreeze_at;
   const RefResult ref = reference_train(m, init, d, o);
 
   // The test's power: a missing weight decay, missing clipping, or no
@@ -577,6 +609,20 @@ void check_case(const Case& c) {
   }
   const double err = case_error(c, lib.params_by_rank[0], ref.params, &where);
   EXPECT_LE(err, c.tol) << "worst: " << where;
+  if (c.frozen != 0) {
+    // Units frozen throughout are bitwise as they started (the fp32 master);
+    // training them, or unfreezing with stale state, is farther off than the
+    // tolerance.
+    for (size_t u = 0; u < m.n_units() && c.unfreeze_at < 0; ++u) {
+      if (c.frozen >> u & 1u) {
+        EXPECT_EQ(lib.params_by_rank[0][u], init[u]) << "frozen unit " << u << " changed";
+      }
+    }
+    RefOptions all = o;
+    all.frozen = 0;
+    EXPECT_GT(case_error(c, reference_train(m, init, d, all).params, ref.params, &where), 3 * c.tol)
+        << "the tolerance is too loose to see frozen units trained";
+  }
   if (c.dtype == FSDP_DTYPE_FP32) {
     // The norm of the averaged grads, before clipping, every step.
     for (int s = 0; s < kSteps; ++s)
@@ -781,6 +827,54 @@ std::vector<Case> variant_cases() {
   uneven_bf16.name = "UnevenPaddingBf16";
   uneven_bf16.uneven = true;
   add(uneven_bf16, 3, "FULL_SHARD");
+  // Frozen units (issue 27): the first and third layers frozen, the others
+  // trained as the reference's AdamW trains them with those params frozen
+  // (no grad, not in the clipped norm); with accumulation, no_sync, prefetch
+  // (backward only), offload, bf16, late host streams, and unfrozen at step 8
+  // with fresh state whose bias correction counts from its first update.
+  Case frozen;
+  frozen.name = "Frozen";
+  frozen.frozen = 0b101;
+  for (int w : {1, 2, 3, 4}) {
+    for (const char* sh : {"FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"}) add(frozen, w, sh);
+  }
+  Case frozen_hy = frozen;
+  frozen_hy.name = "FrozenHybrid2x2";
+  frozen_hy.shard_group_size = 2;
+  add(frozen_hy, 4, "HYBRID_SHARD");
+  Case frozen_clip = clip_accum;
+  frozen_clip.name = "FrozenClipGradAccumulation";
+  frozen_clip.frozen = 0b101;
+  frozen_clip.max_grad_norm = 0.01;
+  add(frozen_clip, 1, "FULL_SHARD");
+  add(frozen_clip, 3, "FULL_SHARD");
+  Case frozen_no_sync = frozen;
+  frozen_no_sync.name = "FrozenNoSync";
+  frozen_no_sync.micro = 2;
+  frozen_no_sync.no_sync = true;
+  add(frozen_no_sync, 2, "FULL_SHARD");
+  Case frozen_bwd = frozen;
+  frozen_bwd.name = "FrozenBackwardOnly";
+  frozen_bwd.backward_only = true;
+  add(frozen_bwd, 2, "FULL_SHARD");
+  Case frozen_offload = frozen;
+  frozen_offload.name = "FrozenOffload";
+  frozen_offload.offload = true;
+  for (int w : {1, 2}) add(frozen_offload, w, "FULL_SHARD");
+  Case frozen_late = frozen;
+  frozen_late.name = "FrozenLateHostStream";
+  frozen_late.host_stream_delay_us = 1000;
+  add(frozen_late, 2, "FULL_SHARD");
+  Case frozen_bf16 = bf16;
+  frozen_bf16.name = "FrozenBf16";
+  frozen_bf16.frozen = 0b101;
+  add(frozen_bf16, 1, "FULL_SHARD");
+  add(frozen_bf16, 3, "FULL_SHARD");
+  Case unfrozen = frozen;
+  unfrozen.name = "UnfrozenAtStep8";
+  unfrozen.unfreeze_at = 8;
+  for (int w : {1, 3}) add(unfrozen, w, "FULL_SHARD");
+  add(unfrozen, 2, "NO_SHARD");
   return cs;
 }
 

@@ -104,6 +104,34 @@ fsdp_status_t fsdp_param_set_weight_decay(fsdp_unit_t* unit, size_t param_index,
   return guard([&] { live_unit(unit, "fsdp_param_set_weight_decay").set_weight_decay(param_index, weight_decay); });
 }
 
+fsdp_status_t fsdp_unit_set_trainable(fsdp_ctx_t* ctx, fsdp_unit_t* unit, int trainable) {
+  return guard([&] {
+    const char* call = "fsdp_unit_set_trainable";
+    require(ctx, call, "ctx");
+    ctx_of(ctx)->check_live(call);
+    Unit& u = live_unit(unit, call);
+    if (!ctx_of(ctx)->owns(u)) {
+      fail(FSDP_ERR_INVALID_ARGUMENT, std::string(call) + ": unit " + base::quote(u.name()) +
+                                          " belongs to another context");
+    }
+    if (trainable != 0 && trainable != 1) {
+      fail(FSDP_ERR_INVALID_ARGUMENT,
+           std::string(call) + ": trainable is " + std::to_string(trainable) + "; pass 1 (train) or 0 (freeze)");
+    }
+    ctx_of(ctx)->set_trainable(u, trainable == 1);
+  });
+}
+
+fsdp_status_t fsdp_unit_trainable(const fsdp_unit_t* unit, int* trainable) {
+  return guard([&] {
+    require(unit, "fsdp_unit_trainable", "unit");
+    require(trainable, "fsdp_unit_trainable", "trainable");
+    const Unit& u = *reinterpret_cast<const Unit*>(unit);
+    u.runtime().check_live("fsdp_unit_trainable");
+    *trainable = u.trainable() ? 1 : 0;
+  });
+}
+
 fsdp_status_t fsdp_forward_begin(fsdp_unit_t* unit, void* stream) {
   return phase_call(unit, stream, "fsdp_forward_begin", &Unit::forward_begin);
 }

@@ -11,9 +11,8 @@ namespace fsdp::ckpt {
 
 std::unique_ptr<Writer> create_shard_file(const std::string& dir, const Meta& m, int shard) {
   std::vector<Writer::Entry> entries;
-  const std::vector<std::string> kinds = tensor_kinds(m.optimizer);
   for (size_t u = 0; u < m.units.size(); ++u) {
-    for (const std::string& k : kinds) {
+    for (const std::string& k : tensor_kinds(m.optimizer, m.units[u])) {
       entries.push_back({shard_tensor(u, k), {static_cast<int64_t>(m.units[u].shard_numel(m.shard_world))}});
     }
   }
@@ -41,6 +40,7 @@ FullEntries full_entries(const Meta& m, const std::string& what) {
       }
       e.model.push_back({p.name, p.shape});
     }
+    if (!u.trainable) continue;  // no optimizer state
     for (const std::string& s : m.optimizer.state) {
       for (const ParamMeta& p : u.params) e.optimizer.push_back({full_tensor(p.name, s), p.shape});
     }

@@ -49,6 +49,7 @@ class Fields {
     if (v.is_null()) return std::nan("");
     return num(key);
   }
+  bool has(const char* key) const { return j_.find(key) != j_.end(); }
   bool boolean(const char* key) const {
     const json& v = get(key);
     if (!v.is_boolean()) at(key).bad("is not true or false");
@@ -187,6 +188,10 @@ std::vector<std::string> tensor_kinds(const OptimizerMeta& o) {
   return kinds;
 }
 
+std::vector<std::string> tensor_kinds(const OptimizerMeta& o, const UnitMeta& u) {
+  return u.trainable ? tensor_kinds(o) : std::vector<std::string>{"param"};
+}
+
 const char* full_file(const std::string& kind) { return kind == "param" ? kModelFile : kOptimizerFile; }
 
 std::string full_tensor(const std::string& param, const std::string& kind) {
@@ -233,7 +238,10 @@ std::string to_json(const Meta& m) {
                         {"offset", p.offset},
                         {"weight_decay", p.weight_decay}});
     }
-    units.push_back({{"name", u.name}, {"padded_numel", u.padded_numel}, {"params", params}});
+    json uj = {{"name", u.name}, {"padded_numel", u.padded_numel}, {"params", params}};
+    if (!u.trainable) uj["trainable"] = false;
+    if (u.state_fresh_at != 0) uj["state_fresh_at"] = u.state_fresh_at;
+    units.push_back(std::move(uj));
   }
   j["units"] = units;
   j["files"] = files_json(m.files);
@@ -338,6 +346,13 @@ Meta parse_meta(const std::string& file, const std::string& text) {
       names_unique = all_names.insert(p.name).second && names_unique;
       u.params.push_back(std::move(p));
     }
+    // Optional (absent in checkpoints of earlier versions): trainable, and
+    // the step at which the state was fresh.
+    if (uf.has("trainable")) u.trainable = uf.boolean("trainable");
+    if (uf.has("state_fresh_at")) {
+      u.state_fresh_at = static_cast<int64_t>(uf.u64("state_fresh_at", uint64_t{1} << 62));
+      if (u.state_fresh_at > m.optimizer.step) uf.at("state_fresh_at").bad("is past optimizer.step");
+    }
     m.units.push_back(std::move(u));
   }
   if (!m.sharded() && !names_unique) root.at("units").bad("repeat a param name, which a full checkpoint cannot hold");
@@ -354,18 +369,19 @@ Meta parse_meta(const std::string& file, const std::string& text) {
     }
   };
   size_t expected_files = 0;
-  const std::vector<std::string> kinds = tensor_kinds(o);
   if (m.sharded()) {
     for (int s = 0; s < m.shard_world; ++s) {
       for (size_t u = 0; u < m.units.size(); ++u) {
-        for (const std::string& k : kinds) expect_tensor(shard_file(s, m.shard_world), shard_tensor(u, k));
+        for (const std::string& k : tensor_kinds(o, m.units[u])) {
+          expect_tensor(shard_file(s, m.shard_world), shard_tensor(u, k));
+        }
       }
     }
     expected_files = static_cast<size_t>(m.shard_world);
   } else {
     for (const UnitMeta& u : m.units) {
       for (const ParamMeta& p : u.params) {
-        for (const std::string& k : kinds) expect_tensor(full_file(k), full_tensor(p.name, k));
+        for (const std::string& k : tensor_kinds(o, u)) expect_tensor(full_file(k), full_tensor(p.name, k));
       }
     }
     expected_files = o.state.empty() ? 1 : 2;

@@ -34,6 +34,12 @@ struct UnitMeta {
   std::string name;
   uint64_t padded_numel = 0;  // flat buffer length, a multiple of shard_world
   std::vector<ParamMeta> params;
+  // A frozen unit has no optimizer state: its files hold only its params.
+  // "trainable" is written only when false.
+  bool trainable = true;
+  // The optimizer step at which its state was fresh (zeros): unfrozen then;
+  // its updates are optimizer.step - state_fresh_at. Written when not 0.
+  int64_t state_fresh_at = 0;
   uint64_t shard_numel(int shard_world) const { return padded_numel / static_cast<uint64_t>(shard_world); }
 };
 
@@ -81,6 +87,9 @@ constexpr const char* kOptimizerFile = "optimizer.safetensors";
 // The kinds of tensor kept per unit (sharded) or per param (full): "param",
 // then each optimizer state.
 std::vector<std::string> tensor_kinds(const OptimizerMeta& o);
+// The kinds the files hold for unit `u`: all of them, or "param" alone for a
+// frozen unit (it has no optimizer state).
+std::vector<std::string> tensor_kinds(const OptimizerMeta& o, const UnitMeta& u);
 // Full checkpoints: the file that holds a param's `kind`, and its tensor name.
 const char* full_file(const std::string& kind);
 std::string full_tensor(const std::string& param, const std::string& kind);

@@ -49,10 +49,9 @@ const Reader& CheckpointReader::file(const std::string& name) {
   auto r = std::make_unique<Reader>(join(dir_, name), &meta_.file(name), meta_.chunk_bytes);
   // Every tensor must have the size the layout gives it, so that no read can
   // pass its end.
-  const std::vector<std::string> kinds = tensor_kinds(meta_.optimizer);
   for (size_t u = 0; u < meta_.units.size(); ++u) {
     const UnitMeta& um = meta_.units[u];
-    for (const std::string& k : kinds) {
+    for (const std::string& k : tensor_kinds(meta_.optimizer, um)) {
       if (meta_.sharded()) {
         const TensorInfo& t = r->tensor(shard_tensor(u, k));
         if (t.nbytes() != um.shard_numel(meta_.shard_world) * 4) {
@@ -78,6 +77,10 @@ const Reader& CheckpointReader::file(const std::string& name) {
 void CheckpointReader::read_param(size_t u, size_t p, const std::string& kind, uint64_t a, uint64_t b, float* out) {
   const ParamMeta& pm = meta_.units.at(u).params.at(p);
   if (a > b || b > pm.numel) fail(FSDP_ERR_INTERNAL, "checkpoint read outside param " + base::quote(pm.name));
+  if (kind != "param" && !meta_.units[u].trainable) {
+    std::memset(out, 0, (b - a) * sizeof(float));  // frozen when saved: no state, which is fresh state
+    return;
+  }
   if (!meta_.sharded()) {
     file(full_file(kind)).read(full_tensor(pm.name, kind), a * 4, (b - a) * 4, out);
     return;

@@ -129,6 +129,8 @@ ckpt::Meta Context::checkpoint_meta(const std::string& kind) const {
     ckpt::UnitMeta um;
     um.name = u->name();
     um.padded_numel = u->layout().padded_numel();
+    um.trainable = u->trainable();
+    um.state_fresh_at = u->trainable() ? optimizer_.fresh_at(u->index()) : 0;
     for (size_t i = 0; i < u->layout().n_params(); ++i) {
       const ParamSpec& p = u->layout().param(i);
       um.params.push_back({p.name, p.shape, p.numel, u->layout().param_offset(i), u->weight_decay(i)});
@@ -152,6 +154,7 @@ std::vector<ckpt::FileRecord> Context::write_shard_file(const std::string& stage
   for (size_t k = 0; k < units_.size(); ++k) {
     size_t nbytes = units_[k]->shard_numel() * sizeof(float);
     write_from(*w, rt_.state_dev, stage, units_[k]->master(), nbytes);
+    if (!units_[k]->trainable()) continue;  // frozen: no optimizer state
     for (size_t i = 0; i < meta.optimizer.state.size(); ++i) {
       write_from(*w, rt_.state_dev, stage, optimizer_.state(k, i).data(), nbytes);
     }
@@ -191,7 +194,7 @@ std::vector<ckpt::FileRecord> Context::write_full_files(const std::string& stage
         staged_shard = Buffer(rt_.dev, &rt_.mem, MemCategory::kScratch, DType::kFp32, u.shard_numel(), false);
       }
     }
-    for (size_t s = 0; s <= states.size(); ++s) {
+    for (size_t s = 0; s <= (u.trainable() ? states.size() : 0); ++s) {  // frozen: the params alone
       const float* shard = s == 0 ? u.master() : optimizer_.state(k, s - 1).as<float>();
       device::Device* where = rt_.state_dev;
       const float* flat =
@@ -398,6 +401,35 @@ std::vector<std::vector<ckpt::ParamRef>> Context::match_checkpoint(const ckpt::M
   return refs;
 }
 
+namespace {
+
+// The step at which a unit's loaded state was fresh: its params' source
+// units' (the checkpoint's step for a unit frozen when saved: no state, so
+// fresh now). Sources of different ages (units re-wrapped after some were
+// unfrozen at another step) cannot share one bias correction: the youngest
+// is taken and rank 0 says so. `current` where no param came from the file.
+long state_fresh_at(const ckpt::Meta& meta, const std::vector<ckpt::ParamRef>& sources, long current,
+                    const std::string& unit, int rank, const std::string& what) {
+  long at = -1;
+  bool mixed = false;
+  for (const ckpt::ParamRef& r : sources) {
+    if (r.none()) continue;
+    const ckpt::UnitMeta& um = meta.units.at(r.unit);
+    long a = um.trainable ? static_cast<long>(um.state_fresh_at) : static_cast<long>(meta.optimizer.step);
+    mixed = mixed || (at >= 0 && a != at);
+    at = std::max(at, a);
+  }
+  if (mixed && rank == 0) {
+    base::log(FSDP_LOG_WARN, rank, what + ": unit " + base::quote(unit) +
+                                       " takes optimizer state of different ages (its params' units were unfrozen at "
+                                       "different steps); Adam's bias correction follows the youngest, from step " +
+                                       std::to_string(at));
+  }
+  return at >= 0 ? at : current;
+}
+
+}  // namespace
+
 void Context::load(const std::string& dir, bool strict) {
   const char* call = strict ? "fsdp_load" : "fsdp_load_partial";
   check_no_unit_in_use(call);
@@ -450,6 +482,7 @@ void Context::load(const std::string& dir, bool strict) {
     }
     for (size_t k = 0; k < units_.size(); ++k) {
       read_unit(k, "param", scratch);
+      if (!units_[k]->trainable()) continue;  // frozen: its state is not loaded
       for (const std::string& s : reader->meta().optimizer.state) read_unit(k, s, scratch);
     }
   });
@@ -464,6 +497,7 @@ void Context::load(const std::string& dir, bool strict) {
       }
       read_into(k, "param", units_[k]->master_for_load());
       units_[k]->master_loaded();
+      if (!units_[k]->trainable()) continue;
       for (size_t i = 0; i < meta.optimizer.state.size(); ++i) {
         read_into(k, meta.optimizer.state[i], optimizer_.state_for_load(k, i));
       }
@@ -478,6 +512,11 @@ void Context::load(const std::string& dir, bool strict) {
   }
   check_outcomes(*rt_.comm, what, read.status, read.message);
   optimizer_.restore(meta.optimizer.step, meta.optimizer.last_grad_norm);
+  for (size_t k = 0; k < units_.size(); ++k) {
+    if (!units_[k]->trainable()) continue;
+    long before = optimizer_.fresh_at(k);
+    optimizer_.set_fresh_at(k, state_fresh_at(meta, sources[k], before, units_[k]->name(), rt_.rank, what));
+  }
   optimizer_.loss_scaler().restore(meta.scaler.scale, static_cast<long>(meta.scaler.clean_steps),
                                    meta.scaler.skipped_steps);
   optimizer_.set_lr(meta.optimizer.lr);
@@ -674,7 +713,7 @@ void Context::load_pretrained(const std::string& path, const char* options) {
       }
       if (out != dst) rt_.state_dev->copy_from_host(dst, out, n * sizeof(float));
       u.master_loaded();
-      for (size_t i = 0; i < optimizer_.state_names().size(); ++i) {
+      for (size_t i = 0; u.trainable() && i < optimizer_.state_names().size(); ++i) {
         rt_.state_dev->zero(optimizer_.state_for_load(k, i), n * sizeof(float));
       }
     }

@@ -188,6 +188,38 @@ Unit& Context::register_unit(const std::string& name, std::vector<ParamSpec> par
   return *units_.back();
 }
 
+void Context::set_trainable(Unit& unit, bool trainable) {
+  const char* call = "fsdp_unit_set_trainable";
+  // Checked here, then agreed on: a rank whose call is refused still joins,
+  // so that the others fail too instead of training another model.
+  std::string problem;
+  for (const auto& u : units_) {
+    if (problem.empty() && u->in_use()) {
+      problem = "unit " + base::quote(u->name()) + " is " + unit_state_name(u->state()) +
+                "; freeze or unfreeze between steps, with no unit in use";
+    }
+    if (problem.empty() && u->holds_grads()) {
+      problem = "unit " + base::quote(u->name()) +
+                " holds grads for the coming step (a backward ran since the last fsdp_step); freeze or unfreeze "
+                "after fsdp_step";
+    }
+  }
+  std::string what = std::string(call) + " (" + rt_.where() + ")";
+  std::string text = "unit #" + std::to_string(unit.index()) + " " + base::quote(unit.name()) +
+                     (trainable ? " trainable" : " frozen") + (problem.empty() ? "" : " (refused: " + problem + ")");
+  try {
+    agree(*rt_.comm, call, text);
+  } catch (const Error& e) {
+    if (!problem.empty()) fail(FSDP_ERR_INVALID_STATE, what + ": " + problem);
+    throw;
+  }
+  if (!problem.empty()) fail(FSDP_ERR_INVALID_STATE, what + ": " + problem);
+  if (unit.trainable() == trainable) return;
+  settle_units();
+  unit.set_trainable(trainable);
+  optimizer_.set_trainable(unit, trainable);
+}
+
 void Context::check_no_unit_in_use(const char* call) const {
   for (const auto& u : units_) {
     if (u->in_use()) {

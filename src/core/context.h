@@ -43,6 +43,10 @@ class Context {
   Unit& register_unit(const std::string& name, std::vector<ParamSpec> params, std::string problem);
   // Orders itself after `caller`'s work (the host's compute stream).
   void step(device::Stream& caller);
+  // Collective: freezes (false) or unfreezes `unit` between steps (no unit in
+  // use, no grads accumulated since the last step), the same on every rank.
+  void set_trainable(Unit& unit, bool trainable);
+  bool owns(const Unit& unit) const { return unit.index() < units_.size() && units_[unit.index()].get() == &unit; }
   // The device stream for the API's `stream` argument of `call`.
   device::Stream& caller_stream(void* native, const char* call) { return rt_.caller_stream(native, call); }
   device::Device& device() { return *dev_; }

@@ -2,6 +2,7 @@
 // kernels/optim.h; this file decides which ranges get which hyperparameters.
 #include "optimizer.h"
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 
@@ -9,9 +10,8 @@
 
 namespace fsdp::core {
 
-void Optimizer::add_unit(const Unit& unit) {
+Optimizer::State Optimizer::make_state(size_t n) const {
   State s;
-  size_t n = unit.shard_numel();
   const Options& o = rt_.opts;
   if (o.optimizer != OptimizerKind::kSgd) {
     s.exp_avg = Buffer(rt_.state_dev, &rt_.mem, MemCategory::kOptimizerState, DType::kFp32, n);
@@ -19,7 +19,14 @@ void Optimizer::add_unit(const Unit& unit) {
   } else if (o.momentum != 0.0) {
     s.exp_avg = Buffer(rt_.state_dev, &rt_.mem, MemCategory::kOptimizerState, DType::kFp32, n);
   }
-  states_.push_back(std::move(s));
+  s.fresh_at = step_;
+  return s;
+}
+
+void Optimizer::add_unit(const Unit& unit) { states_.push_back(make_state(unit.shard_numel())); }
+
+void Optimizer::set_trainable(const Unit& unit, bool trainable) {
+  states_.at(unit.index()) = trainable ? make_state(unit.shard_numel()) : State{};
 }
 
 std::vector<std::string> Optimizer::state_names() const {
@@ -35,6 +42,7 @@ const Buffer& Optimizer::state(size_t unit, size_t i) const {
 
 void Optimizer::restore(long step, double last_grad_norm) {
   step_ = step;
+  for (State& s : states_) s.fresh_at = 0;
   last_grad_norm_ = last_grad_norm;
 }
 
@@ -54,6 +62,7 @@ double Optimizer::grad_sum_squares(const std::vector<std::unique_ptr<Unit>>& uni
   // the sharded grads is always zero, so whole shards can be summed.
   double sq = 0.0;
   for (const auto& u : units) {
+    if (!u->trainable()) continue;
     sq += u->grad_sq_known() ? u->grad_sq() : rt_.state_dev->sum_squares(u->sharded_grad(), u->shard_numel());
   }
   // Shards of a shard group cover the model once; replicas hold the same grads.
@@ -73,7 +82,9 @@ void Optimizer::step(const std::vector<std::unique_ptr<Unit>>& units) {
     report_skipped();
     static const device::Label kSkipped = device::make_label("zero the grads of a skipped step");
     on_state_device(kSkipped, [&] {
-      for (const auto& u : units) rt_.state_dev->zero(u->sharded_grad(), u->shard_numel() * sizeof(float));
+      for (const auto& u : units) {
+        if (u->trainable()) rt_.state_dev->zero(u->sharded_grad(), u->shard_numel() * sizeof(float));
+      }
     });
     return;
   }
@@ -102,21 +113,29 @@ void Optimizer::report_skipped() const {
 }
 
 void Optimizer::collect_spans(const std::vector<std::unique_ptr<Unit>>& units) {
-  std::vector<device::ShardSpan>& out = spans_;
-  out.clear();
+  for (Group& g : groups_) g.spans.clear();
   size_t out_es = dtype_size(rt_.opts.param_dtype);
   for (size_t k = 0; k < units.size(); ++k) {
     const Unit& u = *units[k];
+    if (!u.trainable()) continue;
     const State& st = states_[k];
+    auto g = std::find_if(groups_.begin(), groups_.end(), [&](const Group& x) { return x.fresh_at == st.fresh_at; });
+    if (g == groups_.end()) {
+      groups_.push_back(Group{st.fresh_at, {}, nullptr});
+      g = groups_.end() - 1;
+    }
     for (const ShardSegment& seg : u.segments()) {
       size_t b = seg.shard_begin;
-      out.push_back({u.master() + b, u.sharded_grad() + b, st.exp_avg.empty() ? nullptr : st.exp_avg.as<float>() + b,
-                     st.exp_avg_sq.empty() ? nullptr : st.exp_avg_sq.as<float>() + b,
-                     u.lowp_shard() == nullptr ? nullptr : static_cast<char*>(u.lowp_shard()) + b * out_es, seg.numel,
-                     static_cast<float>(u.weight_decay(seg.param_index))});
+      g->spans.push_back({u.master() + b, u.sharded_grad() + b,
+                          st.exp_avg.empty() ? nullptr : st.exp_avg.as<float>() + b,
+                          st.exp_avg_sq.empty() ? nullptr : st.exp_avg_sq.as<float>() + b,
+                          u.lowp_shard() == nullptr ? nullptr : static_cast<char*>(u.lowp_shard()) + b * out_es,
+                          seg.numel, static_cast<float>(u.weight_decay(seg.param_index))});
     }
     // Padding between and after params is never written: it stays zero.
   }
+  groups_.erase(std::remove_if(groups_.begin(), groups_.end(), [](const Group& g) { return g.spans.empty(); }),
+                groups_.end());
 }
 
 namespace {
@@ -137,20 +156,24 @@ bool same_spans(const std::vector<device::ShardSpan>& a, const std::vector<devic
 
 void Optimizer::update(const std::vector<std::unique_ptr<Unit>>& units, float grad_scale) {
   const Options& o = rt_.opts;
-  // The table is made again only when a span changed (a unit registered, a
-  // checkpoint loaded new buffers, a param's weight decay set): on a GPU that
-  // is an upload, so the step itself sends nothing but its scalars.
+  // A group's table is made again only when a span changed (a unit
+  // registered, frozen or unfrozen, a checkpoint loaded new buffers, a
+  // param's weight decay set): on a GPU that is an upload, so the step itself
+  // sends nothing but its scalars.
   collect_spans(units);
-  if (!table_ || !same_spans(table_->spans(), spans_)) table_ = rt_.state_dev->make_span_table(spans_);
   const auto lr = static_cast<float>(o.lr);
-  if (o.optimizer == OptimizerKind::kSgd) {
-    kernels::SgdOp op{lr, 0.0f, static_cast<float>(o.momentum), grad_scale, o.nesterov, step_ == 1};
-    rt_.state_dev->sgd_spans(*table_, op, o.param_dtype, /*zero_grads=*/true);
-  } else {
-    bool decoupled = o.optimizer == OptimizerKind::kAdamW;
-    auto op = kernels::AdamOp::make(lr, static_cast<float>(o.beta1), static_cast<float>(o.beta2),
-                                    static_cast<float>(o.eps), 0.0f, decoupled, step_, grad_scale);
-    rt_.state_dev->adam_spans(*table_, op, lr, decoupled, o.param_dtype, /*zero_grads=*/true);
+  for (Group& g : groups_) {
+    if (!g.table || !same_spans(g.table->spans(), g.spans)) g.table = rt_.state_dev->make_span_table(g.spans);
+    const long t = step_ - g.fresh_at;  // this group's updates, this one included
+    if (o.optimizer == OptimizerKind::kSgd) {
+      kernels::SgdOp op{lr, 0.0f, static_cast<float>(o.momentum), grad_scale, o.nesterov, t == 1};
+      rt_.state_dev->sgd_spans(*g.table, op, o.param_dtype, /*zero_grads=*/true);
+    } else {
+      bool decoupled = o.optimizer == OptimizerKind::kAdamW;
+      auto op = kernels::AdamOp::make(lr, static_cast<float>(o.beta1), static_cast<float>(o.beta2),
+                                      static_cast<float>(o.eps), 0.0f, decoupled, t, grad_scale);
+      rt_.state_dev->adam_spans(*g.table, op, lr, decoupled, o.param_dtype, /*zero_grads=*/true);
+    }
   }
 }
 

@@ -23,6 +23,10 @@ class Optimizer {
 
   // Allocates the unit's state (moments or momentum) next to its shard.
   void add_unit(const Unit& unit);
+  // Unit `k` was frozen (its state goes) or unfrozen (fresh state, zeros,
+  // whose Adam bias correction counts from the next step, as PyTorch's
+  // per-param step count does for a param that gets its first grad).
+  void set_trainable(const Unit& unit, bool trainable);
   // One update of every unit from its sharded grads (unscaled by the loss
   // scale); zeroes the grads. Collective (the global norm). A step whose grads
   // hold inf/nan on any rank changes no param and no optimizer state.
@@ -43,7 +47,11 @@ class Optimizer {
   // A checkpoint is read into the state in place (state_for_load), then the
   // counters it holds are restored.
   float* state_for_load(size_t unit, size_t i) { return const_cast<Buffer&>(state(unit, i)).as<float>(); }
+  // The state of every trainable unit counts as fresh at step 0 (a load
+  // that holds older state says so with set_fresh_at).
   void restore(long step, double last_grad_norm);
+  long fresh_at(size_t unit) const { return states_.at(unit).fresh_at; }
+  void set_fresh_at(size_t unit, long at) { states_.at(unit).fresh_at = at; }
   LossScaler& loss_scaler() { return scaler_; }
 
  private:
@@ -53,14 +61,15 @@ class Optimizer {
   struct State {
     Buffer exp_avg;     // Adam first moment, or SGD momentum buffer
     Buffer exp_avg_sq;  // Adam second moment
+    long fresh_at = 0;  // step_ when this state was zero (its updates: step_ - fresh_at)
   };
+  State make_state(size_t numel) const;
   double grad_sum_squares(const std::vector<std::unique_ptr<Unit>>& units);
   // The update of every unit's shard (grads scaled by `grad_scale`), which
   // also writes the param_dtype copy and clears the grads.
   void update(const std::vector<std::unique_ptr<Unit>>& units, float grad_scale);
-  // Every param range of every unit's shard, with its state and weight decay.
-  // The spans of every unit's segments, into spans_ (kept: a step allocates
-  // nothing once warm).
+  // Every param range of every trainable unit's shard, with its state and
+  // weight decay, into groups_ (kept: a step allocates nothing once warm).
   void collect_spans(const std::vector<std::unique_ptr<Unit>>& units);
   // Runs `launches` (state device operations) so that they are done on
   // return, with one host wait where the state device is a GPU.
@@ -69,8 +78,15 @@ class Optimizer {
   Runtime& rt_;
   LossScaler scaler_;
   std::vector<State> states_;
-  std::unique_ptr<device::SpanTable> table_;  // spans_ as the state device keeps it
-  std::vector<device::ShardSpan> spans_;
+  // The spans of the trainable units, in groups of one update each (units
+  // whose state is as old: one Adam bias correction), and each group's table
+  // as the state device keeps it.
+  struct Group {
+    long fresh_at = 0;
+    std::vector<device::ShardSpan> spans;
+    std::unique_ptr<device::SpanTable> table;
+  };
+  std::vector<Group> groups_;
   long step_ = 0;
   double last_grad_norm_ = 0.0;
 };

@@ -181,7 +181,7 @@ float* Unit::master_for_load() {
 
 void Unit::master_loaded() {
   if (!lowp_.empty()) rt_.state_dev->cast(lowp_.data(), lowp_.dtype(), master_.data(), DType::kFp32, shard_numel());
-  rt_.state_dev->zero(sgrad_.data(), sgrad_.nbytes());
+  if (!sgrad_.empty()) rt_.state_dev->zero(sgrad_.data(), sgrad_.nbytes());
   grads_pending_ = false;
   grads_in_shard_ = false;
   grads_cleared();
@@ -349,7 +349,7 @@ void Unit::backward_begin(device::Stream& s) {
     queued.front()->wait(rt_.opts.timeout_s);
     queued.pop_front();
   }
-  if (!grads_pending_) {
+  if (trainable_ && !grads_pending_) {
     // Alone with fp32 grads and a zero grad shard, the shard itself is the
     // grad buffer: nothing to allocate, zero, reduce or copy.
     grads_in_shard_ = can_write_shard_grads();
@@ -375,7 +375,9 @@ void Unit::backward_end(device::Stream& s) {
     bad_state("fsdp_backward_end", "the unit in backward (after fsdp_backward_begin)");
   }
   EventPtr used = note_host_use(s);
-  if (rt_.grad_sync) {
+  if (!trainable_) {
+    // Frozen: no grads to reduce.
+  } else if (rt_.grad_sync) {
     reduce_event_ = submit_reduction(s, used);
     // Alone, the accumulation runs on the caller's stream: waiting for it in
     // a later backward_begin would hold the host back behind its own compute.
@@ -595,11 +597,28 @@ void* Unit::param_ptr(size_t param_index) {
   return static_cast<char*>(full_params()) + layout_.param_offset(param_index) * dtype_size(rt_.opts.param_dtype);
 }
 
+void Unit::set_trainable(bool trainable) {
+  if (trainable == trainable_) return;
+  trainable_ = trainable;
+  sgrad_ = trainable ? Buffer(rt_.state_dev, &rt_.mem, MemCategory::kShardedGrads, DType::kFp32, shard_numel())
+                     : Buffer();
+  grads_cleared();
+  trace_memory();
+}
+
+void Unit::refuse_frozen(const char* call) const {
+  if (trainable_) return;
+  fail(FSDP_ERR_INVALID_STATE, std::string(call) + " on unit " + base::quote(name_) + " (" + rt_.where() +
+                                   "): the unit is frozen (fsdp_unit_set_trainable(unit, 0)), so its params have "
+                                   "no grads; its backward computes only the grads of its inputs");
+}
+
 void* Unit::grad_ptr(size_t param_index) {
   check_param_index(param_index, "fsdp_grad_ptr");
   if (state_ != UnitState::kBackward) {
     bad_state("fsdp_grad_ptr", "the unit in backward (between fsdp_backward_begin and fsdp_backward_end)");
   }
+  refuse_frozen("fsdp_grad_ptr");
   void* grads = grads_in_shard_ ? sgrad_.data() : ugrad_.data();
   return static_cast<char*>(grads) + layout_.param_offset(param_index) * dtype_size(rt_.opts.param_dtype);
 }
@@ -621,6 +640,7 @@ void Unit::gather_param(size_t param_index, float* out, size_t numel) {
 
 void Unit::gather_grad(size_t param_index, float* out, size_t numel) {
   check_gather_out(param_index, numel, "fsdp_gather_grad");
+  refuse_frozen("fsdp_gather_grad");
   if (grads_pending_) {
     fail(FSDP_ERR_INVALID_STATE, "fsdp_gather_grad on unit " + base::quote(name_) + " (" + rt_.where() +
                                      "): its grads were accumulated with gradient sync off and are not reduced yet; "

@@ -41,6 +41,9 @@ class Unit {
   bool in_use() const { return state_ == UnitState::kForward || state_ == UnitState::kBackward; }
   // Full grads accumulated with grad sync off, not yet reduced.
   bool grads_pending() const { return grads_pending_; }
+  // Holds grads for the coming step: pending, reduced (or being reduced)
+  // into the grad shard, or written there by the host.
+  bool holds_grads() const { return grads_pending_ || !sgrad_zero_; }
   // Holds, or is gathering, full params that a later step frees (sharded strategies).
   bool holds_gathered() const { return rt_.gathers() && state_ != UnitState::kSharded; }
   bool can_gather() const { return rt_.gathers() && state_ == UnitState::kSharded; }
@@ -49,6 +52,13 @@ class Unit {
   void issue_gather(bool prefetch);
 
   void set_values(size_t param_index, const float* values, size_t numel);
+  // A frozen unit (not trainable) keeps no grad shard and no optimizer
+  // state, hands out no grads and reduces nothing; its backward bracket
+  // still gathers the params for the input grads. The Context checks the
+  // call (no unit in use, nothing pending, the same on every rank); this
+  // frees or allocates (zeroed) the grad shard.
+  bool trainable() const { return trainable_; }
+  void set_trainable(bool trainable);
   void set_weight_decay(size_t param_index, double weight_decay);
   // A checkpoint is read into the fp32 master shard in place: the shard,
   // once the caller's stream no longer reads it (the unit holds no gathered
@@ -97,7 +107,7 @@ class Unit {
   size_t shard_numel() const { return layout_.shard_numel(); }
   size_t shard_offset() const { return layout_.shard_offset(rt_.shard_rank()); }
   float* master() const { return master_.as<float>(); }
-  float* sharded_grad() const { return sgrad_.as<float>(); }
+  float* sharded_grad() const { return sgrad_.as<float>(); }  // null while frozen
   // The param_dtype copy of the shard (null when param_dtype is fp32). These
   // shards live on the state device: the host with offload=cpu.
   void* lowp_shard() const { return lowp_.data(); }
@@ -105,6 +115,8 @@ class Unit {
 
  private:
   void check_param_index(size_t param_index, const char* call) const;
+  // FSDP_ERR_INVALID_STATE naming `call` when the unit is frozen.
+  void refuse_frozen(const char* call) const;
   // gather_param's and gather_grad's argument and state checks.
   void check_gather_out(size_t param_index, size_t numel, const char* call) const;
   // Copies param `param_index`'s range of the flat fp32 state whose shard is
@@ -156,6 +168,7 @@ class Unit {
   std::vector<ShardSegment> segments_;
   std::vector<double> weight_decay_;
   UnitState state_ = UnitState::kSharded;
+  bool trainable_ = true;
   bool grads_pending_ = false;
   bool sgrad_zero_ = true;       // the grad shard holds zeros (since the last step or load)
   bool grads_in_shard_ = false;  // this backward's grads are the grad shard itself (alone, fp32)

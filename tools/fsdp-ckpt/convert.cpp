@@ -135,6 +135,7 @@ int run_consolidate(const Args& a) {
   for (size_t u = 0; u < in.units.size(); ++u) {
     size_t n = in.units[u].params.size();
     for (size_t p = 0; p < n; ++p) copy_param(r, u, p, "param", buf, *w.model);
+    if (!in.units[u].trainable) continue;  // a frozen unit has no optimizer state
     for (const std::string& s : states) {
       for (size_t p = 0; p < n; ++p) copy_param(r, u, p, s, buf, *w.optimizer);
     }
@@ -175,7 +176,6 @@ int run_reshard(const Args& a) {
     for (size_t i = 0; i < u.params.size(); ++i) u.params[i].offset = lay.param_offset(i);
     largest = std::max(largest, lay.shard_numel());
   }
-  const std::vector<std::string> kinds = ckpt::tensor_kinds(in.optimizer);
 
   Staging staging(dst);
   std::vector<float> buf(largest);
@@ -183,7 +183,7 @@ int run_reshard(const Args& a) {
     // As Context::write_shard_file writes it.
     std::unique_ptr<ckpt::Writer> w = ckpt::create_shard_file(staging.dir(), out, s);
     for (size_t u = 0; u < layouts.size(); ++u) {
-      for (const std::string& k : kinds) {
+      for (const std::string& k : ckpt::tensor_kinds(in.optimizer, in.units[u])) {  // a frozen unit: params only
         r.read_shard(u, k, layouts[u], s, buf.data());
         w->write(buf.data(), layouts[u].shard_numel() * sizeof(float));
       }
