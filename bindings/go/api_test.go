@@ -655,3 +655,82 @@ func TestLoadPretrainedFromASafetensorsFile(t *testing.T) {
 		t.Errorf("x after Export and LoadPretrained = %v, %v; want [1 2 3 4]", got, err)
 	}
 }
+
+// A frozen unit (SetTrainable(false)) hands out no grads and keeps its
+// params through a step; the unit beside it trains as SGD says (param -=
+// the ranks' mean grad).
+func TestFrozenUnit(t *testing.T) {
+	const n = 8
+	err := RunRanks(2, func(rank int, g *Group) error {
+		ctx, err := newRankContext(g, rank, map[string]string{"optimizer": "sgd", "lr": "1", "weight_decay": "0"})
+		if err != nil {
+			return err
+		}
+		defer ctx.Close()
+		frozen, err := ctx.RegisterUnit("frozen", []Param{{Name: "w", Shape: []int64{n}}})
+		if err != nil {
+			return err
+		}
+		live, err := ctx.RegisterUnit("live", []Param{{Name: "w", Shape: []int64{n}}})
+		if err != nil {
+			return err
+		}
+		ones := make([]float32, n)
+		for i := range ones {
+			ones[i] = 1
+		}
+		for _, u := range []*Unit{frozen, live} {
+			if err := u.SetValues(0, ones); err != nil {
+				return err
+			}
+		}
+		if err := frozen.SetTrainable(false); err != nil {
+			return err
+		}
+		if tr, err := frozen.Trainable(); err != nil || tr {
+			return fmt.Errorf("Trainable() = %v, %v after SetTrainable(false)", tr, err)
+		}
+		for _, u := range []*Unit{live, frozen} {
+			if err := u.BackwardBegin(); err != nil {
+				return err
+			}
+			gr, err := u.Grad(0)
+			if u == frozen {
+				if !errors.Is(err, ErrInvalidState) {
+					return fmt.Errorf("Grad of a frozen unit gave %v, not ErrInvalidState", err)
+				}
+			} else {
+				if err != nil {
+					return err
+				}
+				for i := range gr {
+					gr[i] = float32(rank + 1)
+				}
+			}
+			if err := u.BackwardEnd(); err != nil {
+				return err
+			}
+		}
+		if err := ctx.Step(); err != nil {
+			return err
+		}
+		for _, c := range []struct {
+			u    *Unit
+			want float32
+		}{{frozen, 1}, {live, 1 - 1.5}} {
+			p, err := c.u.Gather(0)
+			if err != nil {
+				return err
+			}
+			for _, v := range p {
+				if v != c.want {
+					return fmt.Errorf("unit %s: param %v, want %v", c.u.Name(), v, c.want)
+				}
+			}
+		}
+		return ctx.Finalize()
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+}

@@ -137,6 +137,26 @@ func (u *Unit) SetWeightDecay(i int, wd float64) error {
 	})
 }
 
+// SetTrainable (collective, between steps) freezes the unit (false: no
+// grads, no optimizer state, no reduction; its backward still gathers the
+// params) or unfreezes it (true: zero grads, fresh optimizer state).
+func (u *Unit) SetTrainable(trainable bool) error {
+	t := C.int(0)
+	if trainable {
+		t = 1
+	}
+	return u.simple("fsdp_unit_set_trainable", func() C.fsdp_status_t {
+		return C.fsdp_unit_set_trainable(u.ctx.ptr, u.ptr, t)
+	})
+}
+
+// Trainable reports whether the unit trains (false once frozen).
+func (u *Unit) Trainable() (bool, error) {
+	var t C.int
+	err := u.simple("fsdp_unit_trainable", func() C.fsdp_status_t { return C.fsdp_unit_trainable(u.ptr, &t) })
+	return t == 1, err
+}
+
 // ForwardBegin (collective) makes the full params usable through Param. On
 // CUDA it orders against the legacy default stream; ForwardBeginOn takes the
 // host's stream (stream.go).

@@ -45,6 +45,8 @@ _PROTOTYPES = {
                                   P(ctypes.c_int64), P(c_void_p)]),
     "fsdp_param_set_values": (None, [c_void_p, c_size_t, c_void_p, c_size_t]),
     "fsdp_param_set_weight_decay": (None, [c_void_p, c_size_t, c_double]),
+    "fsdp_unit_set_trainable": (None, [c_void_p, c_void_p, c_int]),
+    "fsdp_unit_trainable": (None, [c_void_p, P(c_int)]),
     "fsdp_forward_begin": (None, [c_void_p, c_void_p]),
     "fsdp_forward_end": (None, [c_void_p, c_void_p]),
     "fsdp_backward_begin": (None, [c_void_p, c_void_p]),

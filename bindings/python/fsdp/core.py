@@ -463,6 +463,19 @@ class Unit:
         check(LIB.fsdp_param_set_weight_decay(self._handle(), self.index(i), float(wd)),
               "fsdp_param_set_weight_decay")
 
+    @property
+    def trainable(self):
+        """False once frozen (set_trainable(False)): no grads, no optimizer state, no reduction."""
+        out = ctypes.c_int(1)
+        check(LIB.fsdp_unit_trainable(self._handle(), ctypes.byref(out)), "fsdp_unit_trainable")
+        return out.value == 1
+
+    def set_trainable(self, trainable):
+        """Freezes (False) or unfreezes (True) the unit: collective, between steps (fsdp_unit_set_trainable).
+        Unfreezing gives zero grads and fresh optimizer state."""
+        check(LIB.fsdp_unit_set_trainable(self.ctx._handle(), self._handle(), 1 if trainable else 0),
+              "fsdp_unit_set_trainable")
+
     # ---- the pass ----
     # stream (CUDA only): the stream the host computes on: a cudaStream_t as an int, an object with
     # __cuda_stream__, a torch.cuda.Stream or a cupy.cuda.Stream (stream_handle); None passes NULL, the

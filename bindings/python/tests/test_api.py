@@ -401,3 +401,37 @@ def test_add_grad_fp16_rounds_once():
             u.add_grad(0, [1.0])
             u.add_grad(0, [g])
             assert u.grad(0)[0] == once
+
+
+def test_frozen_unit_has_no_grads_and_stays_as_it_was():
+    """Unit.set_trainable(False): the grad shard and the moments go (memory_stats), the params stay bitwise,
+    grad views are refused; the unit beside it trains exactly as SGD says (param -= mean grad)."""
+    init = np.linspace(-1, 1, 12, dtype=np.float32)
+
+    def fn(rank, group):
+        with fsdp.Context(fsdp.Config(sharding="FULL_SHARD", optimizer="adamw", lr=0.1, timeout_s=20),
+                          group, rank) as ctx:
+            frozen = ctx.register_unit("frozen", {"w": (3, 4)})
+            live = ctx.register_unit("live", {"w": (12,)})
+            for u in (frozen, live):
+                u.set_values(0, init.reshape(u.shapes[0]))
+            before = ctx.memory_stats()
+            frozen.set_trainable(False)
+            after = ctx.memory_stats()
+            assert not frozen.trainable and live.trainable
+            with frozen.backward():
+                with pytest.raises(fsdp.InvalidState, match="frozen"):
+                    frozen.grad(0)
+            with live.backward():
+                live.grad(0)[...] += rank + 1
+            ctx.step()
+            return before, after, frozen.gather(0), live.gather(0)
+
+    for before, after, w_frozen, w_live in fsdp.run_ranks(2, fn):
+        # The two units have the same padded shard: freezing one halves the grads and the moments.
+        assert after.sharded_grads_nbytes * 2 == before.sharded_grads_nbytes > 0
+        assert after.optimizer_state_nbytes * 2 == before.optimizer_state_nbytes > 0
+        assert after.sharded_params_nbytes == before.sharded_params_nbytes
+        np.testing.assert_array_equal(w_frozen.ravel(), init)
+        # AdamW's first step (no decay) moves every element by lr: the mean grad is 1.5 everywhere.
+        np.testing.assert_allclose(w_live, init - 0.1, rtol=1e-5, atol=1e-6)
