@@ -208,6 +208,19 @@ FSDP_API fsdp_status_t fsdp_param_set_weight_decay(fsdp_unit_t* unit, size_t par
 FSDP_API fsdp_status_t fsdp_unit_set_trainable(fsdp_ctx_t* ctx, fsdp_unit_t* unit, int trainable);
 /* 1 if the unit is trainable, 0 if it is frozen. */
 FSDP_API fsdp_status_t fsdp_unit_trainable(const fsdp_unit_t* unit, int* trainable);
+/* A param group: sets `options` on every registered param whose name matches
+ * the glob `pattern` (fnmatch: '*', '?', [...]; an exact name picks one
+ * param). Options, separated by ';' or ',': lr_scale=X (its lr is fsdp_set_lr's
+ * times X, decoupled weight decay included, as a PyTorch param group's lr),
+ * weight_decay=X, and for adam/adamw beta1=X and beta2=X (optimizer=sgd has
+ * none: FSDP_ERR_INVALID_ARGUMENT). What is not given stays as it was; a later
+ * call wins where groups overlap. Collective, with the same pattern and
+ * options on every rank (else FSDP_ERR_MISMATCH), no unit in use (else
+ * FSDP_ERR_INVALID_STATE); a pattern that matches no param, an unknown key or
+ * a value out of range is FSDP_ERR_INVALID_ARGUMENT and changes nothing.
+ * `matched` (may be NULL) receives the number of params it set. */
+FSDP_API fsdp_status_t fsdp_set_param_group(fsdp_ctx_t* ctx, const char* pattern, const char* options,
+                                            size_t* matched);
 
 /* ---- the training step ------------------------------------------------- */
 

@@ -1,5 +1,7 @@
 // Proves that N-rank sharded training (every sharding; fp32/bf16/fp16; grad accumulation; no_sync; clipping; padding)
 // matches a single-process unsharded reference.
+#include <fnmatch.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -168,6 +170,12 @@ struct RefOptions {
   double max_grad_norm = 0;
   unsigned frozen = 0;  // bit u: unit u frozen (requires_grad False): no grad, no state, no update
   int unfreeze_at = -1;  // the step (1-based) from which the frozen units train, with fresh state
+  // Param groups: (glob, lr scale, beta1, beta2, weight decay; < 0: unchanged), later ones win.
+  struct Group {
+    std::string glob;
+    double lr_scale, beta1, beta2, weight_decay;
+  };
+  std::vector<Group> groups;
 };
 
 bool frozen_at(const RefOptions& o, size_t u, int step) {
@@ -185,15 +193,20 @@ bool is_bias(const Model& m, size_t u, size_t i) {
   return n.size() >= 4 && n.compare(n.size() - 4, 4, "bias") == 0;
 }
 
+// A PyTorch param group's hyperparameters.
+struct Hyper {
+  double lr = kLr, beta1 = kBeta1, beta2 = kBeta2;
+};
+
 // PyTorch's AdamW in fp32 at step t (1-based).
-void adamw_update(Tensor& p, Tensor& mom, Tensor& var, const Tensor& g, int t, double wd) {
-  const float bc1 = float(1.0 - std::pow(kBeta1, t));
-  const float bc2_sqrt = float(std::sqrt(1.0 - std::pow(kBeta2, t)));
-  const float step_size = float(kLr) / bc1;
+void adamw_update(Tensor& p, Tensor& mom, Tensor& var, const Tensor& g, int t, double wd, const Hyper& h = {}) {
+  const float bc1 = float(1.0 - std::pow(h.beta1, t));
+  const float bc2_sqrt = float(std::sqrt(1.0 - std::pow(h.beta2, t)));
+  const float step_size = float(h.lr) / bc1;
   for (size_t i = 0; i < p.size(); ++i) {
-    p[i] *= float(1.0 - kLr * wd);
-    mom[i] = float(kBeta1) * mom[i] + float(1.0 - kBeta1) * g[i];
-    var[i] = float(kBeta2) * var[i] + float(1.0 - kBeta2) * g[i] * g[i];
+    p[i] *= float(1.0 - h.lr * wd);
+    mom[i] = float(h.beta1) * mom[i] + float(1.0 - h.beta1) * g[i];
+    var[i] = float(h.beta2) * var[i] + float(1.0 - h.beta2) * g[i] * g[i];
     p[i] -= step_size * mom[i] / (std::sqrt(var[i]) / bc2_sqrt + float(kEps));
   }
 }
@@ -260,8 +273,18 @@ RefResult reference_train(const Model& m, const Params& init, const Data& d, con
     for (size_t u = 0; u < m.n_units(); ++u) {
       if (g[u].empty()) continue;
       ++t[u];
-      for (size_t i = 0; i < g[u].size(); ++i)
-        adamw_update(res.params[u][i], mom[u][i], var[u][i], g[u][i], t[u], is_bias(m, u, i) ? 0.0 : o.weight_decay);
+      for (size_t i = 0; i < g[u].size(); ++i) {
+        Hyper h;
+        double wd = is_bias(m, u, i) ? 0.0 : o.weight_decay;
+        for (const RefOptions::Group& grp : o.groups) {
+          if (fnmatch(grp.glob.c_str(), m.unit_params(u)[i].name.c_str(), 0) != 0) continue;
+          if (grp.lr_scale >= 0) h.lr = kLr * grp.lr_scale;
+          if (grp.beta1 >= 0) h.beta1 = grp.beta1;
+          if (grp.beta2 >= 0) h.beta2 = grp.beta2;
+          if (grp.weight_decay >= 0) wd = grp.weight_decay;
+        }
+        adamw_update(res.params[u][i], mom[u][i], var[u][i], g[u][i], t[u], wd, h);
+      }
     }
   }
   return res;
@@ -302,9 +325,23 @@ struct Case {
   // unfrozen before step `unfreeze_at` (1-based; -1: never).
   unsigned frozen = 0;
   int unfreeze_at = -1;
+  std::vector<RefOptions::Group> groups;  // fsdp_set_param_group after registration, in order
 };
 
 void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
+
+// A group as fsdp_set_param_group's options.
+std::string group_options(const RefOptions::Group& g) {
+  std::string o;
+  auto add = [&](const char* key, double v) {
+    if (v >= 0) o += (o.empty() ? "" : ";") + std::string(key) + "=" + std::to_string(v);
+  };
+  add("lr_scale", g.lr_scale);
+  add("beta1", g.beta1);
+  add("beta2", g.beta2);
+  add("weight_decay", g.weight_decay);
+  return o;
+}
 
 struct LibResult {
   std::vector<Params> params_by_rank;
@@ -466,6 +503,11 @@ LibResult lib_train(const Case& c, const Model& m, const Params& init, const Dat
     for (size_t u = 0; u < m.n_units(); ++u) {
       if (c.frozen >> u & 1u) ASSERT_OK(fsdp_unit_set_trainable(ctx.get(), units[u], 0));
     }
+    for (const RefOptions::Group& g : c.groups) {
+      size_t matched = 0;
+      ASSERT_OK(fsdp_set_param_group(ctx.get(), g.glob.c_str(), group_options(g).c_str(), &matched));
+      EXPECT_GT(matched, 0u) << g.glob;
+    }
     const Params init_rounded = rounded(init, dt);
     const bool init_known = !c.rank_dependent_init || c.sync_module_states;
     const int rows = kBatch / c.world, micro_rows = rows / c.micro;
@@ -581,6 +623,7 @@ void check_case(const Case& c) {
   o.max_grad_norm = c.max_grad_norm;
   o.frozen = c.frozen;
   o.unfreeze_at = c.unfreeze_at;
+  o.groups = c.groups;
   const RefResult ref = reference_train(m, init, d, o);
 
   // The test's power: a missing weight decay, missing clipping, or no
@@ -622,6 +665,13 @@ void check_case(const Case& c) {
     all.frozen = 0;
     EXPECT_GT(case_error(c, reference_train(m, init, d, all).params, ref.params, &where), 3 * c.tol)
         << "the tolerance is too loose to see frozen units trained";
+  }
+  for (size_t k = 0; k < c.groups.size(); ++k) {
+    // Each group's settings matter: without any one of them the reference is farther off than the tolerance.
+    RefOptions without = o;
+    without.groups.erase(without.groups.begin() + long(k));
+    EXPECT_GT(case_error(c, reference_train(m, init, d, without).params, ref.params, &where), 3 * c.tol)
+        << "the tolerance is too loose to see param group " << c.groups[k].glob << " ignored";
   }
   if (c.dtype == FSDP_DTYPE_FP32) {
     // The norm of the averaged grads, before clipping, every step.
@@ -870,6 +920,24 @@ std::vector<Case> variant_cases() {
   frozen_bf16.frozen = 0b101;
   add(frozen_bf16, 1, "FULL_SHARD");
   add(frozen_bf16, 3, "FULL_SHARD");
+  // Param groups (issue 27): layer 1 at a tenth of the lr with other betas,
+  // every bias at twice the lr, layer 2's weight with weight decay 0.5; a
+  // later group wins where they overlap (layer1.bias: lr x2).
+  Case groups;
+  groups.name = "ParamGroups";
+  groups.groups = {{"layer1.*", 0.1, 0.8, 0.95, -1}, {"*.bias", 2.0, -1, -1, -1}, {"layer2.weight", -1, -1, -1, 0.5}};
+  for (int w : {1, 2, 3, 4}) add(groups, w, "FULL_SHARD");
+  add(groups, 2, "SHARD_GRAD_OP");
+  add(groups, 3, "NO_SHARD");
+  Case groups_frozen = groups;
+  groups_frozen.name = "ParamGroupsFrozenUnfrozenAtStep8";
+  groups_frozen.frozen = 0b001;
+  groups_frozen.unfreeze_at = 8;
+  add(groups_frozen, 2, "FULL_SHARD");
+  Case groups_offload = groups;
+  groups_offload.name = "ParamGroupsOffload";
+  groups_offload.offload = true;
+  add(groups_offload, 2, "FULL_SHARD");
   Case unfrozen = frozen;
   unfrozen.name = "UnfrozenAtStep8";
   unfrozen.unfreeze_at = 8;

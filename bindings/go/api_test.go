@@ -734,3 +734,65 @@ func TestFrozenUnit(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// SetParamGroup: SGD with lr 1, a group at lr_scale 0.25 moves by a quarter
+// of the ranks' mean grad, the other param by all of it.
+func TestParamGroup(t *testing.T) {
+	const n = 4
+	err := RunRanks(2, func(rank int, g *Group) error {
+		ctx, err := newRankContext(g, rank, map[string]string{"optimizer": "sgd", "lr": "1", "weight_decay": "0"})
+		if err != nil {
+			return err
+		}
+		defer ctx.Close()
+		u, err := ctx.RegisterUnit("u", []Param{{Name: "enc.w", Shape: []int64{n}}, {Name: "dec.w", Shape: []int64{n}}})
+		if err != nil {
+			return err
+		}
+		ones := []float32{1, 1, 1, 1}
+		for i := 0; i < 2; i++ {
+			if err := u.SetValues(i, ones); err != nil {
+				return err
+			}
+		}
+		if m, err := ctx.SetParamGroup("enc.*", "lr_scale=0.25"); err != nil || m != 1 {
+			return fmt.Errorf("SetParamGroup matched %d, %v; want 1 param", m, err)
+		}
+		if _, err := ctx.SetParamGroup("*", "colour=blue"); !errors.Is(err, ErrInvalidArgument) {
+			return fmt.Errorf("an unknown key gave %v, not ErrInvalidArgument", err)
+		}
+		if err := u.BackwardBegin(); err != nil {
+			return err
+		}
+		for i := 0; i < 2; i++ {
+			gr, err := u.Grad(i)
+			if err != nil {
+				return err
+			}
+			for k := range gr {
+				gr[k] = float32(rank + 1)
+			}
+		}
+		if err := u.BackwardEnd(); err != nil {
+			return err
+		}
+		if err := ctx.Step(); err != nil {
+			return err
+		}
+		for i, want := range []float32{1 - 0.375, 1 - 1.5} {
+			p, err := u.Gather(i)
+			if err != nil {
+				return err
+			}
+			for _, v := range p {
+				if v != want {
+					return fmt.Errorf("param %d is %v, want %v", i, v, want)
+				}
+			}
+		}
+		return ctx.Finalize()
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+}

@@ -226,6 +226,18 @@ func (c *Context) SetLR(lr float64) error {
 	return c.simple("fsdp_set_lr", func() C.fsdp_status_t { return C.fsdp_set_lr(c.ptr, C.double(lr)) })
 }
 
+// SetParamGroup (collective, between steps) sets options ("lr_scale=0.1;
+// beta2=0.95"; keys lr_scale, weight_decay, beta1, beta2) on every param
+// whose name matches the glob pattern, and returns how many it set.
+func (c *Context) SetParamGroup(pattern, options string) (int, error) {
+	cp, co := C.CString(pattern), C.CString(options)
+	defer C.free(unsafe.Pointer(cp))
+	defer C.free(unsafe.Pointer(co))
+	var n C.size_t
+	err := c.simple("fsdp_set_param_group", func() C.fsdp_status_t { return C.fsdp_set_param_group(c.ptr, cp, co, &n) })
+	return int(n), err
+}
+
 // SetGradSync(false) accumulates grads locally without communication (no_sync).
 func (c *Context) SetGradSync(enabled bool) error {
 	e := C.int(0)

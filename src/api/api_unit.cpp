@@ -132,6 +132,18 @@ fsdp_status_t fsdp_unit_trainable(const fsdp_unit_t* unit, int* trainable) {
   });
 }
 
+fsdp_status_t fsdp_set_param_group(fsdp_ctx_t* ctx, const char* pattern, const char* options, size_t* matched) {
+  return guard([&] {
+    const char* call = "fsdp_set_param_group";
+    require(ctx, call, "ctx");
+    require(pattern, call, "pattern");
+    require(options, call, "options");
+    ctx_of(ctx)->check_live(call);
+    size_t n = ctx_of(ctx)->set_param_group(pattern, options);
+    if (matched != nullptr) *matched = n;
+  });
+}
+
 fsdp_status_t fsdp_forward_begin(fsdp_unit_t* unit, void* stream) {
   return phase_call(unit, stream, "fsdp_forward_begin", &Unit::forward_begin);
 }

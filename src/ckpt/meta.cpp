@@ -232,11 +232,15 @@ std::string to_json(const Meta& m) {
   for (const UnitMeta& u : m.units) {
     json params = json::array();
     for (const ParamMeta& p : u.params) {
-      params.push_back({{"name", p.name},
-                        {"shape", p.shape},
-                        {"numel", p.numel},
-                        {"offset", p.offset},
-                        {"weight_decay", p.weight_decay}});
+      json pj = {{"name", p.name},
+                 {"shape", p.shape},
+                 {"numel", p.numel},
+                 {"offset", p.offset},
+                 {"weight_decay", p.weight_decay}};
+      if (p.lr_scale != 1.0) pj["lr_scale"] = p.lr_scale;
+      if (p.beta1 >= 0) pj["beta1"] = p.beta1;
+      if (p.beta2 >= 0) pj["beta2"] = p.beta2;
+      params.push_back(std::move(pj));
     }
     json uj = {{"name", u.name}, {"padded_numel", u.padded_numel}, {"params", params}};
     if (!u.trainable) uj["trainable"] = false;
@@ -343,6 +347,9 @@ Meta parse_meta(const std::string& file, const std::string& text) {
       }
       end = p.offset + p.numel;
       p.weight_decay = pf.num("weight_decay");
+      if (pf.has("lr_scale")) p.lr_scale = pf.num("lr_scale");
+      if (pf.has("beta1")) p.beta1 = pf.num("beta1");
+      if (pf.has("beta2")) p.beta2 = pf.num("beta2");
       names_unique = all_names.insert(p.name).second && names_unique;
       u.params.push_back(std::move(p));
     }

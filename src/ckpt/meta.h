@@ -28,6 +28,10 @@ struct ParamMeta {
   uint64_t numel = 0;
   uint64_t offset = 0;  // in the unit's flat buffer (sharded checkpoints)
   double weight_decay = 0.0;
+  // Its param group (fsdp_set_param_group), recorded only where set: the
+  // lr scale (1: none) and Adam's betas (-1: the optimizer's).
+  double lr_scale = 1.0;
+  double beta1 = -1.0, beta2 = -1.0;
 };
 
 struct UnitMeta {

@@ -5,6 +5,7 @@
 // and only when every rank succeeded do they replace the context's state. The
 // file format itself is src/ckpt/.
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <map>
@@ -133,7 +134,9 @@ ckpt::Meta Context::checkpoint_meta(const std::string& kind) const {
     um.state_fresh_at = u->trainable() ? optimizer_.fresh_at(u->index()) : 0;
     for (size_t i = 0; i < u->layout().n_params(); ++i) {
       const ParamSpec& p = u->layout().param(i);
-      um.params.push_back({p.name, p.shape, p.numel, u->layout().param_offset(i), u->weight_decay(i)});
+      const Unit::Hyper& h = u->hyper(i);
+      um.params.push_back({p.name, p.shape, p.numel, u->layout().param_offset(i), u->weight_decay(i), h.lr_scale,
+                           std::isnan(h.beta1) ? -1.0 : h.beta1, std::isnan(h.beta2) ? -1.0 : h.beta2});
     }
     m.units.push_back(std::move(um));
   }

@@ -513,6 +513,44 @@ void check_weight_decay(double weight_decay, const char* call) {
   check_range(weight_decay, kWeightDecayRange, std::string(call) + ": the weight decay");
 }
 
+ParamGroupOptions parse_param_group(const char* text, bool adam, const char* call) {
+  ParamGroupOptions g;
+  std::string all = text == nullptr ? "" : text;
+  size_t items = 0;
+  for (size_t pos = 0; pos <= all.size();) {
+    size_t end = all.find_first_of(";,", pos);
+    if (end == std::string::npos) end = all.size();
+    std::string item = trim(all.substr(pos, end - pos));
+    pos = end + 1;
+    if (item.empty()) continue;
+    ++items;
+    size_t eq = item.find('=');
+    auto bad = [&](const std::string& why) {
+      fail(FSDP_ERR_INVALID_ARGUMENT, std::string(call) + ": " + base::quote(item) + " " + why +
+                                          " (keys: lr_scale, weight_decay, beta1, beta2)");
+    };
+    if (eq == std::string::npos) bad("is not key=value");
+    std::string key = trim(item.substr(0, eq)), value = item.substr(eq + 1);
+    double v = 0.0;
+    auto number = [&](Range r) {
+      if (!base::parse_double(trim(value), &v) || !std::isfinite(v) || !r.holds(v)) bad("is not a number in " + range_text(r));
+      return v;
+    };
+    if (key == "lr_scale") {
+      g.lr_scale = number({0, 1e9});
+    } else if (key == "weight_decay") {
+      g.weight_decay = number(kWeightDecayRange);
+    } else if (key == "beta1" || key == "beta2") {
+      if (!adam) bad("is Adam's: optimizer=sgd has no betas");
+      (key == "beta1" ? g.beta1 : g.beta2) = number({0, 1, true});
+    } else {
+      bad("has an unknown key");
+    }
+  }
+  if (items == 0) fail(FSDP_ERR_INVALID_ARGUMENT, std::string(call) + ": no options (lr_scale, weight_decay, beta1, beta2)");
+  return g;
+}
+
 void Config::set(const std::string& key, const std::string& value) {
   const Entry& e = find_or_fail(key);
   Options next = options_;  // all-or-nothing: a failed parse leaves options_ alone

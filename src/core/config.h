@@ -3,6 +3,7 @@
 // config.cpp lists every key, its aliases, its values and its default.
 #pragma once
 
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -27,6 +28,19 @@ std::string optimizer_name(OptimizerKind k);
 // weight_decay options, or FSDP_ERR_INVALID_ARGUMENT naming `call`.
 void check_lr(double lr, const char* call);
 void check_weight_decay(double weight_decay, const char* call);
+
+// One param group's hyperparameters, as fsdp_set_param_group takes them
+// ("lr_scale=0.1;beta2=0.95"; ';' or ',' between items): what the options
+// give, NaN for what they leave as it is.
+struct ParamGroupOptions {
+  double lr_scale = std::numeric_limits<double>::quiet_NaN();
+  double weight_decay = std::numeric_limits<double>::quiet_NaN();
+  double beta1 = std::numeric_limits<double>::quiet_NaN();
+  double beta2 = std::numeric_limits<double>::quiet_NaN();
+};
+// FSDP_ERR_INVALID_ARGUMENT naming `call` and the item: an unknown key, a
+// value out of its option's range, betas with optimizer=sgd, no item at all.
+ParamGroupOptions parse_param_group(const char* text, bool adam, const char* call);
 
 // FSDP_DEBUG_POISON=1 in the environment (debug_poison's default).
 bool debug_poison_from_env();

@@ -1,6 +1,8 @@
 // src/core/context.cpp - see context.h.
 #include "context.h"
 
+#include <fnmatch.h>
+
 #include <locale>
 #include <set>
 #include <sstream>
@@ -218,6 +220,47 @@ void Context::set_trainable(Unit& unit, bool trainable) {
   settle_units();
   unit.set_trainable(trainable);
   optimizer_.set_trainable(unit, trainable);
+}
+
+size_t Context::set_param_group(const std::string& pattern, const char* options) {
+  const char* call = "fsdp_set_param_group";
+  std::string problem;
+  fsdp_status_t status = FSDP_ERR_INVALID_ARGUMENT;
+  ParamGroupOptions g;
+  try {
+    if (pattern.empty()) fail(FSDP_ERR_INVALID_ARGUMENT, std::string(call) + ": the pattern is empty");
+    g = parse_param_group(options, rt_.opts.optimizer != OptimizerKind::kSgd, call);
+  } catch (const Error& e) {
+    problem = e.what();
+  }
+  for (const auto& u : units_) {
+    if (problem.empty() && u->in_use()) {
+      problem = std::string(call) + " (" + rt_.where() + "): unit " + base::quote(u->name()) + " is " +
+                unit_state_name(u->state()) + "; set param groups between steps";
+      status = FSDP_ERR_INVALID_STATE;
+    }
+  }
+  std::vector<std::pair<Unit*, size_t>> matched;
+  for (const auto& u : units_) {
+    for (size_t i = 0; i < u->layout().n_params(); ++i) {
+      if (fnmatch(pattern.c_str(), u->layout().param(i).name.c_str(), 0) == 0) matched.emplace_back(u.get(), i);
+    }
+  }
+  if (problem.empty() && matched.empty()) {
+    problem = std::string(call) + ": " + base::quote(pattern) + " matches no registered param";
+  }
+  // The same groups on every rank, or a model trained differently per rank.
+  std::string text = "pattern=" + pattern + " options=" + std::string(options != nullptr ? options : "") +
+                     (problem.empty() ? "" : " (refused: " + problem + ")");
+  try {
+    agree(*rt_.comm, call, text);
+  } catch (const Error& e) {
+    if (!problem.empty()) fail(status, problem);
+    throw;
+  }
+  if (!problem.empty()) fail(status, problem);
+  for (const auto& [u, i] : matched) u->set_group(i, g);
+  return matched.size();
 }
 
 void Context::check_no_unit_in_use(const char* call) const {

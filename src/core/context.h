@@ -46,6 +46,10 @@ class Context {
   // Collective: freezes (false) or unfreezes `unit` between steps (no unit in
   // use, no grads accumulated since the last step), the same on every rank.
   void set_trainable(Unit& unit, bool trainable);
+  // Collective, between steps: sets `options` (lr_scale, weight_decay, beta1,
+  // beta2) on every registered param whose name matches the glob `pattern`;
+  // returns how many matched (none is FSDP_ERR_INVALID_ARGUMENT).
+  size_t set_param_group(const std::string& pattern, const char* options);
   bool owns(const Unit& unit) const { return unit.index() < units_.size() && units_[unit.index()].get() == &unit; }
   // The device stream for the API's `stream` argument of `call`.
   device::Stream& caller_stream(void* native, const char* call) { return rt_.caller_stream(native, call); }

@@ -119,12 +119,18 @@ void Optimizer::collect_spans(const std::vector<std::unique_ptr<Unit>>& units) {
     const Unit& u = *units[k];
     if (!u.trainable()) continue;
     const State& st = states_[k];
-    auto g = std::find_if(groups_.begin(), groups_.end(), [&](const Group& x) { return x.fresh_at == st.fresh_at; });
-    if (g == groups_.end()) {
-      groups_.push_back(Group{st.fresh_at, {}, nullptr});
-      g = groups_.end() - 1;
-    }
     for (const ShardSegment& seg : u.segments()) {
+      const Unit::Hyper& h = u.hyper(seg.param_index);
+      Group key;
+      key.fresh_at = st.fresh_at;
+      key.lr_scale = static_cast<float>(h.lr_scale);
+      key.beta1 = static_cast<float>(std::isnan(h.beta1) ? rt_.opts.beta1 : h.beta1);
+      key.beta2 = static_cast<float>(std::isnan(h.beta2) ? rt_.opts.beta2 : h.beta2);
+      auto g = std::find_if(groups_.begin(), groups_.end(), [&](const Group& x) { return x.same(key); });
+      if (g == groups_.end()) {
+        groups_.push_back(std::move(key));
+        g = groups_.end() - 1;
+      }
       size_t b = seg.shard_begin;
       g->spans.push_back({u.master() + b, u.sharded_grad() + b,
                           st.exp_avg.empty() ? nullptr : st.exp_avg.as<float>() + b,
@@ -161,17 +167,18 @@ void Optimizer::update(const std::vector<std::unique_ptr<Unit>>& units, float gr
   // param's weight decay set): on a GPU that is an upload, so the step itself
   // sends nothing but its scalars.
   collect_spans(units);
-  const auto lr = static_cast<float>(o.lr);
   for (Group& g : groups_) {
     if (!g.table || !same_spans(g.table->spans(), g.spans)) g.table = rt_.state_dev->make_span_table(g.spans);
     const long t = step_ - g.fresh_at;  // this group's updates, this one included
+    // The group's lr: fsdp_set_lr's, scaled (decoupled weight decay too, as
+    // a PyTorch param group's lr).
+    const float lr = g.lr_scale == 1.0f ? static_cast<float>(o.lr) : static_cast<float>(o.lr * g.lr_scale);
     if (o.optimizer == OptimizerKind::kSgd) {
       kernels::SgdOp op{lr, 0.0f, static_cast<float>(o.momentum), grad_scale, o.nesterov, t == 1};
       rt_.state_dev->sgd_spans(*g.table, op, o.param_dtype, /*zero_grads=*/true);
     } else {
       bool decoupled = o.optimizer == OptimizerKind::kAdamW;
-      auto op = kernels::AdamOp::make(lr, static_cast<float>(o.beta1), static_cast<float>(o.beta2),
-                                      static_cast<float>(o.eps), 0.0f, decoupled, t, grad_scale);
+      auto op = kernels::AdamOp::make(lr, g.beta1, g.beta2, static_cast<float>(o.eps), 0.0f, decoupled, t, grad_scale);
       rt_.state_dev->adam_spans(*g.table, op, lr, decoupled, o.param_dtype, /*zero_grads=*/true);
     }
   }

@@ -83,8 +83,12 @@ class Optimizer {
   // as the state device keeps it.
   struct Group {
     long fresh_at = 0;
+    float lr_scale = 1.0f, beta1 = 0.0f, beta2 = 0.0f;  // the param group's (fsdp_set_param_group)
     std::vector<device::ShardSpan> spans;
     std::unique_ptr<device::SpanTable> table;
+    bool same(const Group& o) const {
+      return fresh_at == o.fresh_at && lr_scale == o.lr_scale && beta1 == o.beta1 && beta2 == o.beta2;
+    }
   };
   std::vector<Group> groups_;
   long step_ = 0;

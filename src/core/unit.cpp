@@ -4,6 +4,7 @@
 #include <fnmatch.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 
 #include "../base/error.h"
@@ -61,6 +62,7 @@ Unit::Unit(Runtime& rt, size_t index, std::string name, std::vector<ParamSpec> p
     }
     weight_decay_.push_back(wd);
   }
+  hyper_.resize(layout_.n_params());
   size_t s = layout_.shard_numel();
   master_ = Buffer(rt_.state_dev, &rt_.mem, MemCategory::kShardedParams, DType::kFp32, s);
   // Without gathers the param_dtype copy is the full params the host reads.
@@ -191,6 +193,14 @@ void Unit::set_weight_decay(size_t param_index, double weight_decay) {
   check_param_index(param_index, "fsdp_param_set_weight_decay");
   check_weight_decay(weight_decay, "fsdp_param_set_weight_decay");
   weight_decay_[param_index] = weight_decay;
+}
+
+void Unit::set_group(size_t param_index, const ParamGroupOptions& g) {
+  Hyper& h = hyper_.at(param_index);
+  if (!std::isnan(g.lr_scale)) h.lr_scale = g.lr_scale;
+  if (!std::isnan(g.weight_decay)) weight_decay_[param_index] = g.weight_decay;
+  if (!std::isnan(g.beta1)) h.beta1 = g.beta1;
+  if (!std::isnan(g.beta2)) h.beta2 = g.beta2;
 }
 
 void Unit::issue_gather(bool prefetch) {

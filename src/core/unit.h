@@ -15,11 +15,13 @@
 // still zero, adds its grads straight into it.
 #pragma once
 
+#include <limits>
 #include <string>
 #include <vector>
 
 #include "../base/layout.h"
 #include "../device/stream.h"
+#include "config.h"
 #include "memory.h"
 #include "runtime.h"
 
@@ -67,6 +69,16 @@ class Unit {
   float* master_for_load();
   void master_loaded();
   double weight_decay(size_t param_index) const { return weight_decay_[param_index]; }
+  // A param group's hyperparameters (fsdp_set_param_group): the lr scale,
+  // and Adam's betas where set (NaN: the context's).
+  struct Hyper {
+    double lr_scale = 1.0;
+    double beta1 = std::numeric_limits<double>::quiet_NaN();
+    double beta2 = std::numeric_limits<double>::quiet_NaN();
+  };
+  const Hyper& hyper(size_t param_index) const { return hyper_[param_index]; }
+  // What `g` gives, for param `param_index` (checked by the caller).
+  void set_group(size_t param_index, const ParamGroupOptions& g);
 
   // The transitions order the engine's work after the caller's stream `s`
   // (the host's compute) through events: *_begin makes `s` wait for the
@@ -167,6 +179,7 @@ class Unit {
   FlatLayout layout_;
   std::vector<ShardSegment> segments_;
   std::vector<double> weight_decay_;
+  std::vector<Hyper> hyper_;
   UnitState state_ = UnitState::kSharded;
   bool trainable_ = true;
   bool grads_pending_ = false;

@@ -272,6 +272,17 @@ class Context(_Handle):
     def set_lr(self, lr):
         check(LIB.fsdp_set_lr(self._handle(), float(lr)), "fsdp_set_lr")
 
+    def set_param_group(self, pattern, lr_scale=None, weight_decay=None, beta1=None, beta2=None):
+        """A param group (fsdp_set_param_group): every registered param whose name matches the glob `pattern`
+        takes the options given (lr_scale multiplies set_lr's lr). Collective, between steps. Returns how many
+        params it set."""
+        items = [f"{k}={float(v)!r}" for k, v in (("lr_scale", lr_scale), ("weight_decay", weight_decay),
+                                                   ("beta1", beta1), ("beta2", beta2)) if v is not None]
+        matched = ctypes.c_size_t(0)
+        check(LIB.fsdp_set_param_group(self._handle(), str(pattern).encode(), ";".join(items).encode(),
+                                       ctypes.byref(matched)), "fsdp_set_param_group")
+        return matched.value
+
     def set_grad_sync(self, enabled):
         check(LIB.fsdp_set_grad_sync(self._handle(), 1 if enabled else 0), "fsdp_set_grad_sync")
 

@@ -435,3 +435,33 @@ def test_frozen_unit_has_no_grads_and_stays_as_it_was():
         np.testing.assert_array_equal(w_frozen.ravel(), init)
         # AdamW's first step (no decay) moves every element by lr: the mean grad is 1.5 everywhere.
         np.testing.assert_allclose(w_live, init - 0.1, rtol=1e-5, atol=1e-6)
+
+
+def test_param_group_scales_the_lr_of_the_params_it_matches():
+    """SGD with lr 1: a group at lr_scale 0.25 moves by a quarter of the mean grad, the rest by all of it;
+    set_lr keeps scaling the group; misuse raises and changes nothing."""
+    def fn(rank, group):
+        with fsdp.Context(fsdp.Config(sharding="FULL_SHARD", **SGD), group, rank) as ctx:
+            a = ctx.register_unit("a", {"enc.w": (4,), "enc.b": (2,)})
+            b = ctx.register_unit("b", {"dec.w": (4,)})
+            for u in (a, b):
+                for i, shape in enumerate(u.shapes):
+                    u.set_values(i, np.ones(shape, np.float32))
+            assert ctx.set_param_group("enc.*", lr_scale=0.25) == 2
+            with pytest.raises(fsdp.InvalidArgument, match="matches no registered param"):
+                ctx.set_param_group("nothing.*", lr_scale=2)
+            with pytest.raises(fsdp.InvalidArgument, match="sgd has no betas"):
+                ctx.set_param_group("*", beta1=0.9)
+            for lr in (1.0, 2.0):
+                ctx.set_lr(lr)
+                for u in (a, b):
+                    with u.backward():
+                        for i in range(len(u.shapes)):
+                            u.grad(i)[...] += rank + 1
+                ctx.step()
+            return a.gather(0), a.gather(1), b.gather(0)
+
+    for enc_w, enc_b, dec_w in fsdp.run_ranks(2, fn):
+        np.testing.assert_array_equal(enc_w, np.full(4, 1 - 0.375 - 0.75, np.float32))
+        np.testing.assert_array_equal(enc_b, np.full(2, 1 - 0.375 - 0.75, np.float32))
+        np.testing.assert_array_equal(dec_w, np.full(4, 1 - 1.5 - 3.0, np.float32))
