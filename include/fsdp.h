@@ -208,6 +208,29 @@ FSDP_API fsdp_status_t fsdp_param_set_weight_decay(fsdp_unit_t* unit, size_t par
 FSDP_API fsdp_status_t fsdp_unit_set_trainable(fsdp_ctx_t* ctx, fsdp_unit_t* unit, int trainable);
 /* 1 if the unit is trainable, 0 if it is frozen. */
 FSDP_API fsdp_status_t fsdp_unit_trainable(const fsdp_unit_t* unit, int* trainable);
+/* optimizer=host: the host updates the shards itself. fsdp_step_begin does
+ * what fsdp_step does before its update: every reduction done, the global
+ * grad norm (fsdp_last_grad_norm), the loss scaler's verdict and clipping.
+ * `*update` is 0 for a step skipped for inf/nan grads (they are zeroed: the
+ * host changes nothing), else 1 with `*grad_scale` the factor the host
+ * multiplies every grad by (1 / loss scale, times the clip coefficient of
+ * max_grad_norm; 1 without either). The host then updates each trainable
+ * unit's shard in place, on `stream` (or synchronously): fsdp_shard_tensors
+ * gives the fp32 master, the reduced grads and the host_state fp32 buffers
+ * libfsdp keeps for it (zero at first, sharded, checkpointed as "host0",
+ * "host1", ...). Padding between params is zero in all of them and must stay
+ * zero. fsdp_step_end waits for `stream`, makes the param_dtype copies
+ * follow, zeroes the grads, and counts the step (fsdp_ctx_step: during the
+ * update it gives the steps before this one). Between the two only
+ * fsdp_shard_tensors, fsdp_shard_info, fsdp_param_flat_range, fsdp_ctx_step,
+ * fsdp_last_grad_norm, fsdp_memory_stats and fsdp_unit_trainable may be
+ * called (else FSDP_ERR_INVALID_STATE). Collective. With another optimizer
+ * fsdp_step_begin is FSDP_ERR_INVALID_STATE, and with optimizer=host so is
+ * fsdp_step. */
+FSDP_API fsdp_status_t fsdp_step_begin(fsdp_ctx_t* ctx, void* stream, int* update, float* grad_scale);
+FSDP_API fsdp_status_t fsdp_shard_tensors(fsdp_ctx_t* ctx, fsdp_unit_t* unit, float** params, float** grads,
+                                          float** states, size_t n_states, size_t* numel);
+FSDP_API fsdp_status_t fsdp_step_end(fsdp_ctx_t* ctx, void* stream);
 /* A param group: sets `options` on every registered param whose name matches
  * the glob `pattern` (fnmatch: '*', '?', [...]; an exact name picks one
  * param). Options, separated by ';' or ',': lr_scale=X (its lr is fsdp_set_lr's

@@ -796,3 +796,66 @@ func TestParamGroup(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// optimizer=host: SGD with momentum written here on ShardTensors; with lr 1
+// and momentum 0.5 the param follows p -= buf, buf = 0.5 buf + mean grad.
+func TestHostOptimizer(t *testing.T) {
+	const n = 6
+	err := RunRanks(2, func(rank int, g *Group) error {
+		ctx, err := newRankContext(g, rank, map[string]string{"optimizer": "host", "host_state": "1"})
+		if err != nil {
+			return err
+		}
+		defer ctx.Close()
+		u, err := ctx.RegisterUnit("u", []Param{{Name: "w", Shape: []int64{n}}})
+		if err != nil {
+			return err
+		}
+		if err := u.SetValues(0, []float32{1, 1, 1, 1, 1, 1}); err != nil {
+			return err
+		}
+		for step := 0; step < 2; step++ {
+			if err := u.BackwardBegin(); err != nil {
+				return err
+			}
+			gr, err := u.Grad(0)
+			if err != nil {
+				return err
+			}
+			for i := range gr {
+				gr[i] = float32(rank + 1)
+			}
+			if err := u.BackwardEnd(); err != nil {
+				return err
+			}
+			update, scale, err := ctx.StepBegin()
+			if err != nil || !update || scale != 1 {
+				return fmt.Errorf("StepBegin: %v %v %v", update, scale, err)
+			}
+			p, grads, states, err := u.ShardTensors(1)
+			if err != nil {
+				return err
+			}
+			for i := range p {
+				states[0][i] = 0.5*states[0][i] + grads[i]*scale
+				p[i] -= states[0][i]
+			}
+			if err := ctx.StepEnd(); err != nil {
+				return err
+			}
+		}
+		w, err := u.Gather(0)
+		if err != nil {
+			return err
+		}
+		for _, v := range w {
+			if v != -2.75 {
+				return fmt.Errorf("param %v, want -2.75", v)
+			}
+		}
+		return ctx.Finalize()
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+}

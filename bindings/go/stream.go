@@ -14,6 +14,8 @@ package fsdp
 // static fsdp_status_t fsdp_go_backward_begin(fsdp_unit_t* u, uintptr_t s) { return fsdp_backward_begin(u, (void*)s); }
 // static fsdp_status_t fsdp_go_backward_end(fsdp_unit_t* u, uintptr_t s) { return fsdp_backward_end(u, (void*)s); }
 // static fsdp_status_t fsdp_go_step(fsdp_ctx_t* c, uintptr_t s) { return fsdp_step(c, (void*)s); }
+// static fsdp_status_t fsdp_go_step_begin(fsdp_ctx_t* c, uintptr_t s, int* u, float* g) { return fsdp_step_begin(c, (void*)s, u, g); }
+// static fsdp_status_t fsdp_go_step_end(fsdp_ctx_t* c, uintptr_t s) { return fsdp_step_end(c, (void*)s); }
 import "C"
 
 import (
@@ -60,6 +62,26 @@ func (u *Unit) BackwardEndOn(s Stream) error {
 // StepOn is Step after the work queued on s so far.
 func (c *Context) StepOn(s Stream) error {
 	return c.simple("fsdp_step", func() C.fsdp_status_t { return C.fsdp_go_step(c.ptr, s.c()) })
+}
+
+// StepBegin (optimizer=host, collective) does what Step does before its
+// update: every reduction, the norm, the loss scaler's verdict, clipping.
+// update false: a skipped step (inf/nan), change nothing; else the host
+// multiplies the grads by gradScale in its update (Unit.ShardTensors) and
+// then calls StepEnd.
+func (c *Context) StepBegin() (update bool, gradScale float32, err error) {
+	var u C.int
+	var g C.float
+	err = c.simple("fsdp_step_begin", func() C.fsdp_status_t {
+		return C.fsdp_go_step_begin(c.ptr, DefaultStream.c(), &u, &g)
+	})
+	return u == 1, float32(g), err
+}
+
+// StepEnd (optimizer=host, collective) ends the host's update: the next
+// gathers read it and the step is counted.
+func (c *Context) StepEnd() error {
+	return c.simple("fsdp_step_end", func() C.fsdp_status_t { return C.fsdp_go_step_end(c.ptr, DefaultStream.c()) })
 }
 
 // CUDADevice is N of the context's "cuda:N" (ok false on the CPU): the device

@@ -157,6 +157,38 @@ func (u *Unit) Trainable() (bool, error) {
 	return t == 1, err
 }
 
+// ShardTensors (optimizer=host, between StepBegin and StepEnd) is this
+// rank's shard of the unit as slices over library memory: the fp32 master,
+// the reduced grads and the nStates (host_state) buffers libfsdp keeps.
+// CPU contexts only.
+func (u *Unit) ShardTensors(nStates int) (params, grads []float32, states [][]float32, err error) {
+	if err := u.hostOnly("fsdp_shard_tensors"); err != nil {
+		return nil, nil, nil, err
+	}
+	if nStates < 0 || nStates > 8 {
+		return nil, nil, nil, newError("fsdp_shard_tensors", StatusInvalidArgument, "nStates must be 0..8")
+	}
+	var p, g *C.float
+	var n C.size_t
+	ptrs := make([]*C.float, 8)
+	err = u.simple("fsdp_shard_tensors", func() C.fsdp_status_t {
+		return C.fsdp_shard_tensors(u.ctx.ptr, u.ptr, &p, &g, &ptrs[0], C.size_t(nStates), &n)
+	})
+	if err != nil {
+		return nil, nil, nil, err
+	}
+	view := func(q *C.float) []float32 {
+		if q == nil || n == 0 {
+			return nil
+		}
+		return unsafe.Slice((*float32)(unsafe.Pointer(q)), int(n))
+	}
+	for i := 0; i < nStates; i++ {
+		states = append(states, view(ptrs[i]))
+	}
+	return view(p), view(g), states, nil
+}
+
 // ForwardBegin (collective) makes the full params usable through Param. On
 // CUDA it orders against the legacy default stream; ForwardBeginOn takes the
 // host's stream (stream.go).

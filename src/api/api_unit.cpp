@@ -144,6 +144,64 @@ fsdp_status_t fsdp_set_param_group(fsdp_ctx_t* ctx, const char* pattern, const c
   });
 }
 
+fsdp_status_t fsdp_step_begin(fsdp_ctx_t* ctx, void* stream, int* update, float* grad_scale) {
+  return guard([&] {
+    const char* call = "fsdp_step_begin";
+    require(ctx, call, "ctx");
+    require(update, call, "update");
+    require(grad_scale, call, "grad_scale");
+    ctx_of(ctx)->check_live(call);
+    float scale = 1.0f;
+    bool go = ctx_of(ctx)->step_begin(ctx_of(ctx)->caller_stream(stream, call), &scale);
+    *update = go ? 1 : 0;
+    *grad_scale = go ? scale : 0.0f;
+  });
+}
+
+fsdp_status_t fsdp_shard_tensors(fsdp_ctx_t* ctx, fsdp_unit_t* unit, float** params, float** grads, float** states,
+                                 size_t n_states, size_t* numel) {
+  return guard([&] {
+    const char* call = "fsdp_shard_tensors";
+    require(ctx, call, "ctx");
+    ctx_of(ctx)->check_live(call);
+    Unit& u = live_unit(unit, call);
+    if (!ctx_of(ctx)->owns(u)) {
+      fail(FSDP_ERR_INVALID_ARGUMENT, std::string(call) + ": unit " + base::quote(u.name()) +
+                                          " belongs to another context");
+    }
+    require(params, call, "params");
+    require(grads, call, "grads");
+    require(numel, call, "numel");
+    if (n_states > 0) require(states, call, "states");
+    if (!u.runtime().host_step_open) {
+      fail(FSDP_ERR_INVALID_STATE, std::string(call) + " on unit " + base::quote(u.name()) +
+                                       ": only between fsdp_step_begin and fsdp_step_end (optimizer=host)");
+    }
+    if (!u.trainable()) {
+      fail(FSDP_ERR_INVALID_STATE, std::string(call) + " on unit " + base::quote(u.name()) +
+                                       ": the unit is frozen, so it has no grads or state to update");
+    }
+    const size_t have = static_cast<size_t>(u.runtime().opts.host_state);
+    if (n_states != have) {
+      fail(FSDP_ERR_INVALID_ARGUMENT, std::string(call) + ": n_states is " + std::to_string(n_states) +
+                                          ", but host_state=" + std::to_string(have) + " buffers are kept");
+    }
+    *params = u.master();
+    *grads = u.sharded_grad();
+    for (size_t i = 0; i < n_states; ++i) states[i] = ctx_of(ctx)->optimizer_state(u, i);
+    *numel = u.shard_numel();
+  });
+}
+
+fsdp_status_t fsdp_step_end(fsdp_ctx_t* ctx, void* stream) {
+  return guard([&] {
+    const char* call = "fsdp_step_end";
+    require(ctx, call, "ctx");
+    ctx_of(ctx)->check_live(call);
+    ctx_of(ctx)->step_end(ctx_of(ctx)->caller_stream(stream, call));
+  });
+}
+
 fsdp_status_t fsdp_forward_begin(fsdp_unit_t* unit, void* stream) {
   return phase_call(unit, stream, "fsdp_forward_begin", &Unit::forward_begin);
 }

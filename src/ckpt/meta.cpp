@@ -285,8 +285,8 @@ Meta parse_meta(const std::string& file, const std::string& text) {
   std::vector<std::string> want;
   if (o.kind == "adamw" || o.kind == "adam") {
     want = {"exp_avg", "exp_avg_sq"};
-  } else if (o.kind != "sgd") {
-    of.at("kind").bad("is " + base::quote(o.kind) + ", not adamw, adam or sgd");
+  } else if (o.kind != "sgd" && o.kind != "host") {
+    of.at("kind").bad("is " + base::quote(o.kind) + ", not adamw, adam, sgd or host");
   }
   for (const json& s : of.array("state")) {
     if (!s.is_string()) of.at("state").bad("holds a non-string");
@@ -295,7 +295,15 @@ Meta parse_meta(const std::string& file, const std::string& text) {
   if (o.kind == "sgd" && !(o.state.empty() || o.state == std::vector<std::string>{"momentum"})) {
     of.at("state").bad("must be [] or [\"momentum\"] for sgd");
   }
-  if (o.kind != "sgd" && o.state != want) of.at("state").bad("must be [\"exp_avg\", \"exp_avg_sq\"] for " + o.kind);
+  if (o.kind == "host") {  // the host's optimizer: host0, host1, ... (host_state of them, at most 8)
+    if (o.state.size() > 8) of.at("state").bad("holds more than 8 buffers");
+    for (size_t i = 0; i < o.state.size(); ++i) {
+      if (o.state[i] != "host" + std::to_string(i)) of.at("state").bad("must be [\"host0\", \"host1\", ...] for host");
+    }
+  }
+  if ((o.kind == "adamw" || o.kind == "adam") && o.state != want) {
+    of.at("state").bad("must be [\"exp_avg\", \"exp_avg_sq\"] for " + o.kind);
+  }
   o.lr = of.num("lr");
   o.beta1 = of.num("beta1");
   o.beta2 = of.num("beta2");

@@ -150,7 +150,10 @@ const std::vector<Choice<CommKind>> kComms = {
     {{"auto"}, CommKind::kAuto}, {{"local"}, CommKind::kLocal}, {{"mpi"}, CommKind::kMpi}, {{"nccl"}, CommKind::kNccl}};
 const std::vector<Choice<ReduceOp>> kReduceOps = {{{"avg", "mean"}, ReduceOp::kAvg}, {{"sum"}, ReduceOp::kSum}};
 const std::vector<Choice<OptimizerKind>> kOptimizers = {
-    {{"adamw"}, OptimizerKind::kAdamW}, {{"adam"}, OptimizerKind::kAdam}, {{"sgd"}, OptimizerKind::kSgd}};
+    {{"adamw"}, OptimizerKind::kAdamW},
+    {{"adam"}, OptimizerKind::kAdam},
+    {{"sgd"}, OptimizerKind::kSgd},
+    {{"host"}, OptimizerKind::kHost}};
 const std::vector<Choice<BackwardPrefetch>> kBackwardPrefetch = {{{"pre", "backward_pre"}, BackwardPrefetch::kPre},
                                                                  {{"post", "backward_post"}, BackwardPrefetch::kPost},
                                                                  {{"none", "0", "off"}, BackwardPrefetch::kNone}};
@@ -193,6 +196,10 @@ const std::vector<Entry>& table() {
        {},
        [](Options& o, const std::string& v) { o.optimizer = parse_choice("optimizer", v, kOptimizers); },
        [](const Options& o) { return optimizer_name(o.optimizer); }},
+      {"host_state",
+       {},
+       [](Options& o, const std::string& v) { o.host_state = static_cast<int>(parse_int("host_state", v, 0, 8)); },
+       [](const Options& o) { return std::to_string(o.host_state); }},
       {"lr",
        {"learning_rate"},
        [](Options& o, const std::string& v) { o.lr = parse_double("lr", v, kLrRange); },

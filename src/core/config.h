@@ -13,7 +13,9 @@
 namespace fsdp::core {
 
 enum class Sharding { kFullShard, kShardGradOp, kNoShard, kHybridShard, kHybridShardZero2 };
-enum class OptimizerKind { kAdamW, kAdam, kSgd };
+// kHost: the host updates the shards itself, between fsdp_step_begin and
+// fsdp_step_end, with host_state fp32 buffers per element that libfsdp keeps.
+enum class OptimizerKind { kAdamW, kAdam, kSgd, kHost };
 enum class ReduceOp { kAvg, kSum };
 enum class BackwardPrefetch { kNone, kPre, kPost };
 enum class LossScaleMode { kAuto, kDynamic, kStatic, kOff };
@@ -58,6 +60,7 @@ struct Options {
   double eps = 1e-8;
   double weight_decay = 0.0;
   double momentum = 0.0;
+  int host_state = 0;  // optimizer=host: fp32 state buffers per shard element
   bool nesterov = false;
   double max_grad_norm = 0.0;
   std::vector<std::string> no_weight_decay;  // fnmatch patterns on param names

@@ -224,6 +224,10 @@ void Context::set_trainable(Unit& unit, bool trainable) {
 
 size_t Context::set_param_group(const std::string& pattern, const char* options) {
   const char* call = "fsdp_set_param_group";
+  if (rt_.opts.optimizer == OptimizerKind::kHost) {
+    fail(FSDP_ERR_UNSUPPORTED, std::string(call) + ": optimizer=host keeps its own hyperparameters; libfsdp's "
+                                                   "param groups set those of its own optimizers");
+  }
   std::string problem;
   fsdp_status_t status = FSDP_ERR_INVALID_ARGUMENT;
   ParamGroupOptions g;
@@ -289,10 +293,23 @@ void Context::settle_units() {
 }
 
 void Context::step(device::Stream& caller) {
-  check_no_unit_in_use("fsdp_step");
+  if (rt_.opts.optimizer == OptimizerKind::kHost) {
+    fail(FSDP_ERR_INVALID_STATE, "fsdp_step (" + rt_.where() +
+                                     "): optimizer=host updates the shards itself: call fsdp_step_begin, update "
+                                     "each trainable unit's shard (fsdp_shard_tensors), then fsdp_step_end");
+  }
+  settle_for_step(caller, "fsdp_step");
+  optimizer_.step(units_);  // leaves every grad shard zero, the step skipped or not
+  for (const auto& u : units_) u->grads_cleared();
+  scheduler_.on_step();
+}
+
+void Context::settle_for_step(device::Stream& caller, const char* call) {
+  check_no_unit_in_use(call);
   for (const auto& u : units_) {
     if (u->grads_pending() && !rt_.grad_sync) {
-      fail(FSDP_ERR_INVALID_STATE, "fsdp_step (rank " + std::to_string(rt_.rank) + "): unit " + base::quote(u->name()) +
+      fail(FSDP_ERR_INVALID_STATE, std::string(call) + " (rank " + std::to_string(rt_.rank) + "): unit " +
+                                       base::quote(u->name()) +
                                        " holds grads accumulated with grad sync off; call "
                                        "fsdp_set_grad_sync(ctx, 1) and run the last backward pass first");
     }
@@ -308,7 +325,34 @@ void Context::step(device::Stream& caller) {
     caller.synchronize(rt_.opts.timeout_s);
   }
   settle_units();
-  optimizer_.step(units_);  // leaves every grad shard zero, the step skipped or not
+}
+
+bool Context::step_begin(device::Stream& caller, float* grad_scale) {
+  if (rt_.opts.optimizer != OptimizerKind::kHost) {
+    fail(FSDP_ERR_INVALID_STATE, "fsdp_step_begin (" + rt_.where() + "): optimizer=" +
+                                     optimizer_name(rt_.opts.optimizer) +
+                                     " is libfsdp's own: call fsdp_step (fsdp_step_begin is optimizer=host's)");
+  }
+  settle_for_step(caller, "fsdp_step_begin");
+  // Gathered params of the last pass are dropped by settle_units: the next
+  // gather reads the updated shards.
+  host_update_ = optimizer_.host_begin(units_, grad_scale);
+  rt_.host_step_open = true;
+  return host_update_;
+}
+
+void Context::step_end(device::Stream& caller) {
+  if (!rt_.host_step_open) {
+    fail(FSDP_ERR_INVALID_STATE, "fsdp_step_end (" + rt_.where() + "): no fsdp_step_begin before it");
+  }
+  {
+    // The host's update, queued on its stream, is done before the copies
+    // and the next gathers read the shards.
+    TraceScope wait(rt_.trace, "wait for the host's update");
+    caller.synchronize(rt_.opts.timeout_s);
+  }
+  rt_.host_step_open = false;
+  optimizer_.host_end(units_, host_update_);
   for (const auto& u : units_) u->grads_cleared();
   scheduler_.on_step();
 }

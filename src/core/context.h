@@ -43,6 +43,11 @@ class Context {
   Unit& register_unit(const std::string& name, std::vector<ParamSpec> params, std::string problem);
   // Orders itself after `caller`'s work (the host's compute stream).
   void step(device::Stream& caller);
+  // optimizer=host: fsdp_step_begin (all of step() but the update; returns
+  // false for a skipped step, else true with the grads' factor) and
+  // fsdp_step_end (after the host's update on `caller`).
+  bool step_begin(device::Stream& caller, float* grad_scale);
+  void step_end(device::Stream& caller);
   // Collective: freezes (false) or unfreezes `unit` between steps (no unit in
   // use, no grads accumulated since the last step), the same on every rank.
   void set_trainable(Unit& unit, bool trainable);
@@ -50,6 +55,10 @@ class Context {
   // beta2) on every registered param whose name matches the glob `pattern`;
   // returns how many matched (none is FSDP_ERR_INVALID_ARGUMENT).
   size_t set_param_group(const std::string& pattern, const char* options);
+  // Unit `unit`'s i-th optimizer state buffer (its shard), null while frozen.
+  float* optimizer_state(const Unit& unit, size_t i) {
+    return const_cast<Buffer&>(optimizer_.state(unit.index(), i)).as<float>();
+  }
   bool owns(const Unit& unit) const { return unit.index() < units_.size() && units_[unit.index()].get() == &unit; }
   // The device stream for the API's `stream` argument of `call`.
   device::Stream& caller_stream(void* native, const char* call) { return rt_.caller_stream(native, call); }
@@ -85,6 +94,10 @@ class Context {
 
  private:
   void check_no_unit_in_use(const char* call) const;
+  // What a step does before its update: no unit in use, no_sync's grads
+  // reduced, the caller's stream and every reduction done.
+  void settle_for_step(device::Stream& caller, const char* call);
+  bool host_update_ = false;  // fsdp_step_begin's verdict, for fsdp_step_end
   // Waits for queued gathers and reductions and drops gathered params that an
   // update would make stale: the units' state before a step or finalize.
   void settle_units();

@@ -12,12 +12,8 @@ namespace fsdp::core {
 
 Optimizer::State Optimizer::make_state(size_t n) const {
   State s;
-  const Options& o = rt_.opts;
-  if (o.optimizer != OptimizerKind::kSgd) {
-    s.exp_avg = Buffer(rt_.state_dev, &rt_.mem, MemCategory::kOptimizerState, DType::kFp32, n);
-    s.exp_avg_sq = Buffer(rt_.state_dev, &rt_.mem, MemCategory::kOptimizerState, DType::kFp32, n);
-  } else if (o.momentum != 0.0) {
-    s.exp_avg = Buffer(rt_.state_dev, &rt_.mem, MemCategory::kOptimizerState, DType::kFp32, n);
+  for (size_t i = 0; i < state_names().size(); ++i) {
+    s.bufs.emplace_back(rt_.state_dev, &rt_.mem, MemCategory::kOptimizerState, DType::kFp32, n);
   }
   s.fresh_at = step_;
   return s;
@@ -31,13 +27,20 @@ void Optimizer::set_trainable(const Unit& unit, bool trainable) {
 
 std::vector<std::string> Optimizer::state_names() const {
   const Options& o = rt_.opts;
+  if (o.optimizer == OptimizerKind::kHost) {
+    std::vector<std::string> names;
+    for (int i = 0; i < o.host_state; ++i) names.push_back("host" + std::to_string(i));
+    return names;
+  }
   if (o.optimizer != OptimizerKind::kSgd) return {"exp_avg", "exp_avg_sq"};
   if (o.momentum != 0.0) return {"momentum"};
   return {};
 }
 
 const Buffer& Optimizer::state(size_t unit, size_t i) const {
-  return i == 0 ? states_.at(unit).exp_avg : states_.at(unit).exp_avg_sq;
+  static const Buffer kNone;  // a frozen unit's
+  const State& s = states_.at(unit);
+  return i < s.bufs.size() ? s.bufs[i] : kNone;
 }
 
 void Optimizer::restore(long step, double last_grad_norm) {
@@ -70,7 +73,7 @@ double Optimizer::grad_sum_squares(const std::vector<std::unique_ptr<Unit>>& uni
   return sq;
 }
 
-void Optimizer::step(const std::vector<std::unique_ptr<Unit>>& units) {
+bool Optimizer::prepare(const std::vector<std::unique_ptr<Unit>>& units, float* grad_scale) {
   const Options& o = rt_.opts;
   // The sum of squares is all-reduced, so inf/nan on any rank reaches all.
   double sq = grad_sum_squares(units);
@@ -86,16 +89,41 @@ void Optimizer::step(const std::vector<std::unique_ptr<Unit>>& units) {
         if (u->trainable()) rt_.state_dev->zero(u->sharded_grad(), u->shard_numel() * sizeof(float));
       }
     });
-    return;
+    return false;
   }
-  float grad_scale = static_cast<float>(1.0 / scale);
+  *grad_scale = static_cast<float>(1.0 / scale);
   if (o.max_grad_norm > 0.0) {
     double coef = o.max_grad_norm / (last_grad_norm_ + 1e-6);  // torch.nn.utils.clip_grad_norm_
-    if (coef < 1.0) grad_scale = static_cast<float>(coef / scale);
+    if (coef < 1.0) *grad_scale = static_cast<float>(coef / scale);
   }
+  return true;
+}
+
+void Optimizer::step(const std::vector<std::unique_ptr<Unit>>& units) {
+  float grad_scale = 1.0f;
+  if (!prepare(units, &grad_scale)) return;
   ++step_;
   static const device::Label kStep = device::make_label("optimizer step");
   on_state_device(kStep, [&] { update(units, grad_scale); });
+}
+
+bool Optimizer::host_begin(const std::vector<std::unique_ptr<Unit>>& units, float* grad_scale) {
+  *grad_scale = 1.0f;
+  return prepare(units, grad_scale);
+}
+
+void Optimizer::host_end(const std::vector<std::unique_ptr<Unit>>& units, bool updated) {
+  static const device::Label kEnd = device::make_label("after the host's update");
+  on_state_device(kEnd, [&] {
+    for (const auto& u : units) {
+      if (!u->trainable()) continue;
+      if (u->lowp_shard() != nullptr) {
+        rt_.state_dev->cast(u->lowp_shard(), rt_.opts.param_dtype, u->master(), DType::kFp32, u->shard_numel());
+      }
+      rt_.state_dev->zero(u->sharded_grad(), u->shard_numel() * sizeof(float));
+    }
+  });
+  if (updated) ++step_;
 }
 
 void Optimizer::report_skipped() const {
@@ -133,8 +161,8 @@ void Optimizer::collect_spans(const std::vector<std::unique_ptr<Unit>>& units) {
       }
       size_t b = seg.shard_begin;
       g->spans.push_back({u.master() + b, u.sharded_grad() + b,
-                          st.exp_avg.empty() ? nullptr : st.exp_avg.as<float>() + b,
-                          st.exp_avg_sq.empty() ? nullptr : st.exp_avg_sq.as<float>() + b,
+                          st.bufs.size() > 0 ? st.bufs[0].as<float>() + b : nullptr,
+                          st.bufs.size() > 1 ? st.bufs[1].as<float>() + b : nullptr,
                           u.lowp_shard() == nullptr ? nullptr : static_cast<char*>(u.lowp_shard()) + b * out_es,
                           seg.numel, static_cast<float>(u.weight_decay(seg.param_index))});
     }

@@ -31,6 +31,15 @@ class Optimizer {
   // scale); zeroes the grads. Collective (the global norm). A step whose grads
   // hold inf/nan on any rank changes no param and no optimizer state.
   void step(const std::vector<std::unique_ptr<Unit>>& units);
+  // optimizer=host, fsdp_step_begin: the norm, the loss scaler's verdict and
+  // clipping as step() does them; returns false for a skipped step (inf/nan:
+  // the grads are zeroed, the host updates nothing), else true with
+  // *grad_scale the factor the host applies to the grads (1 / loss scale,
+  // times the clip coefficient).
+  bool host_begin(const std::vector<std::unique_ptr<Unit>>& units, float* grad_scale);
+  // fsdp_step_end: the param_dtype copies follow the masters, the grads are
+  // zeroed, and an update that ran counts as a step.
+  void host_end(const std::vector<std::unique_ptr<Unit>>& units, bool updated);
   const LossScaler& loss_scaler() const { return scaler_; }
   double last_grad_norm() const { return last_grad_norm_; }
   // Updates applied (Adam's bias-correction step), and fsdp_step calls that
@@ -58,13 +67,17 @@ class Optimizer {
   // fsdp_step found inf/nan grads: says so on rank 0 (a warning unless the
   // loss scale is dynamic, where skipped steps are routine).
   void report_skipped() const;
+  // One buffer per state_names() entry: Adam's exp_avg and exp_avg_sq,
+  // SGD's momentum, or the host's (optimizer=host); none while frozen.
   struct State {
-    Buffer exp_avg;     // Adam first moment, or SGD momentum buffer
-    Buffer exp_avg_sq;  // Adam second moment
+    std::vector<Buffer> bufs;
     long fresh_at = 0;  // step_ when this state was zero (its updates: step_ - fresh_at)
   };
   State make_state(size_t numel) const;
   double grad_sum_squares(const std::vector<std::unique_ptr<Unit>>& units);
+  // The norm, the scaler and clipping: false for a skipped step (grads
+  // zeroed), else true with the factor for the grads.
+  bool prepare(const std::vector<std::unique_ptr<Unit>>& units, float* grad_scale);
   // The update of every unit's shard (grads scaled by `grad_scale`), which
   // also writes the param_dtype copy and clears the grads.
   void update(const std::vector<std::unique_ptr<Unit>>& units, float grad_scale);

@@ -70,6 +70,9 @@ struct Runtime {
   int shard_index = 0;
   bool grad_sync = true;
   bool finalized = false;
+  // optimizer=host: between fsdp_step_begin and fsdp_step_end, where only
+  // the calls of the host's update are allowed (check_live).
+  bool host_step_open = false;
 
   bool sharded() const { return opts.sharding != Sharding::kNoShard; }
   bool offload() const { return opts.offload_cpu; }
@@ -97,6 +100,23 @@ struct Runtime {
       fail(FSDP_ERR_INVALID_STATE,
            std::string(call) + " (" + where() + "): the context was finalized; only fsdp_ctx_destroy is allowed");
     }
+    if (host_step_open) check_in_host_step(call);
+  }
+  // Between fsdp_step_begin and fsdp_step_end: the shards are the host's to
+  // update, and what would read or change them (a pass, a save, a gather) is
+  // FSDP_ERR_INVALID_STATE naming `call`.
+  static bool allowed_in_host_step(const std::string& call) {
+    for (const char* ok : {"fsdp_step_end", "fsdp_shard_tensors", "fsdp_shard_info", "fsdp_param_flat_range", "fsdp_ctx_step",
+                           "fsdp_last_grad_norm", "fsdp_memory_stats", "fsdp_unit_trainable"}) {
+      if (call == ok) return true;
+    }
+    return false;
+  }
+  void check_in_host_step(const char* call) const {
+    if (allowed_in_host_step(call)) return;
+    fail(FSDP_ERR_INVALID_STATE, std::string(call) + " (" + where() +
+                                     "): between fsdp_step_begin and fsdp_step_end the shards are the host's to "
+                                     "update; call fsdp_step_end first");
   }
 };
 

@@ -213,6 +213,8 @@ class Context(_Handle):
         h = ctypes.c_void_p()
         try:
             self.device = config.get("device")
+            self._host_state = int(config.get("host_state"))  # optimizer=host: Unit.shard_tensors's buffers
+            self._offload = config.get("offload")
             check(LIB.fsdp_ctx_create(config._handle(), group._handle() if group is not None else None, int(rank),
                                       ctypes.byref(h)), "fsdp_ctx_create")
         finally:
@@ -268,6 +270,19 @@ class Context(_Handle):
     def step(self, stream=None):
         """Collective: reduce waits, unscale, clip, optimizer on this rank's shards."""
         check(LIB.fsdp_step(self._handle(), self._stream(stream, "Context.step")), "fsdp_step")
+
+    def step_begin(self, stream=None):
+        """optimizer=host: every reduction done, the norm, the loss scaler's verdict and clipping. Returns
+        (update, grad_scale): update False for a skipped step (inf/nan: change nothing), else multiply every grad
+        by grad_scale in the update (Unit.shard_tensors), then call step_end."""
+        update, scale = ctypes.c_int(0), ctypes.c_float(0)
+        check(LIB.fsdp_step_begin(self._handle(), self._stream(stream, "Context.step_begin"), ctypes.byref(update),
+                                  ctypes.byref(scale)), "fsdp_step_begin")
+        return update.value == 1, scale.value
+
+    def step_end(self, stream=None):
+        """optimizer=host: after the host's update; the next gathers read it."""
+        check(LIB.fsdp_step_end(self._handle(), self._stream(stream, "Context.step_end")), "fsdp_step_end")
 
     def set_lr(self, lr):
         check(LIB.fsdp_set_lr(self._handle(), float(lr)), "fsdp_set_lr")
@@ -666,6 +681,25 @@ class Unit:
         if n.value == 0 or not p.value:
             return np.zeros(0, np.float32), off.value
         return np.frombuffer((ctypes.c_float * n.value).from_address(p.value), np.float32).copy(), off.value
+
+    def shard_tensors(self):
+        """optimizer=host, between Context.step_begin and step_end: (params, grads, [state buffers]) of this rank's
+        shard as writable float32 numpy views (the flat fp32 master, the reduced grads, the host_state buffers).
+        Shards in host memory only (device=cpu, or offload=cpu)."""
+        n_states = self.ctx._host_state
+        if self.ctx.device_kind == "cuda" and self.ctx._offload != "cpu":
+            raise Unsupported(3, "Unit.shard_tensors gives numpy views: the shards are GPU memory here "
+                                 "(device=cuda without offload=cpu)")
+        p, g, n = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_size_t()
+        states = (ctypes.c_void_p * max(n_states, 1))()
+        check(LIB.fsdp_shard_tensors(self.ctx._handle(), self._handle(), ctypes.byref(p), ctypes.byref(g), states,
+                                     n_states, ctypes.byref(n)), "fsdp_shard_tensors")
+
+        def view(addr):
+            if n.value == 0 or not addr:
+                return np.zeros(0, np.float32)
+            return np.frombuffer((ctypes.c_float * n.value).from_address(addr), np.float32)
+        return view(p.value), view(g.value), [view(states[i]) for i in range(n_states)]
 
     def flat_range(self, i):
         off, n = ctypes.c_size_t(), ctypes.c_size_t()

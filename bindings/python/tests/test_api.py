@@ -465,3 +465,34 @@ def test_param_group_scales_the_lr_of_the_params_it_matches():
         np.testing.assert_array_equal(enc_w, np.full(4, 1 - 0.375 - 0.75, np.float32))
         np.testing.assert_array_equal(enc_b, np.full(2, 1 - 0.375 - 0.75, np.float32))
         np.testing.assert_array_equal(dec_w, np.full(4, 1 - 1.5 - 3.0, np.float32))
+
+
+def test_host_optimizer_updates_the_shards_between_step_begin_and_step_end():
+    """optimizer=host, host_state=1: SGD with momentum written here on the shard views; with lr 1 and
+    momentum 0.5 the params follow p -= buf, buf = 0.5 buf + mean grad, exactly."""
+    def fn(rank, group):
+        with fsdp.Context(fsdp.Config(sharding="FULL_SHARD", optimizer="host", host_state=1, timeout_s=20),
+                          group, rank) as ctx:
+            u = ctx.register_unit("u", {"w": (5,), "b": (3,)})
+            u.set_values("w", np.ones(5, np.float32))
+            u.set_values("b", np.ones(3, np.float32))
+            with pytest.raises(fsdp.InvalidState, match="fsdp_step_begin"):
+                ctx.step()
+            for step in range(2):
+                with u.backward():
+                    for i in range(2):
+                        u.grad(i)[...] += rank + 1
+                update, scale = ctx.step_begin()
+                assert update and scale == 1.0 and ctx.step_count == step
+                p, g, (buf,) = u.shard_tensors()
+                buf *= 0.5
+                buf += g * scale
+                p -= buf
+                ctx.step_end()
+            return u.gather("w"), u.gather("b"), ctx.step_count
+
+    for w, b, steps in fsdp.run_ranks(2, fn):
+        # step 1: buf 1.5, p 1 - 1.5; step 2: buf 0.75 + 1.5, p -0.5 - 2.25
+        np.testing.assert_array_equal(w, np.full(5, -2.75, np.float32))
+        np.testing.assert_array_equal(b, np.full(3, -2.75, np.float32))
+        assert steps == 2
