@@ -31,6 +31,17 @@ Unit& live_unit(fsdp_unit_t* u, const char* call) {
   return unit;
 }
 
+// A call on a unit of `ctx`: both live, and the unit is the context's.
+Unit& ctx_unit(fsdp_ctx_t* ctx, fsdp_unit_t* unit, const char* call) {
+  require(ctx, call, "ctx");
+  ctx_of(ctx)->check_live(call);
+  Unit& u = live_unit(unit, call);
+  if (!ctx_of(ctx)->owns(u)) {
+    fail(FSDP_ERR_INVALID_ARGUMENT, std::string(call) + ": unit " + base::quote(u.name()) + " belongs to another context");
+  }
+  return u;
+}
+
 // The four *_begin/*_end calls: same checks, one Unit transition each.
 fsdp_status_t phase_call(fsdp_unit_t* unit, void* stream, const char* call,
                          void (Unit::*transition)(fsdp::device::Stream&)) {
@@ -107,13 +118,7 @@ fsdp_status_t fsdp_param_set_weight_decay(fsdp_unit_t* unit, size_t param_index,
 fsdp_status_t fsdp_unit_set_trainable(fsdp_ctx_t* ctx, fsdp_unit_t* unit, int trainable) {
   return guard([&] {
     const char* call = "fsdp_unit_set_trainable";
-    require(ctx, call, "ctx");
-    ctx_of(ctx)->check_live(call);
-    Unit& u = live_unit(unit, call);
-    if (!ctx_of(ctx)->owns(u)) {
-      fail(FSDP_ERR_INVALID_ARGUMENT, std::string(call) + ": unit " + base::quote(u.name()) +
-                                          " belongs to another context");
-    }
+    Unit& u = ctx_unit(ctx, unit, call);
     if (trainable != 0 && trainable != 1) {
       fail(FSDP_ERR_INVALID_ARGUMENT,
            std::string(call) + ": trainable is " + std::to_string(trainable) + "; pass 1 (train) or 0 (freeze)");
@@ -162,13 +167,7 @@ fsdp_status_t fsdp_shard_tensors(fsdp_ctx_t* ctx, fsdp_unit_t* unit, float** par
                                  size_t n_states, size_t* numel) {
   return guard([&] {
     const char* call = "fsdp_shard_tensors";
-    require(ctx, call, "ctx");
-    ctx_of(ctx)->check_live(call);
-    Unit& u = live_unit(unit, call);
-    if (!ctx_of(ctx)->owns(u)) {
-      fail(FSDP_ERR_INVALID_ARGUMENT, std::string(call) + ": unit " + base::quote(u.name()) +
-                                          " belongs to another context");
-    }
+    Unit& u = ctx_unit(ctx, unit, call);
     require(params, call, "params");
     require(grads, call, "grads");
     require(numel, call, "numel");
