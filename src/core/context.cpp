@@ -163,6 +163,18 @@ fsdp_status_t Context::async_error() const {
 // buffers through dev_; the communicators go last but one.
 Context::~Context() = default;
 
+void Context::agree_or_refuse(const std::string& what, const std::string& text, fsdp_status_t status,
+                              const std::string& refusal) {
+  try {
+    agree(*rt_.comm, what, text);
+  } catch (const Error& e) {
+    // The refusing rank reports its reason; the others report the mismatch.
+    if (!refusal.empty() && e.status() == FSDP_ERR_MISMATCH) fail(status, refusal);
+    throw;
+  }
+  if (!refusal.empty()) fail(status, refusal);
+}
+
 Unit& Context::register_unit(const std::string& name, std::vector<ParamSpec> params, std::string problem) {
   // Register collectively even when this rank's arguments are bad, so that the
   // other ranks learn of it instead of waiting.
@@ -174,16 +186,8 @@ Unit& Context::register_unit(const std::string& name, std::vector<ParamSpec> par
       problem = "param name " + base::quote(p.name) + " appears twice";
   }
   std::string text = problem.empty() ? describe(index, name, params) : "invalid registration: " + problem;
-  try {
-    agree(*rt_.comm, what, text);
-  } catch (const Error& e) {
-    // The rank with bad arguments reports them; the others report the mismatch.
-    if (!problem.empty() && e.status() == FSDP_ERR_MISMATCH) {
-      fail(FSDP_ERR_INVALID_ARGUMENT, what + " " + base::quote(name) + ": " + problem);
-    }
-    throw;
-  }
-  if (!problem.empty()) fail(FSDP_ERR_INVALID_ARGUMENT, what + " " + base::quote(name) + ": " + problem);
+  agree_or_refuse(what, text, FSDP_ERR_INVALID_ARGUMENT,
+                  problem.empty() ? "" : what + " " + base::quote(name) + ": " + problem);
   auto unit = std::make_unique<Unit>(rt_, index, name, std::move(params));
   optimizer_.add_unit(*unit);
   units_.push_back(std::move(unit));
@@ -209,13 +213,7 @@ void Context::set_trainable(Unit& unit, bool trainable) {
   std::string what = std::string(call) + " (" + rt_.where() + ")";
   std::string text = "unit #" + std::to_string(unit.index()) + " " + base::quote(unit.name()) +
                      (trainable ? " trainable" : " frozen") + (problem.empty() ? "" : " (refused: " + problem + ")");
-  try {
-    agree(*rt_.comm, call, text);
-  } catch (const Error& e) {
-    if (!problem.empty()) fail(FSDP_ERR_INVALID_STATE, what + ": " + problem);
-    throw;
-  }
-  if (!problem.empty()) fail(FSDP_ERR_INVALID_STATE, what + ": " + problem);
+  agree_or_refuse(call, text, FSDP_ERR_INVALID_STATE, problem.empty() ? "" : what + ": " + problem);
   if (unit.trainable() == trainable) return;
   settle_units();
   unit.set_trainable(trainable);
@@ -256,13 +254,7 @@ size_t Context::set_param_group(const std::string& pattern, const char* options)
   // The same groups on every rank, or a model trained differently per rank.
   std::string text = "pattern=" + pattern + " options=" + std::string(options != nullptr ? options : "") +
                      (problem.empty() ? "" : " (refused: " + problem + ")");
-  try {
-    agree(*rt_.comm, call, text);
-  } catch (const Error& e) {
-    if (!problem.empty()) fail(status, problem);
-    throw;
-  }
-  if (!problem.empty()) fail(status, problem);
+  agree_or_refuse(call, text, status, problem);
   for (const auto& [u, i] : matched) u->set_group(i, g);
   return matched.size();
 }

@@ -56,9 +56,7 @@ class Context {
   // returns how many matched (none is FSDP_ERR_INVALID_ARGUMENT).
   size_t set_param_group(const std::string& pattern, const char* options);
   // Unit `unit`'s i-th optimizer state buffer (its shard), null while frozen.
-  float* optimizer_state(const Unit& unit, size_t i) {
-    return const_cast<Buffer&>(optimizer_.state(unit.index(), i)).as<float>();
-  }
+  float* optimizer_state(const Unit& unit, size_t i) { return optimizer_.state_for_load(unit.index(), i); }
   bool owns(const Unit& unit) const { return unit.index() < units_.size() && units_[unit.index()].get() == &unit; }
   // The device stream for the API's `stream` argument of `call`.
   device::Stream& caller_stream(void* native, const char* call) { return rt_.caller_stream(native, call); }
@@ -94,6 +92,13 @@ class Context {
 
  private:
   void check_no_unit_in_use(const char* call) const;
+  // A collective call checked on each rank: every rank agrees on `text`
+  // (which carries this rank's refusal, if any), so that a rank whose call is
+  // refused still joins and the others fail too (FSDP_ERR_MISMATCH) instead
+  // of waiting or going on alone; then a rank with a `refusal` ("" for none)
+  // fails with `status` and it.
+  void agree_or_refuse(const std::string& what, const std::string& text, fsdp_status_t status,
+                       const std::string& refusal);
   // What a step does before its update: no unit in use, no_sync's grads
   // reduced, the caller's stream and every reduction done.
   void settle_for_step(device::Stream& caller, const char* call);
