@@ -223,7 +223,7 @@ FSDP_API fsdp_status_t fsdp_unit_trainable(const fsdp_unit_t* unit, int* trainab
  * follow, zeroes the grads, and counts the step (fsdp_ctx_step: during the
  * update it gives the steps before this one). Between the two only
  * fsdp_shard_tensors, fsdp_shard_info, fsdp_param_flat_range, fsdp_ctx_step,
- * fsdp_last_grad_norm, fsdp_memory_stats and fsdp_unit_trainable may be
+ * fsdp_last_grad_norm, fsdp_memory_stats, fsdp_comm_stats and fsdp_unit_trainable may be
  * called (else FSDP_ERR_INVALID_STATE). Collective. With another optimizer
  * fsdp_step_begin is FSDP_ERR_INVALID_STATE, and with optimizer=host so is
  * fsdp_step. */
@@ -464,6 +464,32 @@ typedef struct fsdp_memory_stats_s {
 FSDP_API fsdp_status_t fsdp_memory_stats(const fsdp_ctx_t* ctx, fsdp_memory_stats_t* stats);
 /* Peaks restart from the current values. */
 FSDP_API fsdp_status_t fsdp_memory_stats_reset_peak(fsdp_ctx_t* ctx);
+
+/* What this rank's collectives moved since the context was made (or the last
+ * fsdp_comm_stats_reset), over all its communicators (world, and the shard and
+ * replica groups of HYBRID_SHARD). Bytes are each collective's data as the
+ * caller sees it, whatever algorithm moves it: an all-gather's result (every
+ * rank's part), a reduce-scatter's input (every rank's part), an all-reduce's
+ * or a broadcast's buffer. A frozen param's bytes are in the all-gathers only.
+ * control_calls counts the small reductions of norms, flags and consensus
+ * checks, and barriers. A world of one runs no collective: all zero. Set
+ * struct_size = sizeof(the struct) before the call, as for fsdp_memory_stats. */
+typedef struct fsdp_comm_stats_s {
+  size_t struct_size;
+  uint64_t all_gather_calls;
+  uint64_t all_gather_nbytes;
+  uint64_t reduce_scatter_calls;
+  uint64_t reduce_scatter_nbytes;
+  uint64_t all_reduce_calls;
+  uint64_t all_reduce_nbytes;
+  uint64_t broadcast_calls;
+  uint64_t broadcast_nbytes;
+  uint64_t control_calls;
+} fsdp_comm_stats_t;
+
+FSDP_API fsdp_status_t fsdp_comm_stats(const fsdp_ctx_t* ctx, fsdp_comm_stats_t* stats);
+/* Every counter restarts from zero on this rank (not collective). */
+FSDP_API fsdp_status_t fsdp_comm_stats_reset(fsdp_ctx_t* ctx);
 
 /* Starts (or restarts, clearing) recording this rank's timeline: its calls,
  * its comm stream's collectives with unit names and bytes, memory counters. */

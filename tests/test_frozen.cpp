@@ -35,6 +35,13 @@ void set_trainable(Job& job, size_t k, int trainable) {
   ASSERT_OK(fsdp_unit_set_trainable(job.ctx.get(), job.units[k], trainable));
 }
 
+fsdp_comm_stats_t comm_stats(fsdp_ctx_t* ctx) {
+  fsdp_comm_stats_t c{};
+  c.struct_size = sizeof c;
+  EXPECT_OK(fsdp_comm_stats(ctx, &c));
+  return c;
+}
+
 }  // namespace
 
 // Freezing unit 1 frees exactly its grad shard and its two AdamW moments;
@@ -72,6 +79,83 @@ TEST(FrozenMemory, AFrozenUnitKeepsNoGradShardNoOptimizerStateAndNoGradSlot) {
     EXPECT_EQ(m.sharded_grads_nbytes, all.sharded_grads_nbytes);
     EXPECT_EQ(m.optimizer_state_nbytes, all.optimizer_state_nbytes);
   });
+}
+
+// The bytes collectives move, as the communicator counts them: freezing a
+// unit takes its share, and only its share, out of the grad reductions
+// (reduce-scatter and, across replicas or with NO_SHARD, all-reduce), under
+// every strategy; the gathers move the same bytes, since a frozen unit's
+// params are still gathered for forward and backward. With every unit
+// frozen no grad is reduced at all. The counter itself is checked against
+// the layout: FULL_SHARD reduce-scatters every unit's padded fp32 grads once
+// per step.
+TEST(FrozenComm, ReductionsMoveNoBytesForAFrozenUnit) {
+  struct Case {
+    const char* sharding;
+    int world;
+    const char* extra;  // one option besides
+  };
+  for (const Case& c : {Case{"FULL_SHARD", 2, ""}, Case{"FULL_SHARD", 4, "param_dtype=bf16"},
+                        Case{"SHARD_GRAD_OP", 3, ""}, Case{"NO_SHARD", 2, ""},
+                        Case{"HYBRID_SHARD", 4, "shard_group_size=2"}}) {
+    SCOPED_TRACE(std::string(c.sharding) + " world " + std::to_string(c.world) + " " + c.extra);
+    constexpr int kSteps = 2;
+    // [which units are frozen] -> rank 0's counts over kSteps steps.
+    std::vector<fsdp_comm_stats_t> got(3);
+    std::vector<size_t> shard(3);
+    const std::vector<std::vector<int>> frozen = {{}, {1}, {0, 1, 2}};
+    for (size_t f = 0; f < frozen.size(); ++f) {
+      run_ranks(c.world, [&](int rank, fsdp_local_group_t* group) {
+        auto opts = base_options(c.sharding);
+        const std::string extra = c.extra;
+        if (!extra.empty()) opts[extra.substr(0, extra.find('='))] = extra.substr(extra.find('=') + 1);
+        Job job;
+        open_job(job, kNet, opts, rank, group);
+        if (HasFatalFailure()) return;
+        ASSERT_NO_FATAL_FAILURE(set_state(job, make_init(kNet, 5)));
+        for (int k : frozen[f]) set_trainable(job, size_t(k), 0);
+        ASSERT_OK(fsdp_comm_stats_reset(job.ctx.get()));
+        ASSERT_NO_FATAL_FAILURE(train(job, kNet, 0, kSteps, c.world, rank));
+        if (rank != 0) return;
+        got[f] = comm_stats(job.ctx.get());
+        for (size_t k = 0; k < 3; ++k) shard[k] = shard_bytes(job.units[k]) / sizeof(float);
+      });
+    }
+    auto reduced = [](const fsdp_comm_stats_t& s) { return s.reduce_scatter_nbytes + s.all_reduce_nbytes; };
+    const uint64_t all = reduced(got[0]);
+    ASSERT_GT(all, 0u);
+    // Every reduction scales with the shard (the unit's padded numel over
+    // the shard group): unit 1's share of the bytes is its share of the shards.
+    EXPECT_EQ(reduced(got[1]) * (shard[0] + shard[1] + shard[2]), all * (shard[0] + shard[2]))
+        << "frozen: " << reduced(got[1]) << " bytes, all trainable: " << all;
+    EXPECT_EQ(reduced(got[2]), 0u) << "a step with every unit frozen reduced grads";
+    EXPECT_EQ(got[2].reduce_scatter_calls + got[2].all_reduce_calls, 0u);
+    for (size_t f = 1; f < frozen.size(); ++f) {
+      EXPECT_EQ(got[f].all_gather_nbytes, got[0].all_gather_nbytes) << frozen[f].size() << " frozen";
+      EXPECT_EQ(got[f].all_gather_calls, got[0].all_gather_calls) << frozen[f].size() << " frozen";
+    }
+    if (std::string(c.sharding) == "FULL_SHARD" && std::string(c.extra).empty()) {
+      EXPECT_EQ(got[0].reduce_scatter_nbytes, uint64_t(kSteps) * (shard[0] + shard[1] + shard[2]) * c.world * 4);
+      EXPECT_EQ(got[0].reduce_scatter_calls, uint64_t(kSteps) * 3);
+      EXPECT_GT(got[0].all_gather_nbytes, 0u);
+    }
+  }
+}
+
+// A world of one runs no collective; the stats' misuse.
+TEST(FrozenComm, AWorldOfOneCountsNothingAndMisuseIsRefused) {
+  Job job;
+  open_job(job, kNet, base_options("FULL_SHARD"), -1, nullptr);
+  if (HasFatalFailure()) return;
+  ASSERT_NO_FATAL_FAILURE(set_state(job, make_init(kNet, 5)));
+  ASSERT_NO_FATAL_FAILURE(train(job, kNet, 0, 2, 1, 0));
+  const fsdp_comm_stats_t c = comm_stats(job.ctx.get());
+  EXPECT_EQ(c.all_gather_nbytes + c.reduce_scatter_nbytes + c.all_reduce_nbytes + c.broadcast_nbytes, 0u);
+  fsdp_comm_stats_t s{};
+  EXPECT_STATUS(FSDP_ERR_INVALID_ARGUMENT, fsdp_comm_stats(job.ctx.get(), &s));  // struct_size not set
+  EXPECT_STATUS(FSDP_ERR_INVALID_ARGUMENT, fsdp_comm_stats(nullptr, &s));
+  EXPECT_STATUS(FSDP_ERR_INVALID_ARGUMENT, fsdp_comm_stats(job.ctx.get(), nullptr));
+  EXPECT_STATUS(FSDP_ERR_INVALID_ARGUMENT, fsdp_comm_stats_reset(nullptr));
 }
 
 // Misuse: nothing changes, every rank fails.

@@ -690,6 +690,9 @@ func TestFrozenUnit(t *testing.T) {
 		if tr, err := frozen.Trainable(); err != nil || tr {
 			return fmt.Errorf("Trainable() = %v, %v after SetTrainable(false)", tr, err)
 		}
+		if err := ctx.ResetCommStats(); err != nil {
+			return err
+		}
 		for _, u := range []*Unit{live, frozen} {
 			if err := u.BackwardBegin(); err != nil {
 				return err
@@ -713,6 +716,18 @@ func TestFrozenUnit(t *testing.T) {
 		}
 		if err := ctx.Step(); err != nil {
 			return err
+		}
+		// One reduce-scatter, of the live unit's padded fp32 grads (both ranks' shards).
+		_, shard, err := live.ShardInfo()
+		if err != nil {
+			return err
+		}
+		cs, err := ctx.CommStats()
+		if err != nil {
+			return err
+		}
+		if want := uint64(2 * len(shard) * 4); cs.ReduceScatterCalls != 1 || cs.ReduceScatterBytes != want {
+			return fmt.Errorf("CommStats: %d reduce-scatters of %d bytes, want 1 of %d", cs.ReduceScatterCalls, cs.ReduceScatterBytes, want)
 		}
 		for _, c := range []struct {
 			u    *Unit

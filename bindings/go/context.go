@@ -342,6 +342,38 @@ func (c *Context) MemoryStats() (MemoryStats, error) {
 	}, nil
 }
 
+// CommStats is what this rank's collectives moved since the Context was made
+// or ResetCommStats (fsdp_comm_stats_t): calls, and bytes of each
+// collective's data as the caller sees it.
+type CommStats struct {
+	AllGatherCalls, AllGatherBytes         uint64
+	ReduceScatterCalls, ReduceScatterBytes uint64
+	AllReduceCalls, AllReduceBytes         uint64
+	BroadcastCalls, BroadcastBytes         uint64
+	ControlCalls                           uint64 // norms, flags, consensus checks, barriers
+}
+
+// CommStats returns this rank's collective counters.
+func (c *Context) CommStats() (CommStats, error) {
+	var s C.fsdp_comm_stats_t
+	s.struct_size = C.size_t(unsafe.Sizeof(s))
+	if err := c.simple("fsdp_comm_stats", func() C.fsdp_status_t { return C.fsdp_comm_stats(c.ptr, &s) }); err != nil {
+		return CommStats{}, err
+	}
+	return CommStats{
+		AllGatherCalls: uint64(s.all_gather_calls), AllGatherBytes: uint64(s.all_gather_nbytes),
+		ReduceScatterCalls: uint64(s.reduce_scatter_calls), ReduceScatterBytes: uint64(s.reduce_scatter_nbytes),
+		AllReduceCalls: uint64(s.all_reduce_calls), AllReduceBytes: uint64(s.all_reduce_nbytes),
+		BroadcastCalls: uint64(s.broadcast_calls), BroadcastBytes: uint64(s.broadcast_nbytes),
+		ControlCalls: uint64(s.control_calls),
+	}, nil
+}
+
+// ResetCommStats restarts this rank's collective counters from zero.
+func (c *Context) ResetCommStats() error {
+	return c.simple("fsdp_comm_stats_reset", func() C.fsdp_status_t { return C.fsdp_comm_stats_reset(c.ptr) })
+}
+
 // ResetPeakMemory restarts the peaks from the current values.
 func (c *Context) ResetPeakMemory() error {
 	return c.simple("fsdp_memory_stats_reset_peak", func() C.fsdp_status_t { return C.fsdp_memory_stats_reset_peak(c.ptr) })

@@ -385,6 +385,42 @@ fsdp_status_t fsdp_memory_stats_reset_peak(fsdp_ctx_t* ctx) {
   });
 }
 
+fsdp_status_t fsdp_comm_stats(const fsdp_ctx_t* ctx, fsdp_comm_stats_t* stats) {
+  return guard([&] {
+    require(ctx, "fsdp_comm_stats", "ctx");
+    require(stats, "fsdp_comm_stats", "stats");
+    ctx_of(ctx)->check_live("fsdp_comm_stats");
+    if (stats->struct_size < sizeof(size_t)) {
+      fail(FSDP_ERR_INVALID_ARGUMENT,
+           "fsdp_comm_stats: set stats->struct_size = sizeof(fsdp_comm_stats_t) before the call");
+    }
+    using fsdp::comm::Collective;
+    const fsdp::comm::CommCounters& c = ctx_of(ctx)->comm_counters();
+    auto calls = [&](Collective k) { return c.calls[static_cast<size_t>(k)].load(std::memory_order_relaxed); };
+    auto bytes = [&](Collective k) { return c.nbytes[static_cast<size_t>(k)].load(std::memory_order_relaxed); };
+    fsdp_comm_stats_t full;
+    full.struct_size = std::min(stats->struct_size, sizeof(full));
+    full.all_gather_calls = calls(Collective::kAllGather);
+    full.all_gather_nbytes = bytes(Collective::kAllGather);
+    full.reduce_scatter_calls = calls(Collective::kReduceScatter);
+    full.reduce_scatter_nbytes = bytes(Collective::kReduceScatter);
+    full.all_reduce_calls = calls(Collective::kAllReduce);
+    full.all_reduce_nbytes = bytes(Collective::kAllReduce);
+    full.broadcast_calls = calls(Collective::kBroadcast);
+    full.broadcast_nbytes = bytes(Collective::kBroadcast);
+    full.control_calls = calls(Collective::kControl);
+    std::memcpy(stats, &full, full.struct_size);
+  });
+}
+
+fsdp_status_t fsdp_comm_stats_reset(fsdp_ctx_t* ctx) {
+  return guard([&] {
+    require(ctx, "fsdp_comm_stats_reset", "ctx");
+    ctx_of(ctx)->check_live("fsdp_comm_stats_reset");
+    ctx_of(ctx)->comm_counters().reset();
+  });
+}
+
 fsdp_status_t fsdp_trace_begin(fsdp_ctx_t* ctx) {
   return guard([&] {
     require(ctx, "fsdp_trace_begin", "ctx");

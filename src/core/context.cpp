@@ -54,7 +54,7 @@ std::string describe(size_t index, const std::string& name, const std::vector<Pa
 
 Context::Context(const Options& opts, std::unique_ptr<comm::Communicator> world)
     : rt_(opts), optimizer_(rt_), scheduler_(rt_, units_) {
-  world_ = std::move(world);
+  world_ = std::make_unique<comm::CountingComm>(std::move(world), comm_counters_);
   rt_.rank = world_->rank();
   rt_.world = world_->world_size();
   dev_ = device::make_compute_device(opts.cuda_ordinal, opts.threads);

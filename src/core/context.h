@@ -9,6 +9,7 @@
 
 #include "../ckpt/files.h"
 #include "../comm/communicator.h"
+#include "../comm/counting.h"
 #include "optimizer.h"
 #include "runtime.h"
 #include "scheduler.h"
@@ -89,6 +90,10 @@ class Context {
   MemoryTracker& memory() { return rt_.mem; }
   Trace& trace() { return rt_.trace; }
   const MemoryTracker& memory() const { return rt_.mem; }
+  // What this rank's collectives moved (fsdp_comm_stats): its world, shard
+  // and replica communicators count into these.
+  comm::CommCounters& comm_counters() { return *comm_counters_; }
+  const comm::CommCounters& comm_counters() const { return *comm_counters_; }
 
  private:
   void check_no_unit_in_use(const char* call) const;
@@ -133,7 +138,8 @@ class Context {
   Runtime rt_;
   std::unique_ptr<device::Device> dev_;
   std::unique_ptr<device::Device> host_;  // offload=cpu only
-  std::unique_ptr<comm::Communicator> world_;
+  std::shared_ptr<comm::CommCounters> comm_counters_ = std::make_shared<comm::CommCounters>();
+  std::unique_ptr<comm::Communicator> world_;  // a CountingComm over fsdp_ctx_create's
   std::unique_ptr<comm::Communicator> shard_;    // HYBRID_SHARD only
   std::unique_ptr<comm::Communicator> replica_;  // HYBRID_SHARD only
   // After the devices (their slots free through them), before the units and

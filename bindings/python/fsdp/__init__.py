@@ -5,7 +5,7 @@ import ctypes as _ctypes
 from ._lib import (LIB_PATH, FsdpError, InvalidArgument, InvalidState, Unsupported, OutOfMemory, Timeout,
                    Mismatch, CommError, Corrupt, FsdpIOError, Internal)
 from ._lib import LIB as _LIB, LOG_FN as _LOG_FN, check as _check
-from .core import Config, Context, Unit, LocalGroup, MemoryStats, local_group, launcher_world, bf16_to_f32, f32_to_bf16
+from .core import Config, Context, Unit, LocalGroup, MemoryStats, CommStats, local_group, launcher_world, bf16_to_f32, f32_to_bf16
 from .ranks import run_ranks
 from .dlpack import DeviceArray
 from . import cudart  # the CUDA runtime through ctypes: DLPack's cross-stream sync

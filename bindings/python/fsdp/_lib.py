@@ -17,6 +17,12 @@ class MemoryStatsC(ctypes.Structure):
         "device_peak_nbytes", "host_nbytes", "host_peak_nbytes", "free_slots_nbytes")]
 
 
+class CommStatsC(ctypes.Structure):
+    _fields_ = [("struct_size", c_size_t)] + [(n, ctypes.c_uint64) for n in (
+        "all_gather_calls", "all_gather_nbytes", "reduce_scatter_calls", "reduce_scatter_nbytes",
+        "all_reduce_calls", "all_reduce_nbytes", "broadcast_calls", "broadcast_nbytes", "control_calls")]
+
+
 # name: (restype, argtypes); restype None means fsdp_status_t (c_int).
 _PROTOTYPES = {
     "fsdp_status_name": (c_char_p, [c_int]),
@@ -77,6 +83,8 @@ _PROTOTYPES = {
     "fsdp_load_report": (None, [c_void_p, c_char_p, c_size_t, P(c_size_t)]),
     "fsdp_memory_stats": (None, [c_void_p, P(MemoryStatsC)]),
     "fsdp_memory_stats_reset_peak": (None, [c_void_p]),
+    "fsdp_comm_stats": (None, [c_void_p, P(CommStatsC)]),
+    "fsdp_comm_stats_reset": (None, [c_void_p]),
     "fsdp_trace_begin": (None, [c_void_p]),
     "fsdp_trace_write": (None, [c_void_p, c_char_p]),
 }

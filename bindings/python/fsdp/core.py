@@ -193,6 +193,20 @@ class MemoryStats:
     free_slots_nbytes: int
 
 
+@dataclasses.dataclass
+class CommStats:
+    """fsdp_comm_stats_t: what this rank's collectives moved (calls, and bytes of each collective's data)."""
+    all_gather_calls: int
+    all_gather_nbytes: int
+    reduce_scatter_calls: int
+    reduce_scatter_nbytes: int
+    all_reduce_calls: int
+    all_reduce_nbytes: int
+    broadcast_calls: int
+    broadcast_nbytes: int
+    control_calls: int
+
+
 class Context(_Handle):
     """One rank's view of the job. Context(config, group=None, rank=None).
 
@@ -364,6 +378,15 @@ class Context(_Handle):
 
     def reset_peak_memory(self):
         check(LIB.fsdp_memory_stats_reset_peak(self._handle()), "fsdp_memory_stats_reset_peak")
+
+    def comm_stats(self):
+        s = _lib.CommStatsC()
+        s.struct_size = ctypes.sizeof(_lib.CommStatsC)
+        check(LIB.fsdp_comm_stats(self._handle(), ctypes.byref(s)), "fsdp_comm_stats")
+        return CommStats(**{f.name: getattr(s, f.name) for f in dataclasses.fields(CommStats)})
+
+    def reset_comm_stats(self):
+        check(LIB.fsdp_comm_stats_reset(self._handle()), "fsdp_comm_stats_reset")
 
     def trace_begin(self):
         check(LIB.fsdp_trace_begin(self._handle()), "fsdp_trace_begin")

@@ -419,15 +419,20 @@ def test_frozen_unit_has_no_grads_and_stays_as_it_was():
             frozen.set_trainable(False)
             after = ctx.memory_stats()
             assert not frozen.trainable and live.trainable
+            ctx.reset_comm_stats()
             with frozen.backward():
                 with pytest.raises(fsdp.InvalidState, match="frozen"):
                     frozen.grad(0)
             with live.backward():
                 live.grad(0)[...] += rank + 1
             ctx.step()
-            return before, after, frozen.gather(0), live.gather(0)
+            comm = ctx.comm_stats()
+            return before, after, comm, live.shard_info()[0].size, frozen.gather(0), live.gather(0)
 
-    for before, after, w_frozen, w_live in fsdp.run_ranks(2, fn):
+    for before, after, comm, live_shard, w_frozen, w_live in fsdp.run_ranks(2, fn):
+        # One reduce-scatter, of the live unit's padded fp32 grads (both ranks' shards); none for the frozen one.
+        assert (comm.reduce_scatter_calls, comm.reduce_scatter_nbytes) == (1, 2 * live_shard * 4)
+        assert comm.all_gather_calls == 2  # each unit's backward gathers its params
         # The two units have the same padded shard: freezing one halves the grads and the moments.
         assert after.sharded_grads_nbytes * 2 == before.sharded_grads_nbytes > 0
         assert after.optimizer_state_nbytes * 2 == before.optimizer_state_nbytes > 0
