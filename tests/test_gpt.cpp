@@ -5,10 +5,15 @@
 //
 // - GptBackward: the model's backward against central finite differences in
 //   double (so a wrong grad anywhere, the tied head's included, fails), and the
-//   recomputed backward equal to the stored one.
+//   recomputed backward equal to the stored one; with LoRA adapters on every
+//   projection too (the adapters' grads and the base's through them).
 // - GptFsdp: a 2-layer GPT at world 1, 3 and 4 under FULL_SHARD, SHARD_GRAD_OP
 //   and HYBRID_SHARD, with and without recompute, 5 AdamW steps in fp32,
 //   ending within fp32 tolerance of the reference.
+// - GptLora: the base frozen and rank-4 adapters trained through libfsdp at
+//   worlds 1-4 (FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD, recompute)
+//   against the reference that updates the adapters alone: the base stays
+//   bitwise as it was, grads and optimizer state are the adapters' only.
 #include <cblas.h>
 #include <fnmatch.h>
 #include <gtest/gtest.h>
@@ -39,9 +44,14 @@ const bool kOneBlasThread = [] {
 
 struct DoubleModel {                                   // params and grads of every unit, as plain vectors
   std::vector<std::vector<std::vector<double>>> p, g;  // [unit][param][element]
-  std::vector<gpt::UnitSpec> specs;
+  std::vector<gpt::UnitSpec> specs;                    // model_units, then lora_units with LoRA
+  size_t n_base = 0;                                   // units of the base model
 
-  explicit DoubleModel(const Shape& s) : specs(gpt::model_units(s)) {
+  explicit DoubleModel(const Shape& s, int lora_rank = 0) : specs(gpt::model_units(s)), n_base(specs.size()) {
+    if (lora_rank > 0) {
+      const auto adapters = gpt::lora_units(s, lora_rank);
+      specs.insert(specs.end(), adapters.begin(), adapters.end());
+    }
     for (const gpt::UnitSpec& u : specs) {
       p.emplace_back(), g.emplace_back();
       for (const gpt::ParamSpec& ps : u.params) {
@@ -65,14 +75,18 @@ struct DoubleModel {                                   // params and grads of ev
   // The mean loss on (inputs, targets); with backward, the grads of it.
   double run(gpt::Model<double>& m, const uint8_t* in, const uint8_t* tg, int t, bool backward) {
     const size_t L = static_cast<size_t>(m.shape().layers);
+    const bool lora = specs.size() > n_base;
+    std::vector<gpt::UnitView<double>> adapters;
+    for (size_t l = 0; lora && l < L; ++l) adapters.push_back(view(n_base + l));
+    auto adapter = [&](size_t l) { return lora ? &adapters[l] : nullptr; };
     m.embed_forward(view(0), in, t);
-    for (size_t l = 0; l < L; ++l) m.block_forward(static_cast<int>(l), view(1 + l));
+    for (size_t l = 0; l < L; ++l) m.block_forward(static_cast<int>(l), view(1 + l), adapter(l));
     m.final_forward(view(1 + L));
     const double loss = m.head_forward(view(0), tg);
     if (backward) {
       m.head_backward(view(0));
       m.final_backward(view(1 + L));
-      for (size_t l = L; l-- > 0;) m.block_backward(static_cast<int>(l), view(1 + l));
+      for (size_t l = L; l-- > 0;) m.block_backward(static_cast<int>(l), view(1 + l), adapter(l));
       m.embed_backward(view(0));
     }
     return loss;
@@ -85,10 +99,12 @@ std::vector<uint8_t> random_bytes(size_t n, uint64_t seed) {
   return v;
 }
 
-TEST(GptBackward, MatchesFiniteDifferencesOfEveryParam) {
+// Every param's grad against central differences; with LoRA (rank
+// lora.rank, B away from zero) the adapters' too, and the base's through them.
+void check_finite_differences(gpt::Lora lora) {
   const Shape s{2, 8, 2, 5};
   const int batch = 2, t = 5;
-  DoubleModel dm(s);
+  DoubleModel dm(s, lora.rank);
   uint64_t seed = 7;
   for (auto& unit : dm.p)  // params of a size that moves every path (norm weights away from 1)
     for (auto& tensor : unit)
@@ -100,7 +116,7 @@ TEST(GptBackward, MatchesFiniteDifferencesOfEveryParam) {
   std::vector<uint8_t> in = random_bytes(batch * t, 3), tg = random_bytes(batch * t, 4);
   for (auto& b : in) b %= 7;
   for (auto& b : tg) b %= 7;
-  gpt::Model<double> m(s, batch, false);
+  gpt::Model<double> m(s, batch, false, lora);
   dm.zero_grads();
   dm.run(m, in.data(), tg.data(), t, true);
   const auto grads = dm.g;
@@ -133,6 +149,11 @@ TEST(GptBackward, MatchesFiniteDifferencesOfEveryParam) {
   }
   EXPECT_GT(checked, 1000u);
 }
+
+TEST(GptBackward, MatchesFiniteDifferencesOfEveryParam) { check_finite_differences({}); }
+
+// alpha / rank = 2: a scale left out of either pass fails.
+TEST(GptBackward, WithLoraAdaptersMatchesFiniteDifferencesOfEveryParam) { check_finite_differences({3, 6.0}); }
 
 TEST(GptBackward, RecomputeGivesTheSameGrads) {
   const Shape s{2, 8, 2, 5};
@@ -179,8 +200,10 @@ bool no_decay(const std::string& name) {
 }
 
 // kSteps of AdamW with clipping on the whole batch in one process, in double.
-std::vector<std::vector<double>> reference(double* clip_coef_first) {
-  DoubleModel dm(kShape);
+// With LoRA the base is frozen: the adapters alone are clipped and updated.
+std::vector<std::vector<double>> reference(double* clip_coef_first, gpt::Lora lora = {}, double clip = kClip) {
+  DoubleModel dm(kShape, lora.rank);
+  const size_t first_trained = lora.on() ? dm.n_base : 0;
   for (size_t u = 0; u < dm.p.size(); ++u)
     for (size_t i = 0; i < dm.p[u].size(); ++i) {
       std::vector<float> init(dm.p[u][i].size());
@@ -188,19 +211,19 @@ std::vector<std::vector<double>> reference(double* clip_coef_first) {
       dm.p[u][i].assign(init.begin(), init.end());
     }
   auto m1 = dm.g, m2 = dm.g;
-  gpt::Model<double> model(kShape, kBatch, false);
+  gpt::Model<double> model(kShape, kBatch, false, lora);
   for (int step = 1; step <= kSteps; ++step) {
     dm.zero_grads();
     const auto in = batch_of(step, false), tg = batch_of(step, true);
     dm.run(model, in.data(), tg.data(), kShape.context, true);
     double sq = 0;
-    for (auto& unit : dm.g)
-      for (auto& t : unit)
+    for (size_t u = first_trained; u < dm.g.size(); ++u)
+      for (auto& t : dm.g[u])
         for (double x : t) sq += x * x;
-    const double coef = std::min(1.0, kClip / (std::sqrt(sq) + 1e-6));
+    const double coef = std::min(1.0, clip / (std::sqrt(sq) + 1e-6));
     if (step == 1) *clip_coef_first = coef;
     const double bc1 = 1 - std::pow(kB1, step), bc2 = 1 - std::pow(kB2, step);
-    for (size_t u = 0; u < dm.p.size(); ++u)
+    for (size_t u = first_trained; u < dm.p.size(); ++u)
       for (size_t i = 0; i < dm.p[u].size(); ++i) {
         const double wd = no_decay(dm.specs[u].params[i].name) ? 0.0 : kWd;
         for (size_t k = 0; k < dm.p[u][i].size(); ++k) {
@@ -229,6 +252,9 @@ struct Case {
   const char* dtype = "fp32";
   bool keep_shard = true;              // keep_param_dtype_shard
   fsdp_memory_stats_t* mem = nullptr;  // rank 0's memory after training, when asked
+  gpt::Lora lora = {};                 // adapters on a frozen base
+  size_t* lora_shard_numel = nullptr;  // rank 0's adapter shard elements, when asked
+  double clip = kClip;                 // max_grad_norm
 };
 std::string case_name(const testing::TestParamInfo<Case>& info) {
   return std::string(info.param.sharding) + "_world" + std::to_string(info.param.world) +
@@ -260,7 +286,7 @@ std::vector<std::vector<float>> train_fsdp(const Case& c) {
                                                           {"eps", "1e-8"},
                                                           {"weight_decay", std::to_string(kWd)},
                                                           {"no_weight_decay", gpt::kNoWeightDecay},
-                                                          {"max_grad_norm", std::to_string(kClip)},
+                                                          {"max_grad_norm", std::to_string(c.clip)},
                                                           {"forward_prefetch", "1"},
                                                           {"shard_group_size", std::to_string(c.group)}};
         for (const auto& [k, v] : kv) gpt::check_fsdp(fsdp_config_set(cfg, k, v.c_str()), k);
@@ -268,7 +294,7 @@ std::vector<std::vector<float>> train_fsdp(const Case& c) {
         fsdp_config_destroy(cfg);
         gpt::check_fsdp(st, "fsdp_ctx_create");
         const int local = kBatch / c.world;
-        gpt::FsdpGpt model(ctx, kShape, local, c.recompute, kSeed);
+        gpt::FsdpGpt model(ctx, kShape, local, c.recompute, kSeed, c.lora);
         const size_t t = static_cast<size_t>(kShape.context);
         for (int step = 1; step <= kSteps; ++step) {
           const auto in = batch_of(step, false), tg = batch_of(step, true);
@@ -279,6 +305,16 @@ std::vector<std::vector<float>> train_fsdp(const Case& c) {
         if (r == 0 && c.mem) {
           c.mem->struct_size = sizeof *c.mem;
           gpt::check_fsdp(fsdp_memory_stats(ctx, c.mem), "fsdp_memory_stats");
+        }
+        if (r == 0 && c.lora_shard_numel) {
+          const std::vector<fsdp_unit_t*> units = model.units();
+          *c.lora_shard_numel = 0;
+          for (size_t u = model.specs().size(); u < units.size(); ++u) {
+            float* p = nullptr;
+            size_t off = 0, n = 0;
+            gpt::check_fsdp(fsdp_shard_info(units[u], &p, &off, &n), "fsdp_shard_info");
+            *c.lora_shard_numel += n;
+          }
         }
         gpt::check_fsdp(fsdp_ctx_finalize(ctx), "fsdp_ctx_finalize");
       } catch (const std::exception& e) {
@@ -372,5 +408,54 @@ TEST(GptFsdpParamShard, CastAtGatherWithOffloadIsRefusedWithAReason) {
   EXPECT_EQ(ctx, nullptr);
   fsdp_config_destroy(cfg);
 }
+
+// ---- LoRA: adapters on a frozen base -----------------------------------------------
+
+class GptLora : public testing::TestWithParam<Case> {};
+
+// The base keeps its init bitwise; the adapters end where the reference's
+// do (within GptFsdp's tolerance and for its reason: fp32 against double);
+// the grad and optimizer bytes are the adapters' shards alone.
+TEST_P(GptLora, TrainsTheAdaptersAloneLikeTheReference) {
+  Case c = GetParam();
+  c.lora = {4, 8.0};
+  c.clip = 0.06;  // the adapters' grad norm is 0.07-0.10 over these steps
+  fsdp_memory_stats_t mem{};
+  size_t lora_numel = 0;
+  c.mem = &mem;
+  c.lora_shard_numel = &lora_numel;
+  double coef = 0;
+  const auto ref = reference(&coef, c.lora, c.clip);
+  ASSERT_LT(coef, 1.0) << "clipping must be active in the reference for the test to cover it";
+  const auto got = train_fsdp(c);
+  ASSERT_EQ(got.size(), ref.size());
+  const auto specs = gpt::model_units(kShape);
+  size_t n_base = 0;
+  for (const auto& u : specs) n_base += u.params.size();
+  double moved = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    ASSERT_EQ(got[i].size(), ref[i].size());
+    for (size_t k = 0; k < ref[i].size(); ++k) {
+      if (i < n_base) {  // frozen: the init, bitwise (the reference never changes it)
+        ASSERT_EQ(got[i][k], static_cast<float>(ref[i][k])) << "base param " << i << "[" << k << "] changed";
+        continue;
+      }
+      ASSERT_NEAR(got[i][k], ref[i][k], 2e-5) << "adapter param " << i << "[" << k << "]";
+    }
+  }
+  // The adapters did train: B moved away from zero.
+  for (size_t i = n_base; i < ref.size(); ++i)
+    for (double x : ref[i]) moved = std::max(moved, std::fabs(x));
+  EXPECT_GT(moved, 1e-3);
+  EXPECT_EQ(mem.sharded_grads_nbytes, lora_numel * sizeof(float));
+  EXPECT_EQ(mem.optimizer_state_nbytes, 2 * lora_numel * sizeof(float));
+  EXPECT_GT(lora_numel, 0u);
+}
+
+INSTANTIATE_TEST_SUITE_P(Worlds, GptLora,
+                         testing::Values(Case{1, "FULL_SHARD", 0, false}, Case{3, "FULL_SHARD", 0, false},
+                                         Case{3, "FULL_SHARD", 0, true}, Case{4, "SHARD_GRAD_OP", 0, false},
+                                         Case{4, "HYBRID_SHARD", 2, false}),
+                         case_name);
 
 }  // namespace

@@ -43,8 +43,15 @@ class FsdpGpt::Access {
     }
     return v;
   }
+  bool trainable() const {
+    int t = 1;
+    CHECK(fsdp_unit_trainable(unit_, &t));
+    return t != 0;
+  }
+  // The params, and the grads to add into; a frozen unit's view has none.
   UnitView<float> grads(std::vector<float>& cast, std::vector<float>& grad) const {
     UnitView<float> v = params(cast);
+    if (!trainable()) return v;
     if (dt_ == FSDP_DTYPE_BF16) grad.assign(total_, 0.0f);
     size_t off = 0;
     for (size_t i = 0; i < spec_.params.size(); ++i) {
@@ -57,7 +64,7 @@ class FsdpGpt::Access {
   }
   // bf16: adds this use's fp32 grads into libfsdp's grad buffers.
   void flush(const std::vector<float>& grad) const {
-    if (dt_ == FSDP_DTYPE_FP32) return;
+    if (dt_ == FSDP_DTYPE_FP32 || !trainable()) return;
     size_t off = 0;
     for (size_t i = 0; i < spec_.params.size(); ++i) {
       void* g;
@@ -101,17 +108,33 @@ std::vector<fsdp_unit_t*> register_units(fsdp_ctx_t* ctx, const Shape& shape, co
   return units;
 }
 
-FsdpGpt::FsdpGpt(fsdp_ctx_t* ctx, const Shape& shape, int batch, bool recompute, uint64_t seed)
-    : ctx_(ctx), shape_(shape), specs_(model_units(shape)), model_(shape, batch, recompute) {
+FsdpGpt::FsdpGpt(fsdp_ctx_t* ctx, const Shape& shape, int batch, bool recompute, uint64_t seed, Lora lora)
+    : ctx_(ctx),
+      shape_(shape),
+      specs_(model_units(shape)),
+      lora_specs_(lora.on() ? lora_units(shape, lora.rank) : std::vector<UnitSpec>{}),
+      model_(shape, batch, recompute, lora) {
   fsdp_dtype_t dt;
   CHECK(fsdp_ctx_param_dtype(ctx, &dt));
   if (dt != FSDP_DTYPE_FP32 && dt != FSDP_DTYPE_BF16)
     throw std::runtime_error("the GPT example computes with param_dtype fp32 or bf16");
   const std::vector<fsdp_unit_t*> units = register_units(ctx, shape, specs_, seed);
   for (size_t k = 0; k < units.size(); ++k) units_.push_back(std::make_unique<Access>(units[k], specs_[k], dt));
+  if (!lora.on()) return;
+  const std::vector<fsdp_unit_t*> adapters = register_units(ctx, shape, lora_specs_, seed);
+  for (size_t k = 0; k < adapters.size(); ++k)
+    lora_.push_back(std::make_unique<Access>(adapters[k], lora_specs_[k], dt));
+  for (fsdp_unit_t* u : units) CHECK(fsdp_unit_set_trainable(ctx, u, 0));
 }
 
 FsdpGpt::~FsdpGpt() = default;
+
+std::vector<fsdp_unit_t*> FsdpGpt::units() const {
+  std::vector<fsdp_unit_t*> out;
+  for (const auto* list : {&units_, &lora_})
+    for (const auto& a : *list) out.push_back(a->unit());
+  return out;
+}
 
 double FsdpGpt::forward(const uint8_t* inputs, const uint8_t* targets, bool train) {
   const size_t L = static_cast<size_t>(shape_.layers);
@@ -121,8 +144,12 @@ double FsdpGpt::forward(const uint8_t* inputs, const uint8_t* targets, bool trai
   TIMED(fsdp_forward_end(embed.unit(), nullptr));
   for (size_t l = 0; l < L; ++l) {
     const Access& b = *units_[1 + l];
+    const Access* a = lora_.empty() ? nullptr : lora_[l].get();
     TIMED(fsdp_forward_begin(b.unit(), nullptr));
-    model_.block_forward(static_cast<int>(l), b.params(cast_));
+    if (a) TIMED(fsdp_forward_begin(a->unit(), nullptr));
+    const UnitView<float> av = a ? a->params(lora_cast_) : UnitView<float>{};
+    model_.block_forward(static_cast<int>(l), b.params(cast_), a ? &av : nullptr);
+    if (a) TIMED(fsdp_forward_end(a->unit(), nullptr));
     TIMED(fsdp_forward_end(b.unit(), nullptr));
   }
   const Access& lnf = *units_[1 + L];
@@ -153,9 +180,19 @@ double FsdpGpt::train_step(const uint8_t* inputs, const uint8_t* targets) {
   };
   backward(*units_[0], [&](const UnitView<float>& v) { model_.head_backward(v); });
   backward(*units_[1 + L], [&](const UnitView<float>& v) { model_.final_backward(v); });
-  for (size_t l = L; l-- > 0;)
-    backward(*units_[1 + l], [&](const UnitView<float>& v) { model_.block_backward(static_cast<int>(l), v); });
-  backward(*units_[0], [&](const UnitView<float>& v) { model_.embed_backward(v); });
+  for (size_t l = L; l-- > 0;) {
+    const Access* a = lora_.empty() ? nullptr : lora_[l].get();
+    if (a) TIMED(fsdp_backward_begin(a->unit(), nullptr));
+    backward(*units_[1 + l], [&](const UnitView<float>& v) {
+      const UnitView<float> av = a ? a->grads(lora_cast_, lora_grad_) : UnitView<float>{};
+      model_.block_backward(static_cast<int>(l), v, a ? &av : nullptr);
+      if (a) a->flush(lora_grad_);
+    });
+    if (a) TIMED(fsdp_backward_end(a->unit(), nullptr));
+  }
+  // The embeddings' own grads (the input's rows); a frozen embed unit has
+  // none and nothing before it needs a grad: no second backward use.
+  if (units_[0]->trainable()) backward(*units_[0], [&](const UnitView<float>& v) { model_.embed_backward(v); });
   TIMED(fsdp_step(ctx_, nullptr));
   return loss;
 }
@@ -172,9 +209,9 @@ std::vector<std::vector<float>> gather_params(const std::vector<fsdp_unit_t*>& u
 }
 
 std::vector<std::vector<float>> FsdpGpt::gather_params() {
-  std::vector<fsdp_unit_t*> units;
-  for (const auto& a : units_) units.push_back(a->unit());
-  return gpt::gather_params(units, specs_);
+  std::vector<UnitSpec> all = specs_;
+  all.insert(all.end(), lora_specs_.begin(), lora_specs_.end());
+  return gpt::gather_params(units(), all);
 }
 
 }  // namespace gpt

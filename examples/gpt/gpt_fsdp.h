@@ -40,7 +40,8 @@ class Trainer {
   virtual double train_step(const uint8_t* inputs, const uint8_t* targets) = 0;
   // Forward only (collective); this rank's mean loss.
   virtual double eval(const uint8_t* inputs, const uint8_t* targets) = 0;
-  // Every param's full fp32 values in model_units order (collective).
+  // Every param's full fp32 values in model_units order, then with LoRA the
+  // adapters' in lora_units order (collective).
   virtual std::vector<std::vector<float>> gather_params() = 0;
   // Seconds spent inside libfsdp's begin/end/step calls since construction:
   // what the library costs the host's thread (waits for gathers included).
@@ -50,18 +51,18 @@ class Trainer {
 };
 
 // The trainer for a context on `device` ("cpu", "cuda:N": the context's
-// config value). The GPU model computes in bf16 and has no recompute; a build
-// without it refuses "cuda" saying why.
+// config value). The GPU model computes in bf16 and has no recompute and no
+// LoRA; a build without it refuses "cuda" saying why.
 std::unique_ptr<Trainer> make_trainer(fsdp_ctx_t* ctx, const std::string& device, const Shape& shape, int batch,
-                                      bool recompute, uint64_t seed);
+                                      bool recompute, uint64_t seed, Lora lora = {});
 
 // Every param of `units` (model_units order) gathered in full, fp32 (collective).
 std::vector<std::vector<float>> gather_params(const std::vector<fsdp_unit_t*>& units,
                                               const std::vector<UnitSpec>& specs);
 
-// Registers the units of `specs` (model_units(shape)) in `ctx` (collective)
-// and sets their initial values (init_param with `seed`): the same start on
-// every rank, for the CPU and the GPU model alike.
+// Registers the units of `specs` (model_units(shape), or lora_units) in
+// `ctx` (collective) and sets their initial values (init_param with `seed`):
+// the same start on every rank, for the CPU and the GPU model alike.
 std::vector<fsdp_unit_t*> register_units(fsdp_ctx_t* ctx, const Shape& shape, const std::vector<UnitSpec>& specs,
                                          uint64_t seed);
 
@@ -69,7 +70,10 @@ class FsdpGpt : public Trainer {
  public:
   // Registers the model's units in `ctx` (collective) and sets their initial
   // values (init_param with `seed`). `batch`: this rank's sequences per step.
-  FsdpGpt(fsdp_ctx_t* ctx, const Shape& shape, int batch, bool recompute, uint64_t seed);
+  // With LoRA it also registers the adapter units (after the base's) and
+  // freezes every base unit: only the adapters train. Load the base's
+  // weights afterwards (fsdp_load_pretrained).
+  FsdpGpt(fsdp_ctx_t* ctx, const Shape& shape, int batch, bool recompute, uint64_t seed, Lora lora = {});
   ~FsdpGpt() override;
   FsdpGpt(const FsdpGpt&) = delete;
   FsdpGpt& operator=(const FsdpGpt&) = delete;
@@ -84,6 +88,9 @@ class FsdpGpt : public Trainer {
   std::vector<std::vector<float>> gather_params() override;
 
   const std::vector<UnitSpec>& specs() const { return specs_; }
+  const std::vector<UnitSpec>& lora_specs() const { return lora_specs_; }
+  // The base's units (model_units order), then the adapters' (lora_units order).
+  std::vector<fsdp_unit_t*> units() const;
   // Seconds spent inside libfsdp's begin/end/step calls since construction:
   // what the library costs the host's thread (gathers it waits for included).
   double library_seconds() const override { return library_s_; }
@@ -95,10 +102,11 @@ class FsdpGpt : public Trainer {
 
   fsdp_ctx_t* ctx_;
   Shape shape_;
-  std::vector<UnitSpec> specs_;
+  std::vector<UnitSpec> specs_, lora_specs_;
   std::vector<std::unique_ptr<Access>> units_;
+  std::vector<std::unique_ptr<Access>> lora_;  // per block, with LoRA
   Model<float> model_;
-  std::vector<float> cast_, grad_;
+  std::vector<float> cast_, grad_, lora_cast_, lora_grad_;
   double library_s_ = 0;
 };
 

@@ -35,13 +35,32 @@ void linear(const T* x, const T* w, const T* b, T* y, int n, int in, int out, bo
       for (int o = 0; o < out; ++o) y[static_cast<size_t>(r) * out + o] += b[o];
   gemm(false, true, n, out, in, T(1), x, in, w, in, T(1), y, out);
 }
-// dx (= or +=) dy W; dW += dy^T x; db += column sums of dy.
+// dx (= or +=) dy W; dW += dy^T x; db += column sums of dy. Null dw, db:
+// frozen params, only the input grad.
 template <typename T>
 void linear_backward(const T* dy, const T* x, const T* w, T* dx, T* dw, T* db, int n, int in, int out, bool add_dx) {
   gemm(false, false, n, in, out, T(1), dy, out, w, in, add_dx ? T(1) : T(0), dx, in);
-  gemm(true, false, out, in, n, T(1), dy, out, x, in, T(1), dw, in);
-  for (int r = 0; r < n; ++r)
-    for (int o = 0; o < out; ++o) db[o] += dy[static_cast<size_t>(r) * out + o];
+  if (dw) gemm(true, false, out, in, n, T(1), dy, out, x, in, T(1), dw, in);
+  if (db)
+    for (int r = 0; r < n; ++r)
+      for (int o = 0; o < out; ++o) db[o] += dy[static_cast<size_t>(r) * out + o];
+}
+
+// LoRA beside a linear: u = x A^T [n, rank] (kept for backward), y += s u B^T.
+template <typename T>
+void lora_forward(const T* x, const T* a, const T* b, T* u, T* y, int n, int in, int out, int rank, T s) {
+  gemm(false, true, n, rank, in, T(1), x, in, a, in, T(0), u, rank);
+  gemm(false, true, n, out, rank, s, u, rank, b, rank, T(1), y, out);
+}
+// dB += s dy^T u; du = s dy B; dA += du^T x; dx += du A. `du` is scratch [n, rank];
+// null dA, dB: frozen adapters.
+template <typename T>
+void lora_backward(const T* dy, const T* x, const T* a, const T* b, const T* u, T* da, T* db, T* dx, T* du, int n,
+                   int in, int out, int rank, T s) {
+  if (db) gemm(true, false, out, rank, n, s, dy, out, u, rank, T(1), db, rank);
+  gemm(false, false, n, rank, out, s, dy, out, b, rank, T(0), du, rank);
+  if (da) gemm(true, false, rank, in, n, T(1), du, rank, x, in, T(1), da, in);
+  gemm(false, false, n, in, rank, T(1), du, rank, a, in, T(1), dx, in);
 }
 
 constexpr double kLnEps = 1e-5;
@@ -62,7 +81,7 @@ void layernorm(const T* x, const T* w, const T* b, T* y, T* mean, T* rstd, int n
     rstd[r] = static_cast<T>(s);
   }
 }
-// dx += the input grad; dw, db += the param grads.
+// dx += the input grad; dw, db += the param grads (null: frozen, none).
 template <typename T>
 void layernorm_backward(const T* dy, const T* x, const T* mean, const T* rstd, const T* w, T* dx, T* dw, T* db, int n,
                         int c) {
@@ -76,8 +95,8 @@ void layernorm_backward(const T* dy, const T* x, const T* mean, const T* rstd, c
       const T d = dyr[i] * w[i];
       sum_d += d;
       sum_dx += d * xhat;
-      dw[i] += dyr[i] * xhat;
-      db[i] += dyr[i];
+      if (dw) dw[i] += dyr[i] * xhat;
+      if (db) db[i] += dyr[i];
     }
     const T md = static_cast<T>(sum_d / c), mdx = static_cast<T>(sum_dx / c);
     for (int i = 0; i < c; ++i) {
@@ -160,6 +179,24 @@ std::vector<UnitSpec> model_units(const Shape& s) {
   return units;
 }
 
+std::vector<UnitSpec> lora_units(const Shape& s, int rank) {
+  const int64_t c = s.width, r = rank;
+  std::vector<UnitSpec> units;
+  for (int l = 0; l < s.layers; ++l) {
+    const std::string p = "h" + std::to_string(l) + ".";
+    units.push_back({"h" + std::to_string(l) + ".lora",
+                     {{p + "attn.qkv.lora_A", {r, c}},
+                      {p + "attn.qkv.lora_B", {3 * c, r}},
+                      {p + "attn.proj.lora_A", {r, c}},
+                      {p + "attn.proj.lora_B", {c, r}},
+                      {p + "mlp.fc.lora_A", {r, c}},
+                      {p + "mlp.fc.lora_B", {4 * c, r}},
+                      {p + "mlp.fc2.lora_A", {r, 4 * c}},
+                      {p + "mlp.fc2.lora_B", {c, r}}}});
+  }
+  return units;
+}
+
 size_t param_count(const Shape& s) {
   size_t n = 0;
   for (const UnitSpec& u : model_units(s))
@@ -169,6 +206,16 @@ size_t param_count(const Shape& s) {
 
 void init_param(const Shape& s, const ParamSpec& p, uint64_t seed, float* out) {
   const size_t n = p.numel();
+  uint64_t state = fnv1a(p.name) ^ (seed * 0x9e3779b97f4a7c15ull);
+  if (ends_with(p.name, ".lora_B")) {
+    std::fill(out, out + n, 0.0f);
+    return;
+  }
+  if (ends_with(p.name, ".lora_A")) {  // U(-1/sqrt(in), 1/sqrt(in)), in = dims[1]
+    const double bound = 1.0 / std::sqrt(static_cast<double>(p.dims.at(1)));
+    for (size_t i = 0; i < n; ++i) out[i] = static_cast<float>(bound * (2 * uniform01(state) - 1));
+    return;
+  }
   if (ends_with(p.name, ".bias")) {
     std::fill(out, out + n, 0.0f);
     return;
@@ -180,7 +227,6 @@ void init_param(const Shape& s, const ParamSpec& p, uint64_t seed, float* out) {
   double std_dev = 0.02;
   if (ends_with(p.name, "attn.proj.weight") || ends_with(p.name, "mlp.fc2.weight"))
     std_dev /= std::sqrt(2.0 * s.layers);
-  uint64_t state = fnv1a(p.name) ^ (seed * 0x9e3779b97f4a7c15ull);
   for (size_t i = 0; i < n; ++i) {  // Box-Muller
     const double u1 = uniform01(state), u2 = uniform01(state);
     out[i] = static_cast<float>(std_dev * std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2));
@@ -190,9 +236,11 @@ void init_param(const Shape& s, const ParamSpec& p, uint64_t seed, float* out) {
 // ---- the model -------------------------------------------------------------------
 
 template <typename T>
-Model<T>::Model(const Shape& s, int batch, bool recompute) : s_(s), b_(batch), recompute_(recompute) {
+Model<T>::Model(const Shape& s, int batch, bool recompute, Lora lora)
+    : s_(s), b_(batch), recompute_(recompute), lora_(lora) {
   const std::string why = shape_error(s);
   if (!why.empty()) throw std::invalid_argument("gpt shape: " + why);
+  if (lora.rank < 0) throw std::invalid_argument("gpt: the LoRA rank must be >= 0");
   const size_t n = static_cast<size_t>(batch) * s.context, c = static_cast<size_t>(s.width);
   x_.assign(static_cast<size_t>(s.layers) + 1, std::vector<T>(n * c));
   auto size_acts = [&](BlockActs& a) {
@@ -200,7 +248,9 @@ Model<T>::Model(const Shape& s, int batch, bool recompute) : s_(s), b_(batch), r
     a.att.resize(static_cast<size_t>(batch) * s.heads * s.context * s.context);
     a.y.resize(n * c), a.xmid.resize(n * c), a.ln2.resize(n * c), a.mean2.resize(n), a.rstd2.resize(n);
     a.fc.resize(4 * n * c), a.act.resize(4 * n * c);
+    for (auto& u : a.lora) u.resize(n * static_cast<size_t>(lora.rank));
   };
+  dlora_.resize(n * static_cast<size_t>(lora.rank));
   if (recompute) {
     size_acts(scratch_);
   } else {
@@ -221,7 +271,9 @@ size_t Model<T>::activation_bytes() const {
     for (const auto* v :
          {&a.ln1, &a.mean1, &a.rstd1, &a.qkv, &a.att, &a.y, &a.xmid, &a.ln2, &a.mean2, &a.rstd2, &a.fc, &a.act})
       add(*v);
+    for (const auto& u : a.lora) add(u);
   };
+  add(dlora_);
   for (const BlockActs& a : acts_) add_acts(a);
   add_acts(scratch_);
   for (const auto* v : {&lnf_, &meanf_, &rstdf_, &probs_, &dlogits_, &dx_, &dx2_, &dtmp_, &dqkv_, &datt_, &dbig_})
@@ -246,12 +298,26 @@ void Model<T>::embed_forward(const UnitView<T>& u, const uint8_t* tokens, int t)
 }
 
 template <typename T>
-void Model<T>::run_block(int layer, const UnitView<T>& u, BlockActs& a, T* out) {
-  const int c = s_.width, n = b_ * t_, h = s_.heads, hd = s_.head_dim(), t = t_;
+const UnitView<T>* Model<T>::check_lora(const UnitView<T>* lora) const {
+  if (lora_.on() != (lora != nullptr))
+    throw std::invalid_argument(lora_.on() ? "gpt: a model with LoRA needs each block's adapter unit"
+                                           : "gpt: adapters given to a model without LoRA");
+  return lora;
+}
+
+template <typename T>
+void Model<T>::run_block(int layer, const UnitView<T>& u, const UnitView<T>* lora, BlockActs& a, T* out) {
+  const int c = s_.width, n = b_ * t_, h = s_.heads, hd = s_.head_dim(), t = t_, r = lora_.rank;
   const T* x = x_[static_cast<size_t>(layer)].data();
   const T scale = static_cast<T>(1.0 / std::sqrt(static_cast<double>(hd)));
+  const T ls = static_cast<T>(lora_.scale());
+  // The adapter of projection k (LoraParam / 2) beside its linear.
+  auto adapter = [&](int k, const T* in_x, T* y, int in, int out_dim) {
+    if (lora) lora_forward(in_x, lora->p[2 * k], lora->p[2 * k + 1], a.lora[k].data(), y, n, in, out_dim, r, ls);
+  };
   layernorm(x, u.p[kLn1W], u.p[kLn1B], a.ln1.data(), a.mean1.data(), a.rstd1.data(), n, c);
   linear(a.ln1.data(), u.p[kQkvW], u.p[kQkvB], a.qkv.data(), n, c, 3 * c, false);
+  adapter(0, a.ln1.data(), a.qkv.data(), c, 3 * c);
   for (int b = 0; b < b_; ++b)
     for (int hh = 0; hh < h; ++hh) {
       const T* q = a.qkv.data() + static_cast<size_t>(b) * t * 3 * c + static_cast<size_t>(hh) * hd;
@@ -272,16 +338,19 @@ void Model<T>::run_block(int layer, const UnitView<T>& u, BlockActs& a, T* out) 
     }
   std::copy(x, x + static_cast<size_t>(n) * c, a.xmid.data());
   linear(a.y.data(), u.p[kProjW], u.p[kProjB], a.xmid.data(), n, c, c, true);
+  adapter(1, a.y.data(), a.xmid.data(), c, c);
   layernorm(a.xmid.data(), u.p[kLn2W], u.p[kLn2B], a.ln2.data(), a.mean2.data(), a.rstd2.data(), n, c);
   linear(a.ln2.data(), u.p[kFcW], u.p[kFcB], a.fc.data(), n, c, 4 * c, false);
+  adapter(2, a.ln2.data(), a.fc.data(), c, 4 * c);
   for (size_t i = 0; i < static_cast<size_t>(n) * 4 * c; ++i) a.act[i] = gelu(a.fc[i]);
   std::copy(a.xmid.data(), a.xmid.data() + static_cast<size_t>(n) * c, out);
   linear(a.act.data(), u.p[kFc2W], u.p[kFc2B], out, n, 4 * c, c, true);
+  adapter(3, a.act.data(), out, 4 * c, c);
 }
 
 template <typename T>
-void Model<T>::block_forward(int layer, const UnitView<T>& u) {
-  run_block(layer, u, acts_of(layer), x_[static_cast<size_t>(layer) + 1].data());
+void Model<T>::block_forward(int layer, const UnitView<T>& u, const UnitView<T>* lora) {
+  run_block(layer, u, check_lora(lora), acts_of(layer), x_[static_cast<size_t>(layer) + 1].data());
 }
 
 template <typename T>
@@ -319,35 +388,46 @@ void Model<T>::head_backward(const UnitView<T>& u) {
   if (!with_targets_) throw std::logic_error("gpt: head_backward without targets");
   const int n = b_ * t_, c = s_.width;
   gemm(false, false, n, c, kVocab, T(1), dlogits_.data(), kVocab, u.p[kWte], c, T(0), dx_.data(), c);
-  gemm(true, false, kVocab, c, n, T(1), dlogits_.data(), kVocab, lnf_.data(), c, T(1), u.g[kWte], c);
+  if (T* dwte = u.grad(kWte)) gemm(true, false, kVocab, c, n, T(1), dlogits_.data(), kVocab, lnf_.data(), c, T(1), dwte, c);
 }
 
 template <typename T>
 void Model<T>::final_backward(const UnitView<T>& u) {
   const int n = b_ * t_, c = s_.width;
   std::fill(dx2_.begin(), dx2_.begin() + static_cast<ptrdiff_t>(n) * c, T(0));
-  layernorm_backward(dx_.data(), x_.back().data(), meanf_.data(), rstdf_.data(), u.p[kLnfW], dx2_.data(), u.g[kLnfW],
-                     u.g[kLnfB], n, c);
+  layernorm_backward(dx_.data(), x_.back().data(), meanf_.data(), rstdf_.data(), u.p[kLnfW], dx2_.data(),
+                     u.grad(kLnfW), u.grad(kLnfB), n, c);
   dx_.swap(dx2_);
 }
 
 template <typename T>
-void Model<T>::block_backward(int layer, const UnitView<T>& u) {
+void Model<T>::block_backward(int layer, const UnitView<T>& u, const UnitView<T>* lora) {
+  check_lora(lora);
   BlockActs& a = acts_of(layer);
-  if (recompute_) run_block(layer, u, a, x_[static_cast<size_t>(layer) + 1].data());
+  if (recompute_) run_block(layer, u, lora, a, x_[static_cast<size_t>(layer) + 1].data());
   const int c = s_.width, n = b_ * t_, h = s_.heads, hd = s_.head_dim(), t = t_;
   const size_t nc = static_cast<size_t>(n) * c;
   const T scale = static_cast<T>(1.0 / std::sqrt(static_cast<double>(hd)));
+  const T ls = static_cast<T>(lora_.scale());
+  // The adapter of projection k: its grads, and its share of the input grad dx.
+  auto adapter = [&](int k, const T* dy, const T* in_x, T* dx, int in, int out) {
+    if (lora)
+      lora_backward(dy, in_x, lora->p[2 * k], lora->p[2 * k + 1], a.lora[k].data(), lora->grad(2 * k),
+                    lora->grad(2 * k + 1), dx, dlora_.data(), n, in, out, lora_.rank, ls);
+  };
   T* dout = dx_.data();  // d loss / d (block output), becomes d loss / d (block input)
   // MLP: dact = dout Wfc2, then through the GELU, then dln2 = dfc Wfc.
-  linear_backward(dout, a.act.data(), u.p[kFc2W], dbig_.data(), u.g[kFc2W], u.g[kFc2B], n, 4 * c, c, false);
+  linear_backward(dout, a.act.data(), u.p[kFc2W], dbig_.data(), u.grad(kFc2W), u.grad(kFc2B), n, 4 * c, c, false);
+  adapter(3, dout, a.act.data(), dbig_.data(), 4 * c, c);
   for (size_t i = 0; i < 4 * nc; ++i) dbig_[i] *= gelu_grad(a.fc[i]);
-  linear_backward(dbig_.data(), a.ln2.data(), u.p[kFcW], dtmp_.data(), u.g[kFcW], u.g[kFcB], n, c, 4 * c, false);
+  linear_backward(dbig_.data(), a.ln2.data(), u.p[kFcW], dtmp_.data(), u.grad(kFcW), u.grad(kFcB), n, c, 4 * c, false);
+  adapter(2, dbig_.data(), a.ln2.data(), dtmp_.data(), c, 4 * c);
   // dxmid = dout + LN2's input grad (added into dout in place).
-  layernorm_backward(dtmp_.data(), a.xmid.data(), a.mean2.data(), a.rstd2.data(), u.p[kLn2W], dout, u.g[kLn2W],
-                     u.g[kLn2B], n, c);
+  layernorm_backward(dtmp_.data(), a.xmid.data(), a.mean2.data(), a.rstd2.data(), u.p[kLn2W], dout, u.grad(kLn2W),
+                     u.grad(kLn2B), n, c);
   // Attention projection: dy = dxmid Wproj.
-  linear_backward(dout, a.y.data(), u.p[kProjW], dtmp_.data(), u.g[kProjW], u.g[kProjB], n, c, c, false);
+  linear_backward(dout, a.y.data(), u.p[kProjW], dtmp_.data(), u.grad(kProjW), u.grad(kProjB), n, c, c, false);
+  adapter(1, dout, a.y.data(), dtmp_.data(), c, c);
   for (int b = 0; b < b_; ++b)
     for (int hh = 0; hh < h; ++hh) {
       const size_t off = static_cast<size_t>(b) * t * 3 * c + static_cast<size_t>(hh) * hd;
@@ -369,13 +449,16 @@ void Model<T>::block_backward(int layer, const UnitView<T>& u) {
       gemm(false, false, t, hd, t, scale, dp, t, q + c, 3 * c, T(0), dq, 3 * c);  // dQ = scale dS K
       gemm(true, false, t, hd, t, scale, dp, t, q, 3 * c, T(0), dq + c, 3 * c);   // dK = scale dS^T Q
     }
-  linear_backward(dqkv_.data(), a.ln1.data(), u.p[kQkvW], dtmp_.data(), u.g[kQkvW], u.g[kQkvB], n, c, 3 * c, false);
+  linear_backward(dqkv_.data(), a.ln1.data(), u.p[kQkvW], dtmp_.data(), u.grad(kQkvW), u.grad(kQkvB), n, c, 3 * c,
+                  false);
+  adapter(0, dqkv_.data(), a.ln1.data(), dtmp_.data(), c, 3 * c);
   layernorm_backward(dtmp_.data(), x_[static_cast<size_t>(layer)].data(), a.mean1.data(), a.rstd1.data(), u.p[kLn1W],
-                     dout, u.g[kLn1W], u.g[kLn1B], n, c);
+                     dout, u.grad(kLn1W), u.grad(kLn1B), n, c);
 }
 
 template <typename T>
 void Model<T>::embed_backward(const UnitView<T>& u) {
+  if (u.g.empty()) return;  // frozen: the first unit has no input to pass a grad to
   const int c = s_.width;
   const T* dx = dx_.data();
   for (int b = 0; b < b_; ++b)

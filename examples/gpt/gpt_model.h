@@ -15,6 +15,9 @@
 //
 // Units (each one libfsdp unit): "embed" {wte [256, C], wpe [T, C]}, used at
 // the input and again at the head; "h<l>" per block; "lnf" the final norm.
+// With LoRA (fine-tuning, --lora R): a unit "h<l>.lora" per block holds the
+// adapters of its four projections; the base's params may then be frozen,
+// which the model sees as a view without grads.
 // Matrix products go through OpenBLAS (cblas_sgemm / cblas_dgemm): the model
 // is a template on float (training) and double (the finite-difference check).
 #pragma once
@@ -53,6 +56,20 @@ struct UnitSpec {
 };
 std::vector<UnitSpec> model_units(const Shape& s);
 size_t param_count(const Shape& s);
+// LoRA (Hu et al., 2021) on each block's four projections (attn.qkv,
+// attn.proj, mlp.fc, mlp.fc2): y = W x + b + (alpha / rank) B (A x), with
+// A [rank, in] and B [out, rank]. A starts uniform in +-1/sqrt(in) (PEFT's
+// Kaiming init), B at zero, so training starts from the base model exactly.
+struct Lora {
+  int rank = 0;  // 0: no adapters
+  double alpha = 0;
+  bool on() const { return rank > 0; }
+  double scale() const { return on() ? alpha / rank : 0.0; }
+};
+enum LoraParam { kQkvLoraA, kQkvLoraB, kProjLoraA, kProjLoraB, kFcLoraA, kFcLoraB, kFc2LoraA, kFc2LoraB, kLoraParams };
+// The adapter units "h<l>.lora", one per block in block order, each with
+// "h<l>.attn.qkv.lora_A", "h<l>.attn.qkv.lora_B", ... in LoraParam order.
+std::vector<UnitSpec> lora_units(const Shape& s, int rank);
 // fnmatch patterns of the params that take no weight decay: biases, norms, embeddings.
 extern const char* const kNoWeightDecay;
 
@@ -61,11 +78,13 @@ extern const char* const kNoWeightDecay;
 // param's name and `seed`: the same on every rank and in every test.
 void init_param(const Shape& s, const ParamSpec& p, uint64_t seed, float* out);
 
-// Pointers to one unit's params (read) and grads (added into).
+// Pointers to one unit's params (read) and grads (added into). A frozen
+// unit's view has no grads (g empty): its input grads still flow through it.
 template <typename T>
 struct UnitView {
   std::vector<const T*> p;
   std::vector<T*> g;
+  T* grad(size_t i) const { return g.empty() ? nullptr : g[i]; }
 };
 
 // Activations for a batch of `batch` sequences of `t` <= context tokens.
@@ -74,11 +93,12 @@ struct UnitView {
 template <typename T>
 class Model {
  public:
-  Model(const Shape& s, int batch, bool recompute);
+  Model(const Shape& s, int batch, bool recompute, Lora lora = {});
 
   // Forward, unit by unit; `tokens` is [batch, t] (t <= context).
   void embed_forward(const UnitView<T>& embed, const uint8_t* tokens, int t);
-  void block_forward(int layer, const UnitView<T>& block);
+  // With LoRA, `lora` is the block's adapter unit (required).
+  void block_forward(int layer, const UnitView<T>& block, const UnitView<T>* lora = nullptr);
   void final_forward(const UnitView<T>& lnf);
   // The head (the embed unit's second use): the mean cross-entropy against
   // `targets` [batch, t]; keeps d(loss * scale)/d(logits) for head_backward.
@@ -90,7 +110,7 @@ class Model {
   // Backward, in reverse: adds into the views' grads.
   void head_backward(const UnitView<T>& embed);
   void final_backward(const UnitView<T>& lnf);
-  void block_backward(int layer, const UnitView<T>& block);
+  void block_backward(int layer, const UnitView<T>& block, const UnitView<T>* lora = nullptr);
   void embed_backward(const UnitView<T>& embed);
 
   // Bytes of activations this model holds (for the demo's memory line).
@@ -101,13 +121,17 @@ class Model {
  private:
   struct BlockActs {  // what one block's backward needs
     std::vector<T> ln1, mean1, rstd1, qkv, att, y, xmid, ln2, mean2, rstd2, fc, act;
+    std::vector<T> lora[4];  // with LoRA: A x of each projection [n, rank], in LoraParam / 2 order
   };
-  void run_block(int layer, const UnitView<T>& u, BlockActs& a, T* out);
+  void run_block(int layer, const UnitView<T>& u, const UnitView<T>* lora, BlockActs& a, T* out);
+  const UnitView<T>* check_lora(const UnitView<T>* lora) const;
   BlockActs& acts_of(int layer) { return recompute_ ? scratch_ : acts_[static_cast<size_t>(layer)]; }
 
   Shape s_;
   int b_, t_ = 0;
   bool recompute_;
+  Lora lora_;
+  std::vector<T> dlora_;  // LoRA backward scratch [n, rank]
   const uint8_t* tokens_ = nullptr;
   std::vector<std::vector<T>> x_;  // residual stream: x_[l] is block l's input, x_[L] the last output
   std::vector<BlockActs> acts_;    // per block (empty with recompute)

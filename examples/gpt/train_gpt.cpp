@@ -6,6 +6,9 @@
 //                                  the checkpoint resumed on 2 (usage: --help)
 //   mpirun -np N train_gpt ...     one rank per process (comm=auto picks mpi)
 //   train_gpt --bench-json F ...   the timing run of benchmarks/vs_pytorch
+//   train_gpt --lora R --base DIR  LoRA: the base (a --export of the demo's
+//                                  model) frozen, rank-R adapters trained,
+//                                  memory beside full fine-tuning
 //
 // The model's math is gpt_model.{h,cpp}; this file is what a host framework
 // writes around it: one libfsdp unit per block, one for the embeddings (used
@@ -53,6 +56,10 @@ struct Options {
   int sample_chars = 300;
   double lr = 3e-3, weight_decay = 0.1, max_grad_norm = 1.0;
   std::string dtype = "bf16", sharding = "FULL_SHARD", device, text, ckpt, trace, plot, bench_json, save, resume;
+  std::string export_dir;  // --export: the trained params as safetensors (fsdp_export)
+  int lora = 0;            // --lora R: adapters of rank R on a frozen base
+  double lora_alpha = -1;  // --lora-alpha (default: R, a scale of 1)
+  std::string base;        // --base: the safetensors of the base model (a --export)
   bool recompute = false, check = false;
   bool ranks_given = false;
   int bf16_shard = -1;  // keep_param_dtype_shard: -1 libfsdp's default, 0, 1
@@ -86,7 +93,9 @@ struct PhaseResult {
 struct Phase {
   int world = 1;                          // thread-ranks; 0: this process is one rank of an mpirun job
   int64_t first_step = 0, last_step = 0;  // trains steps first_step+1 .. last_step
-  std::string resume, save, trace;
+  std::string resume, save, trace, export_dir;
+  std::string base;  // the base's safetensors (fsdp_load_pretrained), loaded before training
+  bool lora = false;  // the adapters of --lora on the frozen base
   bool want_params = false, report = true;  // report: validation loss and progress lines
 };
 
@@ -180,8 +189,10 @@ class Rank {
       fail("the batch of " + std::to_string(o_.batch) + " sequences must divide over " + std::to_string(world_) +
            " ranks");
     local_ = o_.batch / world_;
-    model_ = gpt::make_trainer(ctx_, device, o_.shape, local_, o_.recompute, o_.seed);
+    const gpt::Lora lora = sh.phase.lora ? gpt::Lora{o_.lora, o_.lora_alpha} : gpt::Lora{};
+    model_ = gpt::make_trainer(ctx_, device, o_.shape, local_, o_.recompute, o_.seed, lora);
     if (!sh.phase.resume.empty()) CHECK(fsdp_load(ctx_, sh.phase.resume.c_str()));
+    if (!sh.phase.base.empty()) load_base(sh.phase.base, lora.on());
     const int t = o_.shape.context;
     window_.resize(static_cast<size_t>(local_) * (t + 1));
     inputs_.resize(static_cast<size_t>(local_) * t);
@@ -242,6 +253,7 @@ class Rank {
     }
     if (!ph.trace.empty()) CHECK(fsdp_trace_write(ctx_, (ph.trace + ".rank" + std::to_string(rank_)).c_str()));
     if (!ph.save.empty()) CHECK(fsdp_save(ctx_, ph.save.c_str(), "sharded"));
+    if (!ph.export_dir.empty()) CHECK(fsdp_export(ctx_, ph.export_dir.c_str(), nullptr));
     std::vector<Memory> mem = all_memory(ctx_, rank_, world_);
     std::vector<double> rss(static_cast<size_t>(world_), 0.0);
     rss[static_cast<size_t>(rank_)] = peak_rss_bytes();
@@ -259,6 +271,32 @@ class Rank {
   }
 
  private:
+  // The base model's weights from `path` (what --export wrote, or any
+  // safetensors with this GPT's names). With LoRA the adapters are not in
+  // it and keep their init (B = 0: the model starts as the base exactly);
+  // any other param missing, or a tensor this GPT lacks, is an error.
+  void load_base(const std::string& path, bool lora) {
+    CHECK(fsdp_load_pretrained(ctx_, path.c_str(), lora ? "strict=0" : nullptr));
+    if (!lora) return;
+    std::string report(1, '\0');
+    size_t n = 0;
+    while (fsdp_load_report(ctx_, report.data(), report.size(), &n) != FSDP_OK && n >= report.size())
+      report.resize(n + 1);  // too small: n is the length
+    report.resize(n);
+    std::string wrong;
+    size_t start = 0;
+    while (start < report.size()) {
+      size_t end = report.find('\n', start);
+      if (end == std::string::npos) end = report.size();
+      const std::string line = report.substr(start, end - start);
+      if (!line.empty() && (line.rfind("missing: ", 0) != 0 || line.find(".lora_") == std::string::npos))
+        wrong += (wrong.empty() ? "" : ", ") + line;
+      start = end + 1;
+    }
+    if (!wrong.empty())
+      fail("--base " + path + " is not this GPT's base model (check --layers/--width/--heads/--context): " + wrong);
+  }
+
   // Fills inputs/targets with this rank's sequences of the global batch of `step`.
   void load_batch(const std::vector<uint8_t>& data, uint64_t seed, int64_t step) {
     const int t = o_.shape.context;
@@ -397,15 +435,21 @@ void print_memory_table(const char* title, const PhaseResult& r) {
               static_cast<double>(r.activation_bytes) / mib);
 }
 
-// Samples `n` bytes after `prompt` from the full params (rank 0, no libfsdp).
+// Samples `n` bytes after `prompt` from the full params (rank 0, no libfsdp);
+// with `lora`, the adapters' params follow the base's.
 std::string sample_text(const Options& o, const std::vector<std::vector<float>>& params, const std::string& prompt,
-                        int n) {
-  const std::vector<gpt::UnitSpec> specs = gpt::model_units(o.shape);
+                        int n, bool lora = false) {
+  std::vector<gpt::UnitSpec> specs = gpt::model_units(o.shape);
+  const size_t n_base = specs.size();
+  if (lora) {
+    const auto adapters = gpt::lora_units(o.shape, o.lora);
+    specs.insert(specs.end(), adapters.begin(), adapters.end());
+  }
   std::vector<gpt::UnitView<float>> views(specs.size());
   size_t k = 0;
   for (size_t u = 0; u < specs.size(); ++u)
     for (size_t i = 0; i < specs[u].params.size(); ++i) views[u].p.push_back(params[k++].data());
-  gpt::Model<float> model(o.shape, 1, false);
+  gpt::Model<float> model(o.shape, 1, false, lora ? gpt::Lora{o.lora, o.lora_alpha} : gpt::Lora{});
   std::string text = prompt;
   std::mt19937_64 rng(o.seed);
   const size_t L = static_cast<size_t>(o.shape.layers);
@@ -413,7 +457,7 @@ std::string sample_text(const Options& o, const std::vector<std::vector<float>>&
     const size_t t = std::min(text.size(), static_cast<size_t>(o.shape.context));
     const auto* tokens = reinterpret_cast<const uint8_t*>(text.data() + text.size() - t);
     model.embed_forward(views[0], tokens, static_cast<int>(t));
-    for (size_t l = 0; l < L; ++l) model.block_forward(static_cast<int>(l), views[1 + l]);
+    for (size_t l = 0; l < L; ++l) model.block_forward(static_cast<int>(l), views[1 + l], lora ? &views[n_base + l] : nullptr);
     model.final_forward(views[1 + L]);
     model.head_forward(views[0], nullptr);
     const float* logits = model.last_logits();
@@ -474,6 +518,10 @@ void usage(const char* argv0) {
                "  --print-every N (40) --eval-batches N (4) --sample N (300 bytes of text at the end)\n"
                "  --check            a small, short run that fails unless it learns and resumes exactly\n"
                "  --save DIR / --resume DIR   (under mpirun: one phase) write / load a sharded checkpoint\n"
+               "  --export DIR       at the end, the params as safetensors into DIR (new or empty): the base of --lora\n"
+               "  --lora R --base DIR   LoRA fine-tuning: DIR's model (an --export) frozen, rank-R adapters on every\n"
+               "                     block's qkv, proj, fc and fc2 trained for --steps (--lora-alpha X: scale X/R,\n"
+               "                     default 1); then one step of full fine-tuning for its memory, printed beside\n"
                "  --bench-json FILE  timing run on random bytes: 2 warm-up steps, then --steps timed; writes JSON\n",
                argv0);
 }
@@ -562,6 +610,14 @@ Options parse(int argc, char** argv) {
       o.resume = v;
     else if (k == "--bench-json")
       o.bench_json = v;
+    else if (k == "--export")
+      o.export_dir = v;
+    else if (k == "--lora")
+      o.lora = num();
+    else if (k == "--lora-alpha")
+      o.lora_alpha = std::atof(v.c_str());
+    else if (k == "--base")
+      o.base = v;
     else
       fail("unknown option " + k + " (--help)");
   }
@@ -574,6 +630,15 @@ Options parse(int argc, char** argv) {
   if (o.resume_ranks > 0 && (o.switch_step < 1 || o.switch_step >= o.steps))
     fail("--switch-step must be in [1, --steps)");
   if (o.dtype != "bf16" && o.dtype != "fp32") fail("--dtype must be bf16 or fp32");
+  if (o.lora < 0 || o.lora > 4096) fail("--lora takes a rank in [1, 4096]");
+  if (o.lora > 0) {
+    if (o.lora_alpha < 0) o.lora_alpha = o.lora;
+    if (o.base.empty())
+      fail("--lora needs --base DIR: the base model's weights, as `train_gpt --export DIR` writes them "
+           "(README, 'Fine-tuning')");
+  } else if (!o.base.empty()) {
+    fail("--base is the frozen model of --lora R; give --lora too");
+  }
   return o;
 }
 
@@ -627,6 +692,95 @@ int main_bench(const Options& o) {
   return 0;
 }
 
+// Adapter params of --lora over all blocks.
+size_t adapter_count(const Options& o) {
+  size_t n = 0;
+  for (const gpt::UnitSpec& u : gpt::lora_units(o.shape, o.lora))
+    for (const gpt::ParamSpec& p : u.params) n += p.numel();
+  return n;
+}
+
+// --lora R --base DIR: the base frozen, the adapters trained for --steps on
+// --ranks thread-ranks; then one step of full fine-tuning of the same model
+// at the same world, for the memory it takes, printed beside.
+int main_lora(const Options& o, const gpt::Corpus& corpus, double unigram) {
+  const size_t base_n = gpt::param_count(o.shape), adapters_n = adapter_count(o);
+  std::printf("%s\n", fsdp_build_info());
+  std::printf("GPT: %d layers, width %d, %d heads, context %d: %zu params, frozen, loaded from %s\n",
+              o.shape.layers, o.shape.width, o.shape.heads, o.shape.context, base_n, o.base.c_str());
+  std::printf(
+      "LoRA: rank %d, alpha %g (scale %g) on attn.qkv, attn.proj, mlp.fc and mlp.fc2 of every block: %zu adapter "
+      "params (%.2f%% of the base), one unit per block\n",
+      o.lora, o.lora_alpha, o.lora_alpha / o.lora, adapters_n, 100.0 * static_cast<double>(adapters_n) / base_n);
+  std::printf("text: %s (%zu train / %zu validation bytes); unigram baseline (validation): %.4f nats/byte\n",
+              o.text.c_str(), corpus.train.size(), corpus.val.size(), unigram);
+  std::printf("training: %d ranks, %s, param_dtype %s, AdamW on the adapters alone, lr %.2g, clip %.1f\n\n", o.ranks,
+              o.sharding.c_str(), o.dtype.c_str(), o.lr, o.max_grad_norm);
+  PhaseResult lora, full;
+  measure_unsharded(o, lora);
+  Phase pl;
+  pl.world = o.ranks;
+  pl.last_step = o.steps;
+  pl.base = o.base;
+  pl.lora = true;
+  pl.export_dir = o.export_dir;
+  pl.want_params = o.sample_chars > 0;
+  run_phase(o, corpus, pl, o.steps, lora);
+  Phase pf;  // full fine-tuning, one step: its memory
+  pf.world = o.ranks;
+  pf.last_step = 1;
+  pf.base = o.base;
+  pf.report = false;
+  run_phase(o, corpus, pf, 1, full);
+  const double mib = 1024.0 * 1024.0;
+  std::printf(
+      "\nper-rank MiB held by libfsdp, LoRA beside full fine-tuning of the same model on %d ranks (params = fp32\n"
+      "master shard and its %s copy; grads = fp32 grad shards; optim = AdamW m, v; total-peak = the most at once)\n",
+      o.ranks, o.dtype.c_str());
+  std::printf("  %-16s %8s %8s %8s %11s\n", "", "params", "grads", "optim", "total-peak");
+  const std::string lora_name = "LoRA r=" + std::to_string(o.lora);
+  for (const auto& [name, r] : {std::pair<const char*, const PhaseResult*>{lora_name.c_str(), &lora}, {"full FT", &full}})
+    for (size_t k = 0; k < r->memory.size(); ++k)
+      std::printf("  %-9s rank %-2zu %8.3f %8.3f %8.3f %11.3f\n", k == 0 ? name : "", k, r->memory[k].params / mib,
+                  r->memory[k].grads / mib, r->memory[k].optim / mib, r->memory[k].total_peak / mib);
+  std::printf(
+      "  the frozen base keeps no grads and no optimizer state: LoRA's grads and optim are the %zu adapter params'\n"
+      "  shards (%.3f MiB of fp32 grads over all ranks, against %.3f MiB for full fine-tuning)\n",
+      adapters_n, [&] {
+        double s = 0;
+        for (const Memory& m : lora.memory) s += m.grads;
+        return s / mib;
+      }(),
+      [&] {
+        double s = 0;
+        for (const Memory& m : full.memory) s += m.grads;
+        return s / mib;
+      }());
+  const double start = lora.val_at_start, end = lora.lines.back().val_loss;
+  std::printf("\nvalidation loss %.4f nats/byte, from the base's %.4f (unigram baseline %.4f)\n", end, start, unigram);
+  if (!o.export_dir.empty())
+    std::printf("exported the base and its adapters (safetensors) to %s\n", o.export_dir.c_str());
+  if (o.sample_chars > 0)
+    std::printf("\nsample (temperature 0.8):\n%s\n",
+                sample_text(o, lora.final_params, "Alice ", o.sample_chars, true).c_str());
+  if (o.check) {
+    if (!(end < start))
+      fail("check: LoRA did not lower the validation loss (" + std::to_string(start) + " -> " + std::to_string(end) +
+           ")");
+    for (size_t k = 0; k < lora.memory.size(); ++k) {
+      const Memory& m = lora.memory[k];
+      // AdamW keeps two moments per trainable element, and the grads one:
+      // the base (frozen) must add to neither.
+      if (m.optim != 2 * m.grads || m.grads > full.memory[k].grads * (2.0 * adapters_n / base_n) + 4096)
+        fail("check: rank " + std::to_string(k) + " holds grads or optimizer state beyond the adapters' (grads " +
+             std::to_string(m.grads) + " B, optim " + std::to_string(m.optim) + " B; full fine-tuning " +
+             std::to_string(full.memory[k].grads) + " B)");
+    }
+    std::printf("\ncheck passed\n");
+  }
+  return 0;
+}
+
 int main_launched(const Options& o, const gpt::Corpus& corpus) {  // one rank of an mpirun job
   Phase ph;
   ph.world = 0;
@@ -634,6 +788,9 @@ int main_launched(const Options& o, const gpt::Corpus& corpus) {  // one rank of
   ph.last_step = ph.first_step + o.steps;
   ph.resume = o.resume;
   ph.save = o.save;
+  ph.export_dir = o.export_dir;
+  ph.base = o.base;
+  ph.lora = o.lora > 0;
   ph.want_params = o.sample_chars > 0;
   PhaseResult res;
   if (launcher_rank() == 0) {
@@ -649,7 +806,7 @@ int main_launched(const Options& o, const gpt::Corpus& corpus) {  // one rank of
     fail("check: the loss did not fall (" + std::to_string(res.step_losses.front()) + " -> " +
          std::to_string(res.step_losses.back()) + ")");
   if (o.sample_chars > 0)
-    std::printf("\nsample:\n%s\n", sample_text(o, res.final_params, "Alice ", o.sample_chars).c_str());
+    std::printf("\nsample:\n%s\n", sample_text(o, res.final_params, "Alice ", o.sample_chars, o.lora > 0).c_str());
   return 0;
 }
 
@@ -670,6 +827,7 @@ int main(int argc, char** argv) {
     if (launched > 1) return main_launched(o, corpus);
 
     const double unigram = gpt::unigram_loss(corpus.train, corpus.val);
+    if (o.lora > 0) return main_lora(o, corpus, unigram);
     bool temp_ckpt = false;
     std::string ckpt = o.ckpt;
     if (ckpt.empty()) {
@@ -706,6 +864,7 @@ int main(int argc, char** argv) {
     pa.save = ckpt;
     pa.trace = o.trace.empty() && o.plot.empty() ? "" : (o.trace.empty() ? o.plot + "/trace.json" : o.trace);
     pa.want_params = !two_phases && o.sample_chars > 0;
+    if (!two_phases) pa.export_dir = o.export_dir;
     if (!o.plot.empty()) std::filesystem::create_directories(o.plot);
     std::printf("== %d ranks, steps 1-%lld\n", o.ranks, static_cast<long long>(first_end));
     run_phase(o, corpus, pa, o.steps, a);
@@ -721,6 +880,7 @@ int main(int argc, char** argv) {
       pb.first_step = first_end;
       pb.last_step = o.steps;
       pb.resume = ckpt;
+      pb.export_dir = o.export_dir;
       pb.want_params = o.sample_chars > 0;
       std::printf("\n== %d ranks, resumed from the checkpoint, steps %lld-%d\n", o.resume_ranks,
                   static_cast<long long>(first_end + 1), o.steps);
@@ -729,6 +889,8 @@ int main(int argc, char** argv) {
       last = &b;
     }
     if (temp_ckpt) std::filesystem::remove_all(ckpt);
+    if (!o.export_dir.empty())
+      std::printf("\nexported the trained params (safetensors, the base of --lora) to %s\n", o.export_dir.c_str());
     const double final_val = last->lines.back().val_loss;
     std::printf("\nvalidation loss %.4f nats/byte against the unigram baseline's %.4f (%.0f%% of it)\n", final_val,
                 unigram, 100.0 * final_val / unigram);

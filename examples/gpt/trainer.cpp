@@ -11,8 +11,12 @@
 namespace gpt {
 
 std::unique_ptr<Trainer> make_trainer(fsdp_ctx_t* ctx, const std::string& device, const Shape& shape, int batch,
-                                      bool recompute, uint64_t seed) {
-  if (device.rfind("cuda", 0) != 0) return std::make_unique<FsdpGpt>(ctx, shape, batch, recompute, seed);
+                                      bool recompute, uint64_t seed, Lora lora) {
+  if (device.rfind("cuda", 0) != 0) return std::make_unique<FsdpGpt>(ctx, shape, batch, recompute, seed, lora);
+  if (lora.on())
+    throw std::runtime_error("device " + device +
+                             ": the GPU GPT has no LoRA adapters (its kernels are the base model's); run --lora on "
+                             "the CPU model (--device cpu)");
   const size_t colon = device.find(':');
   const int ordinal = colon == std::string::npos ? 0 : std::atoi(device.c_str() + colon + 1);
 #ifdef FSDP_GPT_CUDA
