@@ -208,7 +208,31 @@ FSDP_API fsdp_status_t fsdp_param_set_weight_decay(fsdp_unit_t* unit, size_t par
 FSDP_API fsdp_status_t fsdp_unit_set_trainable(fsdp_ctx_t* ctx, fsdp_unit_t* unit, int trainable);
 /* 1 if the unit is trainable, 0 if it is frozen. */
 FSDP_API fsdp_status_t fsdp_unit_trainable(const fsdp_unit_t* unit, int* trainable);
-/* optimizer=host: the host updates the shards itself. fsdp_step_begin does
+/* Freezes (0) or unfreezes (1) one param inside a unit, the others as they
+ * are: a unit that mixes frozen and trainable params lays them out in two
+ * blocks, the trainable params first, each block padded and sharded on its
+ * own. A frozen param then has no grad storage and no optimizer state, and
+ * no bytes in the reduce-scatter or all-reduce, which covers the trainable
+ * block alone (the front of the grads' buffer: no copy); the gather takes
+ * one collective per block. The call lays the unit out again: its params
+ * keep their values (gathered through host memory, one unit's full fp32
+ * params), the params that stay trainable keep their optimizer state and
+ * its age, and a param unfrozen now starts with fresh state whose Adam bias
+ * correction counts from its own next step. fsdp_grad_ptr and
+ * fsdp_gather_grad on a frozen param are FSDP_ERR_INVALID_STATE. With a
+ * frozen block, fsdp_shard_info's shard is this rank's slice of the
+ * trainable block, then of the frozen block, and its offset is that of the
+ * first slice; fsdp_shard_tensors hands out the first slice. Collective and
+ * between steps, as fsdp_unit_set_trainable. Params are trainable when
+ * registered. */
+FSDP_API fsdp_status_t fsdp_param_set_trainable(fsdp_ctx_t* ctx, fsdp_unit_t* unit, size_t param_index,
+                                                int trainable);
+/* 1 if the param is trainable (in its unit's layout), 0 if it is frozen. A
+ * frozen unit's params keep their own choice, for when it is unfrozen. */
+FSDP_API fsdp_status_t fsdp_param_trainable(const fsdp_unit_t* unit, size_t param_index, int* trainable);
+/* optimizer=host: the host updates the shards itself (with params frozen
+ * inside a unit: the front `numel` elements of the master, the trainable
+ * block's slice, which the grads and states cover). fsdp_step_begin does
  * what fsdp_step does before its update: every reduction done, the global
  * grad norm (fsdp_last_grad_norm), the loss scaler's verdict and clipping.
  * `*update` is 0 for a step skipped for inf/nan grads (they are zeroed: the
@@ -223,8 +247,8 @@ FSDP_API fsdp_status_t fsdp_unit_trainable(const fsdp_unit_t* unit, int* trainab
  * follow, zeroes the grads, and counts the step (fsdp_ctx_step: during the
  * update it gives the steps before this one). Between the two only
  * fsdp_shard_tensors, fsdp_shard_info, fsdp_param_flat_range, fsdp_ctx_step,
- * fsdp_last_grad_norm, fsdp_memory_stats, fsdp_comm_stats and fsdp_unit_trainable may be
- * called (else FSDP_ERR_INVALID_STATE). Collective. With another optimizer
+ * fsdp_last_grad_norm, fsdp_memory_stats, fsdp_comm_stats, fsdp_unit_trainable and
+ * fsdp_param_trainable may be called (else FSDP_ERR_INVALID_STATE). Collective. With another optimizer
  * fsdp_step_begin is FSDP_ERR_INVALID_STATE, and with optimizer=host so is
  * fsdp_step. */
 FSDP_API fsdp_status_t fsdp_step_begin(fsdp_ctx_t* ctx, void* stream, int* update, float* grad_scale);

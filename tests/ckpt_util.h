@@ -89,7 +89,7 @@ inline void set_state(Job& job, const State& s) {
 // Steps [s0, s1): loss = the mean over the step's rows of 0.5 * |p - target|^2,
 // each rank taking the mean over its share of the rows (grads are averaged
 // over the ranks, as with PyTorch). The grads are computed by job.host; a
-// frozen unit's are not (it has none).
+// frozen unit's or param's are not (it has none).
 inline void train(Job& job, const Net& net, int s0, int s1, int world, int rank) {
   const int rows = kRows / world;
   fsdp_dtype_t dt = FSDP_DTYPE_FP32;
@@ -105,6 +105,9 @@ inline void train(Job& job, const Net& net, int s0, int s1, int world, int rank)
       int trainable = 1;
       ASSERT_OK(fsdp_unit_trainable(job.units[k], &trainable));
       for (size_t i = 0; trainable == 1 && i < net.units[k].size(); ++i) {  // a frozen unit has no grads
+        int param_trainable = 1;  // nor has a frozen param
+        ASSERT_OK(fsdp_param_trainable(job.units[k], i, &param_trainable));
+        if (param_trainable == 0) continue;
         void* pp = nullptr;
         void* gp = nullptr;
         ASSERT_OK(fsdp_param_ptr(job.units[k], i, &pp));

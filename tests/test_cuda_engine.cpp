@@ -118,7 +118,12 @@ void train_rank(const std::map<std::string, std::string>& opts, bool gpu, fsdp_l
   CHECK_OK(fsdp_config_create(&cfg));
   std::map<std::string, std::string> all = opts;
   if (!gpu || all.count("device") == 0) all["device"] = gpu ? "cuda:0" : "cpu";
-  all["optimizer"] = "adamw";
+  // test_host_sgd=1: optimizer=host, the test's SGD with momentum run on the
+  // host over copies of the shards fsdp_shard_tensors hands out.
+  const bool host_sgd = all.count("test_host_sgd") != 0;
+  all.erase("test_host_sgd");
+  all["optimizer"] = host_sgd ? "host" : "adamw";
+  if (host_sgd) all["host_state"] = "1";
   all["lr"] = "0.01";
   all["weight_decay"] = "0.01";
   for (const auto& kv : all) CHECK_OK(fsdp_config_set(cfg, kv.first.c_str(), kv.second.c_str()));
@@ -184,7 +189,29 @@ void train_rank(const std::map<std::string, std::string>& opts, bool gpu, fsdp_l
       CHECK_OK(fsdp_backward_end(units[k], nullptr));
       dh = dprev;
     }
-    CHECK_OK(fsdp_step(ctx, nullptr));
+    if (!host_sgd) {
+      CHECK_OK(fsdp_step(ctx, nullptr));
+      continue;
+    }
+    int update = 0;
+    float scale = 0.0f;
+    CHECK_OK(fsdp_step_begin(ctx, nullptr, &update, &scale));
+    for (int k = 0; update == 1 && k < kUnits; ++k) {
+      float *p = nullptr, *g = nullptr, *m = nullptr;
+      size_t n = 0;
+      CHECK_OK(fsdp_shard_tensors(ctx, units[k], &p, &g, &m, 1, &n));
+      std::vector<float> hp(n), hg(n), hm(n);
+      to_host(hp.data(), p, n * 4, gpu);
+      to_host(hg.data(), g, n * 4, gpu);
+      to_host(hm.data(), m, n * 4, gpu);
+      for (size_t i = 0; i < n; ++i) {
+        hm[i] = 0.9f * hm[i] + hg[i] * scale;
+        hp[i] -= 0.01f * hm[i];
+      }
+      from_host(p, hp.data(), n * 4, gpu);
+      from_host(m, hm.data(), n * 4, gpu);
+    }
+    CHECK_OK(fsdp_step_end(ctx, nullptr));
   }
   out->params.assign(kUnits, std::vector<float>(kDim * kDim));
   for (int k = 0; k < kUnits; ++k) {
@@ -246,6 +273,21 @@ TEST(CudaEngine, TrainsBitwiseLikeTheCpuDevice) {
       SCOPED_TRACE(std::string(sharding) + " " + dtype);
       std::map<std::string, std::string> opts = {{"sharding", sharding}, {"param_dtype", dtype}};
       expect_gpu_trains_like_cpu(opts, 1);
+      if (::testing::Test::HasFatalFailure()) return;
+    }
+  }
+}
+
+// optimizer=host on a GPU: fsdp_step_begin, fsdp_shard_tensors handing out
+// the device's shards (here copied to the host and back with cudaMemcpy, on
+// the legacy default stream the NULL stream means), fsdp_step_end making the
+// bf16 copies follow and zeroing the grads: the same bits as on the CPU.
+TEST(CudaEngine, AHostOptimizerTrainsBitwiseLikeOnTheCpu) {
+  SKIP_WITHOUT_GPU();
+  for (const char* dtype : {"fp32", "bf16"}) {
+    for (int world : {1, 2}) {
+      SCOPED_TRACE(std::string(dtype) + " world " + std::to_string(world));
+      expect_gpu_trains_like_cpu({{"sharding", "FULL_SHARD"}, {"param_dtype", dtype}, {"test_host_sgd", "1"}}, world);
       if (::testing::Test::HasFatalFailure()) return;
     }
   }

@@ -169,7 +169,9 @@ struct RefOptions {
   double weight_decay = 0.01;                   // "*bias" params get 0
   double max_grad_norm = 0;
   unsigned frozen = 0;  // bit u: unit u frozen (requires_grad False): no grad, no state, no update
-  int unfreeze_at = -1;  // the step (1-based) from which the frozen units train, with fresh state
+  // Params (unit, index) frozen inside trainable units, the same way.
+  std::vector<std::pair<size_t, size_t>> frozen_params;
+  int unfreeze_at = -1;  // the step (1-based) from which the frozen units and params train, with fresh state
   // Param groups: (glob, lr scale, beta1, beta2, weight decay; < 0: unchanged), later ones win.
   struct Group {
     std::string glob;
@@ -178,8 +180,11 @@ struct RefOptions {
   std::vector<Group> groups;
 };
 
-bool frozen_at(const RefOptions& o, size_t u, int step) {
-  return (o.frozen >> u & 1u) != 0 && (o.unfreeze_at < 0 || step < o.unfreeze_at);
+bool frozen_at(const RefOptions& o, size_t u, size_t i, int step) {
+  const bool listed = (o.frozen >> u & 1u) != 0 ||
+                      std::find(o.frozen_params.begin(), o.frozen_params.end(), std::make_pair(u, i)) !=
+                          o.frozen_params.end();
+  return listed && (o.unfreeze_at < 0 || step < o.unfreeze_at);
 }
 
 struct RefResult {
@@ -260,20 +265,23 @@ RefResult reference_train(const Model& m, const Params& init, const Data& d, con
   for (auto* s : {&mom, &var})
     for (auto& unit : *s)
       for (auto& t : unit) std::fill(t.begin(), t.end(), 0.f);
-  std::vector<int> t(m.n_units(), 0);  // each unit's AdamW steps (PyTorch's per-param step count)
+  std::vector<std::vector<int>> t(m.n_units());  // each param's AdamW steps (PyTorch's per-param step count)
+  for (size_t u = 0; u < m.n_units(); ++u) t[u].assign(init[u].size(), 0);
   for (int step = 1; step <= kSteps; ++step) {
     Params g = step_grads(m, rounded(res.params, o.dtype), d, o);
     // A frozen param has no grad: it is not in the norm, and not updated.
     for (size_t u = 0; u < m.n_units(); ++u) {
-      if (frozen_at(o, u, step)) g[u].clear();
+      for (size_t i = 0; i < g[u].size(); ++i) {
+        if (frozen_at(o, u, i, step)) g[u][i].clear();
+      }
     }
     bool clipped = false;
     res.norms.push_back(clip_grads(g, o.max_grad_norm, &clipped));
     res.clipped_steps += clipped ? 1 : 0;
     for (size_t u = 0; u < m.n_units(); ++u) {
-      if (g[u].empty()) continue;
-      ++t[u];
       for (size_t i = 0; i < g[u].size(); ++i) {
+        if (g[u][i].empty()) continue;
+        const int steps = ++t[u][i];
         Hyper h;
         double wd = is_bias(m, u, i) ? 0.0 : o.weight_decay;
         for (const RefOptions::Group& grp : o.groups) {
@@ -283,7 +291,7 @@ RefResult reference_train(const Model& m, const Params& init, const Data& d, con
           if (grp.beta2 >= 0) h.beta2 = grp.beta2;
           if (grp.weight_decay >= 0) wd = grp.weight_decay;
         }
-        adamw_update(res.params[u][i], mom[u][i], var[u][i], g[u][i], t[u], wd, h);
+        adamw_update(res.params[u][i], mom[u][i], var[u][i], g[u][i], steps, wd, h);
       }
     }
   }
@@ -325,6 +333,10 @@ struct Case {
   // unfrozen before step `unfreeze_at` (1-based; -1: never).
   unsigned frozen = 0;
   int unfreeze_at = -1;
+  // Params (unit, index) frozen with fsdp_param_set_trainable(0) after
+  // registration (their units mix frozen and trainable params), unfrozen
+  // before step `unfreeze_at` too.
+  std::vector<std::pair<size_t, size_t>> frozen_params;
   std::vector<RefOptions::Group> groups;  // fsdp_set_param_group after registration, in order
 };
 
@@ -350,13 +362,18 @@ struct LibResult {
 
 // Pointers to unit u's params (grads: `grads`), taken on the calling thread:
 // compute on a late host stream may run after the unit's state moved on.
-// A frozen unit has no grads: null pointers, and its backward adds none.
+// A frozen unit or param has no grads: null pointers, and its backward adds none.
 std::vector<void*> buffer_ptrs(fsdp_unit_t* unit, size_t n, bool grads) {
   std::vector<void*> out(n, nullptr);
   int trainable = 1;
   EXPECT_OK(fsdp_unit_trainable(unit, &trainable));
   if (grads && trainable == 0) return out;
-  for (size_t i = 0; i < n; ++i) EXPECT_OK(grads ? fsdp_grad_ptr(unit, i, &out[i]) : fsdp_param_ptr(unit, i, &out[i]));
+  for (size_t i = 0; i < n; ++i) {
+    int param_trainable = 1;
+    EXPECT_OK(fsdp_param_trainable(unit, i, &param_trainable));
+    if (grads && param_trainable == 0) continue;
+    EXPECT_OK(grads ? fsdp_grad_ptr(unit, i, &out[i]) : fsdp_param_ptr(unit, i, &out[i]));
+  }
   return out;
 }
 
@@ -503,6 +520,7 @@ LibResult lib_train(const Case& c, const Model& m, const Params& init, const Dat
     for (size_t u = 0; u < m.n_units(); ++u) {
       if (c.frozen >> u & 1u) ASSERT_OK(fsdp_unit_set_trainable(ctx.get(), units[u], 0));
     }
+    for (const auto& [u, i] : c.frozen_params) ASSERT_OK(fsdp_param_set_trainable(ctx.get(), units[u], i, 0));
     for (const RefOptions::Group& g : c.groups) {
       size_t matched = 0;
       ASSERT_OK(fsdp_set_param_group(ctx.get(), g.glob.c_str(), group_options(g).c_str(), &matched));
@@ -518,6 +536,7 @@ LibResult lib_train(const Case& c, const Model& m, const Params& init, const Dat
         for (size_t u = 0; u < m.n_units(); ++u) {
           if (c.frozen >> u & 1u) ASSERT_OK(fsdp_unit_set_trainable(ctx.get(), units[u], 1));
         }
+        for (const auto& [u, i] : c.frozen_params) ASSERT_OK(fsdp_param_set_trainable(ctx.get(), units[u], i, 1));
       }
       for (int k = 0; k < c.micro; ++k) {
         if (c.no_sync) {
@@ -622,6 +641,7 @@ void check_case(const Case& c) {
   o.weight_decay = c.weight_decay;
   o.max_grad_norm = c.max_grad_norm;
   o.frozen = c.frozen;
+  o.frozen_params = c.frozen_params;
   o.unfreeze_at = c.unfreeze_at;
   o.groups = c.groups;
   const RefResult ref = reference_train(m, init, d, o);
@@ -665,6 +685,17 @@ void check_case(const Case& c) {
     all.frozen = 0;
     EXPECT_GT(case_error(c, reference_train(m, init, d, all).params, ref.params, &where), 3 * c.tol)
         << "the tolerance is too loose to see frozen units trained";
+  }
+  if (!c.frozen_params.empty()) {
+    for (const auto& [u, i] : c.frozen_params) {
+      if (c.unfreeze_at < 0) {
+        EXPECT_EQ(lib.params_by_rank[0][u][i], init[u][i]) << "frozen param " << i << " of unit " << u << " changed";
+      }
+    }
+    RefOptions all = o;
+    all.frozen_params.clear();
+    EXPECT_GT(case_error(c, reference_train(m, init, d, all).params, ref.params, &where), 3 * c.tol)
+        << "the tolerance is too loose to see frozen params trained";
   }
   for (size_t k = 0; k < c.groups.size(); ++k) {
     // Each group's settings matter: without any one of them the reference is farther off than the tolerance.
@@ -938,6 +969,61 @@ std::vector<Case> variant_cases() {
   groups_offload.name = "ParamGroupsOffload";
   groups_offload.offload = true;
   add(groups_offload, 2, "FULL_SHARD");
+  // Frozen params inside trainable units (issue 27): layer 0's weight and
+  // layer 2's bias frozen, their units' other params trained; each unit
+  // lays its params out in a trainable and a frozen block.
+  Case fp;
+  fp.name = "FrozenParams";
+  fp.frozen_params = {{0, 0}, {2, 1}};
+  for (int w : {1, 2, 3, 4}) {
+    for (const char* sh : {"FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"}) add(fp, w, sh);
+  }
+  Case fp_hy = fp;
+  fp_hy.name = "FrozenParamsHybrid2x2";
+  fp_hy.shard_group_size = 2;
+  add(fp_hy, 4, "HYBRID_SHARD");
+  Case fp_clip = clip_accum;
+  fp_clip.name = "FrozenParamsClipGradAccumulation";
+  fp_clip.frozen_params = fp.frozen_params;
+  fp_clip.max_grad_norm = 0.01;
+  add(fp_clip, 3, "FULL_SHARD");
+  Case fp_no_sync = fp;
+  fp_no_sync.name = "FrozenParamsNoSync";
+  fp_no_sync.micro = 2;
+  fp_no_sync.no_sync = true;
+  add(fp_no_sync, 2, "FULL_SHARD");
+  Case fp_bwd = fp;
+  fp_bwd.name = "FrozenParamsBackwardOnly";
+  fp_bwd.backward_only = true;
+  add(fp_bwd, 2, "FULL_SHARD");
+  Case fp_offload = fp;
+  fp_offload.name = "FrozenParamsOffload";
+  fp_offload.offload = true;
+  for (int w : {1, 2}) add(fp_offload, w, "FULL_SHARD");
+  Case fp_late = fp;
+  fp_late.name = "FrozenParamsLateHostStream";
+  fp_late.host_stream_delay_us = 1000;
+  add(fp_late, 2, "FULL_SHARD");
+  Case fp_bf16 = bf16;
+  fp_bf16.name = "FrozenParamsBf16";
+  fp_bf16.frozen_params = fp.frozen_params;
+  add(fp_bf16, 1, "FULL_SHARD");
+  add(fp_bf16, 3, "FULL_SHARD");
+  Case fp_unfrozen = fp;
+  fp_unfrozen.name = "FrozenParamsUnfrozenAtStep8";
+  fp_unfrozen.unfreeze_at = 8;
+  // A param unfrozen at step 8 takes Adam steps from fresh state, ~lr times
+  // the sign of its grad per element: an element whose grad is near zero
+  // then turns fp32 rounding into up to 3e-5 of the tensor's largest value
+  // (the same element differs by as much between worlds 1, 2 and 3), so the
+  // whole model's relative distance is what this case bounds.
+  fp_unfrozen.model_metric = true;
+  for (int w : {1, 3}) add(fp_unfrozen, w, "FULL_SHARD");
+  add(fp_unfrozen, 2, "NO_SHARD");
+  Case fp_groups = groups;
+  fp_groups.name = "FrozenParamsParamGroups";
+  fp_groups.frozen_params = {{1, 0}};
+  add(fp_groups, 2, "FULL_SHARD");
   Case unfrozen = frozen;
   unfrozen.name = "UnfrozenAtStep8";
   unfrozen.unfreeze_at = 8;

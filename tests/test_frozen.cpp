@@ -35,6 +35,12 @@ void set_trainable(Job& job, size_t k, int trainable) {
   ASSERT_OK(fsdp_unit_set_trainable(job.ctx.get(), job.units[k], trainable));
 }
 
+void set_param_trainable(Job& job, size_t k, size_t i, int trainable) {
+  ASSERT_OK(fsdp_param_set_trainable(job.ctx.get(), job.units[k], i, trainable));
+}
+
+size_t round_up(size_t n, size_t m) { return (n + m - 1) / m * m; }
+
 fsdp_comm_stats_t comm_stats(fsdp_ctx_t* ctx) {
   fsdp_comm_stats_t c{};
   c.struct_size = sizeof c;
@@ -158,6 +164,109 @@ TEST(FrozenComm, AWorldOfOneCountsNothingAndMisuseIsRefused) {
   EXPECT_STATUS(FSDP_ERR_INVALID_ARGUMENT, fsdp_comm_stats_reset(nullptr));
 }
 
+// A param frozen inside a unit (fsdp_param_set_trainable): the unit keeps a
+// grad shard and optimizer state for its trainable block alone, whose size
+// is the trainable params' numel padded to world x align (align 16 bytes: 4
+// elements), split over the ranks; the reduce-scatter moves that block and
+// nothing of the frozen one; a step leaves the frozen param bitwise as it
+// was and trains the other; unfreezing brings back exactly what there was.
+TEST(FrozenParams, AFrozenParamHasNoGradsNoStateAndNoReductionBytes) {
+  for (int world : {1, 2, 3}) {
+    SCOPED_TRACE("world " + std::to_string(world));
+    run_ranks(world, [&](int rank, fsdp_local_group_t* group) {
+      auto opts = base_options("FULL_SHARD");
+      opts["align_bytes"] = "16";
+      Job job;
+      open_job(job, kNet, opts, rank, group);
+      if (HasFatalFailure()) return;
+      const State init = make_init(kNet, 5);
+      ASSERT_NO_FATAL_FAILURE(set_state(job, init));
+      const fsdp_memory_stats_t all = stats(job.ctx.get());
+      const size_t w = static_cast<size_t>(world), bias1 = numel_of(kNet.units[1][1].shape);
+      const size_t shard1 = shard_bytes(job.units[1]) / sizeof(float);
+      set_param_trainable(job, 1, 0, 0);  // unit 1's weight
+      int t = 1;
+      ASSERT_OK(fsdp_param_trainable(job.units[1], 0, &t));
+      EXPECT_EQ(t, 0);
+      ASSERT_OK(fsdp_param_trainable(job.units[1], 1, &t));
+      EXPECT_EQ(t, 1);
+      // Unit 1's grads and moments: its bias's block alone.
+      const size_t trainable1 = round_up(bias1, 4 * w) / w;
+      const fsdp_memory_stats_t m = stats(job.ctx.get());
+      EXPECT_EQ(m.sharded_grads_nbytes, all.sharded_grads_nbytes - (shard1 - trainable1) * sizeof(float));
+      EXPECT_EQ(m.optimizer_state_nbytes, all.optimizer_state_nbytes - 2 * (shard1 - trainable1) * sizeof(float));
+      // The values moved to the new layout unchanged.
+      EXPECT_TRUE(bitwise_equal(gather(job, kNet), init));
+      ASSERT_OK(fsdp_comm_stats_reset(job.ctx.get()));
+      ASSERT_NO_FATAL_FAILURE(train(job, kNet, 0, 2, world, rank));
+      const fsdp_comm_stats_t c = comm_stats(job.ctx.get());
+      if (world > 1) {
+        size_t padded = trainable1 * w;
+        for (size_t k : {size_t(0), size_t(2)}) padded += shard_bytes(job.units[k]) / sizeof(float) * w;
+        EXPECT_EQ(c.reduce_scatter_nbytes, 2 * padded * sizeof(float)) << "2 steps of the trainable blocks' fp32 grads";
+        EXPECT_EQ(c.reduce_scatter_calls, 2u * 3u);
+      } else {
+        EXPECT_EQ(c.reduce_scatter_nbytes, 0u);
+      }
+      const State after = gather(job, kNet);
+      EXPECT_TRUE(bitwise_equal(after[1][0], init[1][0])) << "a step changed the frozen weight";
+      EXPECT_FALSE(bitwise_equal(after[1][1], init[1][1])) << "the bias beside it did not train";
+      // Its grads are refused, its unit's other grads are not.
+      ASSERT_OK(fsdp_backward_begin(job.units[1], nullptr));
+      void* g = nullptr;
+      EXPECT_STATUS(FSDP_ERR_INVALID_STATE, fsdp_grad_ptr(job.units[1], 0, &g));
+      EXPECT_NE(last_error_str().find("is frozen (fsdp_param_set_trainable)"), std::string::npos) << last_error_str();
+      EXPECT_OK(fsdp_grad_ptr(job.units[1], 1, &g));
+      ASSERT_OK(fsdp_backward_end(job.units[1], nullptr));
+      std::vector<float> out(numel_of(kNet.units[1][0].shape));
+      EXPECT_STATUS(FSDP_ERR_INVALID_STATE, fsdp_gather_grad(job.units[1], 0, out.data(), out.size()));
+      ASSERT_OK(fsdp_step(job.ctx.get(), nullptr));
+      set_param_trainable(job, 1, 0, 1);
+      const fsdp_memory_stats_t back = stats(job.ctx.get());
+      EXPECT_EQ(back.sharded_grads_nbytes, all.sharded_grads_nbytes);
+      EXPECT_EQ(back.optimizer_state_nbytes, all.optimizer_state_nbytes);
+      EXPECT_EQ(back.sharded_params_nbytes, all.sharded_params_nbytes);
+    });
+  }
+}
+
+// Misuse of fsdp_param_set_trainable: refused on every rank, nothing changes.
+TEST(FrozenParams, MisuseIsRefusedOnEveryRankAndChangesNothing) {
+  run_ranks(2, [&](int rank, fsdp_local_group_t* group) {
+    Job job;
+    open_job(job, kNet, base_options("FULL_SHARD"), rank, group);
+    if (HasFatalFailure()) return;
+    fsdp_ctx_t* ctx = job.ctx.get();
+    auto trainable = [&](size_t k, size_t i) {
+      int t = -1;
+      EXPECT_OK(fsdp_param_trainable(job.units[k], i, &t));
+      return t;
+    };
+    EXPECT_STATUS(FSDP_ERR_INVALID_ARGUMENT, fsdp_param_set_trainable(nullptr, job.units[0], 0, 0));
+    EXPECT_STATUS(FSDP_ERR_INVALID_ARGUMENT, fsdp_param_set_trainable(ctx, nullptr, 0, 0));
+    EXPECT_STATUS(FSDP_ERR_INVALID_ARGUMENT, fsdp_param_set_trainable(ctx, job.units[0], 2, 0));
+    EXPECT_NE(last_error_str().find("out of range"), std::string::npos) << last_error_str();
+    EXPECT_STATUS(FSDP_ERR_INVALID_ARGUMENT, fsdp_param_set_trainable(ctx, job.units[0], 0, 7));
+    EXPECT_STATUS(FSDP_ERR_INVALID_ARGUMENT, fsdp_param_trainable(job.units[0], 0, nullptr));
+    int t = 0;
+    EXPECT_STATUS(FSDP_ERR_INVALID_ARGUMENT, fsdp_param_trainable(job.units[0], 5, &t));
+    // Ranks that disagree (rank 0 freezes param 0, rank 1 param 1).
+    EXPECT_STATUS(FSDP_ERR_MISMATCH, fsdp_param_set_trainable(ctx, job.units[0], size_t(rank), 0));
+    EXPECT_NE(last_error_str().find("fsdp_param_set_trainable"), std::string::npos) << last_error_str();
+    // Mid-step: a unit in use, then grads not yet stepped.
+    ASSERT_OK(fsdp_forward_begin(job.units[0], nullptr));
+    EXPECT_STATUS(FSDP_ERR_INVALID_STATE, fsdp_param_set_trainable(ctx, job.units[1], 0, 0));
+    ASSERT_OK(fsdp_forward_end(job.units[0], nullptr));
+    ASSERT_OK(fsdp_backward_begin(job.units[0], nullptr));
+    ASSERT_OK(fsdp_backward_end(job.units[0], nullptr));
+    EXPECT_STATUS(FSDP_ERR_INVALID_STATE, fsdp_param_set_trainable(ctx, job.units[0], 0, 0));
+    EXPECT_NE(last_error_str().find("after fsdp_step"), std::string::npos) << last_error_str();
+    for (size_t k = 0; k < 3; ++k)
+      for (size_t i = 0; i < 2; ++i) EXPECT_EQ(trainable(k, i), 1) << "unit " << k << " param " << i;
+    ASSERT_OK(fsdp_step(ctx, nullptr));
+  });
+}
+
 // Misuse: nothing changes, every rank fails.
 TEST(FrozenMisuse, IsRefusedOnEveryRankAndChangesNothing) {
   run_ranks(2, [&](int rank, fsdp_local_group_t* group) {
@@ -271,3 +380,88 @@ TEST_P(FrozenCheckpoint, RecordsTheChoiceAndResumesBitwise) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Kinds, FrozenCheckpoint, ::testing::Values("sharded", "full"));
+
+// Params frozen inside units: unit 0's weight frozen throughout, unit 2's
+// bias frozen for steps [0, 3) and unfrozen then (its moments are 3 steps
+// younger than the rest of its unit's); a save at step 6. Loaded with the
+// same choice, the end is bitwise that of training on; loaded with unit 0's
+// weight unfrozen, bitwise that of a run that unfroze it at step 6 (fresh
+// state). The checkpoint records the frozen param, the two-block layout and
+// the younger param's age, and a world of 3 loads the world of 4's params
+// and moments exactly (a full save from each holds the same bytes).
+class FrozenParamCheckpoint : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(FrozenParamCheckpoint, RecordsTheChoiceAndResumesBitwise) {
+  const std::string kind = GetParam();
+  TempDir tmp;
+  const std::string dir = tmp / "ck", full4 = tmp / "full4", full3 = tmp / "full3";
+  State end_frozen, end_unfrozen;
+  for (bool unfreeze : {false, true}) {
+    run_ranks(4, [&](int rank, fsdp_local_group_t* group) {
+      Job job;
+      open_job(job, kNet, base_options("FULL_SHARD"), rank, group);
+      if (HasFatalFailure()) return;
+      ASSERT_NO_FATAL_FAILURE(set_state(job, make_init(kNet, 7)));
+      set_param_trainable(job, 0, 0, 0);
+      set_param_trainable(job, 2, 1, 0);
+      ASSERT_NO_FATAL_FAILURE(train(job, kNet, 0, 3, 4, rank));
+      set_param_trainable(job, 2, 1, 1);
+      ASSERT_NO_FATAL_FAILURE(train(job, kNet, 3, 6, 4, rank));
+      if (!unfreeze) {
+        ASSERT_OK(fsdp_save(job.ctx.get(), dir.c_str(), kind.c_str()));
+        ASSERT_OK(fsdp_save(job.ctx.get(), full4.c_str(), "full"));
+      }
+      if (unfreeze) set_param_trainable(job, 0, 0, 1);
+      ASSERT_NO_FATAL_FAILURE(train(job, kNet, 6, 12, 4, rank));
+      State end = gather(job, kNet);
+      if (rank == 0) (unfreeze ? end_unfrozen : end_frozen) = end;
+    });
+  }
+  nlohmann::json meta = nlohmann::json::parse(read_file(dir + "/fsdp_checkpoint.json"));
+  EXPECT_EQ(meta["units"][0]["params"][0].value("trainable", true), false);
+  EXPECT_FALSE(meta["units"][0]["params"][1].contains("trainable"));
+  EXPECT_EQ(meta["units"][2]["params"][1].value("state_fresh_at", -1), 3);
+  EXPECT_FALSE(meta["units"][2]["params"][0].contains("state_fresh_at"));
+  if (kind == "sharded") {
+    EXPECT_TRUE(meta["units"][0].contains("trainable_numel"));
+    EXPECT_FALSE(meta["units"][1].contains("trainable_numel"));
+  } else {
+    auto t = read_safetensors(dir + "/optimizer.safetensors");
+    EXPECT_EQ(t.count("blocks.0.weight.exp_avg"), 0u);
+    EXPECT_EQ(t.count("blocks.0.bias.exp_avg"), 1u);
+  }
+  for (bool unfreeze : {false, true}) {
+    SCOPED_TRACE(unfreeze ? "loaded with the weight unfrozen" : "loaded with the same choice");
+    std::vector<State> got(4);
+    run_ranks(4, [&](int rank, fsdp_local_group_t* group) {
+      Job job;
+      open_job(job, kNet, base_options("FULL_SHARD"), rank, group);
+      if (HasFatalFailure()) return;
+      if (!unfreeze) set_param_trainable(job, 0, 0, 0);
+      ASSERT_OK(fsdp_load(job.ctx.get(), dir.c_str()));
+      ASSERT_NO_FATAL_FAILURE(train(job, kNet, 6, 12, 4, rank));
+      got[size_t(rank)] = gather(job, kNet);
+    });
+    EXPECT_TRUE(bitwise_equal(got[0], unfreeze ? end_unfrozen : end_frozen));
+  }
+  EXPECT_FALSE(bitwise_equal(end_frozen, end_unfrozen)) << "unfreezing the weight made no difference";
+  // Another world: the same params and moments, through the other layout.
+  run_ranks(3, [&](int rank, fsdp_local_group_t* group) {
+    Job job;
+    open_job(job, kNet, base_options("FULL_SHARD"), rank, group);
+    if (HasFatalFailure()) return;
+    set_param_trainable(job, 0, 0, 0);
+    ASSERT_OK(fsdp_load(job.ctx.get(), dir.c_str()));
+    ASSERT_OK(fsdp_save(job.ctx.get(), full3.c_str(), "full"));
+  });
+  for (const char* f : {"/model.safetensors", "/optimizer.safetensors"}) {
+    auto a = read_safetensors(full4 + f), b = read_safetensors(full3 + f);
+    ASSERT_EQ(a.size(), b.size()) << f;
+    for (const auto& [name, t] : a) {
+      ASSERT_EQ(b.count(name), 1u) << name;
+      EXPECT_TRUE(bitwise_equal(t.values, b.at(name).values)) << name;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Kinds, FrozenParamCheckpoint, ::testing::Values("sharded", "full"));

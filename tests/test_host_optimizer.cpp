@@ -4,6 +4,7 @@
 // SGD with momentum under max_grad_norm (so grad_scale matters), each against
 // a single-process reference on the whole batch; the state checkpoints and
 // resumes bitwise; misuse is refused.
+#include <algorithm>
 #include <cmath>
 #include <string>
 #include <vector>
@@ -50,6 +51,9 @@ void train_host(Job& job, Kind kind, int s0, int s1, int world, int rank) {
       int trainable = 1;
       ASSERT_OK(fsdp_unit_trainable(job.units[k], &trainable));
       for (size_t i = 0; trainable == 1 && i < kNet.units[k].size(); ++i) {
+        int param_trainable = 1;  // a param frozen inside its unit has no grads
+        ASSERT_OK(fsdp_param_trainable(job.units[k], i, &param_trainable));
+        if (param_trainable == 0) continue;
         void *pp = nullptr, *gp = nullptr;
         ASSERT_OK(fsdp_param_ptr(job.units[k], i, &pp));
         ASSERT_OK(fsdp_grad_ptr(job.units[k], i, &gp));
@@ -86,8 +90,9 @@ void train_host(Job& job, Kind kind, int s0, int s1, int world, int rank) {
 }
 
 // The same on one process and the whole batch, with the clipping of
-// torch.nn.utils.clip_grad_norm_ for SGD.
-State reference(Kind kind, const State& init) {
+// torch.nn.utils.clip_grad_norm_ for SGD; `frozen` params (unit, index) get
+// no grad: out of the norm, never updated.
+State reference(Kind kind, const State& init, const std::vector<std::pair<size_t, size_t>>& frozen = {}) {
   State p = init, m = init;
   for (auto& u : m)
     for (auto& t : u) std::fill(t.begin(), t.end(), 0.0f);
@@ -99,6 +104,7 @@ State reference(Kind kind, const State& init) {
         for (size_t e = 0; e < p[k][i].size(); ++e) {
           float acc = 0;
           for (int b = 0; b < kRows; ++b) acc += (p[k][i][e] - target(s, b, k, i, e)) / float(kRows);
+          if (std::find(frozen.begin(), frozen.end(), std::make_pair(k, i)) != frozen.end()) acc = 0;
           g[k][i][e] = acc;
           sq += double(acc) * acc;
         }
@@ -107,6 +113,7 @@ State reference(Kind kind, const State& init) {
     for (size_t k = 0; k < p.size(); ++k)
       for (size_t i = 0; i < p[k].size(); ++i)
         for (size_t e = 0; e < p[k][i].size(); ++e) {
+          if (std::find(frozen.begin(), frozen.end(), std::make_pair(k, i)) != frozen.end()) continue;
           if (kind == Kind::kLion) {
             lion(p[k][i][e], g[k][i][e] * scale, m[k][i][e]);
           } else {
@@ -174,6 +181,33 @@ INSTANTIATE_TEST_SUITE_P(LionAndSgd, HostOptimizer,
                            return std::string(std::get<0>(i.param) == 0 ? "Lion" : "SgdMomentum") + "_world" +
                                   std::to_string(std::get<1>(i.param));
                          });
+
+// A param frozen inside its unit: fsdp_shard_tensors hands out the unit's
+// trainable block alone (the front of the master, which the grads and the
+// state cover), so the host's SGD with momentum leaves the frozen weight
+// bitwise as it was and trains its unit's bias as the reference does.
+TEST(HostOptimizerFrozenParam, UpdatesTheTrainableBlockAlone) {
+  const std::vector<std::pair<size_t, size_t>> frozen = {{1, 0}};
+  const State init = make_init(kNet, 21);
+  const State want = reference(Kind::kSgdMomentum, init, frozen);
+  for (int world : {1, 3}) {
+    std::vector<State> got(static_cast<size_t>(world));
+    run_ranks(world, [&](int rank, fsdp_local_group_t* group) {
+      Job job;
+      open_job(job, kNet, options(Kind::kSgdMomentum), rank, group);
+      if (HasFatalFailure()) return;
+      ASSERT_NO_FATAL_FAILURE(set_state(job, init));
+      ASSERT_OK(fsdp_param_set_trainable(job.ctx.get(), job.units[1], 0, 0));
+      ASSERT_NO_FATAL_FAILURE(train_host(job, Kind::kSgdMomentum, 0, kSteps, world, rank));
+      got[size_t(rank)] = gather(job, kNet);
+    });
+    EXPECT_TRUE(bitwise_equal(got[0][1][0], init[1][0])) << "world " << world << ": the frozen weight changed";
+    for (size_t k = 0; k < want.size(); ++k)
+      for (size_t i = 0; i < want[k].size(); ++i)
+        EXPECT_LE(rel_max_diff(got[0][k][i], want[k][i]), 1e-5) << "world " << world << " unit " << k << " param " << i;
+  }
+  EXPECT_GT(rel_max_diff(init[1][1], want[1][1]), 1e-3) << "the bias beside the frozen weight must train";
+}
 
 // The host's state buffer is checkpointed ("host0") and resumes bitwise.
 TEST(HostOptimizerCheckpoint, ResumesBitwise) {

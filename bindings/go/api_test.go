@@ -750,6 +750,84 @@ func TestFrozenUnit(t *testing.T) {
 	}
 }
 
+// A param frozen inside its unit (SetParamTrainable(0, false)) hands out no
+// grads and keeps its values through a step; the param beside it in the
+// same unit trains as SGD says, and only its bytes are reduced.
+func TestFrozenParam(t *testing.T) {
+	const n = 8
+	err := RunRanks(2, func(rank int, g *Group) error {
+		ctx, err := newRankContext(g, rank, map[string]string{"optimizer": "sgd", "lr": "1", "weight_decay": "0"})
+		if err != nil {
+			return err
+		}
+		defer ctx.Close()
+		u, err := ctx.RegisterUnit("u", []Param{{Name: "w", Shape: []int64{n}}, {Name: "b", Shape: []int64{n}}})
+		if err != nil {
+			return err
+		}
+		ones := make([]float32, n)
+		for i := range ones {
+			ones[i] = 1
+		}
+		for i := 0; i < 2; i++ {
+			if err := u.SetValues(i, ones); err != nil {
+				return err
+			}
+		}
+		if err := u.SetParamTrainable(0, false); err != nil {
+			return err
+		}
+		if tr, err := u.ParamTrainable(0); err != nil || tr {
+			return fmt.Errorf("ParamTrainable(0) = %v, %v after SetParamTrainable(0, false)", tr, err)
+		}
+		if err := ctx.ResetCommStats(); err != nil {
+			return err
+		}
+		if err := u.BackwardBegin(); err != nil {
+			return err
+		}
+		if _, err := u.Grad(0); !errors.Is(err, ErrInvalidState) {
+			return fmt.Errorf("Grad of a frozen param gave %v, not ErrInvalidState", err)
+		}
+		gr, err := u.Grad(1)
+		if err != nil {
+			return err
+		}
+		for i := range gr {
+			gr[i] = float32(rank + 1)
+		}
+		if err := u.BackwardEnd(); err != nil {
+			return err
+		}
+		if err := ctx.Step(); err != nil {
+			return err
+		}
+		cs, err := ctx.CommStats()
+		if err != nil {
+			return err
+		}
+		// b's block alone: 8 elements padded to the alignment (16 per rank by default) over 2 ranks, fp32.
+		if cs.ReduceScatterCalls != 1 || cs.ReduceScatterBytes > 2*16*4 {
+			return fmt.Errorf("CommStats: %d reduce-scatters of %d bytes, want 1 of b's block alone", cs.ReduceScatterCalls, cs.ReduceScatterBytes)
+		}
+		for i, want := range []float32{1, 1 - 1.5} {
+			p, err := u.Gather(i)
+			if err != nil {
+				return err
+			}
+			for _, v := range p {
+				if v != want {
+					return fmt.Errorf("param %d: %v, want %v", i, v, want)
+				}
+			}
+		}
+		return ctx.Finalize()
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+}
+
 // SetParamGroup: SGD with lr 1, a group at lr_scale 0.25 moves by a quarter
 // of the ranks' mean grad, the other param by all of it.
 func TestParamGroup(t *testing.T) {

@@ -157,6 +157,36 @@ func (u *Unit) Trainable() (bool, error) {
 	return t == 1, err
 }
 
+// SetParamTrainable freezes (false) or unfreezes (true) param i alone
+// (fsdp_param_set_trainable): collective, between steps. The unit lays its
+// frozen params out in a block of their own, with no grads, no optimizer
+// state and no bytes in the reduction; slices taken before (ShardInfo)
+// point into the old layout and must be taken again.
+func (u *Unit) SetParamTrainable(i int, trainable bool) error {
+	if err := u.checkIndex("fsdp_param_set_trainable", i); err != nil {
+		return err
+	}
+	t := C.int(0)
+	if trainable {
+		t = 1
+	}
+	return u.simple("fsdp_param_set_trainable", func() C.fsdp_status_t {
+		return C.fsdp_param_set_trainable(u.ctx.ptr, u.ptr, C.size_t(i), t)
+	})
+}
+
+// ParamTrainable reports whether param i trains (false once frozen in its unit).
+func (u *Unit) ParamTrainable(i int) (bool, error) {
+	if err := u.checkIndex("fsdp_param_trainable", i); err != nil {
+		return false, err
+	}
+	var t C.int
+	err := u.simple("fsdp_param_trainable", func() C.fsdp_status_t {
+		return C.fsdp_param_trainable(u.ptr, C.size_t(i), &t)
+	})
+	return t == 1, err
+}
+
 // ShardTensors (optimizer=host, between StepBegin and StepEnd) is this
 // rank's shard of the unit as slices over library memory: the fp32 master,
 // the reduced grads and the nStates (host_state) buffers libfsdp keeps.

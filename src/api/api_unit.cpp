@@ -137,6 +137,38 @@ fsdp_status_t fsdp_unit_trainable(const fsdp_unit_t* unit, int* trainable) {
   });
 }
 
+fsdp_status_t fsdp_param_set_trainable(fsdp_ctx_t* ctx, fsdp_unit_t* unit, size_t param_index, int trainable) {
+  return guard([&] {
+    const char* call = "fsdp_param_set_trainable";
+    Unit& u = ctx_unit(ctx, unit, call);
+    if (param_index >= u.layout().n_params()) {
+      fail(FSDP_ERR_INVALID_ARGUMENT, std::string(call) + ": unit " + base::quote(u.name()) + " has " +
+                                          std::to_string(u.layout().n_params()) + " params; index " +
+                                          std::to_string(param_index) + " is out of range");
+    }
+    if (trainable != 0 && trainable != 1) {
+      fail(FSDP_ERR_INVALID_ARGUMENT,
+           std::string(call) + ": trainable is " + std::to_string(trainable) + "; pass 1 (train) or 0 (freeze)");
+    }
+    ctx_of(ctx)->set_param_trainable(u, param_index, trainable == 1);
+  });
+}
+
+fsdp_status_t fsdp_param_trainable(const fsdp_unit_t* unit, size_t param_index, int* trainable) {
+  return guard([&] {
+    require(unit, "fsdp_param_trainable", "unit");
+    require(trainable, "fsdp_param_trainable", "trainable");
+    const Unit& u = *reinterpret_cast<const Unit*>(unit);
+    u.runtime().check_live("fsdp_param_trainable");
+    if (param_index >= u.layout().n_params()) {
+      fail(FSDP_ERR_INVALID_ARGUMENT, "fsdp_param_trainable: unit " + base::quote(u.name()) + " has " +
+                                          std::to_string(u.layout().n_params()) + " params; index " +
+                                          std::to_string(param_index) + " is out of range");
+    }
+    *trainable = u.param_trainable(param_index) ? 1 : 0;
+  });
+}
+
 fsdp_status_t fsdp_set_param_group(fsdp_ctx_t* ctx, const char* pattern, const char* options, size_t* matched) {
   return guard([&] {
     const char* call = "fsdp_set_param_group";
@@ -188,7 +220,7 @@ fsdp_status_t fsdp_shard_tensors(fsdp_ctx_t* ctx, fsdp_unit_t* unit, float** par
     *params = u.master();
     *grads = u.sharded_grad();
     for (size_t i = 0; i < n_states; ++i) states[i] = ctx_of(ctx)->optimizer_state(u, i);
-    *numel = u.shard_numel();
+    *numel = u.trainable_shard_numel();  // the trainable block's slice: the front of the master
   });
 }
 

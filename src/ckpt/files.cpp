@@ -13,7 +13,8 @@ std::unique_ptr<Writer> create_shard_file(const std::string& dir, const Meta& m,
   std::vector<Writer::Entry> entries;
   for (size_t u = 0; u < m.units.size(); ++u) {
     for (const std::string& k : tensor_kinds(m.optimizer, m.units[u])) {
-      entries.push_back({shard_tensor(u, k), {static_cast<int64_t>(m.units[u].shard_numel(m.shard_world))}});
+      const uint64_t n = k == "param" ? m.units[u].shard_numel(m.shard_world) : m.units[u].state_shard_numel(m.shard_world);
+      entries.push_back({shard_tensor(u, k), {static_cast<int64_t>(n)}});
     }
   }
   std::string name = shard_file(shard, m.shard_world);
@@ -42,7 +43,9 @@ FullEntries full_entries(const Meta& m, const std::string& what) {
     }
     if (!u.trainable) continue;  // no optimizer state
     for (const std::string& s : m.optimizer.state) {
-      for (const ParamMeta& p : u.params) e.optimizer.push_back({full_tensor(p.name, s), p.shape});
+      for (const ParamMeta& p : u.params) {
+        if (p.trainable) e.optimizer.push_back({full_tensor(p.name, s), p.shape});  // a frozen param: none
+      }
     }
   }
   return e;

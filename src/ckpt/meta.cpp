@@ -1,6 +1,8 @@
 // src/ckpt/meta.cpp - see meta.h.
 #include "meta.h"
 
+#include <algorithm>
+
 #include <cmath>
 #include <cstdio>
 #include <map>
@@ -192,6 +194,22 @@ std::vector<std::string> tensor_kinds(const OptimizerMeta& o, const UnitMeta& u)
   return u.trainable ? tensor_kinds(o) : std::vector<std::string>{"param"};
 }
 
+std::vector<std::string> tensor_kinds(const OptimizerMeta& o, const UnitMeta& u, const ParamMeta& p) {
+  return p.trainable ? tensor_kinds(o, u) : std::vector<std::string>{"param"};
+}
+
+void UnitMeta::locate(uint64_t pos, int shard_world, int* shard, uint64_t* within) const {
+  const uint64_t w = static_cast<uint64_t>(shard_world), block = trainable_block(), t = block / w;
+  if (pos < block) {
+    *shard = static_cast<int>(pos / t);
+    *within = pos % t;
+    return;
+  }
+  const uint64_t f = (padded_numel - block) / w, q = pos - block;
+  *shard = static_cast<int>(q / f);
+  *within = t + q % f;
+}
+
 const char* full_file(const std::string& kind) { return kind == "param" ? kModelFile : kOptimizerFile; }
 
 std::string full_tensor(const std::string& param, const std::string& kind) {
@@ -240,9 +258,12 @@ std::string to_json(const Meta& m) {
       if (p.lr_scale != 1.0) pj["lr_scale"] = p.lr_scale;
       if (p.beta1 >= 0) pj["beta1"] = p.beta1;
       if (p.beta2 >= 0) pj["beta2"] = p.beta2;
+      if (!p.trainable) pj["trainable"] = false;
+      if (p.state_fresh_at >= 0) pj["state_fresh_at"] = p.state_fresh_at;
       params.push_back(std::move(pj));
     }
     json uj = {{"name", u.name}, {"padded_numel", u.padded_numel}, {"params", params}};
+    if (u.trainable_numel >= 0 && u.trainable_block() != u.padded_numel) uj["trainable_numel"] = u.trainable_numel;
     if (!u.trainable) uj["trainable"] = false;
     if (u.state_fresh_at != 0) uj["state_fresh_at"] = u.state_fresh_at;
     units.push_back(std::move(uj));
@@ -330,8 +351,14 @@ Meta parse_meta(const std::string& file, const std::string& text) {
     if (m.sharded() && (u.padded_numel == 0 || u.padded_numel % static_cast<uint64_t>(m.shard_world) != 0)) {
       uf.at("padded_numel").bad("is not a positive multiple of shard_world");
     }
+    if (uf.has("trainable_numel")) {
+      u.trainable_numel = static_cast<int64_t>(uf.u64("trainable_numel", u.padded_numel));
+      if (m.sharded() && u.trainable_block() % static_cast<uint64_t>(m.shard_world) != 0) {
+        uf.at("trainable_numel").bad("is not a multiple of shard_world");
+      }
+    }
     const json& params = uf.array("params");
-    uint64_t end = 0;
+    std::vector<std::pair<uint64_t, uint64_t>> ranges;  // [offset, end) of every param, to check for overlaps
     for (size_t pi = 0; pi < params.size(); ++pi) {
       Fields pf = uf.element(params[pi], "params", pi);
       ParamMeta p;
@@ -350,16 +377,30 @@ Meta parse_meta(const std::string& file, const std::string& text) {
       p.numel = pf.u64("numel", uint64_t{1} << 60);
       if (p.numel != numel) pf.at("numel").bad("does not match the shape");
       p.offset = pf.u64("offset", uint64_t{1} << 60);
-      if (m.sharded() && (p.offset < end || p.offset + p.numel > u.padded_numel)) {
-        pf.at("offset").bad("overlaps the previous param or passes padded_numel");
+      if (m.sharded() && p.offset + p.numel > u.padded_numel) pf.at("offset").bad("passes padded_numel");
+      if (pf.has("trainable")) p.trainable = pf.boolean("trainable");
+      // A trainable param lies in the trainable block, a frozen one after it.
+      if (m.sharded() && p.numel > 0 &&
+          (p.trainable ? p.offset + p.numel > u.trainable_block() : p.offset < u.trainable_block())) {
+        pf.at("offset").bad(p.trainable ? "passes the trainable block" : "lies in the trainable block");
       }
-      end = p.offset + p.numel;
+      ranges.push_back({p.offset, p.offset + p.numel});
       p.weight_decay = pf.num("weight_decay");
       if (pf.has("lr_scale")) p.lr_scale = pf.num("lr_scale");
       if (pf.has("beta1")) p.beta1 = pf.num("beta1");
       if (pf.has("beta2")) p.beta2 = pf.num("beta2");
+      if (pf.has("state_fresh_at")) {
+        p.state_fresh_at = static_cast<int64_t>(pf.u64("state_fresh_at", uint64_t{1} << 62));
+        if (p.state_fresh_at > m.optimizer.step) pf.at("state_fresh_at").bad("is past optimizer.step");
+      }
       names_unique = all_names.insert(p.name).second && names_unique;
       u.params.push_back(std::move(p));
+    }
+    std::sort(ranges.begin(), ranges.end());
+    for (size_t i = 1; m.sharded() && i < ranges.size(); ++i) {
+      if (ranges[i].first < ranges[i - 1].second && ranges[i].first < ranges[i].second) {
+        uf.at("params").bad("hold params whose offsets overlap");
+      }
     }
     // Optional (absent in checkpoints of earlier versions): trainable, and
     // the step at which the state was fresh.
@@ -396,7 +437,7 @@ Meta parse_meta(const std::string& file, const std::string& text) {
   } else {
     for (const UnitMeta& u : m.units) {
       for (const ParamMeta& p : u.params) {
-        for (const std::string& k : tensor_kinds(o, u)) expect_tensor(full_file(k), full_tensor(p.name, k));
+        for (const std::string& k : tensor_kinds(o, u, p)) expect_tensor(full_file(k), full_tensor(p.name, k));
       }
     }
     expected_files = o.state.empty() ? 1 : 2;

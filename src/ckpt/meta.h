@@ -32,6 +32,12 @@ struct ParamMeta {
   // lr scale (1: none) and Adam's betas (-1: the optimizer's).
   double lr_scale = 1.0;
   double beta1 = -1.0, beta2 = -1.0;
+  // Frozen inside a trainable unit (fsdp_param_set_trainable): laid out in
+  // the unit's frozen block, no optimizer state. Written only when false.
+  bool trainable = true;
+  // The step at which this param's state was fresh, where it differs from
+  // its unit's (unfrozen on its own). Written when >= 0.
+  int64_t state_fresh_at = -1;
 };
 
 struct UnitMeta {
@@ -44,7 +50,18 @@ struct UnitMeta {
   // The optimizer step at which its state was fresh (zeros): unfrozen then;
   // its updates are optimizer.step - state_fresh_at. Written when not 0.
   int64_t state_fresh_at = 0;
+  // The trainable block's length: the front of the flat buffer, a multiple
+  // of shard_world; the rest is the frozen block (FlatLayout). Written only
+  // when it is not padded_numel (-1 here: padded_numel, one block).
+  int64_t trainable_numel = -1;
   uint64_t shard_numel(int shard_world) const { return padded_numel / static_cast<uint64_t>(shard_world); }
+  uint64_t trainable_block() const {
+    return trainable_numel < 0 ? padded_numel : static_cast<uint64_t>(trainable_numel);
+  }
+  // The optimizer state tensors' length: each shard's slice of the trainable block.
+  uint64_t state_shard_numel(int shard_world) const { return trainable_block() / static_cast<uint64_t>(shard_world); }
+  // Which shard holds flat element `pos` (sharded), and where in its tensors.
+  void locate(uint64_t pos, int shard_world, int* shard, uint64_t* within) const;
 };
 
 struct OptimizerMeta {
@@ -81,8 +98,8 @@ struct Meta {
   const FileRecord& file(const std::string& name) const;
 };
 
-// Tensor names. Sharded files hold "units.<u>.param" and "units.<u>.<state>"
-// of shape [shard_numel]; model.safetensors holds each param under its own
+// Tensor names. Sharded files hold "units.<u>.param" of shape [shard_numel]
+// and "units.<u>.<state>" of [state_shard_numel] (the trainable block's slice); model.safetensors holds each param under its own
 // name and shape, optimizer.safetensors "<param>.<state>".
 std::string shard_tensor(size_t unit, const std::string& kind);
 std::string shard_file(int shard, int shard_world);
@@ -94,6 +111,8 @@ std::vector<std::string> tensor_kinds(const OptimizerMeta& o);
 // The kinds the files hold for unit `u`: all of them, or "param" alone for a
 // frozen unit (it has no optimizer state).
 std::vector<std::string> tensor_kinds(const OptimizerMeta& o, const UnitMeta& u);
+// A full checkpoint's tensors of one param: a frozen param's are its values alone.
+std::vector<std::string> tensor_kinds(const OptimizerMeta& o, const UnitMeta& u, const ParamMeta& p);
 // Full checkpoints: the file that holds a param's `kind`, and its tensor name.
 const char* full_file(const std::string& kind);
 std::string full_tensor(const std::string& param, const std::string& kind);

@@ -54,15 +54,17 @@ const Reader& CheckpointReader::file(const std::string& name) {
     for (const std::string& k : tensor_kinds(meta_.optimizer, um)) {
       if (meta_.sharded()) {
         const TensorInfo& t = r->tensor(shard_tensor(u, k));
-        if (t.nbytes() != um.shard_numel(meta_.shard_world) * 4) {
+        const uint64_t n = k == "param" ? um.shard_numel(meta_.shard_world) : um.state_shard_numel(meta_.shard_world);
+        if (t.nbytes() != n * 4) {
           fail(FSDP_ERR_CORRUPT, "checkpoint file " + base::quote_path(r->path()) + ": tensor " + base::quote(t.name) +
                                      " has " + std::to_string(t.nbytes()) + " bytes, the layout needs " +
-                                     std::to_string(um.shard_numel(meta_.shard_world) * 4));
+                                     std::to_string(n * 4));
         }
         continue;
       }
       if (name != full_file(k)) continue;
       for (const ParamMeta& p : um.params) {
+        if (k != "param" && !p.trainable) continue;  // frozen: no state
         const TensorInfo& t = r->tensor(full_tensor(p.name, k));
         if (t.nbytes() != p.numel * 4 || t.shape != p.shape) {
           fail(FSDP_ERR_CORRUPT, "checkpoint file " + base::quote_path(r->path()) + ": tensor " + base::quote(t.name) +
@@ -77,7 +79,8 @@ const Reader& CheckpointReader::file(const std::string& name) {
 void CheckpointReader::read_param(size_t u, size_t p, const std::string& kind, uint64_t a, uint64_t b, float* out) {
   const ParamMeta& pm = meta_.units.at(u).params.at(p);
   if (a > b || b > pm.numel) fail(FSDP_ERR_INTERNAL, "checkpoint read outside param " + base::quote(pm.name));
-  if (kind != "param" && !meta_.units[u].trainable) {
+  const UnitMeta& um = meta_.units[u];
+  if (kind != "param" && (!um.trainable || !pm.trainable)) {
     std::memset(out, 0, (b - a) * sizeof(float));  // frozen when saved: no state, which is fresh state
     return;
   }
@@ -85,13 +88,17 @@ void CheckpointReader::read_param(size_t u, size_t p, const std::string& kind, u
     file(full_file(kind)).read(full_tensor(pm.name, kind), a * 4, (b - a) * 4, out);
     return;
   }
-  uint64_t shard_numel = meta_.units[u].shard_numel(meta_.shard_world);
+  // The param lies in one block: its pieces are runs of that block's slices.
+  const uint64_t w = static_cast<uint64_t>(meta_.shard_world);
+  const uint64_t slice = pm.trainable ? um.trainable_block() / w : (um.padded_numel - um.trainable_block()) / w;
+  const uint64_t block_begin = pm.trainable ? 0 : um.trainable_block();
   std::string tensor = shard_tensor(u, kind);
   while (a < b) {
     uint64_t pos = pm.offset + a;
-    int s = static_cast<int>(pos / shard_numel);
-    uint64_t within = pos % shard_numel;
-    uint64_t k = std::min(b - a, shard_numel - within);
+    int s = 0;
+    uint64_t within = 0;
+    um.locate(pos, meta_.shard_world, &s, &within);
+    uint64_t k = std::min(b - a, slice - (pos - block_begin) % slice);
     file(shard_file(s, meta_.shard_world)).read(tensor, within * 4, k * 4, out);
     out += k;
     a += k;
@@ -106,20 +113,17 @@ void CheckpointReader::read_shard(size_t u, const std::string& kind, const FlatL
 
 void CheckpointReader::read_shard(const std::vector<ParamRef>& sources, const std::string& kind,
                                   const FlatLayout& layout, int shard, float* out) {
-  uint64_t lo = layout.shard_offset(shard);
-  uint64_t hi = lo + layout.shard_numel();
-  uint64_t pos = lo;  // everything before it is filled
-  for (size_t i = 0; i < layout.n_params(); ++i) {
-    uint64_t off = layout.param_offset(i);
-    uint64_t b = std::max(lo, off);
-    uint64_t e = std::min(hi, off + layout.param(i).numel);
-    if (b >= e) continue;
-    std::memset(out + (pos - lo), 0, (b - pos) * sizeof(float));
-    const ParamRef& src = sources.at(i);
-    if (!src.none()) read_param(src.unit, src.param, kind, b - off, e - off, out + (b - lo));
-    pos = e;
+  // The param's shard, or the state's: the trainable block's slice alone.
+  const size_t end = kind == "param" ? layout.shard_numel() : layout.trainable_shard_numel();
+  size_t pos = 0;  // everything before it is filled
+  for (const ShardSegment& seg : layout.shard_segments(shard)) {
+    if (seg.shard_begin >= end) break;  // segments come in shard order
+    std::memset(out + pos, 0, (seg.shard_begin - pos) * sizeof(float));
+    const ParamRef& src = sources.at(seg.param_index);
+    if (!src.none()) read_param(src.unit, src.param, kind, seg.param_begin, seg.param_begin + seg.numel, out + seg.shard_begin);
+    pos = seg.shard_begin + seg.numel;
   }
-  std::memset(out + (pos - lo), 0, (hi - pos) * sizeof(float));
+  std::memset(out + pos, 0, (end - pos) * sizeof(float));
 }
 
 std::string CheckpointReader::verify_all() {

@@ -36,7 +36,10 @@ class CheckpointReader {
   // optimizer's state names. Verifies the checksums of every chunk it reads.
   void read_param(size_t u, size_t p, const std::string& kind, uint64_t a, uint64_t b, float* out);
   // Shard `shard` of unit `u` as `layout` lays it out (which may differ from
-  // the checkpoint's: another world size or alignment); padding is zero.
+  // the checkpoint's: another world size, alignment or choice of frozen
+  // params); padding is zero. `out` holds layout.shard_numel() elements for
+  // "param", layout.trainable_shard_numel() for a state (the trainable
+  // block's slice; a param frozen in the checkpoint reads as zero state).
   // `layout` must have the unit's params (checked by the caller).
   void read_shard(size_t u, const std::string& kind, const FlatLayout& layout, int shard, float* out);
   // The same for a layout whose param i is the checkpoint's `sources[i]`,

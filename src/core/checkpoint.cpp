@@ -75,14 +75,17 @@ class HostStage {
 // The full flat fp32 unit from this rank's `shard` (state device), gathered
 // over the shard group into `full` on the compute device (an offloaded shard
 // staged there through `staged` first); *where becomes the compute device.
+// A state's shard (`state`) covers the trainable block alone, and so does
+// what is gathered of it.
 const float* gather_flat(Runtime& rt, const Unit& u, const float* shard, Buffer& full, Buffer& staged,
-                         const char* call, device::Device** where) {
+                         const char* call, device::Device** where, bool state = false) {
+  const size_t n = state ? u.trainable_shard_numel() : u.shard_numel();
   if (rt.offload()) {
-    rt.dev->copy_from_host(staged.data(), shard, u.shard_numel() * sizeof(float));
+    rt.dev->copy_from_host(staged.data(), shard, n * sizeof(float));
     shard = staged.as<float>();
   }
-  rt.shard_sync->all_gather(shard, full.data(), u.shard_numel() * sizeof(float),
-                            std::string(call) + " gather of unit " + base::quote(u.name()));
+  u.gather_blocks(*rt.shard_sync, shard, full.data(), sizeof(float), state,
+                  std::string(call) + " gather of unit " + base::quote(u.name()));
   *where = rt.dev;
   return full.as<float>();
 }
@@ -130,6 +133,7 @@ ckpt::Meta Context::checkpoint_meta(const std::string& kind) const {
     ckpt::UnitMeta um;
     um.name = u->name();
     um.padded_numel = u->layout().padded_numel();
+    if (u->layout().has_frozen()) um.trainable_numel = static_cast<int64_t>(u->layout().trainable_padded_numel());
     um.trainable = u->trainable();
     um.state_fresh_at = u->trainable() ? optimizer_.fresh_at(u->index()) : 0;
     for (size_t i = 0; i < u->layout().n_params(); ++i) {
@@ -137,6 +141,9 @@ ckpt::Meta Context::checkpoint_meta(const std::string& kind) const {
       const Unit::Hyper& h = u->hyper(i);
       um.params.push_back({p.name, p.shape, p.numel, u->layout().param_offset(i), u->weight_decay(i), h.lr_scale,
                            std::isnan(h.beta1) ? -1.0 : h.beta1, std::isnan(h.beta2) ? -1.0 : h.beta2});
+      um.params.back().trainable = u->param_trainable(i);
+      const long at = optimizer_.param_fresh_at(u->index(), i);
+      if (u->trainable() && u->param_trainable(i) && at != um.state_fresh_at) um.params.back().state_fresh_at = at;
     }
     m.units.push_back(std::move(um));
   }
@@ -155,11 +162,11 @@ std::vector<ckpt::FileRecord> Context::write_shard_file(const std::string& stage
   std::unique_ptr<ckpt::Writer> w = ckpt::create_shard_file(staged, meta, rt_.shard_rank());
   HostStage stage(*rt_.state_dev, &rt_.mem);
   for (size_t k = 0; k < units_.size(); ++k) {
-    size_t nbytes = units_[k]->shard_numel() * sizeof(float);
-    write_from(*w, rt_.state_dev, stage, units_[k]->master(), nbytes);
+    write_from(*w, rt_.state_dev, stage, units_[k]->master(), units_[k]->shard_numel() * sizeof(float));
     if (!units_[k]->trainable()) continue;  // frozen: no optimizer state
-    for (size_t i = 0; i < meta.optimizer.state.size(); ++i) {
-      write_from(*w, rt_.state_dev, stage, optimizer_.state(k, i).data(), nbytes);
+    for (size_t i = 0; i < meta.optimizer.state.size(); ++i) {  // the trainable block's slice
+      write_from(*w, rt_.state_dev, stage, optimizer_.state(k, i).data(),
+                 units_[k]->trainable_shard_numel() * sizeof(float));
     }
   }
   return {w->finish()};
@@ -201,10 +208,11 @@ std::vector<ckpt::FileRecord> Context::write_full_files(const std::string& stage
       const float* shard = s == 0 ? u.master() : optimizer_.state(k, s - 1).as<float>();
       device::Device* where = rt_.state_dev;
       const float* flat =
-          gather ? gather_flat(rt_, u, shard, full, staged_shard, "fsdp_save", &where) : shard;
+          gather ? gather_flat(rt_, u, shard, full, staged_shard, "fsdp_save", &where, s > 0) : shard;
       on_root([&] {
         ckpt::Writer& w = s == 0 ? *files.model : *files.optimizer;
         for (size_t i = 0; i < lay.n_params(); ++i) {
+          if (s > 0 && !u.param_trainable(i)) continue;  // a frozen param has no state
           write_from(w, where, stage, flat + lay.param_offset(i), lay.param(i).numel * sizeof(float));
         }
       });
@@ -406,29 +414,26 @@ std::vector<std::vector<ckpt::ParamRef>> Context::match_checkpoint(const ckpt::M
 
 namespace {
 
-// The step at which a unit's loaded state was fresh: its params' source
-// units' (the checkpoint's step for a unit frozen when saved: no state, so
-// fresh now). Sources of different ages (units re-wrapped after some were
-// unfrozen at another step) cannot share one bias correction: the youngest
-// is taken and rank 0 says so. `current` where no param came from the file.
-long state_fresh_at(const ckpt::Meta& meta, const std::vector<ckpt::ParamRef>& sources, long current,
-                    const std::string& unit, int rank, const std::string& what) {
-  long at = -1;
-  bool mixed = false;
-  for (const ckpt::ParamRef& r : sources) {
+// The step at which each param's loaded state was fresh: its source's (the
+// checkpoint's step for a param or unit frozen when saved: no state, so
+// fresh now); `current` where no param came from the file. Params of one
+// unit may differ (units re-wrapped after some were unfrozen at another
+// step, params unfrozen inside a unit): each keeps its own bias correction.
+std::vector<long> state_fresh_at(const ckpt::Meta& meta, const std::vector<ckpt::ParamRef>& sources,
+                                 const std::vector<long>& current) {
+  std::vector<long> at = current;
+  for (size_t i = 0; i < sources.size(); ++i) {
+    const ckpt::ParamRef& r = sources[i];
     if (r.none()) continue;
     const ckpt::UnitMeta& um = meta.units.at(r.unit);
-    long a = um.trainable ? static_cast<long>(um.state_fresh_at) : static_cast<long>(meta.optimizer.step);
-    mixed = mixed || (at >= 0 && a != at);
-    at = std::max(at, a);
+    const ckpt::ParamMeta& pm = um.params.at(r.param);
+    if (!um.trainable || !pm.trainable) {
+      at[i] = static_cast<long>(meta.optimizer.step);
+    } else {
+      at[i] = static_cast<long>(pm.state_fresh_at >= 0 ? pm.state_fresh_at : um.state_fresh_at);
+    }
   }
-  if (mixed && rank == 0) {
-    base::log(FSDP_LOG_WARN, rank, what + ": unit " + base::quote(unit) +
-                                       " takes optimizer state of different ages (its params' units were unfrozen at "
-                                       "different steps); Adam's bias correction follows the youngest, from step " +
-                                       std::to_string(at));
-  }
-  return at >= 0 ? at : current;
+  return at;
 }
 
 }  // namespace
@@ -462,7 +467,8 @@ void Context::load(const std::string& dir, bool strict) {
   };
   // Into `dst`, a shard on the state device: in place when the host sees it.
   auto read_into = [&](size_t k, const std::string& kind, float* dst) {
-    size_t bytes = units_[k]->shard_numel() * sizeof(float);
+    const Unit& u = *units_[k];
+    size_t bytes = (kind == "param" ? u.shard_numel() : u.trainable_shard_numel()) * sizeof(float);
     if (rt_.state_dev->host_visible()) return read_unit(k, kind, dst);
     float* host = static_cast<float*>(stage.get(bytes));
     rt_.state_dev->copy_to_host(host, dst, bytes);  // what the params the checkpoint lacks keep
@@ -517,8 +523,20 @@ void Context::load(const std::string& dir, bool strict) {
   optimizer_.restore(meta.optimizer.step, meta.optimizer.last_grad_norm);
   for (size_t k = 0; k < units_.size(); ++k) {
     if (!units_[k]->trainable()) continue;
-    long before = optimizer_.fresh_at(k);
-    optimizer_.set_fresh_at(k, state_fresh_at(meta, sources[k], before, units_[k]->name(), rt_.rank, what));
+    const size_t n = units_[k]->layout().n_params();
+    std::vector<long> before(n);
+    for (size_t i = 0; i < n; ++i) before[i] = optimizer_.param_fresh_at(k, i);
+    const std::vector<long> at = state_fresh_at(meta, sources[k], before);
+    // One age for the unit where its trainable params share one.
+    long unit_at = -1;
+    bool same = true;
+    for (size_t i = 0; i < n; ++i) {
+      if (!units_[k]->param_trainable(i)) continue;
+      same = same && (unit_at < 0 || at[i] == unit_at);
+      if (unit_at < 0) unit_at = at[i];
+    }
+    optimizer_.set_fresh_at(k, unit_at < 0 ? at.empty() ? 0 : at[0] : unit_at);
+    for (size_t i = 0; !same && i < n; ++i) optimizer_.set_param_fresh_at(k, i, n, at[i]);
   }
   optimizer_.loss_scaler().restore(meta.scaler.scale, static_cast<long>(meta.scaler.clean_steps),
                                    meta.scaler.skipped_steps);
@@ -664,16 +682,15 @@ void Context::load_pretrained(const std::string& path, const char* options) {
         out = static_cast<float*>(stage.get(n * sizeof(float)));
         rt_.state_dev->copy_to_host(out, dst, n * sizeof(float));  // what params not in the files keep
       }
-      uint64_t lo = lay.shard_offset(rt_.shard_rank()), hi = lo + n;
-      for (size_t i = 0; i < lay.n_params(); ++i) {
+      for (const ShardSegment& seg : u.segments()) {
+        const size_t i = seg.param_index;
         const Source& s = sources[k][i];
         if (s.file == nullptr) continue;
-        uint64_t off = lay.param_offset(i);
-        uint64_t a = std::max(lo, off), b = std::min(hi, off + lay.param(i).numel);
-        if (a >= b) continue;
+        // Flat [a, b) of the param at `off`: its elements [a - off, b - off).
+        const uint64_t off = lay.param_offset(i), a = off + seg.param_begin, b = a + seg.numel;
         const ckpt::TensorInfo& t = *s.tensor;
         size_t es = ckpt::dtype_bytes(t.dtype);
-        float* o = out + (a - lo);  // the param's element a - off
+        float* o = out + seg.shard_begin;  // the param's element a - off
         if (!s.transposed) {
           for (uint64_t e = a - off; e < b - off;) {
             size_t m = static_cast<size_t>(std::min<uint64_t>(kPiece, b - off - e));
@@ -717,7 +734,7 @@ void Context::load_pretrained(const std::string& path, const char* options) {
       if (out != dst) rt_.state_dev->copy_from_host(dst, out, n * sizeof(float));
       u.master_loaded();
       for (size_t i = 0; u.trainable() && i < optimizer_.state_names().size(); ++i) {
-        rt_.state_dev->zero(optimizer_.state_for_load(k, i), n * sizeof(float));
+        rt_.state_dev->zero(optimizer_.state_for_load(k, i), u.trainable_shard_numel() * sizeof(float));
       }
     }
   });

@@ -194,10 +194,7 @@ Unit& Context::register_unit(const std::string& name, std::vector<ParamSpec> par
   return *units_.back();
 }
 
-void Context::set_trainable(Unit& unit, bool trainable) {
-  const char* call = "fsdp_unit_set_trainable";
-  // Checked here, then agreed on: a rank whose call is refused still joins,
-  // so that the others fail too instead of training another model.
+std::string Context::between_steps_problem() const {
   std::string problem;
   for (const auto& u : units_) {
     if (problem.empty() && u->in_use()) {
@@ -210,6 +207,14 @@ void Context::set_trainable(Unit& unit, bool trainable) {
                 "after fsdp_step";
     }
   }
+  return problem;
+}
+
+void Context::set_trainable(Unit& unit, bool trainable) {
+  const char* call = "fsdp_unit_set_trainable";
+  // Checked here, then agreed on: a rank whose call is refused still joins,
+  // so that the others fail too instead of training another model.
+  const std::string problem = between_steps_problem();
   std::string what = std::string(call) + " (" + rt_.where() + ")";
   std::string text = "unit #" + std::to_string(unit.index()) + " " + base::quote(unit.name()) +
                      (trainable ? " trainable" : " frozen") + (problem.empty() ? "" : " (refused: " + problem + ")");
@@ -218,6 +223,30 @@ void Context::set_trainable(Unit& unit, bool trainable) {
   settle_units();
   unit.set_trainable(trainable);
   optimizer_.set_trainable(unit, trainable);
+}
+
+void Context::set_param_trainable(Unit& unit, size_t param_index, bool trainable) {
+  const char* call = "fsdp_param_set_trainable";
+  const std::string problem = between_steps_problem();
+  std::string what = std::string(call) + " (" + rt_.where() + ")";
+  std::string text = "unit #" + std::to_string(unit.index()) + " " + base::quote(unit.name()) + " param #" +
+                     std::to_string(param_index) + (trainable ? " trainable" : " frozen") +
+                     (problem.empty() ? "" : " (refused: " + problem + ")");
+  agree_or_refuse(call, text, FSDP_ERR_INVALID_STATE, problem.empty() ? "" : what + ": " + problem);
+  if (unit.param_trainable(param_index) == trainable) return;
+  settle_units();
+  // Collective from here on, the same on every rank: the state's trainable
+  // block gathered as it is, then the unit and its state laid out again.
+  const FlatLayout old = unit.layout();
+  std::vector<std::vector<float>> old_states;
+  for (size_t i = 0; unit.trainable() && i < optimizer_.state_names().size(); ++i) {
+    old_states.push_back(unit.gather_to_host(optimizer_.state(unit.index(), i).as<float>(), true, call));
+  }
+  std::vector<bool> frozen(old.n_params());
+  for (size_t i = 0; i < frozen.size(); ++i) frozen[i] = old.frozen(i);
+  frozen[param_index] = !trainable;
+  unit.relayout(frozen);
+  optimizer_.relayout(unit, old, old_states);
 }
 
 size_t Context::set_param_group(const std::string& pattern, const char* options) {

@@ -52,6 +52,8 @@ class Context {
   // Collective: freezes (false) or unfreezes `unit` between steps (no unit in
   // use, no grads accumulated since the last step), the same on every rank.
   void set_trainable(Unit& unit, bool trainable);
+  // fsdp_param_set_trainable: the same checks, then the unit laid out again.
+  void set_param_trainable(Unit& unit, size_t param_index, bool trainable);
   // Collective, between steps: sets `options` (lr_scale, weight_decay, beta1,
   // beta2) on every registered param whose name matches the glob `pattern`;
   // returns how many matched (none is FSDP_ERR_INVALID_ARGUMENT).
@@ -107,6 +109,9 @@ class Context {
   // What a step does before its update: no unit in use, no_sync's grads
   // reduced, the caller's stream and every reduction done.
   void settle_for_step(device::Stream& caller, const char* call);
+  // Why freezing or unfreezing is refused now ("" when it is not): a unit in
+  // use, or grads since the last fsdp_step.
+  std::string between_steps_problem() const;
   bool host_update_ = false;  // fsdp_step_begin's verdict, for fsdp_step_end
   // Waits for queued gathers and reductions and drops gathered params that an
   // update would make stale: the units' state before a step or finalize.

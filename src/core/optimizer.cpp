@@ -19,10 +19,40 @@ Optimizer::State Optimizer::make_state(size_t n) const {
   return s;
 }
 
-void Optimizer::add_unit(const Unit& unit) { states_.push_back(make_state(unit.shard_numel())); }
+void Optimizer::add_unit(const Unit& unit) { states_.push_back(make_state(unit.trainable_shard_numel())); }
 
 void Optimizer::set_trainable(const Unit& unit, bool trainable) {
-  states_.at(unit.index()) = trainable ? make_state(unit.shard_numel()) : State{};
+  states_.at(unit.index()) = trainable ? make_state(unit.trainable_shard_numel()) : State{};
+}
+
+void Optimizer::set_param_fresh_at(size_t unit, size_t param, size_t n_params, long at) {
+  State& s = states_.at(unit);
+  if (s.param_fresh_at.size() != n_params) s.param_fresh_at.assign(n_params, s.fresh_at);
+  s.param_fresh_at[param] = at;
+}
+
+void Optimizer::relayout(const Unit& unit, const FlatLayout& old, const std::vector<std::vector<float>>& old_states) {
+  State& st = states_.at(unit.index());
+  if (!unit.trainable()) return;  // a frozen unit keeps no state in either layout
+  const size_t k = unit.index(), n = unit.layout().n_params();
+  std::vector<long> ages(n);
+  for (size_t p = 0; p < n; ++p) ages[p] = old.frozen(p) ? step_ : param_fresh_at(k, p);
+  State fresh = make_state(unit.trainable_shard_numel());
+  fresh.fresh_at = st.fresh_at;
+  std::vector<float> shard(unit.trainable_shard_numel());
+  for (size_t i = 0; i < fresh.bufs.size(); ++i) {
+    std::fill(shard.begin(), shard.end(), 0.0f);
+    for (const ShardSegment& seg : unit.segments()) {
+      if (!unit.param_trainable(seg.param_index) || old.frozen(seg.param_index)) continue;  // unfrozen now: zeros
+      const float* from = old_states.at(i).data() + old.param_offset(seg.param_index) + seg.param_begin;
+      std::copy(from, from + seg.numel, shard.begin() + static_cast<ptrdiff_t>(seg.shard_begin));
+    }
+    rt_.state_dev->copy_from_host(fresh.bufs[i].data(), shard.data(), shard.size() * sizeof(float));
+  }
+  st = std::move(fresh);
+  bool same = true;
+  for (long a : ages) same = same && a == st.fresh_at;
+  if (!same) st.param_fresh_at = std::move(ages);
 }
 
 std::vector<std::string> Optimizer::state_names() const {
@@ -45,7 +75,10 @@ const Buffer& Optimizer::state(size_t unit, size_t i) const {
 
 void Optimizer::restore(long step, double last_grad_norm) {
   step_ = step;
-  for (State& s : states_) s.fresh_at = 0;
+  for (State& s : states_) {
+    s.fresh_at = 0;
+    s.param_fresh_at.clear();
+  }
   last_grad_norm_ = last_grad_norm;
 }
 
@@ -66,7 +99,7 @@ double Optimizer::grad_sum_squares(const std::vector<std::unique_ptr<Unit>>& uni
   double sq = 0.0;
   for (const auto& u : units) {
     if (!u->trainable()) continue;
-    sq += u->grad_sq_known() ? u->grad_sq() : rt_.state_dev->sum_squares(u->sharded_grad(), u->shard_numel());
+    sq += u->grad_sq_known() ? u->grad_sq() : rt_.state_dev->sum_squares(u->sharded_grad(), u->trainable_shard_numel());
   }
   // Shards of a shard group cover the model once; replicas hold the same grads.
   if (rt_.shard_world() > 1) rt_.shard_sync->all_reduce_f64(&sq, 1, comm::RedOp::kSum, "grad norm");
@@ -86,7 +119,7 @@ bool Optimizer::prepare(const std::vector<std::unique_ptr<Unit>>& units, float* 
     static const device::Label kSkipped = device::make_label("zero the grads of a skipped step");
     on_state_device(kSkipped, [&] {
       for (const auto& u : units) {
-        if (u->trainable()) rt_.state_dev->zero(u->sharded_grad(), u->shard_numel() * sizeof(float));
+        if (u->trainable()) rt_.state_dev->zero(u->sharded_grad(), u->trainable_shard_numel() * sizeof(float));
       }
     });
     return false;
@@ -120,7 +153,7 @@ void Optimizer::host_end(const std::vector<std::unique_ptr<Unit>>& units, bool u
       if (u->lowp_shard() != nullptr) {
         rt_.state_dev->cast(u->lowp_shard(), rt_.opts.param_dtype, u->master(), DType::kFp32, u->shard_numel());
       }
-      rt_.state_dev->zero(u->sharded_grad(), u->shard_numel() * sizeof(float));
+      rt_.state_dev->zero(u->sharded_grad(), u->trainable_shard_numel() * sizeof(float));
     }
   });
   if (updated) ++step_;
@@ -148,9 +181,10 @@ void Optimizer::collect_spans(const std::vector<std::unique_ptr<Unit>>& units) {
     if (!u.trainable()) continue;
     const State& st = states_[k];
     for (const ShardSegment& seg : u.segments()) {
+      if (!u.param_trainable(seg.param_index)) continue;  // frozen inside the unit: the master alone
       const Unit::Hyper& h = u.hyper(seg.param_index);
       Group key;
-      key.fresh_at = st.fresh_at;
+      key.fresh_at = param_fresh_at(k, seg.param_index);
       key.lr_scale = static_cast<float>(h.lr_scale);
       key.beta1 = static_cast<float>(std::isnan(h.beta1) ? rt_.opts.beta1 : h.beta1);
       key.beta2 = static_cast<float>(std::isnan(h.beta2) ? rt_.opts.beta2 : h.beta2);

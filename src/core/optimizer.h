@@ -27,6 +27,12 @@ class Optimizer {
   // whose Adam bias correction counts from the next step, as PyTorch's
   // per-param step count does for a param that gets its first grad).
   void set_trainable(const Unit& unit, bool trainable);
+  // The unit was laid out again (params frozen or unfrozen in it): its state
+  // moves from the `old` layout, whose full trainable block of each state
+  // is `old_states[i]` (host memory, Unit::gather_to_host). A param that
+  // stays trainable keeps its state and age; one unfrozen now starts fresh
+  // (zeros, its own bias correction from the next step).
+  void relayout(const Unit& unit, const FlatLayout& old, const std::vector<std::vector<float>>& old_states);
   // One update of every unit from its sharded grads (unscaled by the loss
   // scale); zeroes the grads. Collective (the global norm). A step whose grads
   // hold inf/nan on any rank changes no param and no optimizer state.
@@ -60,7 +66,16 @@ class Optimizer {
   // that holds older state says so with set_fresh_at).
   void restore(long step, double last_grad_norm);
   long fresh_at(size_t unit) const { return states_.at(unit).fresh_at; }
-  void set_fresh_at(size_t unit, long at) { states_.at(unit).fresh_at = at; }
+  // Every param of the unit as old (set_fresh_at), or one param apart.
+  void set_fresh_at(size_t unit, long at) {
+    states_.at(unit).fresh_at = at;
+    states_.at(unit).param_fresh_at.clear();
+  }
+  long param_fresh_at(size_t unit, size_t param) const {
+    const State& s = states_.at(unit);
+    return param < s.param_fresh_at.size() ? s.param_fresh_at[param] : s.fresh_at;
+  }
+  void set_param_fresh_at(size_t unit, size_t param, size_t n_params, long at);
   LossScaler& loss_scaler() { return scaler_; }
 
  private:
@@ -72,6 +87,9 @@ class Optimizer {
   struct State {
     std::vector<Buffer> bufs;
     long fresh_at = 0;  // step_ when this state was zero (its updates: step_ - fresh_at)
+    // Per param where one differs (unfrozen inside the unit on its own);
+    // empty: every param's is fresh_at.
+    std::vector<long> param_fresh_at;
   };
   State make_state(size_t numel) const;
   double grad_sum_squares(const std::vector<std::unique_ptr<Unit>>& units);

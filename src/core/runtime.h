@@ -107,7 +107,7 @@ struct Runtime {
   // FSDP_ERR_INVALID_STATE naming `call`.
   static bool allowed_in_host_step(const std::string& call) {
     for (const char* ok : {"fsdp_step_end", "fsdp_shard_tensors", "fsdp_shard_info", "fsdp_param_flat_range", "fsdp_ctx_step",
-                           "fsdp_last_grad_norm", "fsdp_memory_stats", "fsdp_comm_stats", "fsdp_unit_trainable"}) {
+                           "fsdp_last_grad_norm", "fsdp_memory_stats", "fsdp_comm_stats", "fsdp_unit_trainable", "fsdp_param_trainable"}) {
       if (call == ok) return true;
     }
     return false;

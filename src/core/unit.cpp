@@ -55,6 +55,7 @@ Unit::Unit(Runtime& rt, size_t index, std::string name, std::vector<ParamSpec> p
       tag_(base::quote(name_) + " (#" + std::to_string(index_) + ")"),
       layout_(std::move(params), rt.opts.align_bytes / sizeof(float), rt.shard_world()) {
   segments_ = layout_.shard_segments(rt_.shard_rank());
+  block_slices_ = layout_.shard_ranges(0);
   for (size_t i = 0; i < layout_.n_params(); ++i) {
     double wd = rt_.opts.weight_decay;
     for (const std::string& pat : rt_.opts.no_weight_decay) {
@@ -69,15 +70,20 @@ Unit::Unit(Runtime& rt, size_t index, std::string name, std::vector<ParamSpec> p
   if (rt_.opts.param_dtype != DType::kFp32 && (rt_.opts.keeps_param_dtype_shard() || !rt_.gathers())) {
     lowp_ = Buffer(rt_.state_dev, &rt_.mem, MemCategory::kShardedParams, rt_.opts.param_dtype, s);
   }
-  sgrad_ = Buffer(rt_.state_dev, &rt_.mem, MemCategory::kShardedGrads, DType::kFp32, s);
+  sgrad_ = Buffer(rt_.state_dev, &rt_.mem, MemCategory::kShardedGrads, DType::kFp32, layout_.trainable_shard_numel());
   if (!rt_.gathers()) state_ = UnitState::kGathered;  // the shard is the full params
   gather_label_ = label("all_gather");
   reduce_label_ = label(rt_.sharded() ? "reduce_scatter" : "all_reduce");
   replica_label_ = reduce_label_ + " (across replicas)";
+  make_task_labels();
+}
+
+void Unit::make_task_labels() {
+  size_t s = layout_.shard_numel();
   size_t pes = dtype_size(rt_.opts.param_dtype), res = dtype_size(rt_.opts.reduce_dtype());
-  size_t padded = layout_.padded_numel();
+  size_t padded = layout_.trainable_padded_numel();  // what a reduction moves
   std::string gathered_bytes = " " + std::to_string(s * pes * static_cast<size_t>(rt_.shard_world())) + " B";
-  size_t reduced = rt_.sharded() ? s : padded;
+  size_t reduced = rt_.sharded() ? layout_.trainable_shard_numel() : padded;
   tasks_.gather = device::make_label(gather_label_ + gathered_bytes);
   tasks_.gather_cast = device::make_label(gather_label_ + " (cast from fp32)" + gathered_bytes);
   tasks_.copy_in = device::make_label(label("host to device copy") + " " + std::to_string(s * pes) + " B");
@@ -159,16 +165,14 @@ void Unit::set_values(size_t param_index, const float* values, size_t numel) {
   // caller's stream reads the shard itself: wait until it is done.
   drop_stale_gathered();
   if (!rt_.gathers()) wait_host_use();
-  size_t off = layout_.param_offset(param_index);
-  size_t lo = std::max(off, shard_offset());
-  size_t hi = std::min(off + numel, shard_offset() + shard_numel());
-  if (lo < hi) {
-    size_t dst = lo - shard_offset();
-    rt_.state_dev->copy_from_host(master() + dst, values + (lo - off), (hi - lo) * sizeof(float));
+  for (const ShardSegment& seg : segments_) {
+    if (seg.param_index != param_index) continue;
+    size_t dst = seg.shard_begin;
+    rt_.state_dev->copy_from_host(master() + dst, values + seg.param_begin, seg.numel * sizeof(float));
     if (!lowp_.empty()) {
       size_t es = dtype_size(lowp_.dtype());
       rt_.state_dev->cast(static_cast<char*>(lowp_.data()) + dst * es, lowp_.dtype(), master() + dst, DType::kFp32,
-                          hi - lo);
+                          seg.numel);
     }
   }
 }
@@ -242,8 +246,9 @@ void Unit::issue_gather(bool prefetch) {
     if (alone) {
       gather_event_ = copied;
     } else {
-      gather_event_ = rt_.stream->submit(tasks_.gather, [self, shard, dst, nbytes] {
-        shard->all_gather(self->offload_stage_.data(), dst, nbytes, self->gather_label_);
+      gather_event_ = rt_.stream->submit(tasks_.gather, [self, shard, dst] {
+        self->gather_blocks(*shard, self->offload_stage_.data(), dst, dtype_size(self->rt_.opts.param_dtype), false,
+                            self->gather_label_);
         if (self->rt_.opts.debug_poison)
           self->rt_.dev->fill_nan(self->offload_stage_.data(), self->offload_stage_.nbytes());
         self->offload_stage_.reset();
@@ -260,23 +265,37 @@ void Unit::issue_gather(bool prefetch) {
     // it. The stage is taken inside the task: stream-ordered on the comm
     // stream, nothing for the host to allocate or keep alive.
     const float* master = master_.as<float>();
-    gather_event_ = rt_.stream->submit(tasks_.gather_cast, [shard, master, dst, nbytes, self] {
+    gather_event_ = rt_.stream->submit(tasks_.gather_cast, [shard, master, dst, self] {
       Runtime& rt = self->rt_;
       DType dt = rt.opts.param_dtype;
       size_t n = self->shard_numel();
       Buffer stage(rt.dev, &rt.mem, MemCategory::kScratch, dt, n, /*zeroed=*/false);
       rt.dev->cast(stage.data(), dt, master, DType::kFp32, n);
-      shard->all_gather(stage.data(), dst, nbytes, self->gather_label_);
+      self->gather_blocks(*shard, stage.data(), dst, dtype_size(dt), false, self->gather_label_);
       if (rt.opts.debug_poison) rt.dev->fill_nan(stage.data(), stage.nbytes());
     });
     set_state(UnitState::kGathering);
     trace_memory();
     return;
   }
-  gather_event_ = rt_.stream->submit(
-      tasks_.gather, [shard, src, dst, nbytes, self] { shard->all_gather(src, dst, nbytes, self->gather_label_); });
+  gather_event_ = rt_.stream->submit(tasks_.gather, [shard, src, dst, es, self] {
+    self->gather_blocks(*shard, src, dst, es, false, self->gather_label_);
+  });
   set_state(UnitState::kGathering);
   trace_memory();
+}
+
+void Unit::gather_blocks(comm::Communicator& c, const void* src, void* dst, size_t es, bool trainable_block,
+                         const std::string& label) const {
+  // Block b's slices are at the same shard offset on every rank; gathered,
+  // they are the block, which starts where the blocks before it end.
+  size_t flat = 0;
+  for (const ShardRange& r : block_slices_) {
+    if (trainable_block && r.shard_begin > 0) break;
+    c.all_gather(static_cast<const char*>(src) + r.shard_begin * es, static_cast<char*>(dst) + flat * es, r.numel * es,
+                 label);
+    flat += r.numel * static_cast<size_t>(layout_.shard_world());
+  }
 }
 
 void Unit::wait_gathered(device::Stream& s) {
@@ -359,7 +378,7 @@ void Unit::backward_begin(device::Stream& s) {
     queued.front()->wait(rt_.opts.timeout_s);
     queued.pop_front();
   }
-  if (trainable_ && !grads_pending_) {
+  if (has_grads() && !grads_pending_) {
     // Alone with fp32 grads and a zero grad shard, the shard itself is the
     // grad buffer: nothing to allocate, zero, reduce or copy.
     grads_in_shard_ = can_write_shard_grads();
@@ -367,7 +386,7 @@ void Unit::backward_begin(device::Stream& s) {
       sgrad_zero_ = false;
       grad_sq_known_ = false;  // no pass of ours sees these grads before the step
     } else {
-      ugrad_ = rt_.grad_slots->acquire(layout_.padded_numel(), s, /*zeroed=*/true);
+      ugrad_ = rt_.grad_slots->acquire(layout_.trainable_padded_numel(), s, /*zeroed=*/true);
     }
   }
   set_state(UnitState::kBackward);
@@ -376,7 +395,7 @@ void Unit::backward_begin(device::Stream& s) {
 
 bool Unit::can_write_shard_grads() const {
   return rt_.alone() && !rt_.offload() && sgrad_zero_ && rt_.opts.param_dtype == DType::kFp32 &&
-         rt_.opts.reduce_dtype() == DType::kFp32 && layout_.padded_numel() == shard_numel();
+         rt_.opts.reduce_dtype() == DType::kFp32 && layout_.trainable_padded_numel() == trainable_shard_numel();
 }
 
 void Unit::backward_end(device::Stream& s) {
@@ -385,7 +404,7 @@ void Unit::backward_end(device::Stream& s) {
     bad_state("fsdp_backward_end", "the unit in backward (after fsdp_backward_begin)");
   }
   EventPtr used = note_host_use(s);
-  if (!trainable_) {
+  if (!has_grads()) {
     // Frozen: no grads to reduce.
   } else if (rt_.grad_sync) {
     reduce_event_ = submit_reduction(s, used);
@@ -445,7 +464,7 @@ EventPtr Unit::submit_reduction(device::Stream& s, EventPtr written) {
     rt_.copy_out->wait(reduce_event_);  // the unit's last reduction is done with on_host_
     EventPtr copied = rt_.copy_out->submit(tasks_.copy_out_grads, [self, grads] {
       Runtime& rt = self->rt_;
-      size_t padded = self->layout_.padded_numel();
+      size_t padded = self->layout_.trainable_padded_numel();
       DType pd = rt.opts.param_dtype;
       self->on_host_ = Buffer(rt.state_dev, &rt.mem, MemCategory::kScratch, pd, padded, /*zeroed=*/false);
       rt.dev->copy_to_host(self->on_host_.data(), grads, padded * dtype_size(pd));
@@ -454,7 +473,7 @@ EventPtr Unit::submit_reduction(device::Stream& s, EventPtr written) {
     return on_host_after(copied, [self] {
       Runtime& rt = self->rt_;
       accumulate_rounded(rt, self->sharded_grad(), self->on_host_.data(), rt.opts.param_dtype, rt.opts.reduce_dtype(),
-                         self->layout_.padded_numel(), &self->grad_sq_, /*clear=*/false);
+                         self->layout_.trainable_padded_numel(), &self->grad_sq_, /*clear=*/false);
       self->on_host_.reset();
     });
   }
@@ -500,14 +519,17 @@ EventPtr Unit::submit_reduction(device::Stream& s, EventPtr written) {
   });
 }
 
-size_t Unit::reduced_numel() const { return rt_.sharded() ? shard_numel() : layout_.padded_numel(); }
+size_t Unit::reduced_numel() const {
+  return rt_.sharded() ? trainable_shard_numel() : layout_.trainable_padded_numel();
+}
 
 void Unit::reduce_task(void* grads) {
   Runtime& rt = rt_;
   DType pd = rt.opts.param_dtype;
   DType rd = rt.opts.reduce_dtype();
-  size_t padded = layout_.padded_numel();
-  size_t shard = shard_numel();
+  // The trainable block alone: the front of the grads' flat buffer.
+  size_t padded = layout_.trainable_padded_numel();
+  size_t shard = trainable_shard_numel();
   auto op = rt.opts.reduce_op == ReduceOp::kAvg ? comm::RedOp::kAvg : comm::RedOp::kSum;
   Buffer converted;
   void* src = grads;
@@ -550,7 +572,7 @@ EventPtr Unit::on_host_after(const EventPtr& copied, device::Stream::Task work) 
 
 EventPtr Unit::accumulate_alone(device::Stream& s) {
   DType pd = rt_.opts.param_dtype, rd = rt_.opts.reduce_dtype();
-  size_t n = layout_.padded_numel();
+  size_t n = layout_.trainable_padded_numel();
   if (s.synchronous()) {
     TraceScope scope(rt_.trace, "accumulate grads of unit ", unit_tag());
     accumulate_rounded(rt_, sharded_grad(), ugrad_.data(), pd, rd, n, &grad_sq_, /*clear=*/true);
@@ -565,7 +587,7 @@ EventPtr Unit::accumulate_alone(device::Stream& s) {
   EventPtr done = s.submit(tasks_.accumulate, [self, grads] {
     Runtime& rt = self->rt_;
     accumulate_rounded(rt, self->sharded_grad(), grads, rt.opts.param_dtype, rt.opts.reduce_dtype(),
-                       self->layout_.padded_numel(), &self->grad_sq_, /*clear=*/true);
+                       self->layout_.trainable_padded_numel(), &self->grad_sq_, /*clear=*/true);
   });
   rt_.grad_slots->release(std::move(ugrad_), done, /*zero=*/true);
   return done;
@@ -610,7 +632,7 @@ void* Unit::param_ptr(size_t param_index) {
 void Unit::set_trainable(bool trainable) {
   if (trainable == trainable_) return;
   trainable_ = trainable;
-  sgrad_ = trainable ? Buffer(rt_.state_dev, &rt_.mem, MemCategory::kShardedGrads, DType::kFp32, shard_numel())
+  sgrad_ = trainable ? Buffer(rt_.state_dev, &rt_.mem, MemCategory::kShardedGrads, DType::kFp32, trainable_shard_numel())
                      : Buffer();
   grads_cleared();
   trace_memory();
@@ -623,12 +645,20 @@ void Unit::refuse_frozen(const char* call) const {
                                    "no grads; its backward computes only the grads of its inputs");
 }
 
+void Unit::refuse_frozen_param(size_t param_index, const char* call) const {
+  if (param_trainable(param_index)) return;
+  fail(FSDP_ERR_INVALID_STATE, std::string(call) + ": param " + base::quote(layout_.param(param_index).name) +
+                                   " of unit " + base::quote(name_) + " (" + rt_.where() +
+                                   ") is frozen (fsdp_param_set_trainable), so it has no grads");
+}
+
 void* Unit::grad_ptr(size_t param_index) {
   check_param_index(param_index, "fsdp_grad_ptr");
   if (state_ != UnitState::kBackward) {
     bad_state("fsdp_grad_ptr", "the unit in backward (between fsdp_backward_begin and fsdp_backward_end)");
   }
   refuse_frozen("fsdp_grad_ptr");
+  refuse_frozen_param(param_index, "fsdp_grad_ptr");
   void* grads = grads_in_shard_ ? sgrad_.data() : ugrad_.data();
   return static_cast<char*>(grads) + layout_.param_offset(param_index) * dtype_size(rt_.opts.param_dtype);
 }
@@ -651,6 +681,7 @@ void Unit::gather_param(size_t param_index, float* out, size_t numel) {
 void Unit::gather_grad(size_t param_index, float* out, size_t numel) {
   check_gather_out(param_index, numel, "fsdp_gather_grad");
   refuse_frozen("fsdp_gather_grad");
+  refuse_frozen_param(param_index, "fsdp_gather_grad");
   if (grads_pending_) {
     fail(FSDP_ERR_INVALID_STATE, "fsdp_gather_grad on unit " + base::quote(name_) + " (" + rt_.where() +
                                      "): its grads were accumulated with gradient sync off and are not reduced yet; "
@@ -669,17 +700,72 @@ void Unit::gather_shard(const float* shard, size_t param_index, float* out, size
     rt_.state_dev->copy_to_host(out, shard + off, numel * sizeof(float));
     return;
   }
+  // A grad shard (the trainable block's slice) gathers that block alone.
+  const bool grads = shard == sharded_grad();
+  const size_t n = grads ? trainable_shard_numel() : shard_numel();
   // The collective runs on the compute device: an offloaded shard is staged there.
   const float* src = shard;
   Buffer staged;
   if (rt_.offload()) {
-    staged = Buffer(rt_.dev, &rt_.mem, MemCategory::kScratch, DType::kFp32, shard_numel(), /*zeroed=*/false);
-    rt_.dev->copy_from_host(staged.data(), shard, shard_numel() * sizeof(float));
+    staged = Buffer(rt_.dev, &rt_.mem, MemCategory::kScratch, DType::kFp32, n, /*zeroed=*/false);
+    rt_.dev->copy_from_host(staged.data(), shard, n * sizeof(float));
     src = staged.as<float>();
   }
-  Buffer full(rt_.dev, &rt_.mem, MemCategory::kScratch, DType::kFp32, layout_.padded_numel(), /*zeroed=*/false);
-  rt_.shard_sync->all_gather(src, full.data(), shard_numel() * sizeof(float), label(call));
+  Buffer full(rt_.dev, &rt_.mem, MemCategory::kScratch, DType::kFp32, n * static_cast<size_t>(rt_.shard_world()),
+              /*zeroed=*/false);
+  gather_blocks(*rt_.shard_sync, src, full.data(), sizeof(float), grads, label(call));
   rt_.dev->copy_to_host(out, full.as<float>() + off, numel * sizeof(float));
+}
+
+std::vector<float> Unit::gather_to_host(const float* shard, bool trainable_block, const char* call) {
+  const size_t n = trainable_block ? trainable_shard_numel() : shard_numel();
+  const size_t w = static_cast<size_t>(rt_.shard_world());
+  std::vector<float> out(n * w);
+  if (n == 0) return out;
+  if (w == 1) {
+    rt_.state_dev->copy_to_host(out.data(), shard, n * sizeof(float));
+    return out;
+  }
+  const float* src = shard;
+  Buffer staged;
+  if (rt_.offload()) {
+    staged = Buffer(rt_.dev, &rt_.mem, MemCategory::kScratch, DType::kFp32, n, /*zeroed=*/false);
+    rt_.dev->copy_from_host(staged.data(), shard, n * sizeof(float));
+    src = staged.as<float>();
+  }
+  Buffer full(rt_.dev, &rt_.mem, MemCategory::kScratch, DType::kFp32, n * w, /*zeroed=*/false);
+  gather_blocks(*rt_.shard_sync, src, full.data(), sizeof(float), trainable_block, label(call));
+  rt_.dev->copy_to_host(out.data(), full.data(), n * w * sizeof(float));
+  return out;
+}
+
+void Unit::relayout(const std::vector<bool>& frozen) {
+  drop_stale_gathered();
+  if (!rt_.gathers()) wait_host_use();
+  const std::vector<float> old_flat = gather_to_host(master(), false, "fsdp_param_set_trainable");
+  const FlatLayout old = layout_;
+  std::vector<ParamSpec> params;
+  for (size_t i = 0; i < old.n_params(); ++i) params.push_back(old.param(i));
+  layout_ = FlatLayout(std::move(params), rt_.opts.align_bytes / sizeof(float), rt_.shard_world(), frozen);
+  segments_ = layout_.shard_segments(rt_.shard_rank());
+  block_slices_ = layout_.shard_ranges(0);
+  std::vector<float> shard(layout_.shard_numel(), 0.0f);  // padding: zero
+  for (const ShardSegment& seg : segments_) {
+    const float* from = old_flat.data() + old.param_offset(seg.param_index) + seg.param_begin;
+    std::copy(from, from + seg.numel, shard.begin() + static_cast<ptrdiff_t>(seg.shard_begin));
+  }
+  master_ = Buffer(rt_.state_dev, &rt_.mem, MemCategory::kShardedParams, DType::kFp32, shard.size());
+  rt_.state_dev->copy_from_host(master_.data(), shard.data(), shard.size() * sizeof(float));
+  if (!lowp_.empty()) {
+    lowp_ = Buffer(rt_.state_dev, &rt_.mem, MemCategory::kShardedParams, lowp_.dtype(), shard.size());
+    rt_.state_dev->cast(lowp_.data(), lowp_.dtype(), master_.data(), DType::kFp32, shard.size());
+  }
+  if (trainable_) {
+    sgrad_ = Buffer(rt_.state_dev, &rt_.mem, MemCategory::kShardedGrads, DType::kFp32, trainable_shard_numel());
+  }
+  grads_cleared();
+  make_task_labels();
+  trace_memory();
 }
 
 }  // namespace fsdp::core

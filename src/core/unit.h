@@ -61,6 +61,27 @@ class Unit {
   // frees or allocates (zeroed) the grad shard.
   bool trainable() const { return trainable_; }
   void set_trainable(bool trainable);
+  // A param frozen inside the unit (fsdp_param_set_trainable) lies in the
+  // layout's frozen block: no grads, no state, no bytes in a reduction.
+  bool param_trainable(size_t param_index) const { return !layout_.frozen(param_index); }
+  // Grads exist for this unit: trainable, with a trainable param in it.
+  bool has_grads() const { return trainable_ && layout_.trainable_padded_numel() > 0; }
+  // The whole flat fp32 buffer whose shard is `shard` (this unit's layout:
+  // the master, or with `trainable_block` a state or the grads, which cover
+  // the trainable block alone), gathered over the shard group into host
+  // memory. Collective.
+  std::vector<float> gather_to_host(const float* shard, bool trainable_block, const char* call);
+  // Lays the unit out again with `frozen` params (the Context checked the
+  // call): the master moves to the new layout (gathered through the host,
+  // one unit's full params), the param_dtype copy follows, the grad shard
+  // restarts from zero at its new length. The caller moves the optimizer
+  // state (Optimizer::relayout).
+  void relayout(const std::vector<bool>& frozen);
+  // The all-gather of `src` (this rank's shard, `es` bytes per element, on
+  // the compute device) into the flat buffer `dst`: one collective per block
+  // (only the trainable block's with `trainable_block`).
+  void gather_blocks(comm::Communicator& c, const void* src, void* dst, size_t es, bool trainable_block,
+                     const std::string& label) const;
   void set_weight_decay(size_t param_index, double weight_decay);
   // A checkpoint is read into the fp32 master shard in place: the shard,
   // once the caller's stream no longer reads it (the unit holds no gathered
@@ -115,9 +136,14 @@ class Unit {
   bool grad_sq_known() const { return grad_sq_known_; }
   double grad_sq() const { return grad_sq_; }
 
-  // The rank's shards, for the optimizer and fsdp_shard_info.
+  // The rank's shards, for the optimizer and fsdp_shard_info: the master
+  // (shard_numel) is the rank's slice of the trainable block, then of the
+  // frozen block; the grads and the optimizer state cover the first
+  // (trainable_shard_numel). shard_offset: where the first slice starts in
+  // the flat buffer.
   size_t shard_numel() const { return layout_.shard_numel(); }
-  size_t shard_offset() const { return layout_.shard_offset(rt_.shard_rank()); }
+  size_t trainable_shard_numel() const { return layout_.trainable_shard_numel(); }
+  size_t shard_offset() const { return layout_.shard_ranges(rt_.shard_rank()).front().flat_begin; }
   float* master() const { return master_.as<float>(); }
   float* sharded_grad() const { return sgrad_.as<float>(); }  // null while frozen
   // The param_dtype copy of the shard (null when param_dtype is fp32). These
@@ -129,11 +155,15 @@ class Unit {
   void check_param_index(size_t param_index, const char* call) const;
   // FSDP_ERR_INVALID_STATE naming `call` when the unit is frozen.
   void refuse_frozen(const char* call) const;
+  // FSDP_ERR_INVALID_STATE naming `call` when param `param_index` is frozen.
+  void refuse_frozen_param(size_t param_index, const char* call) const;
   // gather_param's and gather_grad's argument and state checks.
   void check_gather_out(size_t param_index, size_t numel, const char* call) const;
   // Copies param `param_index`'s range of the flat fp32 state whose shard is
   // `shard` (master or grads, state device) into the host's `out`.
   void gather_shard(const float* shard, size_t param_index, float* out, size_t numel, const char* call);
+  // The task labels (with byte counts) of the current layout.
+  void make_task_labels();
   [[noreturn]] void bad_state(const char* call, const char* expected) const;
   void* full_params() const;
   // `s` waits for the gather (GATHERING|GATHERED -> in use); a synchronous
@@ -178,6 +208,9 @@ class Unit {
   std::string tag_;  // unit_tag(): quoted once, as messages and every collective's label use it
   FlatLayout layout_;
   std::vector<ShardSegment> segments_;
+  // The blocks' slices (as every rank's shard holds them): what the gathers
+  // move, kept so that a transition allocates nothing.
+  std::vector<ShardRange> block_slices_;
   std::vector<double> weight_decay_;
   std::vector<Hyper> hyper_;
   UnitState state_ = UnitState::kSharded;

@@ -118,6 +118,7 @@ int run_consolidate(const Args& a) {
   ckpt::Meta out = in;
   out.kind = "full";
   out.shard_world = 1;
+  for (ckpt::UnitMeta& u : out.units) u.trainable_numel = -1;  // no flat layout in a full checkpoint
   out.library = ckpt::library_name();
   out.files.clear();
   // Before the destination is touched: the param names must suit a full checkpoint.
@@ -137,7 +138,9 @@ int run_consolidate(const Args& a) {
     for (size_t p = 0; p < n; ++p) copy_param(r, u, p, "param", buf, *w.model);
     if (!in.units[u].trainable) continue;  // a frozen unit has no optimizer state
     for (const std::string& s : states) {
-      for (size_t p = 0; p < n; ++p) copy_param(r, u, p, s, buf, *w.optimizer);
+      for (size_t p = 0; p < n; ++p) {
+        if (in.units[u].params[p].trainable) copy_param(r, u, p, s, buf, *w.optimizer);  // a frozen param: none
+      }
     }
   }
   out.files.push_back(w.model->finish());
@@ -169,10 +172,15 @@ int run_reshard(const Args& a) {
   size_t largest = 1;
   for (ckpt::UnitMeta& u : out.units) {
     std::vector<fsdp::ParamSpec> specs;
-    for (const ckpt::ParamMeta& p : u.params) specs.push_back({p.name, p.shape, static_cast<size_t>(p.numel)});
-    layouts.emplace_back(std::move(specs), static_cast<size_t>(in.align_elems), world);
+    std::vector<bool> frozen;  // params frozen inside the unit keep their block
+    for (const ckpt::ParamMeta& p : u.params) {
+      specs.push_back({p.name, p.shape, static_cast<size_t>(p.numel)});
+      frozen.push_back(!p.trainable);
+    }
+    layouts.emplace_back(std::move(specs), static_cast<size_t>(in.align_elems), world, frozen);
     const fsdp::FlatLayout& lay = layouts.back();
     u.padded_numel = lay.padded_numel();
+    u.trainable_numel = lay.has_frozen() ? static_cast<int64_t>(lay.trainable_padded_numel()) : -1;
     for (size_t i = 0; i < u.params.size(); ++i) u.params[i].offset = lay.param_offset(i);
     largest = std::max(largest, lay.shard_numel());
   }
@@ -185,7 +193,8 @@ int run_reshard(const Args& a) {
     for (size_t u = 0; u < layouts.size(); ++u) {
       for (const std::string& k : ckpt::tensor_kinds(in.optimizer, in.units[u])) {  // a frozen unit: params only
         r.read_shard(u, k, layouts[u], s, buf.data());
-        w->write(buf.data(), layouts[u].shard_numel() * sizeof(float));
+        const size_t n = k == "param" ? layouts[u].shard_numel() : layouts[u].trainable_shard_numel();
+        w->write(buf.data(), n * sizeof(float));
       }
     }
     out.files.push_back(w->finish());

@@ -53,6 +53,8 @@ _PROTOTYPES = {
     "fsdp_param_set_weight_decay": (None, [c_void_p, c_size_t, c_double]),
     "fsdp_unit_set_trainable": (None, [c_void_p, c_void_p, c_int]),
     "fsdp_unit_trainable": (None, [c_void_p, P(c_int)]),
+    "fsdp_param_set_trainable": (None, [c_void_p, c_void_p, c_size_t, c_int]),
+    "fsdp_param_trainable": (None, [c_void_p, c_size_t, P(c_int)]),
     "fsdp_set_param_group": (None, [c_void_p, c_char_p, c_char_p, P(c_size_t)]),
     "fsdp_step_begin": (None, [c_void_p, c_void_p, P(c_int), P(ctypes.c_float)]),
     "fsdp_step_end": (None, [c_void_p, c_void_p]),

@@ -525,6 +525,21 @@ class Unit:
         check(LIB.fsdp_unit_set_trainable(self.ctx._handle(), self._handle(), 1 if trainable else 0),
               "fsdp_unit_set_trainable")
 
+    def param_trainable(self, i):
+        """False once param i is frozen inside the unit (set_param_trainable(i, False))."""
+        out = ctypes.c_int(1)
+        check(LIB.fsdp_param_trainable(self._handle(), i, ctypes.byref(out)), "fsdp_param_trainable")
+        return out.value == 1
+
+    def set_param_trainable(self, i, trainable):
+        """Freezes (False) or unfreezes (True) param i alone: collective, between steps
+        (fsdp_param_set_trainable). The unit lays its frozen params out in a block of their own, with no grads,
+        no optimizer state and no bytes in the reduction; params keep their values, the params that stay
+        trainable keep their state, an unfrozen one starts fresh."""
+        check(LIB.fsdp_param_set_trainable(self.ctx._handle(), self._handle(), i, 1 if trainable else 0),
+              "fsdp_param_set_trainable")
+        self._flat = None  # the unit was laid out again
+
     # ---- the pass ----
     # stream (CUDA only): the stream the host computes on: a cudaStream_t as an int, an object with
     # __cuda_stream__, a torch.cuda.Stream or a cupy.cuda.Stream (stream_handle); None passes NULL, the
@@ -582,27 +597,35 @@ class Unit:
         from the first param's start to the last param's end, and each param's element offset in it; param
         i is array[offsets[i]:offsets[i] + numel(i)] reshaped to shapes[i]. One DLPack import per unit
         instead of one per param. Valid as param_array()/grad_array() are; the params' part read only.
-        None for a unit without elements or if the pointers do not lie at their flat_range offsets."""
+        None for a unit without elements or if the pointers do not lie at their flat_range offsets. With
+        grad=True a param frozen in the unit (set_param_trainable) has no grads: its offset is None."""
         if self._flat is None:
             self._flat = [self.flat_range(i) for i in range(len(self.names))]
-        first = next((k for k, (_, n) in enumerate(self._flat) if n), None)
-        if first is None:
+        flat = self._flat
+        if grad:
+            if not self.trainable:
+                return None
+            flat = [r if self.param_trainable(i) else None for i, r in enumerate(flat)]
+        # The param that starts lowest (frozen params lie after the trainable ones, whatever their index).
+        live = [k for k, r in enumerate(flat) if r is not None and r[1]]
+        if not live:
             return None
+        first = min(live, key=lambda k: flat[k][0])
         fn, what = (LIB.fsdp_grad_ptr, "grad") if grad else (LIB.fsdp_param_ptr, "param")
         ctx = self.ctx
         esz = 4 if ctx.param_dtype == "fp32" else 2
-        start = self._flat[first][0]
+        start = flat[first][0]
         _, base = self._ptr(fn, first, what)
-        for i, (off, n) in enumerate(self._flat):
-            if n and self._ptr(fn, i, what)[1] != base + (off - start) * esz:
+        for i, r in enumerate(flat):
+            if r is not None and r[1] and self._ptr(fn, i, what)[1] != base + (r[0] - start) * esz:
                 return None
-        last = max(off + n for off, n in self._flat)
+        last = max(off + n for off, n in (r for r in flat if r is not None))
         cuda = ctx.device_kind == "cuda"
         arr = DeviceArray(base, (last - start,), _ARRAY_DTYPES[ctx.param_dtype], device=ctx.device_kind,
                           device_id=ctx.device_id, stream=(self._last_stream or 1) if cuda else None, owner=self,
                           readonly=not grad,
                           sync=functools.partial(cudart.stream_wait, device_id=ctx.device_id) if cuda else None)
-        return arr, [off - start for off, _ in self._flat]
+        return arr, [None if r is None else r[0] - start for r in flat]
 
     def param_array(self, i):
         """param(i) as a DeviceArray (any device): DLPack (numpy/torch/cupy/jax .from_dlpack) and, on CUDA,

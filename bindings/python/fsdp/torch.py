@@ -104,6 +104,7 @@ class _UnitState:
         self.cache = {}  # (grad, data pointer) -> (base tensors, views): gathered slots come back
         self.pending = 0  # forward calls whose _PostBackward has not run yet (this step)
         self.in_forward = 0  # nested calls of the unit module
+        self.requires_grad = [True] * len(params)  # the flags libfsdp was last told (_sync_trainable)
 
 
 class ShardedModule:
@@ -146,6 +147,28 @@ class ShardedModule:
                     st.unit.set_values(i, p.detach().to(torch.float32).cpu().numpy())
                 p.data = self._empty  # the model's own copy goes: the unit holds the values now
 
+    def _sync_trainable(self):
+        """requires_grad=False params are frozen in libfsdp: a unit whose params are all frozen as a whole
+        (fsdp_unit_set_trainable), else param by param inside it (fsdp_param_set_trainable: no grads, no
+        optimizer state, no bytes in the reduction). Collective; at shard() and before each forward of the
+        root, when a flag changed since (between steps, as torch's own optimizers see it)."""
+        for st in self._states:
+            flags = [bool(p.requires_grad) for p in st.params]
+            if flags == st.requires_grad:
+                continue
+            unit_on = any(flags) or not flags
+            if not unit_on:
+                if st.unit.trainable:
+                    st.unit.set_trainable(False)
+            else:
+                for i, f in enumerate(flags):  # inside a frozen unit this moves no optimizer state
+                    if st.unit.param_trainable(i) != f:
+                        st.unit.set_param_trainable(i, f)
+                if not st.unit.trainable:
+                    st.unit.set_trainable(True)
+            st.requires_grad = flags
+            st.cache.clear()  # the unit was laid out again: the views' offsets moved
+
     def _install(self):
         model = self.model
         for st in self._states:
@@ -166,6 +189,10 @@ class ShardedModule:
         """The unit's params (or grads) as torch tensors over libfsdp's memory, one DLPack import per unit
         (per param where the params do not lie in one span), cached by the memory's address."""
         unit = st.unit
+        # Grads exist for the params libfsdp trains: none in a frozen unit, none for a frozen param.
+        has = [not grad or (any(st.requires_grad) and f) for f in st.requires_grad]
+        if not any(has):
+            return [], [None] * len(st.params)
         got = unit.flat_array(grad=grad)
         if got is not None:
             arr, offs = got
@@ -175,13 +202,15 @@ class ShardedModule:
                 return hit
             flat = torch.from_dlpack(arr)
             base = [flat]
-            views = [flat[o:o + unit.numel(i)].view(unit.shapes[i]) for i, o in enumerate(offs)]
+            views = [flat[o:o + unit.numel(i)].view(unit.shapes[i]) if o is not None else None
+                     for i, o in enumerate(offs)]
         else:
-            base = [torch.from_dlpack(unit.grad_array(i) if grad else unit.param_array(i)) if unit.numel(i)
-                    else torch.empty(unit.shapes[i], dtype=self._pdtype, device=self._device)
+            base = [(torch.from_dlpack(unit.grad_array(i) if grad else unit.param_array(i)) if unit.numel(i)
+                     else torch.empty(unit.shapes[i], dtype=self._pdtype, device=self._device)) if has[i] else None
                     for i in range(len(unit.names))]
             views = base
-            key = (grad, tuple(t.data_ptr() for t in base))
+            key = (grad, tuple(t.data_ptr() if t is not None else 0 for t in base))
+            base = [t for t in base if t is not None]
         if len(st.cache) >= 8:  # a few slots per unit come back; forget the oldest
             st.cache.pop(next(iter(st.cache)))
         st.cache[key] = (base, views)
@@ -203,7 +232,8 @@ class ShardedModule:
         if phase == "backward":
             _, st.grads = self._make_views(st, grad=True)
             for p, g in zip(st.params, st.grads):
-                p.grad = g
+                if g is not None:  # a frozen param (requires_grad=False) has none
+                    p.grad = g
         if self._check_writes:
             st.versions = [p._version for p in st.params]
 
@@ -283,6 +313,7 @@ class ShardedModule:
         if self._saved_hooks is not None:
             raise InvalidState(2, "fsdp.torch: the model's forward was entered again before it returned")
         self._check_params()
+        self._sync_trainable()
         if self._pack_saved:
             self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
             self._saved_hooks.__enter__()
@@ -303,7 +334,6 @@ class ShardedModule:
 
     def _check_params(self):
         now = list(self.model.named_parameters())
-        _refuse_frozen(now)
         if len(now) != len(self._expected) or any(a is not b or n != m for (n, a), (m, b) in zip(now, self._expected)):
             known = {id(p) for _, p in self._expected}
             new = [n for n, p in now if id(p) not in known]
@@ -397,7 +427,8 @@ class ShardedModule:
         """Collective: {param name: reduced fp32 grad as a torch tensor} (fsdp_gather_grad), after backward
         and before step(); for tests of an integration."""
         return {self._param_names[p]: torch.from_numpy(st.unit.gather_grad(i))
-                for st in self._states for i, p in enumerate(st.params)}
+                for st in self._states for i, p in enumerate(st.params) if any(st.requires_grad) and
+                st.requires_grad[i]}
 
     def load_pretrained(self, path, **kwargs):
         """Collective: the params from a Hugging Face checkpoint directory (save_pretrained's safetensors, one
@@ -442,14 +473,6 @@ class ShardedModule:
         self.close()
 
 
-def _refuse_frozen(named_params):
-    frozen = [n for n, p in named_params if not p.requires_grad]
-    if frozen:
-        raise Unsupported(3, f"fsdp.torch: params with requires_grad=False ({', '.join(frozen[:5])}"
-                             f"{', ...' if len(frozen) > 5 else ''}) are not supported yet: libfsdp's optimizer "
-                             f"would update them (weight decay, moments) although torch computes no grad for them")
-
-
 def _group(model, units):
     """[(unit name, module, [(param name, param)])]: the root first (params outside every unit module,
     and params shared between units), then each unit module in module order."""
@@ -465,7 +488,6 @@ def _group(model, units):
             if not isinstance(m, nn.Module):
                 raise InvalidArgument(1, f"fsdp.torch.shard: units must be modules, module classes or a predicate "
                                          f"(name, module) -> bool; got {type(m).__name__}")
-    _refuse_frozen(list(model.named_parameters()))
     names, rank_of = {}, {}
     for n, m in model.named_modules(remove_duplicate=False):
         names.setdefault(m, n)
@@ -533,6 +555,7 @@ def shard(model, units=None, *, group=None, rank=None, config=None, sync_module_
         groups = _group(model, units)
         sharded = ShardedModule(model, ctx, groups, check_writes, pack_saved)
         sharded._set_values(str(sync) not in ("0", "false", "False"))
+        sharded._sync_trainable()
         sharded._install()
     except BaseException:
         ctx.close()

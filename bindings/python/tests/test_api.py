@@ -442,6 +442,33 @@ def test_frozen_unit_has_no_grads_and_stays_as_it_was():
         np.testing.assert_allclose(w_live, init - 0.1, rtol=1e-5, atol=1e-6)
 
 
+def test_frozen_param_inside_a_unit_keeps_its_values_and_its_unit_trains_the_rest():
+    """Unit.set_param_trainable(0, False): the weight keeps its values bitwise and refuses its grad, the bias
+    in the same unit trains as SGD says; the grads and the reduction cover the bias's block alone."""
+    def fn(rank, group):
+        with fsdp.Context(fsdp.Config(sharding="FULL_SHARD", **SGD), group, rank) as ctx:
+            u = ctx.register_unit("u", {"w": (40, 3), "b": (120,)})  # 120 each: whole 64-byte blocks per rank
+            for i, shape in enumerate(u.shapes):
+                u.set_values(i, np.ones(shape, np.float32))
+            before = ctx.memory_stats()
+            u.set_param_trainable(0, False)
+            after = ctx.memory_stats()
+            assert not u.param_trainable(0) and u.param_trainable(1)
+            ctx.reset_comm_stats()
+            with u.backward():
+                with pytest.raises(fsdp.InvalidState, match="is frozen"):
+                    u.grad(0)
+                u.grad(1)[...] += rank + 1
+            ctx.step()
+            return before, after, ctx.comm_stats(), u.gather(0), u.gather(1)
+
+    for before, after, comm, w, b in fsdp.run_ranks(2, fn):
+        assert after.sharded_grads_nbytes * 2 == before.sharded_grads_nbytes > 0  # two params of 120, one left
+        assert comm.reduce_scatter_calls == 1 and comm.reduce_scatter_nbytes == 2 * after.sharded_grads_nbytes
+        np.testing.assert_array_equal(w, np.ones((40, 3), np.float32))
+        np.testing.assert_array_equal(b, np.full(120, 1 - 1.5, np.float32))
+
+
 def test_param_group_scales_the_lr_of_the_params_it_matches():
     """SGD with lr 1: a group at lr_scale 0.25 moves by a quarter of the mean grad, the rest by all of it;
     set_lr keeps scaling the group; misuse raises and changes nothing."""
@@ -501,3 +528,36 @@ def test_host_optimizer_updates_the_shards_between_step_begin_and_step_end():
         np.testing.assert_array_equal(w, np.full(5, -2.75, np.float32))
         np.testing.assert_array_equal(b, np.full(3, -2.75, np.float32))
         assert steps == 2
+
+
+def test_the_checkpoint_reader_of_the_docs_reads_a_unit_with_a_frozen_param(tmp_path):
+    """docs/checkpoints.md's load_param (numpy, no libfsdp) on a sharded checkpoint of world 3 whose unit
+    holds a frozen param (two blocks): every param as gathered, the trainable ones' exp_avg as AdamW made it
+    (0.1 times the mean grad, 2), the frozen one's none (zeros)."""
+    import re
+    doc = open(os.path.join(os.path.dirname(__file__), "..", "..", "..", "docs", "checkpoints.md")).read()
+    code = re.search(r"```python\nimport json, os\nimport numpy as np\n(.*?)\nw = load_param", doc, re.S).group(1)
+    ns = {}
+    exec("import json, os\nimport numpy as np\n" + code, ns)
+    d = str(tmp_path / "ck")
+
+    def fn(rank, group):
+        with fsdp.Context(fsdp.Config(sharding="FULL_SHARD", optimizer="adamw", lr=0.1, timeout_s=20,
+                                      align_bytes=16), group, rank) as ctx:
+            u = ctx.register_unit("u", {"a": (7, 3), "b": (5,), "c": (9,)})
+            for i, s in enumerate(u.shapes):
+                u.set_values(i, np.arange(np.prod(s), dtype=np.float32).reshape(s) + 100 * i)
+            u.set_param_trainable(1, False)
+            with u.backward():
+                for i in (0, 2):
+                    u.grad(i)[...] += 1.0 + rank
+            ctx.step()
+            ctx.save(d, "sharded")
+            return [u.gather(i) for i in range(3)]
+
+    got = fsdp.run_ranks(3, fn)[0]
+    for i, name in enumerate("abc"):
+        np.testing.assert_array_equal(ns["load_param"](d, "u", name), got[i])
+    for name in "ac":
+        np.testing.assert_allclose(ns["load_param"](d, "u", name, "exp_avg"), 0.2, rtol=1e-6)
+    assert not ns["load_param"](d, "u", "b", "exp_avg").any()

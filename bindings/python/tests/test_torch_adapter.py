@@ -341,21 +341,73 @@ def test_changed_params_after_shard_are_refused_by_name():
     assert fsdp.run_ranks(1, rank_fn) == [True]
 
 
-def test_frozen_params_are_refused_at_shard_and_at_forward():
-    model = make_net()
-    model.inp.weight.requires_grad_(False)
-    with pytest.raises(fsdp.Unsupported, match=r"requires_grad=False \(inp\.weight\)"):
-        ft.shard(model, units=Block)
+def _freeze(model, step):
+    """requires_grad=False on a whole Block (a frozen unit), on one param inside another Block and one of
+    the root unit (units that mix frozen and trainable params); from step 4 blocks.0.fc1.weight trains again
+    (its AdamW state starts then, with its own step count, as torch.optim.AdamW's per-param state does)."""
+    if step == 0:
+        for p in model.blocks[1].parameters():
+            p.requires_grad_(False)
+        model.blocks[0].fc1.weight.requires_grad_(False)
+        model.inp.weight.requires_grad_(False)
+    if step == 4:
+        model.blocks[0].fc1.weight.requires_grad_(True)
 
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_requires_grad_false_params_are_frozen_like_torch_freezes_them(world):
+    """A PEFT-style frozen model: params with requires_grad=False get no grads, no optimizer state and no
+    reduction in libfsdp, and training matches torch.optim.AdamW on the unsharded model with the same flags
+    (tolerances as test_mlp_matches_plain_torch); the frozen params end bitwise as they started; grads and
+    optimizer state shrink by the frozen params' share; flipping a flag between steps takes effect."""
+    init = make_net()
+    x, y = make_data()
+    ref_losses, ref_grads, ref_params = reference_train(init, x, y, STEPS, on_step=_freeze)
+
+    def rank_fn(rank, group):
+        model = copy.deepcopy(init)
+        with ft.shard(model, units=Block, group=group, rank=rank, **HYPER) as sh:
+            before = sh.ctx.memory_stats()
+            rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+            losses, grads0, mem = [], None, None
+            for step in range(STEPS):
+                _freeze(model, step)
+                loss = mse(model, x[rows], y[rows])
+                loss.backward()
+                if step == 0:
+                    grads0 = sh.gather_grads()
+                    mem = sh.ctx.memory_stats()
+                sh.step()
+                losses.append(float(sh.ctx.metrics_reduce([loss.item()], "avg")[0]))
+            frozen_flags = [u.trainable for u in sh.units]
+            return losses, grads0, sh.state_dict(), before, mem, frozen_flags
+
+    losses, grads, params, before, mem, flags = fsdp.run_ranks(world, rank_fn)[0]
+    assert set(grads) == set(ref_grads), "gather_grads must list the trainable params alone"
+    close(grads, ref_grads, 1e-5, 1e-6, "grad")
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    close(params, ref_params, 0, 2e-5, "param")
+    for name in ("blocks.1.fc1.weight", "inp.weight"):
+        assert torch.equal(params[name], init.state_dict()[name]), f"{name} is frozen and changed"
+    assert flags.count(False) == 1, "blocks.1 is frozen as a unit"
+    frozen = sum(p.numel() for p in init.blocks[1].parameters()) + init.blocks[0].fc1.weight.numel() + \
+        init.inp.weight.numel()
+    total = sum(p.numel() for p in init.parameters())
+    # Grads 4 bytes and AdamW 8 bytes per element of the shards: the frozen share is gone (padding aside).
+    assert mem.sharded_grads_nbytes < before.sharded_grads_nbytes * (total - frozen) / total * 1.2 + 512
+    assert mem.optimizer_state_nbytes == 2 * mem.sharded_grads_nbytes
+
+
+def test_a_requires_grad_flag_that_differs_across_ranks_is_refused():
     def rank_fn(rank, group):
         model = make_net()
         with ft.shard(model, units=Block, group=group, rank=rank):
-            model.blocks[0].fc1.bias.requires_grad_(False)
-            with pytest.raises(fsdp.Unsupported, match=r"blocks\.0\.fc1\.bias"):
+            model.blocks[0].fc1.bias.requires_grad_(rank == 0)
+            with pytest.raises(fsdp.FsdpError, match="fsdp_param_set_trainable"):
                 model(torch.randn(2, 6))
             return True
 
-    assert fsdp.run_ranks(1, rank_fn) == [True]
+    assert fsdp.run_ranks(2, rank_fn) == [True, True]
 
 
 def test_bad_units_are_refused():

@@ -53,11 +53,12 @@ def mse(model, x, y):
     return ((model(x) - y) ** 2).mean()
 
 
-def reference_train(init, x, y, steps, dtype=torch.float32, micro=1):
+def reference_train(init, x, y, steps, dtype=torch.float32, micro=1, on_step=None):
     """Plain torch on the whole batch: fp32 master params and torch.optim.AdamW; with dtype bf16 the forward
     and backward run on a bf16 copy of the master (what libfsdp's param_dtype=bf16 does), the grads are
     converted to fp32 for the update. micro > 1: the batch in `micro` micro-batches, grads summed (each
-    micro-batch's loss divided by micro). Returns (per-step losses, the first step's grads, final params)."""
+    micro-batch's loss divided by micro. on_step(model, step) runs before each step's forward (a test's
+    change of requires_grad). Returns (per-step losses, the first step's grads, final params)."""
     master = copy.deepcopy(init)
     compute = master if dtype == torch.float32 else copy.deepcopy(init).to(dtype)
     opt = torch.optim.AdamW(master.parameters(), lr=HYPER["lr"], betas=(HYPER["beta1"], HYPER["beta2"]),
@@ -65,6 +66,8 @@ def reference_train(init, x, y, steps, dtype=torch.float32, micro=1):
     losses, grads0 = [], None
     mp, cp = list(master.parameters()), list(compute.parameters())
     for step in range(steps):
+        if on_step is not None:
+            on_step(master, step)
         if compute is not master:
             with torch.no_grad():
                 for c, m in zip(cp, mp):
@@ -79,7 +82,7 @@ def reference_train(init, x, y, steps, dtype=torch.float32, micro=1):
                 m.grad = c.grad.float()
                 c.grad = None
         if step == 0:
-            grads0 = {n: p.grad.detach().clone() for n, p in master.named_parameters()}
+            grads0 = {n: p.grad.detach().clone() for n, p in master.named_parameters() if p.grad is not None}
         opt.step()
         opt.zero_grad()
         losses.append(total)
