@@ -19,8 +19,12 @@ trap 'rm -f "$out"' EXIT
 trap '[ -n "${child:-}" ] && kill -TERM "$child" 2>/dev/null' TERM INT
 "$@" >"$out" 2>&1 &
 child=$!
-rc=0
-while kill -0 "$child" 2>/dev/null; do  # a trapped signal ends a wait early: wait again
+# wait first: a child that is done already (bash may have reaped it, so that
+# kill -0 fails) still gives its status to wait; then wait again while it
+# lives, as a trapped signal ends a wait early.
+wait "$child"
+rc=$?
+while kill -0 "$child" 2>/dev/null; do
   wait "$child"
   rc=$?
 done

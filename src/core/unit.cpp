@@ -291,7 +291,7 @@ void Unit::gather_blocks(comm::Communicator& c, const void* src, void* dst, size
   // they are the block, which starts where the blocks before it end.
   size_t flat = 0;
   for (const ShardRange& r : block_slices_) {
-    if (trainable_block && r.shard_begin > 0) break;
+    if (trainable_block && r.shard_begin >= layout_.trainable_shard_numel()) break;  // the frozen block
     c.all_gather(static_cast<const char*>(src) + r.shard_begin * es, static_cast<char*>(dst) + flat * es, r.numel * es,
                  label);
     flat += r.numel * static_cast<size_t>(layout_.shard_world());
@@ -702,7 +702,12 @@ void Unit::gather_shard(const float* shard, size_t param_index, float* out, size
   }
   // A grad shard (the trainable block's slice) gathers that block alone.
   const bool grads = shard == sharded_grad();
-  const size_t n = grads ? trainable_shard_numel() : shard_numel();
+  Buffer full = gather_on_device(shard, grads, call);
+  rt_.dev->copy_to_host(out, full.as<float>() + off, numel * sizeof(float));
+}
+
+Buffer Unit::gather_on_device(const float* shard, bool trainable_block, const char* call) {
+  const size_t n = trainable_block ? trainable_shard_numel() : shard_numel();
   // The collective runs on the compute device: an offloaded shard is staged there.
   const float* src = shard;
   Buffer staged;
@@ -713,8 +718,8 @@ void Unit::gather_shard(const float* shard, size_t param_index, float* out, size
   }
   Buffer full(rt_.dev, &rt_.mem, MemCategory::kScratch, DType::kFp32, n * static_cast<size_t>(rt_.shard_world()),
               /*zeroed=*/false);
-  gather_blocks(*rt_.shard_sync, src, full.data(), sizeof(float), grads, label(call));
-  rt_.dev->copy_to_host(out, full.as<float>() + off, numel * sizeof(float));
+  gather_blocks(*rt_.shard_sync, src, full.data(), sizeof(float), trainable_block, label(call));
+  return full;
 }
 
 std::vector<float> Unit::gather_to_host(const float* shard, bool trainable_block, const char* call) {
@@ -726,15 +731,7 @@ std::vector<float> Unit::gather_to_host(const float* shard, bool trainable_block
     rt_.state_dev->copy_to_host(out.data(), shard, n * sizeof(float));
     return out;
   }
-  const float* src = shard;
-  Buffer staged;
-  if (rt_.offload()) {
-    staged = Buffer(rt_.dev, &rt_.mem, MemCategory::kScratch, DType::kFp32, n, /*zeroed=*/false);
-    rt_.dev->copy_from_host(staged.data(), shard, n * sizeof(float));
-    src = staged.as<float>();
-  }
-  Buffer full(rt_.dev, &rt_.mem, MemCategory::kScratch, DType::kFp32, n * w, /*zeroed=*/false);
-  gather_blocks(*rt_.shard_sync, src, full.data(), sizeof(float), trainable_block, label(call));
+  Buffer full = gather_on_device(shard, trainable_block, call);
   rt_.dev->copy_to_host(out.data(), full.data(), n * w * sizeof(float));
   return out;
 }

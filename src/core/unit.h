@@ -162,6 +162,10 @@ class Unit {
   // Copies param `param_index`'s range of the flat fp32 state whose shard is
   // `shard` (master or grads, state device) into the host's `out`.
   void gather_shard(const float* shard, size_t param_index, float* out, size_t numel, const char* call);
+  // The whole flat fp32 buffer of `shard` (with `trainable_block`: of its
+  // trainable block alone) gathered over the shard group (more than one
+  // rank) into a scratch buffer on the compute device.
+  Buffer gather_on_device(const float* shard, bool trainable_block, const char* call);
   // The task labels (with byte counts) of the current layout.
   void make_task_labels();
   [[noreturn]] void bad_state(const char* call, const char* expected) const;
