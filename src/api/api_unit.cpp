@@ -141,11 +141,7 @@ fsdp_status_t fsdp_param_set_trainable(fsdp_ctx_t* ctx, fsdp_unit_t* unit, size_
   return guard([&] {
     const char* call = "fsdp_param_set_trainable";
     Unit& u = ctx_unit(ctx, unit, call);
-    if (param_index >= u.layout().n_params()) {
-      fail(FSDP_ERR_INVALID_ARGUMENT, std::string(call) + ": unit " + base::quote(u.name()) + " has " +
-                                          std::to_string(u.layout().n_params()) + " params; index " +
-                                          std::to_string(param_index) + " is out of range");
-    }
+    u.check_param_index(param_index, call);
     if (trainable != 0 && trainable != 1) {
       fail(FSDP_ERR_INVALID_ARGUMENT,
            std::string(call) + ": trainable is " + std::to_string(trainable) + "; pass 1 (train) or 0 (freeze)");
@@ -160,11 +156,7 @@ fsdp_status_t fsdp_param_trainable(const fsdp_unit_t* unit, size_t param_index, 
     require(trainable, "fsdp_param_trainable", "trainable");
     const Unit& u = *reinterpret_cast<const Unit*>(unit);
     u.runtime().check_live("fsdp_param_trainable");
-    if (param_index >= u.layout().n_params()) {
-      fail(FSDP_ERR_INVALID_ARGUMENT, "fsdp_param_trainable: unit " + base::quote(u.name()) + " has " +
-                                          std::to_string(u.layout().n_params()) + " params; index " +
-                                          std::to_string(param_index) + " is out of range");
-    }
+    u.check_param_index(param_index, "fsdp_param_trainable");
     *trainable = u.param_trainable(param_index) ? 1 : 0;
   });
 }
@@ -365,11 +357,7 @@ fsdp_status_t fsdp_param_flat_range(fsdp_unit_t* unit, size_t param_index, size_
     Unit& u = live_unit(unit, "fsdp_param_flat_range");
     require(offset, "fsdp_param_flat_range", "offset");
     require(numel, "fsdp_param_flat_range", "numel");
-    if (param_index >= u.layout().n_params()) {
-      fail(FSDP_ERR_INVALID_ARGUMENT, "fsdp_param_flat_range: unit " + base::quote(u.name()) + " has " +
-                                          std::to_string(u.layout().n_params()) + " params; index " +
-                                          std::to_string(param_index) + " is out of range");
-    }
+    u.check_param_index(param_index, "fsdp_param_flat_range");
     *offset = u.layout().param_offset(param_index);
     *numel = u.layout().param(param_index).numel;
   });

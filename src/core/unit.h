@@ -60,6 +60,8 @@ class Unit {
   // call (no unit in use, nothing pending, the same on every rank); this
   // frees or allocates (zeroed) the grad shard.
   bool trainable() const { return trainable_; }
+  // FSDP_ERR_INVALID_ARGUMENT naming `call` unless the unit has param `param_index`.
+  void check_param_index(size_t param_index, const char* call) const;
   void set_trainable(bool trainable);
   // A param frozen inside the unit (fsdp_param_set_trainable) lies in the
   // layout's frozen block: no grads, no state, no bytes in a reduction.
@@ -152,7 +154,6 @@ class Unit {
   const std::vector<ShardSegment>& segments() const { return segments_; }
 
  private:
-  void check_param_index(size_t param_index, const char* call) const;
   // FSDP_ERR_INVALID_STATE naming `call` when the unit is frozen.
   void refuse_frozen(const char* call) const;
   // FSDP_ERR_INVALID_STATE naming `call` when param `param_index` is frozen.
