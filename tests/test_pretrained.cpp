@@ -235,6 +235,7 @@ TEST(PretrainedMisuse, MisfitsAreNamedTruncatedFilesRefusedAndNonStrictLoadsWhat
     msg = last_error_str();
     EXPECT_NE(msg.find("shapes differ: 'blocks.0.qkv.weight' ([6, 9] in"), std::string::npos) << msg;
     EXPECT_NE(msg.find("'blocks.1.qkv.weight'"), std::string::npos) << msg;
+    EXPECT_EQ(msg.rfind("fsdp_load_pretrained: '", 0), 0u) << "named once, then the path: " << msg;
     EXPECT_STATUS(FSDP_ERR_INVALID_ARGUMENT, fsdp_load_pretrained(x.ctx.get(), path.c_str(), "colour=blue"));
     EXPECT_NE(last_error_str().find("'colour=blue' has an unknown key"), std::string::npos) << last_error_str();
     EXPECT_STATUS(FSDP_ERR_CORRUPT,

@@ -656,7 +656,9 @@ void Context::load_pretrained(const std::string& path, const char* options) {
                                           "registered params: " + msg);
     }
   });
-  if (!checked.ok()) checked.message = std::string(call) + ": " + checked.message;
+  // Failures of the files (a missing file, a damaged header) get the call's
+  // name; the fit check above names it already.
+  if (!checked.ok() && checked.message.rfind(call, 0) != 0) checked.message = std::string(call) + ": " + checked.message;
   check_outcomes(*rt_.comm, what, checked.status, checked.message);
   // Then each rank reads the ranges of its own shard into place, through
   // kPiece elements of the files' bytes and kPiece fp32 values (2 MiB of
