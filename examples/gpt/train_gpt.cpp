@@ -743,19 +743,15 @@ int main_lora(const Options& o, const gpt::Corpus& corpus, double unigram) {
     for (size_t k = 0; k < r->memory.size(); ++k)
       std::printf("  %-9s rank %-2zu %8.3f %8.3f %8.3f %11.3f\n", k == 0 ? name : "", k, r->memory[k].params / mib,
                   r->memory[k].grads / mib, r->memory[k].optim / mib, r->memory[k].total_peak / mib);
+  auto all_grads = [](const PhaseResult& r) {
+    double s = 0;
+    for (const Memory& m : r.memory) s += m.grads;
+    return s;
+  };
   std::printf(
       "  the frozen base keeps no grads and no optimizer state: LoRA's grads and optim are the %zu adapter params'\n"
       "  shards (%.3f MiB of fp32 grads over all ranks, against %.3f MiB for full fine-tuning)\n",
-      adapters_n, [&] {
-        double s = 0;
-        for (const Memory& m : lora.memory) s += m.grads;
-        return s / mib;
-      }(),
-      [&] {
-        double s = 0;
-        for (const Memory& m : full.memory) s += m.grads;
-        return s / mib;
-      }());
+      adapters_n, all_grads(lora) / mib, all_grads(full) / mib);
   const double start = lora.val_at_start, end = lora.lines.back().val_loss;
   std::printf("\nvalidation loss %.4f nats/byte, from the base's %.4f (unigram baseline %.4f)\n", end, start, unigram);
   if (!o.export_dir.empty())

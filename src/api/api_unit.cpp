@@ -37,9 +37,28 @@ Unit& ctx_unit(fsdp_ctx_t* ctx, fsdp_unit_t* unit, const char* call) {
   ctx_of(ctx)->check_live(call);
   Unit& u = live_unit(unit, call);
   if (!ctx_of(ctx)->owns(u)) {
-    fail(FSDP_ERR_INVALID_ARGUMENT, std::string(call) + ": unit " + base::quote(u.name()) + " belongs to another context");
+    fail(FSDP_ERR_INVALID_ARGUMENT,
+         std::string(call) + ": unit " + base::quote(u.name()) + " belongs to another context");
   }
   return u;
+}
+
+// A versioned struct (fsdp_memory_stats_t, fsdp_comm_stats_t): `fill` sets
+// every field of a whole one, of which the caller's struct_size bytes (at
+// most the whole) are copied out, struct_size saying how many.
+template <typename T, typename Fill>
+void write_versioned(const fsdp_ctx_t* ctx, T* out, const char* call, const char* type, Fill fill) {
+  require(ctx, call, "ctx");
+  require(out, call, "stats");
+  ctx_of(ctx)->check_live(call);
+  if (out->struct_size < sizeof(size_t)) {
+    fail(FSDP_ERR_INVALID_ARGUMENT,
+         std::string(call) + ": set stats->struct_size = sizeof(" + type + ") before the call");
+  }
+  T full;
+  fill(full);
+  full.struct_size = std::min(out->struct_size, sizeof(full));
+  std::memcpy(out, &full, full.struct_size);
 }
 
 // The four *_begin/*_end calls: same checks, one Unit transition each.
@@ -365,35 +384,27 @@ fsdp_status_t fsdp_param_flat_range(fsdp_unit_t* unit, size_t param_index, size_
 
 fsdp_status_t fsdp_memory_stats(const fsdp_ctx_t* ctx, fsdp_memory_stats_t* stats) {
   return guard([&] {
-    require(ctx, "fsdp_memory_stats", "ctx");
-    require(stats, "fsdp_memory_stats", "stats");
-    ctx_of(ctx)->check_live("fsdp_memory_stats");
-    if (stats->struct_size < sizeof(size_t)) {
-      fail(FSDP_ERR_INVALID_ARGUMENT,
-           "fsdp_memory_stats: set stats->struct_size = sizeof(fsdp_memory_stats_t) before the call");
-    }
-    using fsdp::core::MemCategory;
-    auto snap = ctx_of(ctx)->memory().snapshot();
-    auto cur = [&](MemCategory c) { return snap.current[static_cast<size_t>(c)]; };
-    auto peak = [&](MemCategory c) { return snap.peak[static_cast<size_t>(c)]; };
-    fsdp_memory_stats_t full;
-    full.struct_size = std::min(stats->struct_size, sizeof(full));
-    full.sharded_params_nbytes = cur(MemCategory::kShardedParams);
-    full.sharded_grads_nbytes = cur(MemCategory::kShardedGrads);
-    full.optimizer_state_nbytes = cur(MemCategory::kOptimizerState);
-    full.gathered_params_nbytes = cur(MemCategory::kGatheredParams);
-    full.gathered_params_peak_nbytes = peak(MemCategory::kGatheredParams);
-    full.unsharded_grads_nbytes = cur(MemCategory::kUnshardedGrads);
-    full.unsharded_grads_peak_nbytes = peak(MemCategory::kUnshardedGrads);
-    full.total_nbytes = snap.total;
-    full.total_peak_nbytes = snap.total_peak;
-    using fsdp::device::Pool;
-    full.device_nbytes = snap.pool[static_cast<size_t>(Pool::kDevice)];
-    full.device_peak_nbytes = snap.pool_peak[static_cast<size_t>(Pool::kDevice)];
-    full.host_nbytes = snap.pool[static_cast<size_t>(Pool::kHost)];
-    full.host_peak_nbytes = snap.pool_peak[static_cast<size_t>(Pool::kHost)];
-    full.free_slots_nbytes = cur(MemCategory::kFreeSlots);
-    std::memcpy(stats, &full, full.struct_size);
+    write_versioned(ctx, stats, "fsdp_memory_stats", "fsdp_memory_stats_t", [&](fsdp_memory_stats_t& full) {
+      using fsdp::core::MemCategory;
+      auto snap = ctx_of(ctx)->memory().snapshot();
+      auto cur = [&](MemCategory c) { return snap.current[static_cast<size_t>(c)]; };
+      auto peak = [&](MemCategory c) { return snap.peak[static_cast<size_t>(c)]; };
+      full.sharded_params_nbytes = cur(MemCategory::kShardedParams);
+      full.sharded_grads_nbytes = cur(MemCategory::kShardedGrads);
+      full.optimizer_state_nbytes = cur(MemCategory::kOptimizerState);
+      full.gathered_params_nbytes = cur(MemCategory::kGatheredParams);
+      full.gathered_params_peak_nbytes = peak(MemCategory::kGatheredParams);
+      full.unsharded_grads_nbytes = cur(MemCategory::kUnshardedGrads);
+      full.unsharded_grads_peak_nbytes = peak(MemCategory::kUnshardedGrads);
+      full.total_nbytes = snap.total;
+      full.total_peak_nbytes = snap.total_peak;
+      using fsdp::device::Pool;
+      full.device_nbytes = snap.pool[static_cast<size_t>(Pool::kDevice)];
+      full.device_peak_nbytes = snap.pool_peak[static_cast<size_t>(Pool::kDevice)];
+      full.host_nbytes = snap.pool[static_cast<size_t>(Pool::kHost)];
+      full.host_peak_nbytes = snap.pool_peak[static_cast<size_t>(Pool::kHost)];
+      full.free_slots_nbytes = cur(MemCategory::kFreeSlots);
+    });
   });
 }
 
@@ -407,29 +418,21 @@ fsdp_status_t fsdp_memory_stats_reset_peak(fsdp_ctx_t* ctx) {
 
 fsdp_status_t fsdp_comm_stats(const fsdp_ctx_t* ctx, fsdp_comm_stats_t* stats) {
   return guard([&] {
-    require(ctx, "fsdp_comm_stats", "ctx");
-    require(stats, "fsdp_comm_stats", "stats");
-    ctx_of(ctx)->check_live("fsdp_comm_stats");
-    if (stats->struct_size < sizeof(size_t)) {
-      fail(FSDP_ERR_INVALID_ARGUMENT,
-           "fsdp_comm_stats: set stats->struct_size = sizeof(fsdp_comm_stats_t) before the call");
-    }
-    using fsdp::comm::Collective;
-    const fsdp::comm::CommCounters& c = ctx_of(ctx)->comm_counters();
-    auto calls = [&](Collective k) { return c.calls[static_cast<size_t>(k)].load(std::memory_order_relaxed); };
-    auto bytes = [&](Collective k) { return c.nbytes[static_cast<size_t>(k)].load(std::memory_order_relaxed); };
-    fsdp_comm_stats_t full;
-    full.struct_size = std::min(stats->struct_size, sizeof(full));
-    full.all_gather_calls = calls(Collective::kAllGather);
-    full.all_gather_nbytes = bytes(Collective::kAllGather);
-    full.reduce_scatter_calls = calls(Collective::kReduceScatter);
-    full.reduce_scatter_nbytes = bytes(Collective::kReduceScatter);
-    full.all_reduce_calls = calls(Collective::kAllReduce);
-    full.all_reduce_nbytes = bytes(Collective::kAllReduce);
-    full.broadcast_calls = calls(Collective::kBroadcast);
-    full.broadcast_nbytes = bytes(Collective::kBroadcast);
-    full.control_calls = calls(Collective::kControl);
-    std::memcpy(stats, &full, full.struct_size);
+    write_versioned(ctx, stats, "fsdp_comm_stats", "fsdp_comm_stats_t", [&](fsdp_comm_stats_t& full) {
+      using fsdp::comm::Collective;
+      const fsdp::comm::CommCounters& c = ctx_of(ctx)->comm_counters();
+      auto calls = [&](Collective k) { return c.calls[static_cast<size_t>(k)].load(std::memory_order_relaxed); };
+      auto bytes = [&](Collective k) { return c.nbytes[static_cast<size_t>(k)].load(std::memory_order_relaxed); };
+      full.all_gather_calls = calls(Collective::kAllGather);
+      full.all_gather_nbytes = bytes(Collective::kAllGather);
+      full.reduce_scatter_calls = calls(Collective::kReduceScatter);
+      full.reduce_scatter_nbytes = bytes(Collective::kReduceScatter);
+      full.all_reduce_calls = calls(Collective::kAllReduce);
+      full.all_reduce_nbytes = bytes(Collective::kAllReduce);
+      full.broadcast_calls = calls(Collective::kBroadcast);
+      full.broadcast_nbytes = bytes(Collective::kBroadcast);
+      full.control_calls = calls(Collective::kControl);
+    });
   });
 }
 

@@ -50,6 +50,7 @@ class FlatLayout {
 
   size_t n_params() const { return params_.size(); }
   const ParamSpec& param(size_t i) const { return params_[i]; }
+  const std::vector<ParamSpec>& params() const { return params_; }
   bool frozen(size_t i) const { return !frozen_.empty() && frozen_[i]; }
   bool has_frozen() const { return frozen_padded_ > 0; }
   const std::vector<bool>& frozen_flags() const { return frozen_; }

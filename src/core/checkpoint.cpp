@@ -72,23 +72,6 @@ class HostStage {
 
 // Streams `nbytes` of `dev` memory into the writer (staged through `stage`
 // in pieces when the device's memory is not host-visible).
-// The full flat fp32 unit from this rank's `shard` (state device), gathered
-// over the shard group into `full` on the compute device (an offloaded shard
-// staged there through `staged` first); *where becomes the compute device.
-// A state's shard (`state`) covers the trainable block alone, and so does
-// what is gathered of it.
-const float* gather_flat(Runtime& rt, const Unit& u, const float* shard, Buffer& full, Buffer& staged,
-                         const char* call, device::Device** where, bool state = false) {
-  const size_t n = state ? u.trainable_shard_numel() : u.shard_numel();
-  if (rt.offload()) {
-    rt.dev->copy_from_host(staged.data(), shard, n * sizeof(float));
-    shard = staged.as<float>();
-  }
-  u.gather_blocks(*rt.shard_sync, shard, full.data(), sizeof(float), state,
-                  std::string(call) + " gather of unit " + base::quote(u.name()));
-  *where = rt.dev;
-  return full.as<float>();
-}
 
 void write_from(ckpt::Writer& w, device::Device* dev, HostStage& stage, const void* src, size_t nbytes) {
   if (dev->host_visible()) {
@@ -194,21 +177,18 @@ std::vector<ckpt::FileRecord> Context::write_full_files(const std::string& stage
   for (size_t k = 0; k < units_.size(); ++k) {
     Unit& u = *units_[k];
     const FlatLayout& lay = u.layout();
-    // The full flat unit, reused for the params and each state in turn: the
-    // peak is one unit (plus, offloaded, the shard staged for the gather).
-    Buffer full;
-    Buffer staged_shard;
-    if (gather) {
-      full = Buffer(rt_.dev, &rt_.mem, MemCategory::kScratch, DType::kFp32, lay.padded_numel(), /*zeroed=*/false);
-      if (rt_.offload()) {
-        staged_shard = Buffer(rt_.dev, &rt_.mem, MemCategory::kScratch, DType::kFp32, u.shard_numel(), false);
-      }
-    }
     for (size_t s = 0; s <= (u.trainable() ? states.size() : 0); ++s) {  // frozen: the params alone
       const float* shard = s == 0 ? u.master() : optimizer_.state(k, s - 1).as<float>();
+      // The params, then each state (its trainable block), gathered one at
+      // a time on the compute device: the peak is one unit.
       device::Device* where = rt_.state_dev;
-      const float* flat =
-          gather ? gather_flat(rt_, u, shard, full, staged_shard, "fsdp_save", &where, s > 0) : shard;
+      const float* flat = shard;
+      Buffer full;
+      if (gather) {
+        full = u.gather_on_device(shard, /*trainable_block=*/s > 0, "fsdp_save");
+        flat = full.as<float>();
+        where = rt_.dev;
+      }
       on_root([&] {
         ckpt::Writer& w = s == 0 ? *files.model : *files.optimizer;
         for (size_t i = 0; i < lay.n_params(); ++i) {
@@ -526,17 +506,7 @@ void Context::load(const std::string& dir, bool strict) {
     const size_t n = units_[k]->layout().n_params();
     std::vector<long> before(n);
     for (size_t i = 0; i < n; ++i) before[i] = optimizer_.param_fresh_at(k, i);
-    const std::vector<long> at = state_fresh_at(meta, sources[k], before);
-    // One age for the unit where its trainable params share one.
-    long unit_at = -1;
-    bool same = true;
-    for (size_t i = 0; i < n; ++i) {
-      if (!units_[k]->param_trainable(i)) continue;
-      same = same && (unit_at < 0 || at[i] == unit_at);
-      if (unit_at < 0) unit_at = at[i];
-    }
-    optimizer_.set_fresh_at(k, unit_at < 0 ? at.empty() ? 0 : at[0] : unit_at);
-    for (size_t i = 0; !same && i < n; ++i) optimizer_.set_param_fresh_at(k, i, n, at[i]);
+    optimizer_.set_ages(*units_[k], state_fresh_at(meta, sources[k], before));
   }
   optimizer_.loss_scaler().restore(meta.scaler.scale, static_cast<long>(meta.scaler.clean_steps),
                                    meta.scaler.skipped_steps);
@@ -843,14 +813,13 @@ void Context::export_weights(const std::string& dir, const char* options) {
       Unit& u = *units_[k];
       const FlatLayout& lay = u.layout();
       device::Device* where = rt_.state_dev;
-      Buffer full, staged_shard;
+      const float* flat = u.master();
+      Buffer full;
       if (gather) {
-        full = Buffer(rt_.dev, &rt_.mem, MemCategory::kScratch, DType::kFp32, lay.padded_numel(), false);
-        if (rt_.offload()) {
-          staged_shard = Buffer(rt_.dev, &rt_.mem, MemCategory::kScratch, DType::kFp32, u.shard_numel(), false);
-        }
+        full = u.gather_on_device(u.master(), /*trainable_block=*/false, call);
+        flat = full.as<float>();
+        where = rt_.dev;
       }
-      const float* flat = gather ? gather_flat(rt_, u, u.master(), full, staged_shard, call, &where) : u.master();
       on_root([&] {
         for (size_t i = 0; i < lay.n_params(); ++i, ++next) {
           const Item& it = items[next];

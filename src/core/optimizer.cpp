@@ -25,10 +25,17 @@ void Optimizer::set_trainable(const Unit& unit, bool trainable) {
   states_.at(unit.index()) = trainable ? make_state(unit.trainable_shard_numel()) : State{};
 }
 
-void Optimizer::set_param_fresh_at(size_t unit, size_t param, size_t n_params, long at) {
-  State& s = states_.at(unit);
-  if (s.param_fresh_at.size() != n_params) s.param_fresh_at.assign(n_params, s.fresh_at);
-  s.param_fresh_at[param] = at;
+void Optimizer::set_ages(const Unit& unit, std::vector<long> ages) {
+  State& st = states_.at(unit.index());
+  long first = -1;
+  bool same = true;
+  for (size_t p = 0; p < ages.size(); ++p) {
+    if (!unit.param_trainable(p)) continue;
+    if (first < 0) first = ages[p];
+    same = same && ages[p] == first;
+  }
+  if (first >= 0) st.fresh_at = first;
+  st.param_fresh_at = same ? std::vector<long>{} : std::move(ages);
 }
 
 void Optimizer::relayout(const Unit& unit, const FlatLayout& old, const std::vector<std::vector<float>>& old_states) {
@@ -38,7 +45,6 @@ void Optimizer::relayout(const Unit& unit, const FlatLayout& old, const std::vec
   std::vector<long> ages(n);
   for (size_t p = 0; p < n; ++p) ages[p] = old.frozen(p) ? step_ : param_fresh_at(k, p);
   State fresh = make_state(unit.trainable_shard_numel());
-  fresh.fresh_at = st.fresh_at;
   std::vector<float> shard(unit.trainable_shard_numel());
   for (size_t i = 0; i < fresh.bufs.size(); ++i) {
     std::fill(shard.begin(), shard.end(), 0.0f);
@@ -50,9 +56,7 @@ void Optimizer::relayout(const Unit& unit, const FlatLayout& old, const std::vec
     rt_.state_dev->copy_from_host(fresh.bufs[i].data(), shard.data(), shard.size() * sizeof(float));
   }
   st = std::move(fresh);
-  bool same = true;
-  for (long a : ages) same = same && a == st.fresh_at;
-  if (!same) st.param_fresh_at = std::move(ages);
+  set_ages(unit, std::move(ages));
 }
 
 std::vector<std::string> Optimizer::state_names() const {

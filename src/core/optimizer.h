@@ -63,19 +63,18 @@ class Optimizer {
   // counters it holds are restored.
   float* state_for_load(size_t unit, size_t i) { return const_cast<Buffer&>(state(unit, i)).as<float>(); }
   // The state of every trainable unit counts as fresh at step 0 (a load
-  // that holds older state says so with set_fresh_at).
+  // that holds older state says so with set_ages).
   void restore(long step, double last_grad_norm);
+  // The step at which the unit's state was fresh (its updates: step_count()
+  // minus it), and each param's where one was unfrozen on its own.
   long fresh_at(size_t unit) const { return states_.at(unit).fresh_at; }
-  // Every param of the unit as old (set_fresh_at), or one param apart.
-  void set_fresh_at(size_t unit, long at) {
-    states_.at(unit).fresh_at = at;
-    states_.at(unit).param_fresh_at.clear();
-  }
   long param_fresh_at(size_t unit, size_t param) const {
     const State& s = states_.at(unit);
     return param < s.param_fresh_at.size() ? s.param_fresh_at[param] : s.fresh_at;
   }
-  void set_param_fresh_at(size_t unit, size_t param, size_t n_params, long at);
+  // Each param's age, `ages[i]` (frozen params' entries are not used): one
+  // for the whole unit where its trainable params share it.
+  void set_ages(const Unit& unit, std::vector<long> ages);
   LossScaler& loss_scaler() { return scaler_; }
 
  private:

@@ -675,7 +675,7 @@ void Unit::check_gather_out(size_t param_index, size_t numel, const char* call) 
 
 void Unit::gather_param(size_t param_index, float* out, size_t numel) {
   check_gather_out(param_index, numel, "fsdp_gather_param");
-  gather_shard(master(), param_index, out, numel, "fsdp_gather_param");
+  gather_shard(master(), /*grads=*/false, param_index, out, numel, "fsdp_gather_param");
 }
 
 void Unit::gather_grad(size_t param_index, float* out, size_t numel) {
@@ -691,17 +691,16 @@ void Unit::gather_grad(size_t param_index, float* out, size_t numel) {
   // caller's stream's own writes into it (a world of one) are done.
   wait_host_use();
   wait_reductions();
-  gather_shard(sharded_grad(), param_index, out, numel, "fsdp_gather_grad");
+  gather_shard(sharded_grad(), /*grads=*/true, param_index, out, numel, "fsdp_gather_grad");
 }
 
-void Unit::gather_shard(const float* shard, size_t param_index, float* out, size_t numel, const char* call) {
+void Unit::gather_shard(const float* shard, bool grads, size_t param_index, float* out, size_t numel,
+                        const char* call) {
   size_t off = layout_.param_offset(param_index);
   if (rt_.shard_world() == 1) {  // this rank's shard holds every param
     rt_.state_dev->copy_to_host(out, shard + off, numel * sizeof(float));
     return;
   }
-  // A grad shard (the trainable block's slice) gathers that block alone.
-  const bool grads = shard == sharded_grad();
   Buffer full = gather_on_device(shard, grads, call);
   rt_.dev->copy_to_host(out, full.as<float>() + off, numel * sizeof(float));
 }
@@ -741,9 +740,7 @@ void Unit::relayout(const std::vector<bool>& frozen) {
   if (!rt_.gathers()) wait_host_use();
   const std::vector<float> old_flat = gather_to_host(master(), false, "fsdp_param_set_trainable");
   const FlatLayout old = layout_;
-  std::vector<ParamSpec> params;
-  for (size_t i = 0; i < old.n_params(); ++i) params.push_back(old.param(i));
-  layout_ = FlatLayout(std::move(params), rt_.opts.align_bytes / sizeof(float), rt_.shard_world(), frozen);
+  layout_ = FlatLayout(old.params(), rt_.opts.align_bytes / sizeof(float), rt_.shard_world(), frozen);
   segments_ = layout_.shard_segments(rt_.shard_rank());
   block_slices_ = layout_.shard_ranges(0);
   std::vector<float> shard(layout_.shard_numel(), 0.0f);  // padding: zero

@@ -73,6 +73,9 @@ class Unit {
   // the trainable block alone), gathered over the shard group into host
   // memory. Collective.
   std::vector<float> gather_to_host(const float* shard, bool trainable_block, const char* call);
+  // The same into a scratch buffer on the compute device (more than one rank
+  // in the shard group; an offloaded shard is staged there first).
+  Buffer gather_on_device(const float* shard, bool trainable_block, const char* call);
   // Lays the unit out again with `frozen` params (the Context checked the
   // call): the master moves to the new layout (gathered through the host,
   // one unit's full params), the param_dtype copy follows, the grad shard
@@ -161,12 +164,9 @@ class Unit {
   // gather_param's and gather_grad's argument and state checks.
   void check_gather_out(size_t param_index, size_t numel, const char* call) const;
   // Copies param `param_index`'s range of the flat fp32 state whose shard is
-  // `shard` (master or grads, state device) into the host's `out`.
-  void gather_shard(const float* shard, size_t param_index, float* out, size_t numel, const char* call);
-  // The whole flat fp32 buffer of `shard` (with `trainable_block`: of its
-  // trainable block alone) gathered over the shard group (more than one
-  // rank) into a scratch buffer on the compute device.
-  Buffer gather_on_device(const float* shard, bool trainable_block, const char* call);
+  // `shard` (the master, or with `grads` the grads: the trainable block's
+  // slice; state device) into the host's `out`.
+  void gather_shard(const float* shard, bool grads, size_t param_index, float* out, size_t numel, const char* call);
   // The task labels (with byte counts) of the current layout.
   void make_task_labels();
   [[noreturn]] void bad_state(const char* call, const char* expected) const;

@@ -190,7 +190,8 @@ class ShardedModule:
         (per param where the params do not lie in one span), cached by the memory's address."""
         unit = st.unit
         # Grads exist for the params libfsdp trains: none in a frozen unit, none for a frozen param.
-        has = [not grad or (any(st.requires_grad) and f) for f in st.requires_grad]
+        unit_on = any(st.requires_grad)
+        has = [not grad or (unit_on and f) for f in st.requires_grad]
         if not any(has):
             return [], [None] * len(st.params)
         got = unit.flat_array(grad=grad)
@@ -427,8 +428,7 @@ class ShardedModule:
         """Collective: {param name: reduced fp32 grad as a torch tensor} (fsdp_gather_grad), after backward
         and before step(); for tests of an integration."""
         return {self._param_names[p]: torch.from_numpy(st.unit.gather_grad(i))
-                for st in self._states for i, p in enumerate(st.params) if any(st.requires_grad) and
-                st.requires_grad[i]}
+                for st in self._states for i, p in enumerate(st.params) if st.requires_grad[i]}
 
     def load_pretrained(self, path, **kwargs):
         """Collective: the params from a Hugging Face checkpoint directory (save_pretrained's safetensors, one
