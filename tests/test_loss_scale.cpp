@@ -6,6 +6,7 @@
 // a host stream (the .late CTests), where only the events libfsdp waits for
 // order them before the reductions, the inf/nan check and the step.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <cstring>
@@ -208,7 +209,7 @@ TEST(LossScale, ASkippedFirstStepIsAStepThatRanForTheGradNorm) {
   // A nan in a grad at step 1 (fp32, loss scaling off): fsdp_last_grad_norm
   // reports the nan, as fsdp.h promises, and not "no step has run yet" (which
   // stays the answer before any step, and survives a checkpoint of it).
-  const std::string dir = ::testing::TempDir() + "fsdp_skipped_first_step";
+  const std::string dir = ::testing::TempDir() + "fsdp_skipped_first_step_" + std::to_string(::getpid());
   run_ranks(2, [&](int rank, fsdp_local_group_t* group) {
     Rank s;
     make(s, {{"sharding", "FULL_SHARD"}}, group, rank);

@@ -4,6 +4,7 @@
 // the trace's recorded order, not from timing); limit_all_gathers bounds the
 // gathered units; a changed execution order gives one warning and correct results.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <cstdio>
@@ -199,7 +200,7 @@ TEST(PrefetchOrder, ForwardPrefetchIssuesTheNextGatherBeforeItIsNeeded) {
     iterate(m, rank, 0, natural_order());  // the first iteration records the order
     ASSERT_OK(fsdp_trace_begin(m.ctx.get()));
     iterate(m, rank, 1, natural_order());
-    const std::string path = ::testing::TempDir() + "overlap_trace_" + std::to_string(rank) + ".json";
+    const std::string path = ::testing::TempDir() + "overlap_trace_" + std::to_string(::getpid()) + "_" + std::to_string(rank) + ".json";
     ASSERT_OK(fsdp_trace_write(m.ctx.get(), path.c_str()));
     const auto ev = read_trace(path);
     for (int i = 0; i + 1 < kUnits; ++i) {

@@ -163,7 +163,7 @@ TEST_F(DecimalComma, OptionsAndEnvironmentVariablesTakeNumbersInTheCLocaleSyntax
 // Enough steps for more than 1000 trace records: a grouping locale would
 // write seq 1000 as "1.000".
 TEST_F(DecimalComma, TheTraceIsStrictJsonWithPointsAndNoDigitGrouping) {
-  const std::string prefix = ::testing::TempDir() + "fsdp_locale_trace";
+  const std::string prefix = ::testing::TempDir() + "fsdp_locale_trace_" + std::to_string(::getpid());
   run_ranks(2, [&](int rank, fsdp_local_group_t* group) {
     ConfigPtr cfg = config_set_in_c_locale({{"timeout_s", "30"}, {"lr", "0.01"}});
     ASSERT_TRUE(cfg);
@@ -218,7 +218,7 @@ TEST_F(DecimalComma, TheTraceIsStrictJsonWithPointsAndNoDigitGrouping) {
 }
 
 TEST_F(DecimalComma, TimeoutMessagesAndCheckpointMetadataWriteAPoint) {
-  const std::string dir = ::testing::TempDir() + "fsdp_locale_ckpt";
+  const std::string dir = ::testing::TempDir() + "fsdp_locale_ckpt_" + std::to_string(::getpid());
   run_ranks(2, [&](int rank, fsdp_local_group_t* group) {
     ConfigPtr cfg = config_set_in_c_locale({{"timeout_s", "2.5"}, {"lr", "0.002"}});
     ASSERT_TRUE(cfg);
@@ -253,7 +253,7 @@ TEST(Names, NamesThatAreNotUtf8OrHoldControlCharactersAreRefusedAtRegistration) 
       {"u", "a\tb", "names[1] 'a\\x09b' holds a control character (\\x09 at byte 1)"},    // tab
       {"line\nbreak", "w", "the unit name holds a control character (\\x0a at byte 4)"},  // newline
       {"u", "del\x7f", "names[1] 'del\\x7f' holds a control character"}};
-  const std::string dir = ::testing::TempDir() + "fsdp_names_ckpt";
+  const std::string dir = ::testing::TempDir() + "fsdp_names_ckpt_" + std::to_string(::getpid());
   run_ranks(2, [&](int rank, fsdp_local_group_t* group) {
     ConfigPtr cfg = make_config({{"timeout_s", "20"}});
     ASSERT_TRUE(cfg);
