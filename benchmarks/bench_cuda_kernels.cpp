@@ -1,9 +1,12 @@
 // benchmarks/bench_cuda_kernels.cpp - the CUDA device's kernels beside the
 // GPU's device-to-device copy bandwidth measured in the same run: the
 // engine's optimizer pass (the multi-tensor AdamW launch over a model's
-// spans, the grads cleared, with and without the bf16 params copy: what
-// fsdp_step runs), the per-range fused AdamW pass, and the casts. Each line
-// is one JSON object: bytes moved per second and its ratio to the copy's
+// spans, the grads cleared, with and without the bf16 params copy, reading
+// its op from the step's scalars in device memory: what fsdp_step runs), the
+// per-range fused AdamW pass (with the same clearing, the row to compare the
+// multi-tensor pass with), the grad shard's accumulation with and without its
+// fused sum of squares, the multi-tensor sum of squares, and the casts. Each
+// line is one JSON object: bytes moved per second and its ratio to the copy's
 // (goal for the engine's optimizer pass, the adamw_spans rows: >= 0.85).
 // Without a GPU it prints one line saying it was skipped and exits 0.
 //
@@ -87,8 +90,8 @@ int main(int argc, char** argv) {
     bool zero_grads;
     double bytes_per_elem;  // reads p g m v, writes p m v (+ bf16 copy, + zeroed grads)
   };
-  for (const Variant& var : {Variant{"adamw", nullptr, false, 28}, Variant{"adamw+bf16", lowp, false, 30},
-                             Variant{"adamw+bf16+zero_grads", lowp, true, 34}}) {
+  for (const Variant& var : {Variant{"adamw", nullptr, false, 28}, Variant{"adamw+zero_grads", nullptr, true, 32},
+                             Variant{"adamw+bf16", lowp, false, 30}, Variant{"adamw+bf16+zero_grads", lowp, true, 34}}) {
     double t = best_gpu_seconds(s, reps, [&] {
       fsdp::device::AdamArgs a{op, p, g, m, v, var.out, DType::kBf16, n, var.zero_grads, nullptr};
       gpu.adam(a);
@@ -101,26 +104,48 @@ int main(int argc, char** argv) {
   {
     const size_t n_spans = 64, per = n / n_spans;
     std::vector<fsdp::device::ShardSpan> plain, with_copy;
+    std::vector<fsdp::device::SquaresSpan> squares;
+    double* sums = static_cast<double*>(gpu.alloc(n_spans * sizeof(double)));
     for (size_t k = 0; k < n_spans; ++k) {
       const size_t at = k * per;
       const float wd = k % 2 == 0 ? 0.01f : 0.0f;
-      plain.push_back({p + at, g + at, m + at, v + at, nullptr, per, wd});
-      with_copy.push_back({p + at, g + at, m + at, v + at, static_cast<char*>(lowp) + at * 2, per, wd});
+      plain.push_back({p + at, g + at, m + at, v + at, nullptr, per, wd, 0});
+      with_copy.push_back({p + at, g + at, m + at, v + at, static_cast<char*>(lowp) + at * 2, per, wd, 0});
+      squares.push_back({g + at, per, sums + k});
     }
-    auto plain_table = gpu.make_span_table(plain);
-    auto copy_table = gpu.make_span_table(with_copy);
-    auto base = fsdp::kernels::AdamOp::make(1e-3f, 0.9f, 0.999f, 1e-8f, 0.0f, true, 10, 1.0f);
+    const std::vector<fsdp::kernels::StepGroup> groups = {{0, 1.0f, 0.9f, 0.999f}};
+    auto plain_table = gpu.make_span_table(plain, groups);
+    auto copy_table = gpu.make_span_table(with_copy, groups);
+    auto squares_table = gpu.make_squares_table(squares);
+    fsdp::kernels::StepState st{};
+    st.lr = 1e-3;
+    st.t = 10;
+    st.grad_scale = 1.0f;
+    fsdp::kernels::StepRule rule{};
+    rule.eps = 1e-8f;
+    rule.decoupled = 1;
+    auto* dst = static_cast<fsdp::kernels::StepState*>(gpu.alloc(sizeof st));
+    gpu.copy_from_host(dst, &st, sizeof st);
     const double elems = static_cast<double>(per * n_spans);
     report("adamw_spans+zero_grads", 32 * elems,
-           best_gpu_seconds(s, reps, [&] { gpu.adam_spans(*plain_table, base, 1e-3f, true, DType::kBf16, true); }));
+           best_gpu_seconds(s, reps, [&] { gpu.adam_spans(*plain_table, rule, dst, DType::kBf16, true); }));
     report("adamw_spans+bf16+zero_grads", 34 * elems,
-           best_gpu_seconds(s, reps, [&] { gpu.adam_spans(*copy_table, base, 1e-3f, true, DType::kBf16, true); }));
+           best_gpu_seconds(s, reps, [&] { gpu.adam_spans(*copy_table, rule, dst, DType::kBf16, true); }));
+    report("sum_squares_table", 4 * elems, best_gpu_seconds(s, reps, [&] { gpu.sum_squares_table(*squares_table); }));
+    // The grad shard's accumulation (a reduction's result added in), alone
+    // and with its sum of squares fused: the same bytes, read and written once.
+    report("accumulate", 12.0 * n,
+           best_gpu_seconds(s, reps, [&] { gpu.accumulate(p, m, DType::kFp32, 1.0f, n, nullptr); }));
+    report("accumulate+sum_squares", 12.0 * n,
+           best_gpu_seconds(s, reps, [&] { gpu.accumulate(p, m, DType::kFp32, 1.0f, n, sums); }));
+    gpu.free(dst);
+    gpu.free(sums);
   }
   report("cast_fp32_to_bf16", 6.0 * n,
          best_gpu_seconds(s, reps, [&] { gpu.cast(lowp, DType::kBf16, p, DType::kFp32, n); }));
   report("cast_bf16_to_fp32", 6.0 * n,
          best_gpu_seconds(s, reps, [&] { gpu.cast(p, DType::kFp32, lowp, DType::kBf16, n); }));
-  report("sum_squares", 4.0 * n, best_gpu_seconds(s, reps, [&] { (void)gpu.sum_squares(g, n); }));
+  report("sum_squares (read by the host)", 4.0 * n, best_gpu_seconds(s, reps, [&] { (void)gpu.sum_squares(g, n); }));
   for (void* b : blocks) gpu.free(b);
   return 0;
 }

@@ -307,14 +307,22 @@ FSDP_API fsdp_status_t fsdp_param_ptr(fsdp_unit_t* unit, size_t param_index, voi
 /* Pointer to param `param_index`'s grad (param_dtype), valid between
  * fsdp_backward_begin and fsdp_backward_end. Add grads into it. */
 FSDP_API fsdp_status_t fsdp_grad_ptr(fsdp_unit_t* unit, size_t param_index, void** ptr);
-/* Collective. Waits for the work queued on `stream`, then for the grad
- * reductions; unscales the grads by the loss
- * scale, clips (max_grad_norm), runs the optimizer on this rank's shards and
- * zeroes the sharded grads. If any rank's grads hold inf or nan the step is
- * skipped on every rank: params and optimizer state stay as they were (the
- * grads are still zeroed, the loss scale backs off), and rank 0 logs it: a
- * warning, unless the loss scale is dynamic (where skips are routine). No unit may be between
- * *_begin and *_end. */
+/* Collective. Queues the step after the work queued on `stream` and the
+ * grad reductions, and returns without waiting for it: the global grad norm
+ * (summed over the ranks on the device), the inf/nan verdict, the loss scale's
+ * update and the clip coefficient (max_grad_norm) are decided on the device,
+ * then the optimizer updates this rank's shards and zeroes the sharded grads.
+ * Work queued on `stream` afterwards runs after the update (on the CPU's
+ * NULL stream, the calling thread: the call returns when it is done); the
+ * calls that read its results (fsdp_last_grad_norm, fsdp_loss_scale,
+ * fsdp_ctx_step, fsdp_gather_param, saves...) wait for it. A failure of
+ * earlier queued work is returned here; one of the step's own by the next
+ * call that waits for it, and fsdp_ctx_async_error. If any rank's grads hold
+ * inf or nan the step is skipped on every rank: params and optimizer state
+ * stay as they were (the grads are still zeroed, the loss scale backs off),
+ * and rank 0 logs it once the host learns of it (at the next call): a
+ * warning, unless the loss scale is dynamic (where skips are routine). No
+ * unit may be between *_begin and *_end. */
 FSDP_API fsdp_status_t fsdp_step(fsdp_ctx_t* ctx, void* stream);
 /* enabled=0: following backward passes accumulate full grads locally without
  * any communication (PyTorch's no_sync); they are reduced by the first
@@ -368,7 +376,8 @@ FSDP_API fsdp_status_t fsdp_gather_param(fsdp_unit_t* unit, size_t param_index, 
  * unreduced. */
 FSDP_API fsdp_status_t fsdp_gather_grad(fsdp_unit_t* unit, size_t param_index, float* out, size_t numel);
 /* This rank's flat fp32 master shard of the unit: pointer, offset of its
- * first element in the unit's flat buffer, and element count. Params lie in
+ * first element in the unit's flat buffer, and element count (waits for the
+ * last fsdp_step's update, which writes it). Params lie in
  * the flat buffer in registration order, each start aligned to align_bytes;
  * gaps and the tail are padding. The shard is over the shard group (the world,
  * or shard_group_size ranks for HYBRID_SHARD); with offload=cpu it is host
@@ -509,6 +518,15 @@ typedef struct fsdp_comm_stats_s {
   uint64_t broadcast_calls;
   uint64_t broadcast_nbytes;
   uint64_t control_calls;
+  /* The times a call of this context blocked the calling thread on work it
+   * had queued (a stream's or the GPU's): reads of a step's results
+   * (fsdp_last_grad_norm, fsdp_loss_scale, fsdp_ctx_step), saves, loads,
+   * fsdp_gather_param, fsdp_param_set_values, fsdp_step_begin... Zero for a
+   * steady-state step (the brackets and fsdp_step) on every strategy. The
+   * CPU's NULL stream is the calling thread itself: its waits for a gather
+   * are that stream's ordering and are not counted. Threads sharing a GPU
+   * also meet in each collective's barrier (not counted either). */
+  uint64_t host_waits;
 } fsdp_comm_stats_t;
 
 FSDP_API fsdp_status_t fsdp_comm_stats(const fsdp_ctx_t* ctx, fsdp_comm_stats_t* stats);

@@ -7,10 +7,25 @@
 
 #include <cmath>
 #include <cstddef>
+#include <cstdint>
 
 #include "cast.h"
 
 namespace fsdp::kernels {
+
+// beta^t in double by squaring: Adam's bias corrections, the same bits on
+// every device (a GPU's pow may differ from glibc's, and a step decided on
+// the device must give the CPU's bits). It differs from std::pow by a few
+// ulps of a double, which changed no fp32 step size or 1/sqrt(bc2) for
+// beta <= 0.999 over t <= 2e6 (tests/test_kernels.cpp, BiasPow).
+FSDP_HD double bias_pow(double beta, long t) {
+  double r = 1.0, x = beta;
+  for (; t > 0; t >>= 1) {
+    if (t & 1) r *= x;
+    x *= x;
+  }
+  return r;
+}
 
 // Adam and AdamW on fp32 master values. `grad_scale` folds gradient clipping
 // (and later loss-scale unscaling) into the same pass. Weight decay is given as
@@ -27,11 +42,11 @@ struct AdamOp {
   float inv_bc2_sqrt;  // 1 / sqrt(1 - beta2^t): a multiply, so one division per element
   float grad_scale;
 
-  static AdamOp make(float lr, float beta1, float beta2, float eps, float weight_decay, bool decoupled, long step,
-                     float grad_scale) {
-    double bc1 = 1.0 - std::pow(static_cast<double>(beta1), static_cast<double>(step));
-    double bc2 = 1.0 - std::pow(static_cast<double>(beta2), static_cast<double>(step));
-    float step_size = static_cast<float>(lr / bc1);
+  FSDP_HD static AdamOp make(float lr, float beta1, float beta2, float eps, float weight_decay, bool decoupled,
+                             long step, float grad_scale) {
+    double bc1 = 1.0 - bias_pow(static_cast<double>(beta1), step);
+    double bc2 = 1.0 - bias_pow(static_cast<double>(beta2), step);
+    float step_size = static_cast<float>(static_cast<double>(lr) / bc1);
     float inv_bc2_sqrt = static_cast<float>(1.0 / std::sqrt(bc2));
     AdamOp op{beta1, beta2, eps, 1.0f, 0.0f, step_size, inv_bc2_sqrt, grad_scale};
     return op.with_weight_decay(lr, weight_decay, decoupled);
@@ -88,6 +103,7 @@ struct OptimSpan {
   void* out;      // the next step's param_dtype copy (null: none)
   size_t numel;
   float weight_decay;
+  uint32_t group;  // its param group in the pass's table (kernels/step.h StepGroup)
 };
 
 // acc[i] += scale * src[i], src in any storage dtype (grad shard accumulation).

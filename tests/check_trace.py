@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Checks Chrome trace files the demos wrote: each parses as JSON and holds,
-per rank, the caller's calls for every unit, the comm stream's collectives with
-unit names and bytes, and memory counters.
+per rank, the caller's calls for every unit, the gather stream's all-gathers
+and the comm stream's reductions with unit names and bytes, and memory
+counters.
 
 Usage: check_trace.py PREFIX WORLD UNITS          (train_mlp: PREFIX.rankR.json, units layer0..)
        check_trace.py --merged FILE WORLD NAME...  (train_gpt: one file, pid = rank, units by name)"""
@@ -16,9 +17,9 @@ def check(path, events, rank, unit_names):
         for call in ("forward_begin", "forward_end", "backward_begin", "backward_end"):
             for ph in "BE":
                 assert (f"{call} {u}", ph, 0) in names, f"{path}: rank {rank}: no {call} {u} {ph}"
-        for coll in ("all_gather", "reduce_scatter"):
-            assert any(n.startswith(f"{coll} of unit '{u}'") and n.endswith(" B") and t == 1
-                       for n, ph, t in names), f"{path}: rank {rank}: no {coll} of {u} on the comm track"
+        for coll, track, where in (("all_gather", 3, "gather"), ("reduce_scatter", 1, "comm")):
+            assert any(n.startswith(f"{coll} of unit '{u}'") and n.endswith(" B") and t == track
+                       for n, ph, t in names), f"{path}: rank {rank}: no {coll} of {u} on the {where} track"
     assert ("step", "B", 0) in names, f"{path}: rank {rank}: no step"
     counters = [e for e in events if e["ph"] == "C"]
     assert counters and all("gathered_params" in e["args"] for e in counters), f"{path}: no memory counters"

@@ -143,12 +143,18 @@ void pass(Host& host, std::vector<fsdp_unit_t*>& units, fsdp_ctx_t* ctx, Barrier
     ASSERT_OK(fsdp_backward_end(units[k], s));
   }
   host.sync();
-  // The work the transitions queued (gathers, reductions, copies) counts too.
+  // The work the transitions queued (gathers, reductions, copies) counts too,
+  // and so does the step's, which runs after fsdp_step returns.
   const fsdp::core::Runtime& rt = reinterpret_cast<fsdp::core::Context*>(ctx)->runtime();
-  for (fsdp::device::Stream* engine : {rt.stream, rt.copy_in, rt.copy_out, rt.host_work}) {
-    if (engine != nullptr) engine->synchronize(0);
-  }
+  auto drain = [&] {
+    for (fsdp::device::Stream* engine : {rt.gather_stream, rt.stream, rt.copy_in, rt.copy_out, rt.host_work}) {
+      if (engine != nullptr) engine->synchronize(0);
+    }
+  };
+  drain();
   ASSERT_OK(fsdp_step(ctx, s));
+  host.sync();
+  drain();
   if (counted != nullptr) {
     counted->arrive_and_wait();
     g_counting = false;

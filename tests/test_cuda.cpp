@@ -211,17 +211,21 @@ TEST(CudaKernels, AccumulateMatchesTheCpuBitwiseAndItsSumOfSquaresClosely) {
         std::vector<uint8_t> src = storage(cpu, from, random_floats(n, 5));
         std::vector<float> want = acc;
         std::vector<uint8_t> cpu_src = src;
-        double want_sq = 0, got_sq = -1;
+        double want_sq = 0;
         clear ? cpu.accumulate_clear(want.data(), cpu_src.data(), from, 0.25f, n, &want_sq)
               : cpu.accumulate(want.data(), cpu_src.data(), from, 0.25f, n, &want_sq);
-        DeviceArray d_acc = upload(gpu, acc), d_src = upload(gpu, src);
-        clear ? gpu.accumulate_clear(d_acc.as<float>(), d_src.ptr, from, 0.25f, n, &got_sq)
-              : gpu.accumulate(d_acc.as<float>(), d_src.ptr, from, 0.25f, n, &got_sq);
+        DeviceArray d_acc = upload(gpu, acc), d_src = upload(gpu, src), d_sq(gpu, nullptr, sizeof(double));
+        // The sum goes to device memory (the step reads it there).
+        clear ? gpu.accumulate_clear(d_acc.as<float>(), d_src.ptr, from, 0.25f, n, d_sq.as<double>())
+              : gpu.accumulate(d_acc.as<float>(), d_src.ptr, from, 0.25f, n, d_sq.as<double>());
+        const double got_sq = d_sq.read<double>()[0];
         EXPECT_EQ(first_difference(want, d_acc.read<float>()), -1);
         EXPECT_EQ(first_difference(cpu_src, d_src.read<uint8_t>()), -1) << "source after the pass";
         // The steps' fp32 sums are the same bits; only their double sum's
         // order differs: a few double roundings per step, relative 1e-13.
         EXPECT_NEAR(got_sq, want_sq, 1e-13 * want_sq);
+        // Fused into the pass, the sum is sum_squares' of what it wrote, bit for bit.
+        EXPECT_EQ(got_sq, gpu.sum_squares(d_acc.as<float>(), n));
       }
     }
   }
@@ -266,7 +270,8 @@ TEST(CudaKernels, OptimizerPassesMatchTheCpuBitwise) {
           std::vector<uint8_t> cout = out_host;
           DeviceArray dp = upload(gpu, p), dg = upload(gpu, g), dm = upload(gpu, m), dv = upload(gpu, v),
                       dout(gpu, out_host.data(), out_host.size());
-          double want_sq = 0, got_sq = -1;
+          double want_sq = 0;
+          DeviceArray d_sq(gpu, nullptr, sizeof(double));
           void* cpu_out = out == 0 ? nullptr : cout.data();
           void* gpu_out = out == 0 ? nullptr : dout.ptr;
           if (opt < 2) {
@@ -274,15 +279,16 @@ TEST(CudaKernels, OptimizerPassesMatchTheCpuBitwise) {
             cpu.adam(
                 AdamArgs{op, cp.data(), cg.data(), cm.data(), cv.data(), cpu_out, out_dtype, n, zero_grads, &want_sq});
             gpu.adam(AdamArgs{op, dp.as<float>(), dg.as<float>(), dm.as<float>(), dv.as<float>(), gpu_out, out_dtype, n,
-                              zero_grads, &got_sq});
+                              zero_grads, d_sq.as<double>()});
           } else {
             bool momentum = opt == 3;
             fsdp::kernels::SgdOp op{0.05f, 0.01f, momentum ? 0.9f : 0.0f, 0.75f, momentum, false};
             cpu.sgd(SgdArgs{op, cp.data(), cg.data(), momentum ? cm.data() : nullptr, cpu_out, out_dtype, n, zero_grads,
                             &want_sq});
             gpu.sgd(SgdArgs{op, dp.as<float>(), dg.as<float>(), momentum ? dm.as<float>() : nullptr, gpu_out, out_dtype,
-                            n, zero_grads, &got_sq});
+                            n, zero_grads, d_sq.as<double>()});
           }
+          const double got_sq = d_sq.read<double>()[0];
           expect_same_pass(cp, cg, cm, cv, cout, dp, dg, dm, dv, dout);
           EXPECT_NEAR(got_sq, want_sq, 1e-13 * want_sq) << "sum of squares of the raw grads";
         }
@@ -292,10 +298,12 @@ TEST(CudaKernels, OptimizerPassesMatchTheCpuBitwise) {
 }
 
 // The multi-tensor passes: one launch over spans of one flat model (sizes
-// below, at and over a chunk, each with its own weight decay) gives the bits
-// of the CPU device's pass span by span; the spans after an odd gap are not
-// 16-byte aligned, so the launch takes the vector path for some spans and the
-// scalar path for others.
+// below, at and over a chunk, each with its own weight decay, in two param
+// groups of other lrs, betas and ages) gives the bits of the CPU device's
+// pass span by span, each block making its group's op from the StepState in
+// device memory; a skipped step only clears the grads. The spans after an
+// odd gap are not 16-byte aligned, so the launch takes the vector path for
+// some spans and the scalar path for others.
 TEST(CudaKernels, MultiTensorOptimizerPassesMatchTheCpuSpanBySpan) {
   SKIP_WITHOUT_GPU();
   CudaDevice gpu(0);
@@ -305,20 +313,33 @@ TEST(CudaKernels, MultiTensorOptimizerPassesMatchTheCpuSpanBySpan) {
   auto gap = [](size_t k) { return k == 2 || k == 4 ? size_t(17) : size_t(16); };  // a layout's padding, or not
   size_t total = 0;
   for (size_t k = 0; k < sizes.size(); ++k) total += sizes[k] + gap(k);
+  const std::vector<fsdp::kernels::StepGroup> groups = {{0, 1.0f, 0.9f, 0.999f}, {2, 0.5f, 0.8f, 0.99f}};
   for (int opt = 0; opt < 4; ++opt) {    // AdamW, Adam (L2), SGD, SGD with momentum
-    for (int out = 0; out < 3; ++out) {  // none, bf16, fp16
+    for (int out = 0; out < 4; ++out) {  // none, bf16, fp16; 3: none, a skipped step
       SCOPED_TRACE("opt=" + std::to_string(opt) + " out=" + std::to_string(out));
       DType out_dtype = out == 1 ? DType::kBf16 : DType::kFp16;
       size_t es = fsdp::dtype_size(out_dtype);
+      const bool has_out = out == 1 || out == 2;
       std::vector<float> p = random_floats(total, 17), g = random_floats(total, 18, 3.0f),
                          m = random_floats(total, 19, 1e-2f), v = random_floats(total, 20, 1e-2f);
       for (float& x : v) x = std::abs(x);
-      std::vector<uint8_t> out_host(out == 0 ? 0 : total * es, 0xab);
+      std::vector<uint8_t> out_host(has_out ? total * es : 0, 0xab);
       std::vector<float> cp = p, cg = g, cm = m, cv = v;
       std::vector<uint8_t> cout = out_host;
       DeviceArray dp = upload(gpu, p), dg = upload(gpu, g), dm = upload(gpu, m), dv = upload(gpu, v),
                   dout(gpu, out_host.data(), out_host.size());
       bool sgd = opt >= 2, momentum = opt == 3;
+      fsdp::kernels::StepState st{};
+      st.lr = sgd ? 0.05 : 1e-3;
+      st.t = 3;
+      st.grad_scale = 0.75f;
+      st.skip = out == 3 ? 1 : 0;
+      fsdp::kernels::StepRule rule{};
+      rule.eps = 1e-8f;
+      rule.momentum = momentum ? 0.9f : 0.0f;
+      rule.decoupled = opt == 0 ? 1 : 0;
+      rule.nesterov = momentum ? 1 : 0;
+      DeviceArray dst(gpu, &st, sizeof st);
       std::vector<fsdp::device::ShardSpan> cspans, gspans;
       size_t at = 0;
       for (size_t k = 0; k < sizes.size(); ++k) {
@@ -328,28 +349,97 @@ TEST(CudaKernels, MultiTensorOptimizerPassesMatchTheCpuSpanBySpan) {
                                          gg + at,
                                          sgd && !momentum ? nullptr : mm + at,
                                          sgd ? nullptr : vv + at,
-                                         out == 0 ? nullptr : oo + at * es,
+                                         has_out ? oo + at * es : nullptr,
                                          sizes[k],
-                                         wd};
+                                         wd,
+                                         static_cast<uint32_t>(k % 2)};
         };
         cspans.push_back(span(cp.data(), cg.data(), cm.data(), cv.data(), cout.data()));
         gspans.push_back(span(dp.as<float>(), dg.as<float>(), dm.as<float>(), dv.as<float>(), dout.as<uint8_t>()));
         at += sizes[k] + gap(k);
       }
-      auto ctable = cpu.make_span_table(cspans);
-      auto gtable = gpu.make_span_table(gspans);
+      auto ctable = cpu.make_span_table(cspans, groups);
+      auto gtable = gpu.make_span_table(gspans, groups);
       if (!sgd) {
-        auto op = fsdp::kernels::AdamOp::make(1e-3f, 0.9f, 0.999f, 1e-8f, 0.0f, opt == 0, 3, 0.75f);
-        cpu.adam_spans(*ctable, op, 1e-3f, opt == 0, out_dtype, true);
-        gpu.adam_spans(*gtable, op, 1e-3f, opt == 0, out_dtype, true);
+        cpu.adam_spans(*ctable, rule, &st, out_dtype, true);
+        gpu.adam_spans(*gtable, rule, dst.as<fsdp::kernels::StepState>(), out_dtype, true);
       } else {
-        fsdp::kernels::SgdOp op{0.05f, 0.0f, momentum ? 0.9f : 0.0f, 0.75f, momentum, false};
-        cpu.sgd_spans(*ctable, op, out_dtype, true);
-        gpu.sgd_spans(*gtable, op, out_dtype, true);
+        cpu.sgd_spans(*ctable, rule, &st, out_dtype, true);
+        gpu.sgd_spans(*gtable, rule, dst.as<fsdp::kernels::StepState>(), out_dtype, true);
       }
       expect_same_pass(cp, cg, cm, cv, cout, dp, dg, dm, dv, dout);
+      if (st.skip != 0) {
+        EXPECT_EQ(first_difference(p, cp), -1) << "a skipped step changed the params";
+      }
     }
   }
+}
+
+// The step on the device: the units' sums added and the verdict decided by
+// one thread running kernels/step.h's functors give the CPU's bits (double
+// add, sqrt and division are correctly rounded on both), for a clean step, a
+// clipped one, a dynamic scale's growth and an inf that skips.
+TEST(CudaKernels, TheStepsScalarsMatchTheCpuBitwise) {
+  SKIP_WITHOUT_GPU();
+  CudaDevice gpu(0);
+  CpuDevice cpu(1, Pool::kDevice);
+  using fsdp::kernels::StepRule;
+  using fsdp::kernels::StepState;
+  const double inf = std::numeric_limits<double>::infinity();
+  const std::vector<std::vector<double>> sums = {{3.25, 0.0, 1e-3, 7.5}, {1e6, 2e6}, {1.0, inf}};
+  for (size_t c = 0; c < sums.size(); ++c) {
+    for (double clip : {0.0, 0.5}) {
+      SCOPED_TRACE("case " + std::to_string(c) + " clip " + std::to_string(clip));
+      StepRule rule{};
+      rule.max_grad_norm = clip;
+      rule.dynamic = 1;
+      rule.growth = 2.0;
+      rule.backoff = 0.5;
+      rule.growth_interval = 2;
+      rule.count = 1;
+      StepState cs{};
+      cs.loss_scale = 1024.0;
+      cs.clean = 1;
+      cs.t = 5;
+      DeviceArray ds(gpu, &cs, sizeof cs), dsq = upload(gpu, sums[c]);
+      cpu.step_scalars(&cs, sums[c].data(), sums[c].size(), &rule);
+      gpu.step_scalars(ds.as<StepState>(), dsq.as<double>(), sums[c].size(), &rule);
+      const StepState gs = ds.read<StepState>()[0];
+      EXPECT_EQ(std::memcmp(&gs, &cs, sizeof cs), 0) << "norm " << gs.norm << " / " << cs.norm << ", grad_scale "
+                                                     << gs.grad_scale << " / " << cs.grad_scale;
+    }
+  }
+}
+
+// The multi-tensor sum of squares (one launch over many arrays, then each
+// one's fold) gives each array sum_squares' bits; the rank-order sum of
+// doubles adds in rank order.
+TEST(CudaKernels, ASquaresTableAndTheRankOrderSumMatchTheirSingleForms) {
+  SKIP_WITHOUT_GPU();
+  CudaDevice gpu(0);
+  std::vector<std::vector<float>> xs;
+  for (size_t n : kSizes) xs.push_back(random_floats(n, 61 + static_cast<unsigned>(xs.size()), 2.0f));
+  std::vector<std::unique_ptr<DeviceArray>> dx;
+  DeviceArray outs(gpu, nullptr, (xs.size() + 1) * sizeof(double));
+  std::vector<fsdp::device::SquaresSpan> spans;
+  for (size_t k = 0; k < xs.size(); ++k) {
+    dx.push_back(std::make_unique<DeviceArray>(gpu, xs[k].data(), xs[k].size() * sizeof(float)));
+    spans.push_back({dx[k]->as<float>(), xs[k].size(), outs.as<double>() + k});
+  }
+  spans.push_back({nullptr, 0, outs.as<double>() + xs.size()});  // an empty one: 0
+  auto table = gpu.make_squares_table(spans);
+  gpu.sum_squares_table(*table);
+  const std::vector<double> got = outs.read<double>();
+  for (size_t k = 0; k < xs.size(); ++k) {
+    EXPECT_EQ(got[k], gpu.sum_squares(dx[k]->as<float>(), xs[k].size())) << "array " << k;
+  }
+  EXPECT_EQ(got[xs.size()], 0.0);
+  // 1e16 + 1 rounds back to 1e16 (ties to even); 1 + 1 first would keep 2.
+  const std::vector<double> a = {1e16, 1.0}, b = {1.0, 2.0}, c = {1.0, 3.0};
+  DeviceArray da = upload(gpu, a), db = upload(gpu, b), dc = upload(gpu, c), sum(gpu, nullptr, 2 * sizeof(double));
+  const double* ins[3] = {da.as<double>(), db.as<double>(), dc.as<double>()};
+  gpu.reduce_sum_f64(sum.as<double>(), ins, 3, 2);
+  EXPECT_EQ(sum.read<double>(), (std::vector<double>{1e16, 6.0}));
 }
 
 TEST(CudaKernels, NonFiniteFlagFindsOneInfOrNanAnywhere) {
@@ -683,9 +773,9 @@ TEST(CudaKernels, ASpanTableIsUploadedUsedAndFreedInTheOrderOfItsStream) {
   for (size_t k = 0; k < sizes.size(); ++k) {
     float wd = k % 2 == 0 ? 0.1f : 0.0f;
     cspans.push_back(
-        {cp.data() + at, cg.data() + at, cm.data() + at, cv.data() + at, cout.data() + at * 2, sizes[k], wd});
+        {cp.data() + at, cg.data() + at, cm.data() + at, cv.data() + at, cout.data() + at * 2, sizes[k], wd, 0});
     gspans.push_back({dp.as<float>() + at, dg.as<float>() + at, dm.as<float>() + at, dv.as<float>() + at,
-                      dout.as<uint8_t>() + at * 2, sizes[k], wd});
+                      dout.as<uint8_t>() + at * 2, sizes[k], wd, 0});
     at += sizes[k] + 16;
   }
   queue_host_sleep(nullptr, 500);
@@ -693,16 +783,24 @@ TEST(CudaKernels, ASpanTableIsUploadedUsedAndFreedInTheOrderOfItsStream) {
   ASSERT_EQ(cudaEventCreateWithFlags(&legacy_done, cudaEventDisableTiming), cudaSuccess);
   ASSERT_EQ(cudaEventRecord(legacy_done, nullptr), cudaSuccess);
   auto s = gpu.create_stream("comm", 1, StreamHooks{});
-  auto op = fsdp::kernels::AdamOp::make(1e-3f, 0.9f, 0.999f, 1e-8f, 0.0f, true, 3, 0.75f);
+  const std::vector<fsdp::kernels::StepGroup> groups = {{0, 1.0f, 0.9f, 0.999f}};
+  fsdp::kernels::StepState st{};
+  st.lr = 1e-3;
+  st.t = 3;
+  st.grad_scale = 0.75f;
+  fsdp::kernels::StepRule rule{};
+  rule.eps = 1e-8f;
+  rule.decoupled = 1;
+  DeviceArray dst(gpu, &st, sizeof st);
   EventPtr done = s->submit("optimizer step", [&] {
-    std::unique_ptr<fsdp::device::SpanTable> table = gpu.make_span_table(gspans);
-    gpu.adam_spans(*table, op, 1e-3f, true, DType::kBf16, true);
+    std::unique_ptr<fsdp::device::SpanTable> table = gpu.make_span_table(gspans, groups);
+    gpu.adam_spans(*table, rule, dst.as<fsdp::kernels::StepState>(), DType::kBf16, true);
   });  // the table went inside the task, as a rebuilt one does
   const bool legacy_busy = cudaEventQuery(legacy_done) == cudaErrorNotReady;
   done->wait(60);
   EXPECT_TRUE(legacy_busy) << "building, using or freeing the span table waited for the legacy default stream";
-  auto ctable = cpu.make_span_table(cspans);
-  cpu.adam_spans(*ctable, op, 1e-3f, true, DType::kBf16, true);
+  auto ctable = cpu.make_span_table(cspans, groups);
+  cpu.adam_spans(*ctable, rule, &st, DType::kBf16, true);
   expect_same_pass(cp, cg, cm, cv, cout, dp, dg, dm, dv, dout);
   ASSERT_EQ(cudaEventSynchronize(legacy_done), cudaSuccess);
   cudaEventDestroy(legacy_done);

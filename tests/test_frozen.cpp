@@ -41,7 +41,12 @@ void set_param_trainable(Job& job, size_t k, size_t i, int trainable) {
 
 size_t round_up(size_t n, size_t m) { return (n + m - 1) / m * m; }
 
+// What the rank's collectives moved, once the last fsdp_step (and the
+// reductions before it) ran: the step returns when queued, and a read of its
+// results (fsdp_ctx_step) waits for it.
 fsdp_comm_stats_t comm_stats(fsdp_ctx_t* ctx) {
+  uint64_t step = 0;
+  EXPECT_OK(fsdp_ctx_step(ctx, &step));
   fsdp_comm_stats_t c{};
   c.struct_size = sizeof c;
   EXPECT_OK(fsdp_comm_stats(ctx, &c));

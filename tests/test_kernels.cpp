@@ -19,6 +19,7 @@
 #include "kernels/cast.h"
 #include "kernels/norm.h"
 #include "kernels/reduce.h"
+#include "kernels/step.h"
 
 using namespace fsdp::kernels;
 
@@ -470,45 +471,187 @@ TEST(CpuReduceSum, MatchesTheRankOrderFunctorBitwiseAndClearsItsInputs) {
 }
 
 // The CPU device's multi-tensor passes (what the optimizer runs every step)
-// update each span as adam / sgd does with that span's weight decay, and leave
-// the gaps between spans (a layout's padding) untouched.
-TEST(CpuOptimizerPass, MultiTensorPassesUpdateEachSpanWithItsOwnWeightDecay) {
+// update each span as adam / sgd does with the op of the span's param group
+// for the step in the StepState (its lr scale, betas and age) and the span's
+// own weight decay, and leave the gaps between spans (a layout's padding)
+// untouched; a skipped step only clears the grads.
+TEST(CpuOptimizerPass, MultiTensorPassesUpdateEachSpanWithItsGroupsOpAndItsOwnWeightDecay) {
   CpuDevice dev(2, fsdp::device::Pool::kDevice);
   const std::vector<size_t> sizes = {13, 1024, 1, 3000};
   const std::vector<float> wds = {0.1f, 0.0f, 0.5f, 0.0f};
+  // Group 1 started two steps later: its Adam bias correction and SGD's
+  // first-step momentum count from there.
+  const std::vector<fsdp::kernels::StepGroup> groups = {{0, 1.0f, 0.9f, 0.999f}, {2, 0.5f, 0.8f, 0.99f}};
+  fsdp::kernels::StepRule rule{};
+  rule.eps = 1e-8f;
+  rule.momentum = 0.9f;
+  rule.decoupled = 1;
   for (bool sgd : {false, true}) {
-    SCOPED_TRACE(sgd ? "sgd" : "adamw");
-    size_t total = 0;
-    for (size_t n : sizes) total += n + 8;
-    PassState all = make_state(total, 31), want = all;
-    std::vector<fsdp::device::ShardSpan> spans;
-    size_t at = 0;
-    for (size_t k = 0; k < sizes.size(); ++k) {
-      spans.push_back({all.p.data() + at, all.g.data() + at, all.m.data() + at, sgd ? nullptr : all.v.data() + at,
-                       nullptr, sizes[k], wds[k]});
-      // The reference: the scalar functor, span by span, with the span's weight decay.
-      for (size_t i = at; i < at + sizes[k]; ++i) {
-        if (sgd) {
-          SgdOp{0.05f, wds[k], 0.9f, 0.5f, false, false}(want.p[i], want.g[i], want.m[i]);
-        } else {
-          AdamOp::make(1e-3f, 0.9f, 0.999f, 1e-8f, wds[k], true, 4, 0.5f)(want.p[i], want.g[i], want.m[i], want.v[i]);
+    for (bool skip : {false, true}) {
+      SCOPED_TRACE(std::string(sgd ? "sgd" : "adamw") + (skip ? ", skipped" : ""));
+      fsdp::kernels::StepState st{};
+      st.lr = sgd ? 0.05 : 1e-3;
+      st.t = 3;
+      st.grad_scale = 0.5f;
+      st.skip = skip ? 1 : 0;
+      size_t total = 0;
+      for (size_t n : sizes) total += n + 8;
+      PassState all = make_state(total, 31), want = all;
+      std::vector<fsdp::device::ShardSpan> spans;
+      size_t at = 0;
+      for (size_t k = 0; k < sizes.size(); ++k) {
+        const uint32_t gi = static_cast<uint32_t>(k % 2);
+        const fsdp::kernels::StepGroup& g = groups[gi];
+        spans.push_back({all.p.data() + at, all.g.data() + at, all.m.data() + at, sgd ? nullptr : all.v.data() + at,
+                         nullptr, sizes[k], wds[k], gi});
+        // The reference: the scalar functor, span by span, with the group's
+        // lr (scaled in double, rounded once), betas and step, and the span's
+        // weight decay.
+        const float lr = g.lr_scale == 1.0f ? float(st.lr) : float(st.lr * g.lr_scale);
+        const long t = st.t - g.fresh_at;
+        for (size_t i = at; i < at + sizes[k]; ++i) {
+          if (skip) {
+          } else if (sgd) {
+            SgdOp{lr, wds[k], 0.9f, 0.5f, false, t == 1}(want.p[i], want.g[i], want.m[i]);
+          } else {
+            AdamOp::make(lr, g.beta1, g.beta2, 1e-8f, wds[k], true, t, 0.5f)(want.p[i], want.g[i], want.m[i], want.v[i]);
+          }
+          want.g[i] = 0.0f;
         }
-        want.g[i] = 0.0f;
+        at += sizes[k] + 8;
       }
-      at += sizes[k] + 8;
-    }
-    auto table = dev.make_span_table(spans);
-    if (sgd) {
-      dev.sgd_spans(*table, SgdOp{0.05f, 0.0f, 0.9f, 0.5f, false, false}, DType::kFp32, true);
-    } else {
-      dev.adam_spans(*table, AdamOp::make(1e-3f, 0.9f, 0.999f, 1e-8f, 0.0f, true, 4, 0.5f), 1e-3f, true, DType::kFp32,
-                     true);
-    }
-    EXPECT_EQ(first_difference(want.p, all.p), -1);
-    EXPECT_EQ(first_difference(want.g, all.g), -1);
-    EXPECT_EQ(first_difference(want.m, all.m), -1);
-    if (!sgd) {
-      EXPECT_EQ(first_difference(want.v, all.v), -1);
+      auto table = dev.make_span_table(spans, groups);
+      if (sgd) {
+        dev.sgd_spans(*table, rule, &st, DType::kFp32, true);
+      } else {
+        dev.adam_spans(*table, rule, &st, DType::kFp32, true);
+      }
+      EXPECT_EQ(first_difference(want.p, all.p), -1);
+      EXPECT_EQ(first_difference(want.g, all.g), -1);
+      EXPECT_EQ(first_difference(want.m, all.m), -1);
+      if (!sgd) {
+        EXPECT_EQ(first_difference(want.v, all.v), -1);
+      }
     }
   }
+}
+
+// Adam's bias corrections come from bias_pow (squaring in double) on every
+// device. Against glibc's pow, the fp32 values the update uses (lr / bc1 and
+// 1 / sqrt(bc2)) are the same for the betas training uses, at every step up
+// to 2e5 and for lrs across six decades; the doubles themselves may differ
+// in their last bits, which is why a GPU's pow is not used at all.
+TEST(BiasPow, GivesGlibcsFp32BiasCorrections) {
+  for (double beta : {0.5, 0.8, 0.9, 0.95, 0.98, 0.99, 0.999}) {
+    long mismatches = 0;
+    for (long t = 1; t <= 200000; ++t) {
+      const double a = 1.0 - std::pow(beta, double(t)), b = 1.0 - bias_pow(beta, t);
+      for (float lr : {1e-6f, 3e-5f, 1e-4f, 6e-4f, 3e-3f, 0.1f}) mismatches += float(lr / a) != float(lr / b);
+      mismatches += float(1.0 / std::sqrt(a)) != float(1.0 / std::sqrt(b));
+    }
+    EXPECT_EQ(mismatches, 0) << "beta " << beta;
+  }
+  EXPECT_EQ(bias_pow(0.9, 0), 1.0);
+  EXPECT_EQ(bias_pow(0.5, 10), 1.0 / 1024);  // exact in binary
+}
+
+namespace {
+
+StepRule rule_with(double max_grad_norm, bool dynamic, long interval = 3) {
+  StepRule r{};
+  r.max_grad_norm = max_grad_norm;
+  r.dynamic = dynamic ? 1 : 0;
+  r.growth = 2.0;
+  r.backoff = 0.5;
+  r.growth_interval = interval;
+  r.count = 1;
+  return r;
+}
+
+}  // namespace
+
+// The step's verdict on the device follows torch's rules: the norm is that
+// of the unscaled grads; inf/nan skips the step (not counted, the scale
+// halves when dynamic); growth_interval clean steps double a dynamic scale;
+// clipping multiplies the unscale by max_norm / (norm + 1e-6) when below 1.
+TEST(StepDecide, FollowsGradScalerAndClipGradNormRules) {
+  StepState s{};
+  s.loss_scale = 8.0;
+  const double unit_sq[3] = {64.0 * 9, 0.0, 64.0 * 16};  // grads scaled by 8: unscaled norm sqrt(9 + 16) = 5
+  step_sum_units(s, unit_sq, 3);
+  EXPECT_EQ(s.sq, 64.0 * 25);
+  EXPECT_EQ(s.sq_rank, s.sq);
+  step_decide(s, rule_with(0.0, true));
+  EXPECT_EQ(s.norm, 5.0);
+  EXPECT_EQ(s.skip, 0);
+  EXPECT_EQ(s.t, 1);
+  EXPECT_EQ(s.grad_scale, 0.125f) << "no clipping: the unscale alone";
+  EXPECT_EQ(s.loss_scale, 8.0) << "one clean step of three";
+  // Clipping to 2.5: coef = 2.5 / (5 + 1e-6), folded into the unscale.
+  StepState c = s;
+  c.t = 0;
+  step_decide(c, rule_with(2.5, false));
+  EXPECT_EQ(c.grad_scale, float((2.5 / (5.0 + 1e-6)) / 8.0));
+  // A norm under the limit: no clipping.
+  c = s;
+  step_decide(c, rule_with(10.0, false));
+  EXPECT_EQ(c.grad_scale, 0.125f);
+  // Two more clean steps: the third grows the dynamic scale and restarts the count.
+  step_decide(s, rule_with(0.0, true));
+  EXPECT_EQ(s.loss_scale, 8.0);
+  step_decide(s, rule_with(0.0, true));
+  EXPECT_EQ(s.loss_scale, 16.0);
+  EXPECT_EQ(s.clean, 0);
+  EXPECT_EQ(s.t, 3);
+  // inf anywhere: skipped, not counted, the scale backs off (not when static).
+  for (double bad : {std::numeric_limits<double>::infinity(), std::nan("")}) {
+    StepState d = s;
+    d.clean = 2;
+    const double sq[2] = {1.0, bad};
+    step_sum_units(d, sq, 2);
+    step_decide(d, rule_with(1.0, true));
+    EXPECT_EQ(d.skip, 1);
+    EXPECT_EQ(d.t, 3);
+    EXPECT_EQ(d.skipped, 1);
+    EXPECT_EQ(d.clean, 0);
+    EXPECT_EQ(d.loss_scale, 8.0);
+    EXPECT_TRUE(std::isnan(d.norm) || std::isinf(d.norm));
+    StepState e = s;
+    step_sum_units(e, sq, 2);
+    step_decide(e, rule_with(0.0, false));
+    EXPECT_EQ(e.loss_scale, 16.0) << "a static scale does not back off";
+  }
+  // optimizer=host: the verdict without the count.
+  StepState h = s;
+  StepRule no_count = rule_with(0.0, false);
+  no_count.count = 0;
+  step_decide(h, no_count);
+  EXPECT_EQ(h.t, s.t);
+}
+
+// The multi-tensor sum of squares gives each array sum_squares' bits, and
+// the rank-order sum of doubles adds in rank order.
+TEST(CpuSumSquares, ATableGivesEachSpanSumSquaresBitwise) {
+  CpuDevice dev(2, fsdp::device::Pool::kDevice);
+  std::mt19937 rng(5);
+  std::normal_distribution<float> dist(0.0f, 3.0f);
+  const std::vector<size_t> sizes = {1, 255, 256, 70000, 0, 1000};
+  std::vector<std::vector<float>> xs;
+  for (size_t n : sizes) {
+    xs.emplace_back(n);
+    for (float& v : xs.back()) v = dist(rng);
+  }
+  std::vector<double> out(sizes.size(), -1.0);
+  std::vector<fsdp::device::SquaresSpan> spans;
+  for (size_t k = 0; k < sizes.size(); ++k) spans.push_back({xs[k].data(), sizes[k], &out[k]});
+  auto table = dev.make_squares_table(spans);
+  dev.sum_squares_table(*table);
+  for (size_t k = 0; k < sizes.size(); ++k) EXPECT_EQ(out[k], dev.sum_squares(xs[k].data(), sizes[k])) << "span " << k;
+  // 1e16 + 1 rounds back to 1e16 (ties to even); 1 + 1 first would keep 2.
+  const double a[2] = {1e16, 1.0}, b[2] = {1.0, 2.0}, c[2] = {1.0, 3.0};
+  const double* ins[3] = {a, b, c};
+  double sum[2];
+  dev.reduce_sum_f64(sum, ins, 3, 2);
+  EXPECT_EQ(sum[0], 1e16) << "not in rank order (1 + 1 first gives 1e16 + 2)";
+  EXPECT_EQ(sum[1], 6.0);
 }

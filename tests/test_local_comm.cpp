@@ -75,6 +75,16 @@ class StreamPlane final : public DataPlane {
       }
     });
   }
+  void reduce_f64(double* out, const double* const* ins, size_t n_ins, size_t n) override {
+    std::vector<const double*> in(ins, ins + n_ins);
+    stream_.submit("reduce_f64", [=] {
+      for (size_t i = 0; i < n; ++i) {
+        double acc = in[0][i];
+        for (size_t k = 1; k < in.size(); ++k) acc += in[k][i];
+        out[i] = acc;
+      }
+    });
+  }
   void* native_stream() override { return nullptr; }  // a CPU stream has no native handle
   // Queues `fn` on the rank's stream: work of the rank's own before or after a collective.
   void later(std::function<void()> fn) { stream_.submit("host work", std::move(fn)); }
@@ -254,5 +264,28 @@ TEST(LocalCommDevicePath, HostBuffersTakeTheHostPathAndMixedPathsAreAMismatch) {
     EXPECT_EQ(status[static_cast<size_t>(r)], FSDP_ERR_MISMATCH) << "rank " << r;
     EXPECT_NE(message[static_cast<size_t>(r)].find("device memory"), std::string::npos)
         << message[static_cast<size_t>(r)];
+  }
+}
+
+// sum_f64 over device memory (the step's grad norm summed over ranks sharing
+// a GPU): each rank's sum is the rank-order sum of what every rank wrote on
+// its stream before the call, and a rank's send is rewritten only after
+// every peer read it.
+TEST(LocalCommDevicePath, SumF64AddsInRankOrderAfterThePeersWritesAndBeforeTheirReuse) {
+  std::vector<double> got(kWorld);
+  run_device_ranks([&](int rank, LocalComm& comm, StreamPlane& plane) {
+    auto* mem = reinterpret_cast<double*>(plane.alloc(4));  // send, recv
+    double* send = mem;
+    double* recv = mem + 1;
+    // Rank order matters: 1e16 first, then ones that each round away.
+    const double mine = rank == 0 ? 1e16 : 1.0;
+    plane.later([=] { *send = mine; });
+    comm.sum_f64(send, recv, 1, "grad norm");
+    plane.later([=] { *send = -7.0; });  // the buffer's next use
+    plane.stream().synchronize(kTimeoutS);
+    got[static_cast<size_t>(rank)] = *recv;
+  });
+  for (int rank = 0; rank < kWorld; ++rank) {
+    EXPECT_EQ(got[static_cast<size_t>(rank)], 1e16) << "rank " << rank << " (the ones first would give 1e16 + 2)";
   }
 }

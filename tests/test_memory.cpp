@@ -122,6 +122,14 @@ void add_grad(RankSetup& s, fsdp_unit_t* u) {
 }
 
 // One forward + backward pass (grads: ones) and a step.
+// fsdp_step returns once the step is queued: on a late host stream the
+// reductions before it and its update may still run (and hold scratch). A
+// read of its results waits for them: from then on it is "between steps".
+void settle_step(fsdp_ctx_t* ctx) {
+  double norm = 0.0;
+  ASSERT_OK(fsdp_last_grad_norm(ctx, &norm));
+}
+
 void train_step(RankSetup& s) {
   for (auto* u : s.units) {
     ASSERT_OK(fsdp_forward_begin(u, s.host.stream()));
@@ -133,6 +141,7 @@ void train_step(RankSetup& s) {
     ASSERT_OK(fsdp_backward_end(s.units[k], s.host.stream()));
   }
   ASSERT_OK(fsdp_step(s.ctx.get(), s.host.stream()));
+  settle_step(s.ctx.get());
 }
 
 // ---- sharded bytes: FULL_SHARD x 4 == HYBRID_SHARD (2 x 2) x 2 == NO_SHARD up to padding
@@ -454,6 +463,7 @@ TEST_P(OffloadPools, DeviceHoldsOnlyGatheredParamsAndGradsInFlightHostHoldsAllSt
         ASSERT_OK(fsdp_backward_end(s.units[u], s.host.stream()));
       }
       ASSERT_OK(fsdp_step(ctx, s.host.stream()));
+      settle_step(ctx);
       const fsdp_memory_stats_t after = stats_of(ctx);
       EXPECT_EQ(after.device_nbytes, resident + after.free_slots_nbytes) << "after the second step";
       EXPECT_EQ(after.free_slots_nbytes, m.free_slots_nbytes) << "the second step made no slot";

@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "host_stream.h"
 #include "rank_runner.h"
 
 using namespace fsdp_test;
@@ -226,6 +227,115 @@ TEST(PrefetchOrder, ForwardPrefetchIssuesTheNextGatherBeforeItIsNeeded) {
     bool saw_comm = false;
     for (const auto& e : ev) saw_comm |= e.name.rfind("reduce_scatter of unit 'u0' (#0)", 0) == 0 && e.phase == 'B';
     EXPECT_TRUE(saw_comm) << "no reduce_scatter of u0 on the comm track";
+    EXPECT_OK(fsdp_ctx_finalize(m.ctx.get()));
+  });
+}
+
+// ---- gathers never queue behind reductions ------------------------------------
+
+namespace {
+
+// The events of one track (tid) of a trace fsdp_trace_write wrote.
+struct TrackEvent {
+  std::string name;
+  char phase;
+  int tid;
+  long seq;
+};
+
+std::vector<TrackEvent> read_tracks(const std::string& path) {
+  std::vector<TrackEvent> out;
+  std::ifstream in(path);
+  std::string line;
+  while (std::getline(in, line)) {
+    size_t n = line.find("\"name\": \"");
+    size_t ph = line.find("\"ph\": \"");
+    size_t tid = line.find("\"tid\": ");
+    size_t sq = line.find("\"seq\": ");
+    if (n == std::string::npos || ph == std::string::npos || tid == std::string::npos || sq == std::string::npos) {
+      continue;
+    }
+    size_t n_end = line.find('"', n + 9);
+    out.push_back({line.substr(n + 9, n_end - n - 9), line[ph + 7], std::stoi(line.substr(tid + 7)),
+                   std::stol(line.substr(sq + 7))});
+  }
+  return out;
+}
+
+// The seq of the first event of `tid` whose name starts with `prefix`, in `phase`.
+long first_seq(const std::vector<TrackEvent>& ev, int tid, const std::string& prefix, char phase) {
+  for (const auto& e : ev) {
+    if (e.tid == tid && e.phase == phase && e.name.rfind(prefix, 0) == 0) return e.seq;
+  }
+  return -1;
+}
+
+constexpr int kCallerTrack = 0, kCommTrack = 1, kGatherTrack = 3;
+
+}  // namespace
+
+// All-gathers run on a stream (and over a communicator) of their own and
+// reductions on the comm stream, as FSDP2's do: a prefetched gather never
+// waits behind a reduction. Rank 1 computes on a host stream whose tasks
+// start 60 ms late, so the reduction of the last unit (u4, the first in
+// backward) waits for rank 1's backward of u4 on both ranks; the gather of
+// u2, which backward_begin(u3) prefetches after that reduction is queued,
+// needs nothing of that compute (only u2's forward, long done) and completes
+// while the reduction still waits. On rank 0's trace the gather's end comes
+// before the reduction's: with one stream for both, it comes after.
+TEST(StreamSplit, AGatherQueuedAfterAReductionCompletesWhileTheReductionWaits) {
+  run_ranks(2, [](int rank, fsdp_local_group_t* group) {
+    Model m;
+    build(m, {{"forward_prefetch", "0"}, {"backward_prefetch", "pre"}, {"limit_all_gathers", "5"}}, group, rank);
+    if (::testing::Test::HasFatalFailure()) return;
+    Host host(m.ctx.get(), rank == 1 ? 60000 : 0);
+    auto iteration = [&](int step) {
+      for (int u = 0; u < kUnits; ++u) {
+        ASSERT_OK(fsdp_forward_begin(m.units[u], host.stream()));
+        host.run([] {});  // the unit's forward compute
+        ASSERT_OK(fsdp_forward_end(m.units[u], host.stream()));
+      }
+      for (int u = kUnits; u-- > 0;) {
+        ASSERT_OK(fsdp_backward_begin(m.units[u], host.stream()));
+        void* g = nullptr;
+        ASSERT_OK(fsdp_grad_ptr(m.units[u], 0, &g));
+        host.run([g, step] { static_cast<float*>(g)[0] += 0.5f + static_cast<float>(step); });
+        ASSERT_OK(fsdp_backward_end(m.units[u], host.stream()));
+      }
+      ASSERT_OK(fsdp_step(m.ctx.get(), host.stream()));
+    };
+    iteration(0);  // records the order that prefetch follows
+    ASSERT_OK(fsdp_trace_begin(m.ctx.get()));
+    iteration(1);
+    double norm = 0.0;
+    ASSERT_OK(fsdp_last_grad_norm(m.ctx.get(), &norm));  // the step, and so every reduction, is done
+    EXPECT_GT(norm, 0.0);
+    host.sync();
+    if (rank == 0) {
+      const std::string path = ::testing::TempDir() + "split_trace_" + std::to_string(::getpid()) + ".json";
+      ASSERT_OK(fsdp_trace_write(m.ctx.get(), path.c_str()));
+      const auto ev = read_tracks(path);
+      std::remove(path.c_str());
+      const long reduce_queued = first_seq(ev, kCallerTrack, "backward_end u4", 'E');
+      const long gather_issued = first_seq(ev, kCallerTrack, "prefetch all_gather of unit 'u2'", 'i');
+      const long gather_end = first_seq(ev, kGatherTrack, "all_gather of unit 'u2' (#2)", 'E');
+      const long reduce_end = first_seq(ev, kCommTrack, "reduce_scatter of unit 'u4' (#4)", 'E');
+      ASSERT_GE(reduce_queued, 0);
+      ASSERT_GE(gather_issued, 0) << "no backward prefetch of u2";
+      ASSERT_GE(gather_end, 0) << "no all_gather of u2 on the gather track";
+      ASSERT_GE(reduce_end, 0) << "no reduce_scatter of u4 on the comm track";
+      EXPECT_LT(reduce_queued, gather_issued) << "the gather was not queued after the reduction";
+      EXPECT_LT(gather_end, reduce_end) << "the gather of u2 waited behind the reduce-scatter of u4";
+      // No reduction or step ran on the gather track, and no gather on the comm track.
+      for (const auto& e : ev) {
+        if (e.tid == kGatherTrack) {
+          EXPECT_EQ(e.name.rfind("all_gather", 0), 0u) << e.name << " on the gather track";
+        }
+        if (e.tid == kCommTrack) {
+          EXPECT_EQ(e.name.rfind("all_gather", 0), std::string::npos) << e.name << " on the comm track";
+        }
+      }
+    }
     EXPECT_OK(fsdp_ctx_finalize(m.ctx.get()));
   });
 }

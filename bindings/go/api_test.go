@@ -726,6 +726,10 @@ func TestFrozenUnit(t *testing.T) {
 		if err != nil {
 			return err
 		}
+		// ShardInfo waited for the step (a read); the brackets and the step did not.
+		if cs.HostWaits != 1 {
+			return fmt.Errorf("CommStats: %d host waits, want 1 (ShardInfo's)", cs.HostWaits)
+		}
 		if want := uint64(2 * len(shard) * 4); cs.ReduceScatterCalls != 1 || cs.ReduceScatterBytes != want {
 			return fmt.Errorf("CommStats: %d reduce-scatters of %d bytes, want 1 of %d", cs.ReduceScatterCalls, cs.ReduceScatterBytes, want)
 		}

@@ -351,6 +351,7 @@ type CommStats struct {
 	AllReduceCalls, AllReduceBytes         uint64
 	BroadcastCalls, BroadcastBytes         uint64
 	ControlCalls                           uint64 // norms, flags, consensus checks, barriers
+	HostWaits                              uint64 // calls that blocked the calling thread on queued work (0 for a steady-state step)
 }
 
 // CommStats returns this rank's collective counters.
@@ -365,7 +366,7 @@ func (c *Context) CommStats() (CommStats, error) {
 		ReduceScatterCalls: uint64(s.reduce_scatter_calls), ReduceScatterBytes: uint64(s.reduce_scatter_nbytes),
 		AllReduceCalls: uint64(s.all_reduce_calls), AllReduceBytes: uint64(s.all_reduce_nbytes),
 		BroadcastCalls: uint64(s.broadcast_calls), BroadcastBytes: uint64(s.broadcast_nbytes),
-		ControlCalls: uint64(s.control_calls),
+		ControlCalls: uint64(s.control_calls), HostWaits: uint64(s.host_waits),
 	}, nil
 }
 

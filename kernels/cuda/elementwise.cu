@@ -9,6 +9,7 @@
 #include "../norm.h"
 #include "../optim.h"
 #include "../reduce.h"
+#include "../step.h"
 #include "launch.h"
 
 namespace fsdp::kernels::cuda {
@@ -281,35 +282,55 @@ __device__ __forceinline__ void span_chunk(const Body& body, size_t begin, size_
   for (; i < end; i += blockDim.x) body.one(i);
 }
 
-// One chunk of one span per block: AdamBody / SgdBody with the span's op,
-// 16-byte accesses where the span's arrays allow them (the same bits: each
-// element's update is the functor's either way).
+// A skipped step's pass over a chunk: the grads cleared, nothing else.
+struct ZeroBody {
+  float* g;
+  __device__ void one(size_t i) const { g[i] = 0.0f; }
+  __device__ void vec(size_t j) const { zero4(g, j); }
+};
+
+// One chunk of one span per block: AdamBody / SgdBody with the op of the
+// span's group for this step, made once per block from the step's scalars
+// (kernels/step.h: the same arithmetic as the CPU's per-span op), and the
+// span's weight decay; 16-byte accesses where the span's arrays allow them
+// (the same bits: each element's update is the functor's either way).
 template <typename Out, bool kZero>
 __global__ void __launch_bounds__(kThreads)
-    adam_spans_kernel(const OptimSpan* spans, const SpanChunk* chunks, AdamOp base, float lr, bool decoupled) {
+    adam_spans_kernel(const OptimSpan* spans, const SpanChunk* chunks, const StepGroup* groups, StepRule rule,
+                      const StepState* st) {
   const SpanChunk c = chunks[blockIdx.x];
   const OptimSpan sp = spans[c.span];
-  const AdamBody<Out, kZero> body{base.with_weight_decay(lr, sp.weight_decay, decoupled),
-                                  sp.params,
-                                  sp.grads,
-                                  sp.state1,
-                                  sp.state2,
-                                  static_cast<Out*>(sp.out)};
-  const bool vec = aligned4(body.p) && aligned4(body.g) && aligned4(body.m) && aligned4(body.v) && aligned4(body.out);
   const size_t end = c.begin + kSpanChunk < sp.numel ? c.begin + kSpanChunk : sp.numel;
+  if (st->skip != 0) {
+    if (kZero) span_chunk(ZeroBody{sp.grads}, c.begin, end, aligned4(sp.grads));
+    return;
+  }
+  __shared__ AdamOp op;
+  if (threadIdx.x == 0) {
+    const StepGroup g = groups[sp.group];
+    op = step_adam_op(*st, g, rule).with_weight_decay(group_lr(*st, g), sp.weight_decay, rule.decoupled != 0);
+  }
+  __syncthreads();
+  const AdamBody<Out, kZero> body{op, sp.params, sp.grads, sp.state1, sp.state2, static_cast<Out*>(sp.out)};
+  const bool vec = aligned4(body.p) && aligned4(body.g) && aligned4(body.m) && aligned4(body.v) && aligned4(body.out);
   span_chunk(body, c.begin, end, vec);
 }
 
 template <typename Out, bool kZero, bool kMomentum>
 __global__ void __launch_bounds__(kThreads)
-    sgd_spans_kernel(const OptimSpan* spans, const SpanChunk* chunks, SgdOp base) {
+    sgd_spans_kernel(const OptimSpan* spans, const SpanChunk* chunks, const StepGroup* groups, StepRule rule,
+                     const StepState* st) {
   const SpanChunk c = chunks[blockIdx.x];
   const OptimSpan sp = spans[c.span];
-  SgdOp op = base;
+  const size_t end = c.begin + kSpanChunk < sp.numel ? c.begin + kSpanChunk : sp.numel;
+  if (st->skip != 0) {
+    if (kZero) span_chunk(ZeroBody{sp.grads}, c.begin, end, aligned4(sp.grads));
+    return;
+  }
+  SgdOp op = step_sgd_op(*st, groups[sp.group], rule);
   op.weight_decay = sp.weight_decay;
   const SgdBody<Out, kZero, kMomentum> body{op, sp.params, sp.grads, sp.state1, static_cast<Out*>(sp.out)};
   const bool vec = aligned4(body.p) && aligned4(body.g) && (!kMomentum || aligned4(body.buf)) && aligned4(body.out);
-  const size_t end = c.begin + kSpanChunk < sp.numel ? c.begin + kSpanChunk : sp.numel;
   span_chunk(body, c.begin, end, vec);
 }
 
@@ -406,29 +427,32 @@ std::vector<SpanChunk> span_chunks(const OptimSpan* spans, size_t n) {
   return chunks;
 }
 
-cudaError_t adam_spans(const OptimSpan* spans, const SpanChunk* chunks, size_t n_chunks, const AdamOp& op, float lr,
-                       bool decoupled, bool has_out, fsdp_dtype_t out_dtype, bool zero_grads, cudaStream_t s) {
+cudaError_t adam_spans(const OptimSpan* spans, const SpanChunk* chunks, size_t n_chunks, const StepGroup* groups,
+                       const StepRule& rule, const StepState* st, bool has_out, fsdp_dtype_t out_dtype,
+                       bool zero_grads, cudaStream_t s) {
   if (n_chunks == 0) return cudaSuccess;
   return with_span_out(has_out, out_dtype, [&](auto* o) {
     using O = std::remove_pointer_t<decltype(o)>;
     auto grid = static_cast<unsigned>(n_chunks);
     if (zero_grads) {
-      adam_spans_kernel<O, true><<<grid, kThreads, 0, s>>>(spans, chunks, op, lr, decoupled);
+      adam_spans_kernel<O, true><<<grid, kThreads, 0, s>>>(spans, chunks, groups, rule, st);
     } else {
-      adam_spans_kernel<O, false><<<grid, kThreads, 0, s>>>(spans, chunks, op, lr, decoupled);
+      adam_spans_kernel<O, false><<<grid, kThreads, 0, s>>>(spans, chunks, groups, rule, st);
     }
     return cudaGetLastError();
   });
 }
 
-cudaError_t sgd_spans(const OptimSpan* spans, const SpanChunk* chunks, size_t n_chunks, const SgdOp& op, bool momentum,
-                      bool has_out, fsdp_dtype_t out_dtype, bool zero_grads, cudaStream_t s) {
+cudaError_t sgd_spans(const OptimSpan* spans, const SpanChunk* chunks, size_t n_chunks, const StepGroup* groups,
+                      const StepRule& rule, const StepState* st, bool momentum, bool has_out, fsdp_dtype_t out_dtype,
+                      bool zero_grads, cudaStream_t s) {
   if (n_chunks == 0) return cudaSuccess;
   return with_span_out(has_out, out_dtype, [&](auto* o) {
     using O = std::remove_pointer_t<decltype(o)>;
     auto grid = static_cast<unsigned>(n_chunks);
     auto go = [&](auto zero, auto mom) {
-      sgd_spans_kernel<O, decltype(zero)::value, decltype(mom)::value><<<grid, kThreads, 0, s>>>(spans, chunks, op);
+      sgd_spans_kernel<O, decltype(zero)::value, decltype(mom)::value>
+          <<<grid, kThreads, 0, s>>>(spans, chunks, groups, rule, st);
       return cudaGetLastError();
     };
     using T = std::true_type;

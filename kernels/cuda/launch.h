@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "../optim.h"
+#include "../step.h"
 #include "fsdp.h"
 
 namespace fsdp::kernels::cuda {
@@ -44,9 +45,11 @@ cudaError_t reduce_sum(void* out, void* const* ins, size_t n_ins, fsdp_dtype_t d
 // device memory), each block taking one chunk of at most kSpanChunk elements
 // of one span (the chunk table, in device memory too, says which), with the
 // per-range passes' 16-byte accesses where that span's arrays are aligned
-// (the scalar path otherwise; the same bits either way). Each span
-// gets AdamOp::with_weight_decay(lr, its weight decay, decoupled), or the SGD
-// op with its weight decay; `has_out`: every span has a params copy in
+// (the scalar path otherwise; the same bits either way). Each span gets its
+// group's op for this step, made on the device from the step's scalars `st`
+// (kernels::step_adam_op / step_sgd_op over groups[span.group] and `rule`),
+// with its own weight decay; where st->skip, the pass only clears the
+// grads (with `zero_grads`). `has_out`: every span has a params copy in
 // `out_dtype` (else none has); SGD's `momentum`: every span has state1.
 struct SpanChunk {
   uint64_t span;
@@ -55,10 +58,12 @@ struct SpanChunk {
 constexpr size_t kSpanChunk = 16384;
 // The chunks of spans[0, n) (host memory), in span order.
 std::vector<SpanChunk> span_chunks(const OptimSpan* spans, size_t n);
-cudaError_t adam_spans(const OptimSpan* spans, const SpanChunk* chunks, size_t n_chunks, const AdamOp& op, float lr,
-                       bool decoupled, bool has_out, fsdp_dtype_t out_dtype, bool zero_grads, cudaStream_t s);
-cudaError_t sgd_spans(const OptimSpan* spans, const SpanChunk* chunks, size_t n_chunks, const SgdOp& op, bool momentum,
-                      bool has_out, fsdp_dtype_t out_dtype, bool zero_grads, cudaStream_t s);
+cudaError_t adam_spans(const OptimSpan* spans, const SpanChunk* chunks, size_t n_chunks, const StepGroup* groups,
+                       const StepRule& rule, const StepState* st, bool has_out, fsdp_dtype_t out_dtype,
+                       bool zero_grads, cudaStream_t s);
+cudaError_t sgd_spans(const OptimSpan* spans, const SpanChunk* chunks, size_t n_chunks, const StepGroup* groups,
+                      const StepRule& rule, const StepState* st, bool momentum, bool has_out, fsdp_dtype_t out_dtype,
+                      bool zero_grads, cudaStream_t s);
 
 // The squares of x[0, n) summed in the order of kernels/norm.h into *out (a
 // device double): each step's fp32 sum is the CPU's bit for bit; the steps'
@@ -66,6 +71,36 @@ cudaError_t sgd_spans(const OptimSpan* spans, const SpanChunk* chunks, size_t n_
 // `scratch` is device memory of sum_squares_scratch_nbytes(n) bytes.
 size_t sum_squares_scratch_nbytes(size_t n);
 cudaError_t sum_squares(const float* x, size_t n, double* out, void* scratch, cudaStream_t s);
+// accumulate() whose pass also sums the squares of the values it wrote into
+// *out (a device double), with sum_squares' bits for them: the grad shard is
+// not read again for its norm. `scratch` as sum_squares'.
+cudaError_t accumulate_sq(float* acc, void* src, fsdp_dtype_t src_dtype, float scale, size_t n, bool clear,
+                          double* out, void* scratch, cudaStream_t s);
+// sum_squares of many arrays: the pass that reads them is one launch (each
+// block one run of steps of one array: the chunk table), then each array's
+// steps are folded into its `out` as sum_squares folds them (its bits).
+// `scratch`: device memory of sum_squares_scratch_nbytes(numel), each array
+// its own.
+struct SquaresEntry {
+  const float* x;
+  size_t numel;
+  double* out;
+  void* scratch;
+};
+struct SquaresChunk {
+  uint64_t entry;
+  uint64_t first_step;
+};
+std::vector<SquaresChunk> squares_chunks(const SquaresEntry* entries, size_t n);
+// `entries_dev` and `chunks_dev` in device memory; `entries` (host) the same.
+cudaError_t sum_squares_table(const SquaresEntry* entries_dev, const SquaresChunk* chunks_dev, size_t n_chunks,
+                              const SquaresEntry* entries, size_t n, cudaStream_t s);
+// out[i] = the sum over k < n_ins of ins[k][i] in double in rank order (at
+// most kMaxReduceInputs, passed by value).
+cudaError_t reduce_sum_f64(double* out, const double* const* ins, size_t n_ins, size_t n, cudaStream_t s);
+// The step's scalars (kernels/step.h): with `unit_sq`, st->sq = the units'
+// sums in order; then with `rule`, the verdict. One thread.
+cudaError_t step_scalars(StepState* st, const double* unit_sq, size_t n_units, const StepRule* rule, cudaStream_t s);
 
 // *flag (a device int) is set to 1 when some x[i] is an infinity or a NaN;
 // left as it is otherwise (the caller clears it once per step).

@@ -365,6 +365,7 @@ fsdp_status_t fsdp_shard_info(fsdp_unit_t* unit, float** ptr, size_t* offset, si
     require(ptr, "fsdp_shard_info", "ptr");
     require(offset, "fsdp_shard_info", "offset");
     require(numel, "fsdp_shard_info", "numel");
+    u.runtime().wait_step();  // the host may read the shard next: the update in flight writes it
     *ptr = u.master();
     *offset = u.shard_offset();
     *numel = u.shard_numel();
@@ -432,6 +433,7 @@ fsdp_status_t fsdp_comm_stats(const fsdp_ctx_t* ctx, fsdp_comm_stats_t* stats) {
       full.broadcast_calls = calls(Collective::kBroadcast);
       full.broadcast_nbytes = bytes(Collective::kBroadcast);
       full.control_calls = calls(Collective::kControl);
+      full.host_waits = ctx_of(ctx)->runtime().host_waits.load(std::memory_order_relaxed);
     });
   });
 }
@@ -441,6 +443,7 @@ fsdp_status_t fsdp_comm_stats_reset(fsdp_ctx_t* ctx) {
     require(ctx, "fsdp_comm_stats_reset", "ctx");
     ctx_of(ctx)->check_live("fsdp_comm_stats_reset");
     ctx_of(ctx)->comm_counters().reset();
+    ctx_of(ctx)->runtime().host_waits.store(0, std::memory_order_relaxed);
   });
 }
 

@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "../base/error.h"
+#include "../base/host_waits.h"
 #include "fsdp.h"
 
 namespace fsdp::api {
@@ -16,6 +17,7 @@ void set_last_error(const std::string& message);
 template <typename F>
 fsdp_status_t guard(F&& body) noexcept {
   Outcome o = capture(std::forward<F>(body));
+  base::host_wait_counter() = nullptr;  // set by the call's check_live for its context
   if (!o.ok()) set_last_error(o.message);
   return o.status;
 }

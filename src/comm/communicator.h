@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstring>
 #include <memory>
 #include <string>
 
@@ -41,6 +42,15 @@ class Communicator {
                           const std::string& label) = 0;
   // Small double reductions for norms, flags and consensus checks.
   virtual void all_reduce_f64(double* values, size_t n, RedOp op, const std::string& label) = 0;
+  // recv[i] = the sum over ranks of send[i] (n small: the step's grad norm),
+  // where `send` and `recv` are host memory or memory of the attached
+  // DataPlane (a GPU's), which a communicator that can moves without the
+  // host (the local communicator in rank order, NCCL); host memory goes the
+  // way of all_reduce_f64 (rank order), which is what this does by default.
+  virtual void sum_f64(const double* send, double* recv, size_t n, const std::string& label) {
+    if (recv != send) std::memcpy(recv, send, n * sizeof(double));
+    all_reduce_f64(recv, n, RedOp::kSum, label);
+  }
   virtual void broadcast(void* buf, size_t nbytes, int root, const std::string& label) = 0;
   virtual void barrier(const std::string& label) = 0;
   // Collective: the ranks passing the same `color` form a new communicator,

@@ -31,6 +31,11 @@ void CountingComm::all_reduce_f64(double* values, size_t n, RedOp op, const std:
   counters_->add(Collective::kControl, 0);
 }
 
+void CountingComm::sum_f64(const double* send, double* recv, size_t n, const std::string& label) {
+  inner_->sum_f64(send, recv, n, label);
+  counters_->add(Collective::kControl, 0);
+}
+
 void CountingComm::broadcast(void* buf, size_t nbytes, int root, const std::string& label) {
   inner_->broadcast(buf, nbytes, root, label);
   counters_->add(Collective::kBroadcast, nbytes);

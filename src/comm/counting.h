@@ -49,6 +49,7 @@ class CountingComm final : public Communicator {
   void all_reduce(const void* send, void* recv, size_t numel, DType dtype, RedOp op,
                   const std::string& label) override;
   void all_reduce_f64(double* values, size_t n, RedOp op, const std::string& label) override;
+  void sum_f64(const double* send, double* recv, size_t n, const std::string& label) override;
   void broadcast(void* buf, size_t nbytes, int root, const std::string& label) override;
   void barrier(const std::string& label) override;
   // The new communicator counts into the same counters.

@@ -32,6 +32,8 @@ class DataPlane {
   // with `clear`, each input element is zeroed once read.
   virtual void reduce(void* out, void* const* ins, size_t n_ins, size_t numel, DType dtype, float scale,
                       bool clear) = 0;
+  // out[i] = the sum over k of ins[k][i] in double, in rank order.
+  virtual void reduce_f64(double* out, const double* const* ins, size_t n_ins, size_t n) = 0;
   // The calling rank's stream as the device's own handle (a cudaStream_t),
   // where a communicator that queues its own work (NCCL) puts it; null where
   // the device has none.

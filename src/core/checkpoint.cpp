@@ -508,8 +508,8 @@ void Context::load(const std::string& dir, bool strict) {
     for (size_t i = 0; i < n; ++i) before[i] = optimizer_.param_fresh_at(k, i);
     optimizer_.set_ages(*units_[k], state_fresh_at(meta, sources[k], before));
   }
-  optimizer_.loss_scaler().restore(meta.scaler.scale, static_cast<long>(meta.scaler.clean_steps),
-                                   meta.scaler.skipped_steps);
+  optimizer_.restore_scaler(meta.scaler.scale, static_cast<long>(meta.scaler.clean_steps),
+                           meta.scaler.skipped_steps);
   optimizer_.set_lr(meta.optimizer.lr);
   set_load_report(what, left_out);
 }

@@ -104,6 +104,19 @@ Context::Context(const Options& opts, std::unique_ptr<comm::Communicator> world)
   rt_.grad_slots = grad_slots_.get();
   agree(*rt_.comm, "fsdp_ctx_create (config)", describe(rt_.opts));
   setup_groups();
+  if (rt_.shard_size > 1) {
+    // A communicator and a stream of their own for the params' gathers, so
+    // that a prefetched gather never queues behind a reduction. Split off
+    // the shard group's: the same ranks, collectives ordered apart.
+    SyncComm& group = opts.hybrid() ? *sync_shard_ : *sync_world_;
+    gather_comm_ = group.split(0, rt_.shard_index, "split off the gathers' communicator");
+    gather_stream_ = dev_->create_stream(
+        "gather", 1,
+        {[trace](const std::string& name, bool begin) { trace->add(name, begin ? 'B' : 'E', Track::kGather); },
+         [this](const std::string& reason) { abort_comms(reason); }, opts.timeout_s});
+    rt_.gather_comm = gather_comm_.get();
+    rt_.gather_stream = gather_stream_.get();
+  }
 }
 
 void Context::setup_groups() {
@@ -138,18 +151,19 @@ void Context::setup_groups() {
 }
 
 void Context::abort_comms(const std::string& reason) {
-  for (comm::Communicator* c : {world_.get(), shard_.get(), replica_.get()}) {
+  for (comm::Communicator* c : {world_.get(), shard_.get(), replica_.get(), gather_comm_.get()}) {
     if (c != nullptr) c->abort(reason);
   }
 }
 
 fsdp_status_t Context::async_error() const {
-  for (const comm::Communicator* c : {world_.get(), shard_.get(), replica_.get()}) {
+  for (const comm::Communicator* c : {world_.get(), shard_.get(), replica_.get(), gather_comm_.get()}) {
     if (c != nullptr && c->failure() != FSDP_OK) return c->failure();
   }
   // Work that failed on a stream: the engine's own, and the host's streams
   // the transitions were given (a gather the host's stream waited for failed).
-  for (const device::Stream* s : {stream_.get(), copy_in_.get(), copy_out_.get(), host_work_.get()}) {
+  for (const device::Stream* s :
+       {gather_stream_.get(), stream_.get(), copy_in_.get(), copy_out_.get(), host_work_.get()}) {
     if (s != nullptr && s->failure() != FSDP_OK) return s->failure();
   }
   for (const device::Stream* s : rt_.async_callers) {
@@ -188,6 +202,9 @@ Unit& Context::register_unit(const std::string& name, std::vector<ParamSpec> par
   std::string text = problem.empty() ? describe(index, name, params) : "invalid registration: " + problem;
   agree_or_refuse(what, text, FSDP_ERR_INVALID_ARGUMENT,
                   problem.empty() ? "" : what + " " + base::quote(name) + ": " + problem);
+  // More units than the sums of squares have room for: they move, once
+  // nothing that writes one is queued.
+  if (optimizer_.unit_slots_full() && !units_.empty()) settle_units();
   auto unit = std::make_unique<Unit>(rt_, index, name, std::move(params));
   optimizer_.add_unit(*unit);
   units_.push_back(std::move(unit));
@@ -302,13 +319,37 @@ void Context::settle_units() {
   for (const auto& u : units_) u->drop_stale_gathered();
   for (const auto& u : units_) u->wait_reductions();
   rt_.reductions_in_flight.clear();
+  rt_.wait_step();
   // A collective that NCCL aborted completes its GPU event as if it had run:
   // the waits above pass, and what they waited for holds whatever the buffer
   // held. The communicators know; nothing may read those results.
-  for (const comm::Communicator* c : {world_.get(), shard_.get(), replica_.get()}) {
+  for (const comm::Communicator* c : {world_.get(), shard_.get(), replica_.get(), gather_comm_.get()}) {
     if (c != nullptr && c->failure() != FSDP_OK) {
       fail(c->failure(), rt_.where() + ": a collective of this context failed earlier (fsdp_ctx_async_error " +
                              "reported it); its results are not used");
+    }
+  }
+}
+
+device::Stream& Context::step_stream(device::Stream& caller) {
+  if (rt_.offload()) return *host_work_;
+  if (rt_.alone()) return caller;
+  return *stream_;
+}
+
+void Context::check_failures(const char* call) const {
+  // A stream's failure carries its message (the rank that did not come, the
+  // work that stalled); a communicator's alone only says it failed.
+  for (const device::Stream* s :
+       {gather_stream_.get(), stream_.get(), copy_in_.get(), copy_out_.get(), host_work_.get()}) {
+    if (s != nullptr) s->rethrow_failure();
+  }
+  for (const device::Stream* s : rt_.async_callers) s->rethrow_failure();
+  for (const comm::Communicator* c : {world_.get(), shard_.get(), replica_.get(), gather_comm_.get()}) {
+    if (c != nullptr && c->failure() != FSDP_OK) {
+      fail(c->failure(), std::string(call) + " (" + rt_.where() +
+                             "): a collective of this context failed earlier (fsdp_ctx_async_error reported it); "
+                             "its results are not used");
     }
   }
 }
@@ -319,13 +360,17 @@ void Context::step(device::Stream& caller) {
                                      "): optimizer=host updates the shards itself: call fsdp_step_begin, update "
                                      "each trainable unit's shard (fsdp_shard_tensors), then fsdp_step_end");
   }
-  settle_for_step(caller, "fsdp_step");
-  optimizer_.step(units_);  // leaves every grad shard zero, the step skipped or not
+  device::Stream& run = step_stream(caller);
+  settle_for_step(caller, run, "fsdp_step");
+  // Queued after the reductions and the caller's work; returns without
+  // waiting (the caller's stream waits for it: on the CPU's NULL stream, the
+  // calling thread). Leaves every grad shard zero, the step skipped or not.
+  optimizer_.step(units_, caller, run);
   for (const auto& u : units_) u->grads_cleared();
   scheduler_.on_step();
 }
 
-void Context::settle_for_step(device::Stream& caller, const char* call) {
+void Context::settle_for_step(device::Stream& caller, device::Stream& run, const char* call) {
   check_no_unit_in_use(call);
   for (const auto& u : units_) {
     if (u->grads_pending() && !rt_.grad_sync) {
@@ -335,17 +380,16 @@ void Context::settle_for_step(device::Stream& caller, const char* call) {
                                        "fsdp_set_grad_sync(ctx, 1) and run the last backward pass first");
     }
   }
+  check_failures(call);
   TraceScope scope(rt_.trace, "step");
   // Grads left pending by no_sync are reduced now, after the caller's stream
-  // wrote them (alone: on that stream; their events are waited for below).
+  // wrote them (alone: on that stream). Every reduction is queued before the
+  // step on the stream it runs on (or one the step waits for): no host wait.
   for (const auto& u : units_) u->reduce_pending_grads(caller);
-  {
-    // The optimizer runs on this thread: the host's queued compute (and the
-    // reductions that wait for it) must be done first.
-    TraceScope wait(rt_.trace, "wait for the caller's stream");
-    caller.synchronize(rt_.opts.timeout_s);
-  }
-  settle_units();
+  // Gathered params the update makes stale go; the update waits for their
+  // gathers, which read the shards.
+  for (const auto& u : units_) u->drop_stale_gathered(&run);
+  rt_.reductions_in_flight.clear();
 }
 
 bool Context::step_begin(device::Stream& caller, float* grad_scale) {
@@ -354,10 +398,11 @@ bool Context::step_begin(device::Stream& caller, float* grad_scale) {
                                      optimizer_name(rt_.opts.optimizer) +
                                      " is libfsdp's own: call fsdp_step (fsdp_step_begin is optimizer=host's)");
   }
-  settle_for_step(caller, "fsdp_step_begin");
-  // Gathered params of the last pass are dropped by settle_units: the next
-  // gather reads the updated shards.
-  host_update_ = optimizer_.host_begin(units_, grad_scale);
+  device::Stream& run = step_stream(caller);
+  settle_for_step(caller, run, "fsdp_step_begin");
+  // Gathered params of the last pass are dropped above: the next gather
+  // reads the updated shards. The host's update needs the verdict: this waits.
+  host_update_ = optimizer_.host_begin(units_, caller, run, grad_scale);
   rt_.host_step_open = true;
   return host_update_;
 }
@@ -411,6 +456,7 @@ void Context::metrics_reduce(double* values, size_t count, int op) {
 void Context::finalize() {
   check_no_unit_in_use("fsdp_ctx_finalize");
   settle_units();
+  optimizer_.settled();  // the last step's skip, if any, is said
   rt_.comm->barrier("fsdp_ctx_finalize");
   rt_.finalized = true;
 }

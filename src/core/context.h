@@ -73,6 +73,7 @@ class Context {
   // Collective: fsdp_metrics_reduce.
   // `op` is an fsdp_reduce_op_t's value, checked here.
   void metrics_reduce(double* values, size_t count, int op);
+  // The loss scale as the last step left it (waits for that step).
   const LossScaler& loss_scaler() const { return optimizer_.loss_scaler(); }
   void finalize();
   // Checkpoints (checkpoint.cpp). Collective. kind is "sharded" or "full".
@@ -108,13 +109,23 @@ class Context {
                        const std::string& refusal);
   // What a step does before its update: no unit in use, no_sync's grads
   // reduced, the caller's stream and every reduction done.
-  void settle_for_step(device::Stream& caller, const char* call);
+  void settle_for_step(device::Stream& caller, device::Stream& run, const char* call);
+  // Where a step's norm, verdict and update run: the caller's stream alone
+  // (a world of one: nothing leaves it), the host's work stream with
+  // offload=cpu (the state is the host's), else the comm stream, after the
+  // reductions it runs.
+  device::Stream& step_stream(device::Stream& caller);
+  // Throws the first failure of work queued earlier (a stream's, with its
+  // message, or a communicator's), without waiting: fsdp_step queues its
+  // work after that work and would otherwise train on its results.
+  void check_failures(const char* call) const;
   // Why freezing or unfreezing is refused now ("" when it is not): a unit in
   // use, or grads since the last fsdp_step.
   std::string between_steps_problem() const;
   bool host_update_ = false;  // fsdp_step_begin's verdict, for fsdp_step_end
-  // Waits for queued gathers and reductions and drops gathered params that an
-  // update would make stale: the units' state before a step or finalize.
+  // Waits (on the host) for queued gathers, reductions and the last step,
+  // and drops gathered params that an update would make stale: the units'
+  // state before a call that reads or rewrites the shards, or finalize.
   void settle_units();
   // Shard and replica groups (HYBRID_SHARD) and the rank's place in them.
   void setup_groups();
@@ -147,6 +158,8 @@ class Context {
   std::unique_ptr<comm::Communicator> world_;  // a CountingComm over fsdp_ctx_create's
   std::unique_ptr<comm::Communicator> shard_;    // HYBRID_SHARD only
   std::unique_ptr<comm::Communicator> replica_;  // HYBRID_SHARD only
+  // The params' all-gathers, over the shard group (sharded over more than one rank).
+  std::unique_ptr<comm::Communicator> gather_comm_;
   // After the devices (their slots free through them), before the units and
   // the streams (whose tasks use the slots), so that they go after those.
   std::unique_ptr<SlotPool> gather_slots_;
@@ -160,6 +173,7 @@ class Context {
   std::unique_ptr<device::Stream> copy_out_;
   std::unique_ptr<device::Stream> host_work_;  // waits for copy_out_: stops before it
   std::unique_ptr<device::Stream> stream_;
+  std::unique_ptr<device::Stream> gather_stream_;  // with gather_comm_
   std::unique_ptr<SyncComm> sync_world_;
   std::unique_ptr<SyncComm> sync_shard_;
 };

@@ -14,6 +14,9 @@ class DevicePlane final : public comm::DataPlane {
   void reduce(void* out, void* const* ins, size_t n_ins, size_t numel, DType dtype, float scale, bool clear) override {
     dev_.reduce_sum(out, ins, n_ins, numel, dtype, scale, clear);
   }
+  void reduce_f64(double* out, const double* const* ins, size_t n_ins, size_t n) override {
+    dev_.reduce_sum_f64(out, ins, n_ins, n);
+  }
   void* native_stream() override { return dev_.native_stream(); }
 
  private:

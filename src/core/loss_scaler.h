@@ -1,12 +1,15 @@
 // src/core/loss_scaler.h - LossScaler: the scale the host multiplies its loss
-// by (dynamic for fp16 by default, or static, or off), and what a step does
-// with it: unscale the grads, skip the step on inf/nan found on any rank, back
-// off after an overflow, grow after growth_interval clean steps
-// (torch.cuda.amp.GradScaler's rules).
+// by (dynamic for fp16 by default, or static, or off), and the rules a step
+// applies with it: unscale the grads, skip the step on inf/nan found on any
+// rank, back off after an overflow, grow after growth_interval clean steps
+// (torch.cuda.amp.GradScaler's rules). The rules run on the device with the
+// step (kernels::step_decide); this holds the options and the values the
+// host last read back.
 #pragma once
 
 #include <cstdint>
 
+#include "../../kernels/step.h"
 #include "config.h"
 
 namespace fsdp::core {
@@ -20,17 +23,20 @@ class LossScaler {
   // skipped step is how it finds its level, not a fault.
   bool dynamic() const { return dynamic_; }
   long clean_steps() const { return clean_steps_; }
-  // From a checkpoint. A static or disabled scale stays what the options say.
-  void restore(double scale, long clean_steps, uint64_t skipped_steps);
-  // Called once per step with whether the global grads were all finite.
-  void update(bool finite);
+  // The scale a context starts with.
+  double initial_scale() const { return initial_; }
+  // The rule's loss-scale fields, for the step on the device.
+  void fill(kernels::StepRule& rule) const;
+  // The values as the device holds them.
+  void set(double scale, long clean_steps, uint64_t skipped_steps);
 
  private:
   bool dynamic_;
-  double scale_;
+  double initial_;
   double growth_;
   double backoff_;
   long growth_interval_;
+  double scale_;
   long clean_steps_ = 0;
   uint64_t skipped_ = 0;
 };

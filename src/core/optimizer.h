@@ -1,7 +1,11 @@
 // src/core/optimizer.h - Optimizer: AdamW / Adam / SGD on the flat fp32 shards
 // of every unit, with per-param weight decay inside a shard (from the layout's
-// segments), global grad-norm clipping across ranks, and the fused write of the
-// next step's param_dtype shard.
+// segments), global grad-norm clipping across ranks, dynamic loss scaling,
+// and the fused write of the next step's param_dtype shard. The step runs on
+// the state device in stream order (kernels/step.h): the norm, the verdict,
+// the scale, the clip coefficient and the count are decided there, so
+// fsdp_step queues its work and returns; whatever reads a result waits for
+// the step's event (docs/architecture.md, "Step").
 #pragma once
 
 #include <memory>
@@ -19,10 +23,17 @@ namespace fsdp::core {
 
 class Optimizer {
  public:
-  explicit Optimizer(Runtime& rt) : rt_(rt), scaler_(rt.opts) {}
+  explicit Optimizer(Runtime& rt);
+  ~Optimizer();
+  Optimizer(const Optimizer&) = delete;
+  Optimizer& operator=(const Optimizer&) = delete;
 
-  // Allocates the unit's state (moments or momentum) next to its shard.
+  // Allocates the unit's state (moments or momentum) next to its shard, and
+  // its sum of squares' slot (Runtime::unit_sq).
   void add_unit(const Unit& unit);
+  // Whether the next add_unit moves the units' sums of squares to a larger
+  // buffer: the Context first waits for every pass that writes one.
+  bool unit_slots_full() const;
   // Unit `k` was frozen (its state goes) or unfrozen (fresh state, zeros,
   // whose Adam bias correction counts from the next step, as PyTorch's
   // per-param step count does for a param that gets its first grad).
@@ -33,26 +44,40 @@ class Optimizer {
   // stays trainable keeps its state and age; one unfrozen now starts fresh
   // (zeros, its own bias correction from the next step).
   void relayout(const Unit& unit, const FlatLayout& old, const std::vector<std::vector<float>>& old_states);
-  // One update of every unit from its sharded grads (unscaled by the loss
-  // scale); zeroes the grads. Collective (the global norm). A step whose grads
-  // hold inf/nan on any rank changes no param and no optimizer state.
-  void step(const std::vector<std::unique_ptr<Unit>>& units);
+  // Queues one update of every unit from its sharded grads (unscaled by the
+  // loss scale), after the work `caller` (the host's stream) has queued, and
+  // returns: the norm, the verdict and the update run on `run` (the caller
+  // alone, the comm stream over ranks, the host's work stream with
+  // offload=cpu; Context::step_stream). Collective (the norm's sum over the
+  // shard group, on the device). A step whose grads hold inf/nan on any rank
+  // changes no param and no optimizer state; every step leaves the grads zero.
+  // Runtime::step_done is its event, which `caller` waits for.
+  void step(const std::vector<std::unique_ptr<Unit>>& units, device::Stream& caller, device::Stream& run);
   // optimizer=host, fsdp_step_begin: the norm, the loss scaler's verdict and
-  // clipping as step() does them; returns false for a skipped step (inf/nan:
-  // the grads are zeroed, the host updates nothing), else true with
-  // *grad_scale the factor the host applies to the grads (1 / loss scale,
-  // times the clip coefficient).
-  bool host_begin(const std::vector<std::unique_ptr<Unit>>& units, float* grad_scale);
+  // clipping as step() does them, waited for; returns false for a skipped
+  // step (inf/nan: the grads are zeroed, the host updates nothing), else
+  // true with *grad_scale the factor the host applies to the grads (1 / loss
+  // scale, times the clip coefficient).
+  bool host_begin(const std::vector<std::unique_ptr<Unit>>& units, device::Stream& caller, device::Stream& run,
+                  float* grad_scale);
   // fsdp_step_end: the param_dtype copies follow the masters, the grads are
   // zeroed, and an update that ran counts as a step.
   void host_end(const std::vector<std::unique_ptr<Unit>>& units, bool updated);
-  const LossScaler& loss_scaler() const { return scaler_; }
-  double last_grad_norm() const { return last_grad_norm_; }
+
+  // What the steps decided, once the last one is done (waits for it: a read
+  // of the step's results is a host wait). The loss scaler's scale, clean
+  // steps and skipped steps are loss_scaler()'s after it.
+  const kernels::StepState& settled() const;
+  const LossScaler& loss_scaler() const;
+  double last_grad_norm() const { return settled().norm; }
   // Updates applied (Adam's bias-correction step), and fsdp_step calls that
   // ran, skipped ones included (also across a checkpoint load).
-  long step_count() const { return step_; }
-  uint64_t steps_run() const { return static_cast<uint64_t>(step_) + scaler_.skipped_steps(); }
-  void set_lr(double lr) { rt_.opts.lr = lr; }
+  long step_count() const { return static_cast<long>(settled().t); }
+  uint64_t steps_run() const { return static_cast<uint64_t>(settled().t + settled().skipped); }
+  // fsdp_set_lr: the next update's lr, written in stream order after the
+  // last step (on the stream it was queued from: a captured step replayed
+  // there sees it).
+  void set_lr(double lr);
 
   // Checkpoints: the per-element state tensors by name ({"exp_avg",
   // "exp_avg_sq"}, {"momentum"} or none), unit `unit`'s i-th of them, and
@@ -65,6 +90,9 @@ class Optimizer {
   // The state of every trainable unit counts as fresh at step 0 (a load
   // that holds older state says so with set_ages).
   void restore(long step, double last_grad_norm);
+  // A loaded loss scale: the scale and its clean steps where it is dynamic
+  // (a static or disabled scale stays what the options say), the skipped steps always.
+  void restore_scaler(double scale, long clean_steps, uint64_t skipped_steps);
   // The step at which the unit's state was fresh (its updates: step_count()
   // minus it), and each param's where one was unfrozen on its own.
   long fresh_at(size_t unit) const { return states_.at(unit).fresh_at; }
@@ -75,54 +103,64 @@ class Optimizer {
   // Each param's age, `ages[i]` (frozen params' entries are not used): one
   // for the whole unit where its trainable params share it.
   void set_ages(const Unit& unit, std::vector<long> ages);
-  LossScaler& loss_scaler() { return scaler_; }
 
  private:
-  // fsdp_step found inf/nan grads: says so on rank 0 (a warning unless the
-  // loss scale is dynamic, where skipped steps are routine).
-  void report_skipped() const;
   // One buffer per state_names() entry: Adam's exp_avg and exp_avg_sq,
   // SGD's momentum, or the host's (optimizer=host); none while frozen.
   struct State {
     std::vector<Buffer> bufs;
-    long fresh_at = 0;  // step_ when this state was zero (its updates: step_ - fresh_at)
+    long fresh_at = 0;  // step count when this state was zero (its updates: t - fresh_at)
     // Per param where one differs (unfrozen inside the unit on its own);
     // empty: every param's is fresh_at.
     std::vector<long> param_fresh_at;
   };
   State make_state(size_t numel) const;
-  double grad_sum_squares(const std::vector<std::unique_ptr<Unit>>& units);
-  // The norm, the scaler and clipping: false for a skipped step (grads
-  // zeroed), else true with the factor for the grads.
-  bool prepare(const std::vector<std::unique_ptr<Unit>>& units, float* grad_scale);
-  // The update of every unit's shard (grads scaled by `grad_scale`), which
-  // also writes the param_dtype copy and clears the grads.
-  void update(const std::vector<std::unique_ptr<Unit>>& units, float grad_scale);
-  // Every param range of every trainable unit's shard, with its state and
-  // weight decay, into groups_ (kept: a step allocates nothing once warm).
-  void collect_spans(const std::vector<std::unique_ptr<Unit>>& units);
-  // Runs `launches` (state device operations) so that they are done on
-  // return, with one host wait where the state device is a GPU.
-  void on_state_device(const device::Label& what, base::FunctionRef<void()> launches);
+  // Every param range of every trainable unit's shard, with its state,
+  // weight decay and param group, into spans_ and groups_ (kept: a step
+  // allocates nothing once warm), and the units whose grads no pass summed
+  // into squares_. The device tables are made again only where these changed.
+  void collect(const std::vector<std::unique_ptr<Unit>>& units);
+  // Queues the norm and the verdict (and, with `update`, the update, the
+  // clearing of the sums and the mirror's copy) after `caller`'s work, on
+  // `run`; the event in Runtime::step_done.
+  void queue(const std::vector<std::unique_ptr<Unit>>& units, device::Stream& caller, device::Stream& run,
+             bool update);
+  // Reads the last step's results into view_ if it has completed, without
+  // waiting (logs the steps it skipped).
+  void poll() const;
+  // view_ from the live state (the device's work done): a synchronous read.
+  void read_state() const;
+  // Writes `s` over the live state (no step in flight: settled() first).
+  void write_state(const kernels::StepState& s);
+  void report_skipped(const kernels::StepState& s) const;
+  // Grows the units' sums of squares to hold `n` (between steps, nothing in flight).
+  void reserve_units(size_t n);
 
   Runtime& rt_;
-  LossScaler scaler_;
+  mutable LossScaler scaler_;  // the options; its values are the device's as last read (view_)
+  kernels::StepRule rule_{};
   std::vector<State> states_;
-  // The spans of the trainable units, in groups of one update each (units
-  // whose state is as old: one Adam bias correction), and each group's table
-  // as the state device keeps it.
-  struct Group {
-    long fresh_at = 0;
-    float lr_scale = 1.0f, beta1 = 0.0f, beta2 = 0.0f;  // the param group's (fsdp_set_param_group)
-    std::vector<device::ShardSpan> spans;
-    std::unique_ptr<device::SpanTable> table;
-    bool same(const Group& o) const {
-      return fresh_at == o.fresh_at && lr_scale == o.lr_scale && beta1 == o.beta1 && beta2 == o.beta2;
-    }
-  };
-  std::vector<Group> groups_;
-  long step_ = 0;
-  double last_grad_norm_ = 0.0;
+  size_t n_units_ = 0;
+  Buffer step_state_;  // one kernels::StepState, state device
+  Buffer unit_sq_;     // a double per unit (capacity), state device
+  // The last two steps' results, copied by each step into host memory
+  // (pinned for a GPU): the host reads the newest whose event completed.
+  struct Mirror;
+  std::unique_ptr<Mirror> mirror_;
+  uint64_t queued_ = 0;  // steps queued (the mirror slot of the next: queued_ % 2)
+  mutable kernels::StepState view_{};
+  mutable uint64_t view_of_ = 0;       // the step view_ shows (0: the state as made, restored or written)
+  mutable int64_t reported_skips_ = 0;  // skipped steps already logged
+  // The spans of the trainable units (one table for the model, each span
+  // with its param group), the units summed in the step, and their tables as
+  // the state device keeps them.
+  std::vector<device::ShardSpan> spans_;
+  std::vector<kernels::StepGroup> groups_;
+  std::unique_ptr<device::SpanTable> table_;
+  std::vector<device::SquaresSpan> squares_;
+  std::unique_ptr<device::SquaresTable> squares_table_;
+  device::Stream* last_caller_ = nullptr;  // the stream of the last fsdp_step (set_lr's writes go there)
+  mutable EventPtr lr_written_;            // set_lr's write, queued there
 };
 
 }  // namespace fsdp::core

@@ -4,12 +4,14 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <deque>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "../base/error.h"
+#include "../base/host_waits.h"
 #include "../comm/communicator.h"
 #include "../device/device.h"
 #include "config.h"
@@ -40,7 +42,12 @@ struct Runtime {
   comm::Communicator* replica_comm = nullptr;  // HYBRID_SHARD with more than one replica; else null
   MemoryTracker mem;
   Trace trace;
-  device::Stream* stream = nullptr;  // the comm stream: every collective goes through it
+  device::Stream* stream = nullptr;  // the comm stream: reductions, the step's norm, every synchronous collective
+  // The params' all-gathers run on a stream of their own, over a
+  // communicator of their own (the shard group's, split off), so that a
+  // prefetched gather never queues behind a reduction (FSDP2's streams).
+  device::Stream* gather_stream = nullptr;
+  comm::Communicator* gather_comm = nullptr;
   // offload=cpu: host -> device copies of param shards before their gathers,
   // device -> host copies of reduced grad shards (and their accumulation).
   device::Stream* copy_in = nullptr;
@@ -54,6 +61,35 @@ struct Runtime {
   // on the compute device.
   SlotPool* gather_slots = nullptr;
   SlotPool* grad_slots = nullptr;
+  // The step on the device (Optimizer): the event after which the last
+  // fsdp_step's update is done (null before the first), and each unit's sum
+  // of squares, a double in the state device's memory at unit_sq[index],
+  // written by the pass that last accumulated into its grad shard.
+  EventPtr step_done;
+  double* unit_sq = nullptr;
+  // Host-blocking waits of this context's calls (fsdp_comm_stats): every
+  // time a call blocked the calling thread on a stream's or an event's work,
+  // counted by the devices' waits (base/host_waits.h).
+  mutable std::atomic<uint64_t> host_waits{0};
+  // Blocks the host until the last step's update is done (a call that reads
+  // or rewrites what it writes: the shards, the optimizer state, the step's
+  // scalars); at once when none is queued.
+  void wait_step() const {
+    if (step_done) step_done->wait(opts.timeout_s);
+  }
+  // Steps queued so far, and the stream that last waited for the newest.
+  uint64_t step_seq = 0;
+  const device::Stream* step_waiter = nullptr;
+  uint64_t step_waiter_seq = 0;
+  // Makes `s` start its next work after the last step's update: a host
+  // stream that reads the shards in place (nothing gathered) or writes the
+  // grad shard itself, once per stream and step.
+  void order_after_step(device::Stream& s) {
+    if (!step_done || (step_waiter == &s && step_waiter_seq == step_seq)) return;
+    s.wait(step_done);
+    step_waiter = &s;
+    step_waiter_seq = step_seq;
+  }
   // Grad reductions queued on the comm stream, oldest first. A backward pass
   // lets at most one run behind the unit being computed, which bounds the
   // unsharded grads to two units while keeping the overlap.
@@ -96,6 +132,7 @@ struct Runtime {
   }
   // Throws INVALID_STATE naming `call` once the context is finalized.
   void check_live(const char* call) const {
+    base::host_wait_counter() = &host_waits;  // the call's waits count for this context (api's guard() lets go)
     if (finalized) {
       fail(FSDP_ERR_INVALID_STATE,
            std::string(call) + " (" + where() + "): the context was finalized; only fsdp_ctx_destroy is allowed");

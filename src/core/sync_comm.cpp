@@ -36,6 +36,9 @@ void SyncComm::all_reduce(const void* send, void* recv, size_t numel, DType dtyp
 void SyncComm::all_reduce_f64(double* values, size_t n, comm::RedOp op, const std::string& label) {
   run(label, [&] { inner_.all_reduce_f64(values, n, op, label); });
 }
+void SyncComm::sum_f64(const double* send, double* recv, size_t n, const std::string& label) {
+  run(label, [&] { inner_.sum_f64(send, recv, n, label); });
+}
 void SyncComm::broadcast(void* buf, size_t nbytes, int root, const std::string& label) {
   run(label, [&] { inner_.broadcast(buf, nbytes, root, label); });
 }

@@ -32,6 +32,7 @@ class SyncComm final : public comm::Communicator {
   void all_reduce(const void* send, void* recv, size_t numel, DType dtype, comm::RedOp op,
                   const std::string& label) override;
   void all_reduce_f64(double* values, size_t n, comm::RedOp op, const std::string& label) override;
+  void sum_f64(const double* send, double* recv, size_t n, const std::string& label) override;
   void broadcast(void* buf, size_t nbytes, int root, const std::string& label) override;
   void barrier(const std::string& label) override;
   // The new communicator is the inner kind: use it on the stream or wrap it.

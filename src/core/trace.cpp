@@ -63,7 +63,9 @@ void Trace::write(const std::string& path, int rank) const {
   out << "{\"name\": \"thread_name\", \"ph\": \"M\", \"pid\": " << rank
       << ", \"tid\": 1, \"args\": {\"name\": \"comm stream\"}},\n";
   out << "{\"name\": \"thread_name\", \"ph\": \"M\", \"pid\": " << rank
-      << ", \"tid\": 2, \"args\": {\"name\": \"copy streams (offload)\"}}";
+      << ", \"tid\": 2, \"args\": {\"name\": \"copy streams (offload)\"}},\n";
+  out << "{\"name\": \"thread_name\", \"ph\": \"M\", \"pid\": " << rank
+      << ", \"tid\": 3, \"args\": {\"name\": \"gather stream\"}}";
   for (const Record& r : recs) {
     std::string ts = base::format_fixed(r.ts_us, 3);  // not printf: LC_NUMERIC may say ','
     out << ",\n{\"name\": \"" << escape(r.name) << "\", \"ph\": \"" << r.phase << "\", \"pid\": " << rank

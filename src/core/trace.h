@@ -1,7 +1,8 @@
 // src/core/trace.h - Trace: a timeline of one rank, written as Chrome trace
 // JSON (Perfetto, chrome://tracing). Track 0 is the caller's calls, track 1
-// the comm stream, track 2 the copy streams of offload=cpu; memory counters
-// ride along. Off until fsdp_trace_begin.
+// the comm stream (reductions, the step, synchronous collectives), track 2
+// the copy streams of offload=cpu, track 3 the gather stream; memory
+// counters ride along. Off until fsdp_trace_begin.
 #pragma once
 
 #include <atomic>
@@ -12,7 +13,7 @@
 
 namespace fsdp::core {
 
-enum class Track { kCaller = 0, kComm = 1, kCopy = 2 };
+enum class Track { kCaller = 0, kComm = 1, kCopy = 2, kGather = 3 };
 
 class Trace {
  public:

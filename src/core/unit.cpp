@@ -165,6 +165,7 @@ void Unit::set_values(size_t param_index, const float* values, size_t numel) {
   // caller's stream reads the shard itself: wait until it is done.
   drop_stale_gathered();
   if (!rt_.gathers()) wait_host_use();
+  rt_.wait_step();  // the update in flight writes the shard too
   for (const ShardSegment& seg : segments_) {
     if (seg.param_index != param_index) continue;
     size_t dst = seg.shard_begin;
@@ -182,6 +183,7 @@ float* Unit::master_for_load() {
     fail(FSDP_ERR_INTERNAL, "master_for_load on unit " + base::quote(name_) + " in state " + unit_state_name(state_));
   }
   if (!rt_.gathers()) wait_host_use();  // the caller's stream may still read the shard in place
+  rt_.wait_step();
   return master();
 }
 
@@ -190,7 +192,12 @@ void Unit::master_loaded() {
   if (!sgrad_.empty()) rt_.state_dev->zero(sgrad_.data(), sgrad_.nbytes());
   grads_pending_ = false;
   grads_in_shard_ = false;
+  grads_reset();
+}
+
+void Unit::grads_reset() {
   grads_cleared();
+  if (rt_.unit_sq != nullptr) rt_.state_dev->zero(grad_sq_slot(), sizeof(double));
 }
 
 void Unit::set_weight_decay(size_t param_index, double weight_decay) {
@@ -211,9 +218,12 @@ void Unit::issue_gather(bool prefetch) {
   if (!can_gather())
     fail(FSDP_ERR_INTERNAL, "issue_gather on unit " + base::quote(name_) + " in state " + unit_state_name(state_));
   size_t es = dtype_size(rt_.opts.param_dtype);
-  // The stream that writes the slot waits for its last reader (offload alone: the copy stream).
+  // The stream that writes the slot waits for its last reader (offload alone:
+  // the copy stream). Gathers run on a stream and over a communicator of
+  // their own, so that one never queues behind a reduction.
   bool copy_only = rt_.offload() && rt_.shard_world() == 1;
-  gathered_ = rt_.gather_slots->acquire(layout_.padded_numel(), copy_only ? *rt_.copy_in : *rt_.stream,
+  device::Stream* gather = rt_.gather_stream;
+  gathered_ = rt_.gather_slots->acquire(layout_.padded_numel(), copy_only ? *rt_.copy_in : *gather,
                                         /*zeroed=*/false);
   const void* src = lowp_.empty() ? master_.data() : lowp_.data();
   void* dst = gathered_.data();
@@ -222,7 +232,7 @@ void Unit::issue_gather(bool prefetch) {
   if (rt_.trace.enabled()) {
     rt_.trace.add(std::string(prefetch ? "prefetch " : "issue ") + gather_label_, 'i', Track::kCaller);
   }
-  comm::Communicator* shard = rt_.shard_comm;
+  comm::Communicator* shard = rt_.gather_comm;
   if (rt_.offload()) {
     // The host shard goes to the device first, on the copy stream, so that the
     // copy overlaps compute as the gather does. A world of one (NO_SHARD)
@@ -242,11 +252,11 @@ void Unit::issue_gather(bool prefetch) {
       }
       rt.dev->copy_from_host(to, src, nbytes);
     });
-    rt_.stream->wait(copied);
     if (alone) {
       gather_event_ = copied;
     } else {
-      gather_event_ = rt_.stream->submit(tasks_.gather, [self, shard, dst] {
+      gather->wait(copied);
+      gather_event_ = gather->submit(tasks_.gather, [self, shard, dst] {
         self->gather_blocks(*shard, self->offload_stage_.data(), dst, dtype_size(self->rt_.opts.param_dtype), false,
                             self->gather_label_);
         if (self->rt_.opts.debug_poison)
@@ -265,7 +275,7 @@ void Unit::issue_gather(bool prefetch) {
     // it. The stage is taken inside the task: stream-ordered on the comm
     // stream, nothing for the host to allocate or keep alive.
     const float* master = master_.as<float>();
-    gather_event_ = rt_.stream->submit(tasks_.gather_cast, [shard, master, dst, self] {
+    gather_event_ = gather->submit(tasks_.gather_cast, [shard, master, dst, self] {
       Runtime& rt = self->rt_;
       DType dt = rt.opts.param_dtype;
       size_t n = self->shard_numel();
@@ -278,7 +288,7 @@ void Unit::issue_gather(bool prefetch) {
     trace_memory();
     return;
   }
-  gather_event_ = rt_.stream->submit(tasks_.gather, [shard, src, dst, es, self] {
+  gather_event_ = gather->submit(tasks_.gather, [shard, src, dst, es, self] {
     self->gather_blocks(*shard, src, dst, es, false, self->gather_label_);
   });
   set_state(UnitState::kGathering);
@@ -299,7 +309,10 @@ void Unit::gather_blocks(comm::Communicator& c, const void* src, void* dst, size
 }
 
 void Unit::wait_gathered(device::Stream& s) {
-  if (!rt_.gathers()) return;  // the shard is the full params
+  if (!rt_.gathers()) {  // the shard is the full params: read in place after the last update
+    rt_.order_after_step(s);
+    return;
+  }
   try {
     // On a synchronous stream the wait is what the comm stream failed to hide.
     TraceScope wait(rt_.trace, "wait all_gather of unit ", unit_tag());
@@ -320,6 +333,8 @@ EventPtr Unit::poisoned_after(const EventPtr& after) {
   device::Device* dev = rt_.dev;
   void* p = gathered_.data();
   size_t n = gathered_.nbytes();
+  // On the comm stream (debug only): a collective queued after it there
+  // (fsdp_metrics_reduce) finds the fill done.
   rt_.stream->wait(after);
   return rt_.stream->submit(kPoison, [dev, p, n] { dev->fill_nan(p, n); });
 }
@@ -372,10 +387,16 @@ void Unit::backward_begin(device::Stream& s) {
   if (state_ == UnitState::kSharded) issue_gather(/*prefetch=*/false);
   rt_.sched->before_backward(*this);
   wait_gathered(s);
+  // At most one reduction runs behind the unit being computed: the host's
+  // stream waits for older ones (a stream wait; on the CPU's NULL stream,
+  // which is the calling thread, a wait of that thread), which bounds how far
+  // the host's compute runs ahead of the reductions.
   auto& queued = rt_.reductions_in_flight;
   while (!queued.empty() && (queued.size() > 1 || queued.front()->done())) {
-    TraceScope wait(rt_.trace, "wait earlier reduction");
-    queued.front()->wait(rt_.opts.timeout_s);
+    if (queued.size() > 1) {
+      TraceScope wait(rt_.trace, "wait earlier reduction");
+      s.wait(queued.front());
+    }
     queued.pop_front();
   }
   if (has_grads() && !grads_pending_) {
@@ -426,6 +447,7 @@ void Unit::backward_end(device::Stream& s) {
 EventPtr Unit::note_host_use(device::Stream& s) {
   if (s.synchronous()) return nullptr;  // the host is done with what it read
   host_use_ = s.record();
+  host_use_stream_ = &s;
   return host_use_;
 }
 
@@ -444,7 +466,7 @@ EventPtr Unit::submit_reduction(device::Stream& s, EventPtr written) {
   }
   sgrad_zero_ = false;
   // Every accumulation into the grad shard below leaves its sum of squares in
-  // grad_sq_: the step's norm then needs no pass of its own.
+  // grad_sq_slot(): the step's norm then needs no pass of its own.
   grad_sq_known_ = true;
   if (rt_.alone() && !rt_.offload()) return accumulate_alone(s);
   // Whatever reads the grads below starts after the caller's stream wrote them.
@@ -473,7 +495,7 @@ EventPtr Unit::submit_reduction(device::Stream& s, EventPtr written) {
     return on_host_after(copied, [self] {
       Runtime& rt = self->rt_;
       accumulate_rounded(rt, self->sharded_grad(), self->on_host_.data(), rt.opts.param_dtype, rt.opts.reduce_dtype(),
-                         self->layout_.trainable_padded_numel(), &self->grad_sq_, /*clear=*/false);
+                         self->layout_.trainable_padded_numel(), self->grad_sq_slot(), /*clear=*/false);
       self->on_host_.reset();
     });
   }
@@ -514,7 +536,7 @@ EventPtr Unit::submit_reduction(device::Stream& s, EventPtr written) {
   return on_host_after(copied, [self] {
     Runtime& rt = self->rt_;
     rt.state_dev->accumulate(self->sharded_grad(), self->on_host_.data(), rt.opts.reduce_dtype(), 1.0f,
-                             self->reduced_numel(), &self->grad_sq_);
+                             self->reduced_numel(), self->grad_sq_slot());
     self->on_host_.reset();
   });
 }
@@ -559,9 +581,9 @@ void Unit::reduce_task(void* grads) {
     reduced_ = std::move(out);
     reduced_data_ = out_data;
   } else if (!rt.sharded() && rd == pd) {  // out_data is the grads themselves
-    rt.dev->accumulate_clear(sharded_grad(), out_data, rd, 1.0f, n_reduced, &grad_sq_);
+    rt.dev->accumulate_clear(sharded_grad(), out_data, rd, 1.0f, n_reduced, grad_sq_slot());
   } else {
-    rt.dev->accumulate(sharded_grad(), out_data, rd, 1.0f, n_reduced, &grad_sq_);
+    rt.dev->accumulate(sharded_grad(), out_data, rd, 1.0f, n_reduced, grad_sq_slot());
   }
 }
 
@@ -575,19 +597,19 @@ EventPtr Unit::accumulate_alone(device::Stream& s) {
   size_t n = layout_.trainable_padded_numel();
   if (s.synchronous()) {
     TraceScope scope(rt_.trace, "accumulate grads of unit ", unit_tag());
-    accumulate_rounded(rt_, sharded_grad(), ugrad_.data(), pd, rd, n, &grad_sq_, /*clear=*/true);
+    accumulate_rounded(rt_, sharded_grad(), ugrad_.data(), pd, rd, n, grad_sq_slot(), /*clear=*/true);
     rt_.grad_slots->release(std::move(ugrad_), nullptr, /*zero=*/true);
     return nullptr;
   }
   // On the caller's stream, after its compute wrote the grads: fsdp_step
   // waits for the returned event before the optimizer reads the grad shard
-  // and grad_sq_.
+  // and the sum of squares.
   Unit* self = this;
   void* grads = ugrad_.data();
   EventPtr done = s.submit(tasks_.accumulate, [self, grads] {
     Runtime& rt = self->rt_;
     accumulate_rounded(rt, self->sharded_grad(), grads, rt.opts.param_dtype, rt.opts.reduce_dtype(),
-                       self->layout_.trainable_padded_numel(), &self->grad_sq_, /*clear=*/true);
+                       self->layout_.trainable_padded_numel(), self->grad_sq_slot(), /*clear=*/true);
   });
   rt_.grad_slots->release(std::move(ugrad_), done, /*zero=*/true);
   return done;
@@ -604,7 +626,7 @@ void Unit::wait_reductions() {
   ev->wait(rt_.opts.timeout_s);
 }
 
-void Unit::drop_stale_gathered() {
+void Unit::drop_stale_gathered(device::Stream* order_after) {
   if (!rt_.gathers() || state_ == UnitState::kSharded) return;
   EventPtr ev = std::move(gather_event_);
   // Free once the gather is over and, when the caller's stream read the slot
@@ -617,10 +639,13 @@ void Unit::drop_stale_gathered() {
   set_state(UnitState::kSharded);
   trace_memory();
   rt_.sched->on_freed();
-  if (ev) {
-    TraceScope wait(rt_.trace, "wait all_gather of unit ", unit_tag());
-    ev->wait(rt_.opts.timeout_s);  // throws if the gather failed
+  if (!ev) return;
+  if (order_after != nullptr) {
+    order_after->wait(ev);  // a failed gather fails what it runs next, and sticks to the gather stream
+    return;
   }
+  TraceScope wait(rt_.trace, "wait all_gather of unit ", unit_tag());
+  ev->wait(rt_.opts.timeout_s);  // throws if the gather failed
 }
 
 void* Unit::param_ptr(size_t param_index) {
@@ -634,7 +659,7 @@ void Unit::set_trainable(bool trainable) {
   trainable_ = trainable;
   sgrad_ = trainable ? Buffer(rt_.state_dev, &rt_.mem, MemCategory::kShardedGrads, DType::kFp32, trainable_shard_numel())
                      : Buffer();
-  grads_cleared();
+  grads_reset();
   trace_memory();
 }
 
@@ -675,6 +700,7 @@ void Unit::check_gather_out(size_t param_index, size_t numel, const char* call) 
 
 void Unit::gather_param(size_t param_index, float* out, size_t numel) {
   check_gather_out(param_index, numel, "fsdp_gather_param");
+  rt_.wait_step();  // the update in flight writes the master
   gather_shard(master(), /*grads=*/false, param_index, out, numel, "fsdp_gather_param");
 }
 
@@ -691,6 +717,7 @@ void Unit::gather_grad(size_t param_index, float* out, size_t numel) {
   // caller's stream's own writes into it (a world of one) are done.
   wait_host_use();
   wait_reductions();
+  rt_.wait_step();
   gather_shard(sharded_grad(), /*grads=*/true, param_index, out, numel, "fsdp_gather_grad");
 }
 
@@ -706,6 +733,7 @@ void Unit::gather_shard(const float* shard, bool grads, size_t param_index, floa
 }
 
 Buffer Unit::gather_on_device(const float* shard, bool trainable_block, const char* call) {
+  rt_.wait_step();  // the shard (a master, a state) is the update's until it is done
   const size_t n = trainable_block ? trainable_shard_numel() : shard_numel();
   // The collective runs on the compute device: an offloaded shard is staged there.
   const float* src = shard;
@@ -727,6 +755,7 @@ std::vector<float> Unit::gather_to_host(const float* shard, bool trainable_block
   std::vector<float> out(n * w);
   if (n == 0) return out;
   if (w == 1) {
+    rt_.wait_step();
     rt_.state_dev->copy_to_host(out.data(), shard, n * sizeof(float));
     return out;
   }
@@ -757,7 +786,7 @@ void Unit::relayout(const std::vector<bool>& frozen) {
   if (trainable_) {
     sgrad_ = Buffer(rt_.state_dev, &rt_.mem, MemCategory::kShardedGrads, DType::kFp32, trainable_shard_numel());
   }
-  grads_cleared();
+  grads_reset();
   make_task_labels();
   trace_memory();
 }

@@ -7,7 +7,8 @@
 //                                                                   \-> GATHERED (SHARD_GRAD_OP, NO_SHARD)
 //   SHARDED|GATHERING|GATHERED --backward_begin--> BACKWARD --backward_end--> SHARDED
 //                                                               (GATHERED for NO_SHARD)
-// Gathers and grad reductions run on the comm stream; the unit keeps the
+// Gathers run on the gather stream and grad reductions on the comm stream
+// (each with a communicator of its own); the unit keeps the
 // events and waits only where it needs the result. Where there is nothing to
 // communicate (Runtime::gathers() false: the shard is the full params;
 // Runtime::alone(): a world of one) no collective, copy or comm-stream task
@@ -127,19 +128,28 @@ class Unit {
   // reductions, and drop gathered params that the update will make stale.
   void reduce_pending_grads(device::Stream& s);
   void wait_reductions();
-  void drop_stale_gathered();
-  // The optimizer zeroed the grad shard (fsdp_step): the next backward pass
-  // may add into it directly again.
+  // Drops gathered params that an update or new values would make stale;
+  // the host waits for their gather (it reads the shard) unless
+  // `order_after` is given, whose work then starts after it instead.
+  void drop_stale_gathered(device::Stream* order_after = nullptr);
+  // The optimizer's queued step zeroes the grad shard (and its sum of
+  // squares, at Runtime::unit_sq[index]): the next backward pass may add
+  // into it directly again.
   void grads_cleared() {
     sgrad_zero_ = true;
     grad_sq_known_ = true;
-    grad_sq_ = 0.0;
   }
-  // The grad shard's sum of squares, as the pass that last wrote it (the
-  // reduction's accumulation) computed it; unknown (false) when the host
-  // wrote the shard itself. Read only after wait_reductions().
+  // The same where the grads were zeroed here, between steps (a load, a
+  // relayout, a freeze): the sum of squares is zeroed too, now.
+  void grads_reset();
+  // Whether a pass of ours wrote the grad shard's sum of squares
+  // (Runtime::unit_sq[index]) as it accumulated into the shard: false when
+  // the host wrote the shard itself, and the step sums it.
   bool grad_sq_known() const { return grad_sq_known_; }
-  double grad_sq() const { return grad_sq_; }
+  // The host's last *_end of this unit on a stream that runs later than the
+  // calls (null on a synchronous stream), and that stream.
+  const EventPtr& host_use() const { return host_use_; }
+  const device::Stream* host_use_stream() const { return host_use_stream_; }
 
   // The rank's shards, for the optimizer and fsdp_shard_info: the master
   // (shard_numel) is the rank's slice of the trainable block, then of the
@@ -206,6 +216,9 @@ class Unit {
   void trace_memory();
   std::string label(const char* what) const;
   const std::string& unit_tag() const { return tag_; }  // 'name' (#index)
+  // Where the passes that accumulate into the grad shard write its sum of
+  // squares (the state device's memory).
+  double* grad_sq_slot() const { return rt_.unit_sq + index_; }
 
   Runtime& rt_;
   size_t index_;
@@ -223,8 +236,7 @@ class Unit {
   bool grads_pending_ = false;
   bool sgrad_zero_ = true;       // the grad shard holds zeros (since the last step or load)
   bool grads_in_shard_ = false;  // this backward's grads are the grad shard itself (alone, fp32)
-  bool grad_sq_known_ = true;    // set by the caller: grad_sq_ will hold the shard's sum of squares
-  double grad_sq_ = 0.0;         // written by the pass that accumulates into the grad shard
+  bool grad_sq_known_ = true;    // the pass that accumulates into the grad shard writes its sum of squares
   // The collectives' labels, and the names of the tasks this unit queues,
   // built once: a transition builds no string.
   std::string gather_label_, reduce_label_, replica_label_;
@@ -234,6 +246,7 @@ class Unit {
   EventPtr gather_event_;  // the gathered params are complete (while gathered)
   EventPtr reduce_event_;  // the last reduction queued for this unit
   EventPtr host_use_;      // the caller's stream's last *_end of this unit (async streams)
+  const device::Stream* host_use_stream_ = nullptr;  // that stream
   EventPtr slot_read_;     // kept after forward: the caller's stream's read of gathered_
 
   Buffer master_;    // fp32 [shard], state device

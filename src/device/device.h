@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "../../kernels/optim.h"
+#include "../../kernels/step.h"
 #include "../base/dtype.h"
 #include "stream.h"
 
@@ -60,17 +61,39 @@ struct HostMemory {
 HostMemory plain_host_memory();
 
 // A model's param ranges (kernels::OptimSpan) as a device keeps them for its
-// multi-tensor optimizer passes: on a GPU also a table in device memory,
+// multi-tensor optimizer passes, with the param groups (kernels::StepGroup)
+// the spans' `group` indexes: on a GPU also a table in device memory,
 // uploaded once and reused for every step while the ranges stay the same.
 using ShardSpan = kernels::OptimSpan;
 class SpanTable {
  public:
-  explicit SpanTable(std::vector<ShardSpan> spans) : spans_(std::move(spans)) {}
+  SpanTable(std::vector<ShardSpan> spans, std::vector<kernels::StepGroup> groups)
+      : spans_(std::move(spans)), groups_(std::move(groups)) {}
   virtual ~SpanTable() = default;
   const std::vector<ShardSpan>& spans() const { return spans_; }
+  const std::vector<kernels::StepGroup>& groups() const { return groups_; }
 
  private:
   std::vector<ShardSpan> spans_;
+  std::vector<kernels::StepGroup> groups_;
+};
+
+// Grads whose sums of squares one multi-tensor pass writes, each into its
+// own double in the device's memory (the units whose grad shard the host
+// wrote in place, whose sums no accumulation computed).
+struct SquaresSpan {
+  const float* x;
+  size_t numel;
+  double* out;
+};
+class SquaresTable {
+ public:
+  explicit SquaresTable(std::vector<SquaresSpan> spans) : spans_(std::move(spans)) {}
+  virtual ~SquaresTable() = default;
+  const std::vector<SquaresSpan>& spans() const { return spans_; }
+
+ private:
+  std::vector<SquaresSpan> spans_;
 };
 
 // Where a Device's memory lives: the accelerator's (or, for the CPU device,
@@ -125,35 +148,55 @@ class Device {
   virtual void copy_to_host(void* host_dst, const void* src, size_t nbytes) = 0;
 
   virtual void cast(void* dst, DType dst_dtype, const void* src, DType src_dtype, size_t numel) = 0;
-  // acc[i] += scale * src[i]; with `acc_sq`, in the same pass, *acc_sq = the
-  // sum of acc[i]^2 afterwards (sum_squares of acc, bit for bit): the grad
-  // norm of a grad shard, taken while the reduction writes it.
+  // acc[i] += scale * src[i]; with `acc_sq` (a double in this device's
+  // memory), in the same pass, *acc_sq = the sum of acc[i]^2 afterwards
+  // (sum_squares of acc, bit for bit): the grad norm of a grad shard, taken
+  // while the reduction writes it.
   virtual void accumulate(float* acc, const void* src, DType src_dtype, float scale, size_t numel, double* acc_sq) = 0;
   // cast and accumulate that also set src[i] = 0 once read: the grads read as
   // zeros again after the pass that consumes them, with no memset pass of
   // their own (the next backward adds into them as they are).
   virtual void cast_clear(void* dst, DType dst_dtype, void* src, DType src_dtype, size_t numel) = 0;
   virtual void accumulate_clear(float* acc, void* src, DType src_dtype, float scale, size_t numel, double* acc_sq) = 0;
+  // Per-range passes (tests and benchmarks; the engine runs the span
+  // passes); `grad_sq`, where set, is a double in this device's memory.
   virtual void adam(const AdamArgs& args) = 0;
   virtual void sgd(const SgdArgs& args) = 0;
   // Multi-tensor passes: one pass over every span of `table` (made by this
-  // device), each span with `op` for its own weight decay
-  // (AdamOp::with_weight_decay(lr, span.weight_decay, decoupled); SGD: the
-  // span's as op.weight_decay), the params copy in `out_dtype` where a span
+  // device), each span with its group's op for this step
+  // (kernels::step_adam_op / step_sgd_op of the StepState `st`, in this
+  // device's memory, and its own weight decay: AdamOp::with_weight_decay;
+  // SGD's as op.weight_decay), the params copy in `out_dtype` where a span
   // has `out`, the grads cleared with `zero_grads`: the bits of adam / sgd per
-  // span, in one launch on a GPU instead of one per param.
-  virtual std::unique_ptr<SpanTable> make_span_table(std::vector<ShardSpan> spans) = 0;
-  virtual void adam_spans(const SpanTable& table, const kernels::AdamOp& op, float lr, bool decoupled, DType out_dtype,
-                          bool zero_grads) = 0;
-  virtual void sgd_spans(const SpanTable& table, const kernels::SgdOp& op, DType out_dtype, bool zero_grads) = 0;
-  // Sum of x[i]^2 in double, the same bits on every run.
+  // span, in one launch on a GPU instead of one per param. Where the step
+  // was skipped (st->skip), the pass only clears the grads.
+  virtual std::unique_ptr<SpanTable> make_span_table(std::vector<ShardSpan> spans,
+                                                     std::vector<kernels::StepGroup> groups) = 0;
+  virtual void adam_spans(const SpanTable& table, const kernels::StepRule& rule, const kernels::StepState* st,
+                          DType out_dtype, bool zero_grads) = 0;
+  virtual void sgd_spans(const SpanTable& table, const kernels::StepRule& rule, const kernels::StepState* st,
+                         DType out_dtype, bool zero_grads) = 0;
+  // The step's scalars (kernels/step.h) where they live: with `unit_sq`,
+  // st->sq = the n_units sums added in order (step_sum_units); then with
+  // `rule`, the verdict (step_decide). One kernel of one thread on a GPU.
+  virtual void step_scalars(kernels::StepState* st, const double* unit_sq, size_t n_units,
+                            const kernels::StepRule* rule) = 0;
+  // Sum of x[i]^2 in double, the same bits on every run, read by the host
+  // (waits for the device outside a stream's task).
   virtual double sum_squares(const float* x, size_t numel) = 0;
+  // Each span's sum_squares into its `out` (this device's memory), in one
+  // pass over them all: the bits of sum_squares per span.
+  virtual std::unique_ptr<SquaresTable> make_squares_table(std::vector<SquaresSpan> spans) = 0;
+  virtual void sum_squares_table(const SquaresTable& table) = 0;
   // out[i] = scale * the sum over k of ins[k][i], in fp32 in the order of
   // kernels/reduce.h, rounded once to `dtype`; with `clear`, every input
   // element is zeroed once read. `out` overlaps no input. What a communicator
   // runs over its ranks' buffers when the host cannot read them.
   virtual void reduce_sum(void* out, void* const* ins, size_t n_ins, size_t numel, DType dtype, float scale,
                           bool clear) = 0;
+  // out[i] = the sum over k of ins[k][i] in double, in rank order (the small
+  // reductions of comm::Communicator::sum_f64 over a GPU's memory).
+  virtual void reduce_sum_f64(double* out, const double* const* ins, size_t n_ins, size_t n) = 0;
 
   // What a communicator needs to move this device's memory itself (ranks as
   // threads of one process sharing a GPU): which pointers only the device

@@ -65,6 +65,9 @@ class Stream {
   // The status of the first task on this stream that failed (FSDP_OK if
   // none): fsdp_ctx_async_error reports it without waiting.
   virtual fsdp_status_t failure() const = 0;
+  // Throws the first failure (its status and message) if there is one;
+  // never waits.
+  virtual void rethrow_failure() const = 0;
   // Blocks the host until everything queued so far is done; throws the
   // stream's first failure (failures stick to the stream, as a CUDA error
   // sticks to its context), or FSDP_ERR_TIMEOUT after `timeout_s` (0: no limit).

@@ -195,7 +195,9 @@ class MemoryStats:
 
 @dataclasses.dataclass
 class CommStats:
-    """fsdp_comm_stats_t: what this rank's collectives moved (calls, and bytes of each collective's data)."""
+    """fsdp_comm_stats_t: what this rank's collectives moved (calls, and bytes of each collective's data),
+    and host_waits: the times a call of this context blocked the calling thread on queued work (0 for a
+    steady-state step)."""
     all_gather_calls: int
     all_gather_nbytes: int
     reduce_scatter_calls: int
@@ -205,6 +207,7 @@ class CommStats:
     broadcast_calls: int
     broadcast_nbytes: int
     control_calls: int
+    host_waits: int
 
 
 class Context(_Handle):

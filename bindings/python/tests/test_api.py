@@ -433,6 +433,7 @@ def test_frozen_unit_has_no_grads_and_stays_as_it_was():
         # One reduce-scatter, of the live unit's padded fp32 grads (both ranks' shards); none for the frozen one.
         assert (comm.reduce_scatter_calls, comm.reduce_scatter_nbytes) == (1, 2 * live_shard * 4)
         assert comm.all_gather_calls == 2  # each unit's backward gathers its params
+        assert comm.host_waits == 0  # the step was queued; nothing blocked the host but its own stream
         # The two units have the same padded shard: freezing one halves the grads and the moments.
         assert after.sharded_grads_nbytes * 2 == before.sharded_grads_nbytes > 0
         assert after.optimizer_state_nbytes * 2 == before.optimizer_state_nbytes > 0

@@ -227,6 +227,23 @@ void LocalComm::all_reduce_f64(double* values, size_t n, RedOp op, const std::st
   });
 }
 
+void LocalComm::sum_f64(const double* send, double* recv, size_t n, const std::string& label) {
+  if (plane_ == nullptr || !plane_->owns(recv)) {
+    Communicator::sum_f64(send, recv, n, label);  // host memory: all_reduce_f64's rank order
+    return;
+  }
+  // The GPU's memory (ranks as threads sharing it): each rank adds every
+  // rank's `send` in rank order into its own `recv` on its stream, after the
+  // others' marks; the closing phase keeps `send` until all have read it.
+  CollectiveDesc d{"sum_f64", n, -1, static_cast<int>(RedOp::kSum), -1, &label};
+  run(d, send, recv, [&] {
+    thread_local std::vector<const double*> ins;  // kept, as reduce_range's
+    ins.resize(static_cast<size_t>(world_size()));
+    for (int r = 0; r < world_size(); ++r) ins[static_cast<size_t>(r)] = static_cast<const double*>(group_->slot(r).send);
+    plane_->reduce_f64(recv, ins.data(), ins.size(), n);
+  });
+}
+
 void LocalComm::broadcast(void* buf, size_t nbytes, int root, const std::string& label) {
   CollectiveDesc d{"broadcast", nbytes, -1, -1, root, &label};
   run(d, buf, buf, [&] {

@@ -35,6 +35,7 @@ class LocalComm final : public Communicator {
                             const std::string& label) override;
   void all_reduce(const void* send, void* recv, size_t numel, DType dtype, RedOp op, const std::string& label) override;
   void all_reduce_f64(double* values, size_t n, RedOp op, const std::string& label) override;
+  void sum_f64(const double* send, double* recv, size_t n, const std::string& label) override;
   void broadcast(void* buf, size_t nbytes, int root, const std::string& label) override;
   void barrier(const std::string& label) override;
   std::unique_ptr<Communicator> split(int color, int key, const std::string& label) override;

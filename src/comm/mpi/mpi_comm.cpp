@@ -7,11 +7,10 @@
 #include <functional>
 #include <thread>
 
-#include <sys/prctl.h>
-
 #include "../../base/error.h"
 #include "../../base/spin.h"
 #include "../../base/text.h"
+#include "../../base/timer_slack.h"
 #include "../launch.h"
 #include "../reduce.h"
 #include "mpi_env.h"
@@ -61,26 +60,7 @@ uint64_t fnv1a(const std::string& s) {
 
 int as_count(size_t n) { return static_cast<int>(n); }  // callers keep n <= kMaxPiece
 
-// Sleeps of microseconds need the thread's timer slack below Linux's default
-// 50 us, which stretches each one to 50 us. Set for the calling thread while a
-// wait sleeps, and put back after: the thread may be the application's.
-class FineTimerSlack {
- public:
-  void engage() {
-    if (engaged_) return;
-    engaged_ = true;
-    old_ = static_cast<unsigned long>(prctl(PR_GET_TIMERSLACK, 0, 0, 0, 0));
-    if (old_ > kSlackNs) prctl(PR_SET_TIMERSLACK, kSlackNs, 0, 0, 0);
-  }
-  ~FineTimerSlack() {
-    if (engaged_ && old_ > kSlackNs) prctl(PR_SET_TIMERSLACK, old_, 0, 0, 0);
-  }
-
- private:
-  static constexpr unsigned long kSlackNs = 1000;
-  bool engaged_ = false;
-  unsigned long old_ = 0;
-};
+using base::FineTimerSlack;
 
 // Waits for `reqs` (completed ones become MPI_REQUEST_NULL) until `deadline`.
 bool poll_requests(std::vector<MPI_Request>& reqs, std::chrono::steady_clock::time_point deadline,

@@ -484,6 +484,19 @@ void NcclComm::all_reduce(const void* send, void* recv, size_t numel, DType dtyp
   });
 }
 
+void NcclComm::sum_f64(const double* send, double* recv, size_t n, const std::string& label) {
+  if (plane_ == nullptr || !plane_->owns(recv)) {
+    Communicator::sum_f64(send, recv, n, label);  // host memory: staged, as all_reduce_f64
+    return;
+  }
+  // Device memory: queued on the stream, no host wait (NCCL's order of the
+  // sum, the same bits on every rank).
+  uint64_t seq = begin();
+  collective("sum_f64", label, seq, stream(), [&](ncclComm_t c, cudaStream_t s) {
+    return nccl().AllReduce(send, recv, n, ncclFloat64, ncclSum, c, s);
+  });
+}
+
 void NcclComm::all_reduce_f64(double* values, size_t n, RedOp op, const std::string& label) {
   uint64_t seq = begin();
   staged(values, values, n * sizeof(double), n * sizeof(double), "all_reduce_f64", label, seq,

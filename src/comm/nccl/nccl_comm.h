@@ -71,6 +71,9 @@ class NcclComm final : public Communicator {
                             const std::string& label) override;
   void all_reduce(const void* send, void* recv, size_t numel, DType dtype, RedOp op, const std::string& label) override;
   void all_reduce_f64(double* values, size_t n, RedOp op, const std::string& label) override;
+  // Device memory: ncclAllReduce on the plane's stream (NCCL's order of the
+  // sum, not rank order); host memory: all_reduce_f64's staged path.
+  void sum_f64(const double* send, double* recv, size_t n, const std::string& label) override;
   void broadcast(void* buf, size_t nbytes, int root, const std::string& label) override;
   void barrier(const std::string& label) override;
   // ncclCommSplit of the formation communicator: HYBRID_SHARD's shard and

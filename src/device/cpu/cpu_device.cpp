@@ -362,23 +362,68 @@ void CpuDevice::reduce_sum(void* out, void* const* ins, size_t n_ins, size_t num
   });
 }
 
-std::unique_ptr<SpanTable> CpuDevice::make_span_table(std::vector<ShardSpan> spans) {
-  return std::make_unique<SpanTable>(std::move(spans));
+std::unique_ptr<SpanTable> CpuDevice::make_span_table(std::vector<ShardSpan> spans,
+                                                      std::vector<kernels::StepGroup> groups) {
+  return std::make_unique<SpanTable>(std::move(spans), std::move(groups));
 }
 
-void CpuDevice::adam_spans(const SpanTable& table, const kernels::AdamOp& op, float lr, bool decoupled, DType out_dtype,
-                           bool zero_grads) {
+namespace {
+
+// A skipped step's pass: the grads cleared, nothing else written.
+template <typename Table>
+void clear_span_grads(CpuDevice& dev, const Table& table) {
+  for (const ShardSpan& s : table.spans()) dev.zero(s.grads, s.numel * sizeof(float));
+}
+
+}  // namespace
+
+void CpuDevice::adam_spans(const SpanTable& table, const kernels::StepRule& rule, const kernels::StepState* st,
+                           DType out_dtype, bool zero_grads) {
+  if (st->skip != 0) {
+    if (zero_grads) clear_span_grads(*this, table);
+    return;
+  }
+  const bool decoupled = rule.decoupled != 0;
   for (const ShardSpan& s : table.spans()) {
-    adam({op.with_weight_decay(lr, s.weight_decay, decoupled), s.params, s.grads, s.state1, s.state2, s.out, out_dtype,
-          s.numel, zero_grads});
+    const kernels::StepGroup& g = table.groups().at(s.group);
+    const kernels::AdamOp op = kernels::step_adam_op(*st, g, rule);
+    adam({op.with_weight_decay(kernels::group_lr(*st, g), s.weight_decay, decoupled), s.params, s.grads, s.state1,
+          s.state2, s.out, out_dtype, s.numel, zero_grads});
   }
 }
 
-void CpuDevice::sgd_spans(const SpanTable& table, const kernels::SgdOp& op, DType out_dtype, bool zero_grads) {
+void CpuDevice::sgd_spans(const SpanTable& table, const kernels::StepRule& rule, const kernels::StepState* st,
+                          DType out_dtype, bool zero_grads) {
+  if (st->skip != 0) {
+    if (zero_grads) clear_span_grads(*this, table);
+    return;
+  }
   for (const ShardSpan& s : table.spans()) {
-    kernels::SgdOp o = op;
+    kernels::SgdOp o = kernels::step_sgd_op(*st, table.groups().at(s.group), rule);
     o.weight_decay = s.weight_decay;
     sgd({o, s.params, s.grads, s.state1, s.out, out_dtype, s.numel, zero_grads});
+  }
+}
+
+void CpuDevice::step_scalars(kernels::StepState* st, const double* unit_sq, size_t n_units,
+                             const kernels::StepRule* rule) {
+  if (unit_sq != nullptr) kernels::step_sum_units(*st, unit_sq, n_units);
+  if (rule != nullptr) kernels::step_decide(*st, *rule);
+}
+
+std::unique_ptr<SquaresTable> CpuDevice::make_squares_table(std::vector<SquaresSpan> spans) {
+  return std::make_unique<SquaresTable>(std::move(spans));
+}
+
+void CpuDevice::sum_squares_table(const SquaresTable& table) {
+  for (const SquaresSpan& s : table.spans()) *s.out = sum_squares(s.x, s.numel);
+}
+
+void CpuDevice::reduce_sum_f64(double* out, const double* const* ins, size_t n_ins, size_t n) {
+  for (size_t i = 0; i < n; ++i) {
+    double acc = ins[0][i];
+    for (size_t k = 1; k < n_ins; ++k) acc += ins[k][i];
+    out[i] = acc;
   }
 }
 

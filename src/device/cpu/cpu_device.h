@@ -55,12 +55,19 @@ class CpuDevice final : public Device {
   void sgd(const SgdArgs& args) override;
   double sum_squares(const float* x, size_t numel) override;
   // The host's passes span by span (adam / sgd per span).
-  std::unique_ptr<SpanTable> make_span_table(std::vector<ShardSpan> spans) override;
-  void adam_spans(const SpanTable& table, const kernels::AdamOp& op, float lr, bool decoupled, DType out_dtype,
+  std::unique_ptr<SpanTable> make_span_table(std::vector<ShardSpan> spans,
+                                             std::vector<kernels::StepGroup> groups) override;
+  void adam_spans(const SpanTable& table, const kernels::StepRule& rule, const kernels::StepState* st, DType out_dtype,
                   bool zero_grads) override;
-  void sgd_spans(const SpanTable& table, const kernels::SgdOp& op, DType out_dtype, bool zero_grads) override;
+  void sgd_spans(const SpanTable& table, const kernels::StepRule& rule, const kernels::StepState* st, DType out_dtype,
+                 bool zero_grads) override;
+  void step_scalars(kernels::StepState* st, const double* unit_sq, size_t n_units,
+                    const kernels::StepRule* rule) override;
+  std::unique_ptr<SquaresTable> make_squares_table(std::vector<SquaresSpan> spans) override;
+  void sum_squares_table(const SquaresTable& table) override;
   void reduce_sum(void* out, void* const* ins, size_t n_ins, size_t numel, DType dtype, float scale,
                   bool clear) override;
+  void reduce_sum_f64(double* out, const double* const* ins, size_t n_ins, size_t n) override;
   // The host reads all of this device's memory, and its operations are done
   // when they return: a mark has completed, and waiting for one blocks.
   bool device_only(const void*) const override { return false; }

@@ -2,6 +2,7 @@
 #include "cpu_stream.h"
 
 #include "../../base/error.h"
+#include "../../base/host_waits.h"
 #include "../../base/pool.h"
 #include "../../base/spin.h"
 #include "../../base/text.h"
@@ -12,6 +13,10 @@ namespace {
 // How long a waiter spins before it sleeps: about a futex wake-up's latency.
 constexpr std::chrono::microseconds kSpinFor{20};
 
+// A marker's name, made when the library loads: a record() after a wait,
+// whenever it first happens, allocates nothing.
+const Label marker_label = make_label("wait for events");
+
 }  // namespace
 
 std::string CpuEvent::describe() const {
@@ -21,6 +26,7 @@ std::string CpuEvent::describe() const {
 }
 
 void CpuEvent::wait(double timeout_s) {
+  base::note_host_wait();
   base::spin_until([this] { return done(); }, kSpinFor);
   std::unique_lock<std::mutex> lock(mu_);
   auto is_done = [this] { return done_.load(std::memory_order_relaxed); };
@@ -143,8 +149,7 @@ EventPtr WorkerStream::record() {
     std::lock_guard<std::mutex> lock(mu_);
     if (waits_.empty()) return last_ ? last_ : CpuEvent::completed();
   }
-  static const Label kMarker = make_label("wait for events");
-  return submit(kMarker, Task());  // a marker that completes once the waits have
+  return submit(marker_label, Task());  // a marker that completes once the waits have
 }
 
 void WorkerStream::synchronize(double timeout_s) {
@@ -160,6 +165,12 @@ void WorkerStream::synchronize(double timeout_s) {
   }
   std::lock_guard<std::mutex> lock(mu_);
   if (failure_.load(std::memory_order_relaxed) != FSDP_OK) fail(failure_.load(), failure_message_);
+}
+
+void WorkerStream::rethrow_failure() const {
+  if (failure_.load(std::memory_order_acquire) == FSDP_OK) return;
+  std::lock_guard<std::mutex> lock(mu_);
+  fail(failure_.load(), failure_message_);
 }
 
 void WorkerStream::loop() {
@@ -227,6 +238,7 @@ EventPtr InlineStream::submit(const Label&, Task task) {
 }
 
 void InlineStream::wait(const EventPtr& ev) {
+  base::StreamWaitScope stream_wait;  // the NULL stream is the calling thread: this is the stream's own wait
   if (ev) ev->wait(timeout_s_);
 }
 

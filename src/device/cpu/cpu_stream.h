@@ -66,6 +66,7 @@ class WorkerStream final : public Stream {
   EventPtr record() override;
   bool synchronous() const override { return false; }
   fsdp_status_t failure() const override { return failure_.load(std::memory_order_acquire); }
+  void rethrow_failure() const override;
   void synchronize(double timeout_s) override;
 
  private:
@@ -94,7 +95,7 @@ class WorkerStream final : public Stream {
   std::atomic<fsdp_status_t> failure_{FSDP_OK};
   std::string failure_message_;  // the first failure's, under mu_
   Label running_;                // the task now running (for a timeout's message), under mu_
-  std::mutex mu_;
+  mutable std::mutex mu_;
   std::condition_variable cv_;
   std::vector<Item> ring_;  // queue_size_ items from ring_head_, wrapping
   size_t ring_head_ = 0, queue_size_ = 0;
@@ -120,6 +121,7 @@ class InlineStream final : public Stream {
   EventPtr record() override { return CpuEvent::completed(); }
   bool synchronous() const override { return true; }
   fsdp_status_t failure() const override { return FSDP_OK; }  // its failures are thrown at once
+  void rethrow_failure() const override {}
 
  private:
   double timeout_s_;

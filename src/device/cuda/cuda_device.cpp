@@ -11,6 +11,7 @@
 
 #include "../../../kernels/cuda/launch.h"
 #include "../../base/log.h"
+#include "../../base/host_waits.h"
 #include "../../base/pool.h"
 #include "cuda_check.h"
 
@@ -19,15 +20,7 @@ namespace {
 
 namespace k = fsdp::kernels::cuda;
 
-constexpr size_t kPinnedPerBlock = 512;  // doubles per pinned block
-
 fsdp_dtype_t code(DType t) { return static_cast<fsdp_dtype_t>(t); }
-
-struct HostResult {
-  CudaDevice* dev;
-  double* pinned;
-  double* dst;
-};
 
 }  // namespace
 
@@ -85,62 +78,59 @@ class MemPool {
 
 namespace {
 
-// A SpanTable with its device copy: the spans, and the chunk table of the
-// multi-tensor launches, in one block of the pool. The upload is queued on
-// the stream the table is made on, from host copies the table keeps (the
-// spans, and the chunks), so it is ordered before the launches queued after
-// it there; `last_` marks the upload and then each launch, so that a launch
-// on another stream waits for the upload, and the table is freed only after
-// its last launch.
-class CudaSpanTable final : public SpanTable {
+// Host arrays uploaded into one block of the pool where the next operation
+// goes (in a task: on its stream, in order before the launches queued after
+// it there; outside: on the device's own stream), from host copies the owner
+// keeps until the upload is done; `last_` marks the upload and then each
+// launch, so that a launch on another stream waits for the upload, and the
+// block is freed only after its last launch. `extra` bytes at the end are
+// left for the owner's own use on the device (no upload).
+class Uploaded {
  public:
-  CudaSpanTable(int ordinal, std::vector<ShardSpan> spans, cudaMemPool_t pool, cudaStream_t s, cudaStream_t idle)
-      : SpanTable(std::move(spans)), ordinal_(ordinal), idle_(idle) {
-    const std::vector<ShardSpan>& sp = this->spans();
-    chunks_host_ = k::span_chunks(sp.data(), sp.size());
-    has_out_ = !sp.empty() && sp.front().out != nullptr;
-    momentum_ = !sp.empty() && sp.front().state1 != nullptr;
-    for (const ShardSpan& x : sp) {
-      if ((x.out != nullptr) != has_out_ || (x.state1 != nullptr) != momentum_) {
-        fail(FSDP_ERR_INTERNAL, "cuda device: a span table whose spans differ in having a params copy or state");
-      }
+  struct Part {
+    const void* host;
+    size_t nbytes;
+  };
+  Uploaded(int ordinal, std::vector<Part> parts, size_t extra, cudaMemPool_t pool, cudaStream_t s, cudaStream_t idle)
+      : ordinal_(ordinal), idle_(idle) {
+    check(cudaEventCreateWithFlags(&last_, cudaEventDisableTiming), "cudaEventCreateWithFlags (table)");
+    size_t total = 0;
+    for (const Part& p : parts) {
+      at_.push_back(total);
+      total += (p.nbytes + 255) / 256 * 256;
     }
-    check(cudaEventCreateWithFlags(&last_, cudaEventDisableTiming), "cudaEventCreateWithFlags (span table)");
-    const size_t spans_nbytes = (sp.size() * sizeof(ShardSpan) + 255) / 256 * 256;
-    const size_t chunks_nbytes = chunks_host_.size() * sizeof(k::SpanChunk);
-    if (spans_nbytes + chunks_nbytes > 0) {
+    extra_at_ = total;
+    total += extra;
+    cudaError_t e = cudaSuccess;
+    if (total > 0) {
       void* block = nullptr;
-      cudaError_t e = cudaMallocFromPoolAsync(&block, spans_nbytes + chunks_nbytes, pool, s);
+      e = cudaMallocFromPoolAsync(&block, total, pool, s);
       if (e != cudaSuccess) {
         cudaGetLastError();
         cudaEventDestroy(last_);
-        fail_cuda(e, "cudaMallocFromPoolAsync (span table)");
+        fail_cuda(e, "cudaMallocFromPoolAsync (table)");
       }
-      block_ = block;
-      spans_ = static_cast<ShardSpan*>(block);
-      chunks_ = reinterpret_cast<k::SpanChunk*>(static_cast<char*>(block) + spans_nbytes);
-      e = cudaMemcpyAsync(spans_, sp.data(), sp.size() * sizeof(ShardSpan), cudaMemcpyHostToDevice, s);
-      if (e == cudaSuccess) e = cudaMemcpyAsync(chunks_, chunks_host_.data(), chunks_nbytes, cudaMemcpyHostToDevice, s);
-      if (e != cudaSuccess) {
-        cudaStreamSynchronize(s);  // the copies may have begun: they read the host copies that go with this
-        cudaFreeAsync(block_, s);
-        cudaEventDestroy(last_);
-        fail_cuda(e, "uploading the span table");
+      block_ = static_cast<char*>(block);
+      for (size_t i = 0; i < parts.size() && e == cudaSuccess; ++i) {
+        if (parts[i].nbytes > 0) {
+          e = cudaMemcpyAsync(block_ + at_[i], parts[i].host, parts[i].nbytes, cudaMemcpyHostToDevice, s);
+        }
       }
     }
-    cudaError_t e = cudaEventRecord(last_, s);
+    if (e == cudaSuccess) e = cudaEventRecord(last_, s);
     if (e != cudaSuccess) {
-      cudaStreamSynchronize(s);
+      cudaStreamSynchronize(s);  // the copies may have begun: they read the owner's host copies
       if (block_ != nullptr) cudaFreeAsync(block_, s);
       cudaEventDestroy(last_);
-      fail_cuda(e, "recording the span table's upload");
+      fail_cuda(e, "uploading a table");
     }
   }
-  // Waits for the table's own last use (an event: the upload and every launch
+  // Waits for the block's own last use (an event: the upload and every launch
   // recorded it; in the engine the step has already waited for its launch),
-  // not for the device, then frees in stream order and lets the host copies go.
-  ~CudaSpanTable() override {
+  // not for the device, then frees in stream order.
+  ~Uploaded() {
     if (!try_bind(ordinal_)) return;
+    base::note_host_wait();
     cudaEventSynchronize(last_);
     if (block_ != nullptr) {
       CudaStream* cur = CudaStream::current();
@@ -148,45 +138,112 @@ class CudaSpanTable final : public SpanTable {
     }
     cudaEventDestroy(last_);
   }
-  CudaSpanTable(const CudaSpanTable&) = delete;
-  CudaSpanTable& operator=(const CudaSpanTable&) = delete;
+  Uploaded(const Uploaded&) = delete;
+  Uploaded& operator=(const Uploaded&) = delete;
 
   // Around a launch on `s`: after the upload and the launches before it.
-  void before_launch(cudaStream_t s) const { check(cudaStreamWaitEvent(s, last_, 0), "waiting for the span table"); }
-  void after_launch(cudaStream_t s) const { check(cudaEventRecord(last_, s), "recording a span table launch"); }
+  void before_launch(cudaStream_t s) const { check(cudaStreamWaitEvent(s, last_, 0), "waiting for a table"); }
+  void after_launch(cudaStream_t s) const { check(cudaEventRecord(last_, s), "recording a table's launch"); }
+  template <typename T>
+  T* part(size_t i) const {
+    return block_ == nullptr ? nullptr : reinterpret_cast<T*>(block_ + at_.at(i));
+  }
+  char* extra() const { return block_ == nullptr ? nullptr : block_ + extra_at_; }
 
-  const ShardSpan* spans_dev() const { return spans_; }
-  const k::SpanChunk* chunks() const { return chunks_; }
+ private:
+  int ordinal_;
+  cudaStream_t idle_;  // the device's own stream: frees outside tasks go there
+  cudaEvent_t last_ = nullptr;
+  char* block_ = nullptr;
+  std::vector<size_t> at_;
+  size_t extra_at_ = 0;
+};
+
+// A SpanTable with its device copy: the spans, the groups and the chunk
+// table of the multi-tensor launches (host copies kept for the upload).
+class CudaSpanTable final : public SpanTable {
+ public:
+  CudaSpanTable(int ordinal, std::vector<ShardSpan> spans, std::vector<kernels::StepGroup> groups, cudaMemPool_t pool,
+                cudaStream_t s, cudaStream_t idle)
+      : SpanTable(std::move(spans), std::move(groups)), chunks_host_(k::span_chunks(this->spans().data(), this->spans().size())) {
+    const std::vector<ShardSpan>& sp = this->spans();
+    has_out_ = !sp.empty() && sp.front().out != nullptr;
+    momentum_ = !sp.empty() && sp.front().state1 != nullptr;
+    for (const ShardSpan& x : sp) {
+      if ((x.out != nullptr) != has_out_ || (x.state1 != nullptr) != momentum_) {
+        fail(FSDP_ERR_INTERNAL, "cuda device: a span table whose spans differ in having a params copy or state");
+      }
+    }
+    dev_ = std::make_unique<Uploaded>(ordinal,
+                                      std::vector<Uploaded::Part>{{sp.data(), sp.size() * sizeof(ShardSpan)},
+                                                                  {this->groups().data(),
+                                                                   this->groups().size() * sizeof(kernels::StepGroup)},
+                                                                  {chunks_host_.data(),
+                                                                   chunks_host_.size() * sizeof(k::SpanChunk)}},
+                                      0, pool, s, idle);
+  }
+  const Uploaded& dev() const { return *dev_; }
+  const ShardSpan* spans_dev() const { return dev_->part<ShardSpan>(0); }
+  const kernels::StepGroup* groups_dev() const { return dev_->part<kernels::StepGroup>(1); }
+  const k::SpanChunk* chunks() const { return dev_->part<k::SpanChunk>(2); }
   size_t n_chunks() const { return chunks_host_.size(); }
   bool has_out() const { return has_out_; }
   bool momentum() const { return momentum_; }
 
  private:
-  int ordinal_;
-  cudaStream_t idle_;  // the device's own stream: frees outside tasks go there
   std::vector<k::SpanChunk> chunks_host_;
-  cudaEvent_t last_ = nullptr;
-  void* block_ = nullptr;
-  ShardSpan* spans_ = nullptr;
-  k::SpanChunk* chunks_ = nullptr;
+  std::unique_ptr<Uploaded> dev_;
   bool has_out_ = false;
   bool momentum_ = false;
 };
 
-// The callback's argument, from a pool of blocks (no heap allocation per
-// reduction once warm).
-HostResult* new_host_result(const HostResult& r) {
-  HostResult* p = base::PoolAllocator<HostResult>().allocate(1);
-  return new (p) HostResult(r);
-}
+// A SquaresTable with its device copy: the entries (each with its own
+// scratch for the steps' sums, at the end of the block, kept for the table's
+// life) and the chunk table of the one launch that reads the arrays.
+class CudaSquaresTable final : public SquaresTable {
+ public:
+  CudaSquaresTable(int ordinal, std::vector<SquaresSpan> spans, cudaMemPool_t pool, cudaStream_t s, cudaStream_t idle)
+      : SquaresTable(std::move(spans)) {
+    size_t scratch = 0;
+    std::vector<size_t> scratch_at;
+    for (const SquaresSpan& x : this->spans()) {
+      scratch_at.push_back(scratch);
+      scratch += (k::sum_squares_scratch_nbytes(x.numel) + 255) / 256 * 256;
+    }
+    // The entries name their scratch, which lies after the uploaded parts: two
+    // passes (the entries' size does not depend on where the scratch is).
+    for (const SquaresSpan& x : this->spans()) entries_.push_back({x.x, x.numel, x.out, nullptr});
+    chunks_host_ = k::squares_chunks(entries_.data(), entries_.size());
+    const size_t entries_nbytes = (entries_.size() * sizeof(k::SquaresEntry) + 255) / 256 * 256;
+    // Upload the chunks first; the entries, which need the block's address,
+    // are uploaded into the extra space by a second copy below.
+    dev_ = std::make_unique<Uploaded>(ordinal,
+                                      std::vector<Uploaded::Part>{{chunks_host_.data(),
+                                                                   chunks_host_.size() * sizeof(k::SquaresChunk)}},
+                                      entries_nbytes + scratch, pool, s, idle);
+    char* entries_dev = dev_->extra();
+    char* scratch_base = entries_dev + entries_nbytes;
+    for (size_t i = 0; i < entries_.size(); ++i) entries_[i].scratch = scratch_base + scratch_at[i];
+    if (!entries_.empty()) {
+      check(cudaMemcpyAsync(entries_dev, entries_.data(), entries_.size() * sizeof(k::SquaresEntry),
+                            cudaMemcpyHostToDevice, s),
+            "uploading the squares table");
+      dev_->after_launch(s);
+    }
+    entries_dev_ = reinterpret_cast<const k::SquaresEntry*>(entries_dev);
+  }
+  const Uploaded& dev() const { return *dev_; }
+  const k::SquaresEntry* entries_dev() const { return entries_dev_; }
+  const std::vector<k::SquaresEntry>& entries() const { return entries_; }
+  const k::SquaresChunk* chunks() const { return dev_->part<k::SquaresChunk>(0); }
+  size_t n_chunks() const { return chunks_host_.size(); }
 
-void CUDART_CB write_host_result(void* arg) {  // no CUDA calls allowed here
-  auto* r = static_cast<HostResult*>(arg);
-  *r->dst = *r->pinned;
-  r->dev->give_pinned(r->pinned);
-  r->~HostResult();
-  base::PoolAllocator<HostResult>().deallocate(r, 1);
-}
+ private:
+  std::vector<k::SquaresEntry> entries_;
+  std::vector<k::SquaresChunk> chunks_host_;
+  std::unique_ptr<Uploaded> dev_;
+  const k::SquaresEntry* entries_dev_ = nullptr;
+};
 
 void* pinned_alloc(size_t nbytes) {
   void* p = nullptr;
@@ -262,7 +319,6 @@ CudaDevice::~CudaDevice() {
   callers_.clear();
   ops_.reset();
   pool_.reset();
-  for (void* b : pinned_blocks_) cudaFreeHost(b);
 }
 
 cudaMemPool_t CudaDevice::mem_pool() const { return pool_->get(); }
@@ -301,7 +357,10 @@ cudaStream_t CudaDevice::target() const {
 
 void CudaDevice::issued(cudaError_t e, const char* what) {
   check(e, what);
-  if (CudaStream::current() == nullptr) check(cudaStreamSynchronize(ops_->native()), what);
+  if (CudaStream::current() == nullptr) {
+    base::note_host_wait();
+    check(cudaStreamSynchronize(ops_->native()), what);
+  }
 }
 
 void* CudaDevice::alloc(size_t nbytes) {
@@ -327,6 +386,7 @@ void CudaDevice::free(void* ptr) noexcept {
   // Outside a task the block may still be read by any stream's queued work:
   // wait for the device (the engine frees its hot-path buffers inside tasks
   // or through slots, not here).
+  base::note_host_wait();
   cudaDeviceSynchronize();
   cudaFreeAsync(ptr, ops_->native());
   cudaStreamSynchronize(ops_->native());
@@ -373,50 +433,44 @@ void CudaDevice::cast_clear(void* dst, DType dst_dtype, void* src, DType src_dty
   issued(k::cast(dst, code(dst_dtype), src, code(src_dtype), numel, true, target()), "cast_clear");
 }
 
-double* CudaDevice::take_pinned() {
-  {
-    std::lock_guard<std::mutex> lock(pinned_mu_);
-    if (!pinned_free_.empty()) {
-      double* p = pinned_free_.back();
-      pinned_free_.pop_back();
-      return p;
-    }
+namespace {
+
+// A scratch block of the pool for one pass, on the stream the pass goes to;
+// freed there after it (stream-ordered: in a captured graph, memory nodes).
+class PassScratch {
+ public:
+  PassScratch(cudaMemPool_t pool, size_t nbytes, cudaStream_t s) : s_(s) {
+    check(cudaMallocFromPoolAsync(&p_, nbytes == 0 ? 1 : nbytes, pool, s), "cudaMallocFromPoolAsync (scratch)");
   }
-  // A new block, allocated without the lock: the host callbacks that hand
-  // scalars back take it, and CUDA forbids a wait on them from a CUDA call.
-  void* block = nullptr;
-  check(cudaMallocHost(&block, kPinnedPerBlock * sizeof(double)), "cudaMallocHost (result scalars)");
-  std::lock_guard<std::mutex> lock(pinned_mu_);
-  pinned_blocks_.push_back(block);
-  pinned_free_.reserve(pinned_blocks_.size() * kPinnedPerBlock);  // give_pinned never grows it
-  for (size_t i = 1; i < kPinnedPerBlock; ++i) pinned_free_.push_back(static_cast<double*>(block) + i);
-  return static_cast<double*>(block);
-}
+  ~PassScratch() {
+    if (p_ != nullptr) cudaFreeAsync(p_, s_);
+  }
+  PassScratch(const PassScratch&) = delete;
+  PassScratch& operator=(const PassScratch&) = delete;
+  void* get() const { return p_; }
 
-void CudaDevice::give_pinned(double* p) {
-  std::lock_guard<std::mutex> lock(pinned_mu_);
-  pinned_free_.push_back(p);
-}
+ private:
+  cudaStream_t s_;
+  void* p_ = nullptr;
+};
 
-void CudaDevice::queue_squares_to_host(const float* x, size_t numel, double* host_dst, cudaStream_t s) {
-  // The result and the reduction's scratch in one block of the pool.
-  const size_t scratch_nbytes = k::sum_squares_scratch_nbytes(numel);
-  void* block = nullptr;
-  check(cudaMallocFromPoolAsync(&block, 256 + scratch_nbytes, pool_->get(), s), "cudaMallocFromPoolAsync (norm)");
-  auto* sq = static_cast<double*>(block);
-  check(k::sum_squares(x, numel, sq, static_cast<char*>(block) + 256, s), "sum of squares");
-  double* pinned = take_pinned();
-  check(cudaMemcpyAsync(pinned, sq, sizeof(double), cudaMemcpyDeviceToHost, s), "copying a result to the host");
-  check(cudaFreeAsync(block, s), "cudaFreeAsync (norm)");
-  check(cudaLaunchHostFunc(s, write_host_result, new_host_result({this, pinned, host_dst})), "cudaLaunchHostFunc");
-}
+}  // namespace
 
 void CudaDevice::accumulate_pass(float* acc, void* src, DType src_dtype, float scale, size_t numel, bool clear,
                                  double* acc_sq) {
   bind(ordinal_);
   cudaStream_t s = target();
-  check(k::accumulate(acc, src, code(src_dtype), scale, numel, clear, s), "accumulate");
-  if (acc_sq != nullptr) queue_squares_to_host(acc, numel, acc_sq, s);  // of the sums, as the CPU's pass
+  if (acc_sq == nullptr) {
+    issued(k::accumulate(acc, src, code(src_dtype), scale, numel, clear, s), "accumulate");
+    return;
+  }
+  // The sums of squares of what the pass writes, in the same pass: the grad
+  // shard is not read again for its norm, and the sum stays on the device.
+  {
+    PassScratch scratch(pool_->get(), k::sum_squares_scratch_nbytes(numel), s);
+    check(k::accumulate_sq(acc, src, code(src_dtype), scale, numel, clear, acc_sq, scratch.get(), s),
+          "accumulate (with the sum of squares)");
+  }
   issued(cudaSuccess, "accumulate");
 }
 
@@ -428,12 +482,15 @@ void CudaDevice::accumulate_clear(float* acc, void* src, DType src_dtype, float 
   accumulate_pass(acc, src, src_dtype, scale, numel, true, acc_sq);
 }
 
+void CudaDevice::squares_into(const float* x, size_t numel, double* out, cudaStream_t s) {
+  PassScratch scratch(pool_->get(), k::sum_squares_scratch_nbytes(numel), s);
+  check(k::sum_squares(x, numel, out, scratch.get(), s), "sum of squares");
+}
+
 void CudaDevice::adam(const AdamArgs& a) {
   bind(ordinal_);
   cudaStream_t s = target();
-  if (a.grad_sq != nullptr) {  // the raw grads' squares, before the pass clears them
-    queue_squares_to_host(a.grads, a.numel, a.grad_sq, s);
-  }
+  if (a.grad_sq != nullptr) squares_into(a.grads, a.numel, a.grad_sq, s);  // the raw grads', before the pass clears them
   issued(k::adam(a.op, a.params, a.grads, a.exp_avg, a.exp_avg_sq, a.out, code(a.out_dtype), a.numel, a.zero_grads, s),
          "adam");
 }
@@ -441,7 +498,7 @@ void CudaDevice::adam(const AdamArgs& a) {
 void CudaDevice::sgd(const SgdArgs& a) {
   bind(ordinal_);
   cudaStream_t s = target();
-  if (a.grad_sq != nullptr) queue_squares_to_host(a.grads, a.numel, a.grad_sq, s);
+  if (a.grad_sq != nullptr) squares_into(a.grads, a.numel, a.grad_sq, s);
   issued(k::sgd(a.op, a.params, a.grads, a.momentum_buf, a.out, code(a.out_dtype), a.numel, a.zero_grads, s), "sgd");
 }
 
@@ -449,8 +506,13 @@ double CudaDevice::sum_squares(const float* x, size_t numel) {
   bind(ordinal_);
   cudaStream_t s = target();
   double v = 0.0;
-  queue_squares_to_host(x, numel, &v, s);
-  check(cudaStreamSynchronize(s), "sum of squares");  // the host callback has written v
+  {
+    PassScratch out(pool_->get(), sizeof(double), s);
+    squares_into(x, numel, static_cast<double*>(out.get()), s);
+    check(cudaMemcpyAsync(&v, out.get(), sizeof v, cudaMemcpyDeviceToHost, s), "copying a sum of squares to the host");
+  }
+  base::note_host_wait();
+  check(cudaStreamSynchronize(s), "sum of squares");
   return v;
 }
 
@@ -465,35 +527,71 @@ void CudaDevice::reduce_sum(void* out, void* const* ins, size_t n_ins, size_t nu
   issued(k::reduce_sum(out, ins, n_ins, code(dtype), numel, scale, clear, target()), "reduce_sum");
 }
 
-std::unique_ptr<SpanTable> CudaDevice::make_span_table(std::vector<ShardSpan> spans) {
+void CudaDevice::reduce_sum_f64(double* out, const double* const* ins, size_t n_ins, size_t n) {
+  if (n_ins > k::kMaxReduceInputs) {
+    fail(FSDP_ERR_UNSUPPORTED, "cuda device: a sum over " + std::to_string(n_ins) + " ranks sharing one GPU; at most " +
+                                   std::to_string(k::kMaxReduceInputs) + " ranks can share a GPU");
+  }
   bind(ordinal_);
-  auto table = std::make_unique<CudaSpanTable>(ordinal_, std::move(spans), pool_->get(), target(), ops_->native());
+  issued(k::reduce_sum_f64(out, ins, n_ins, n, target()), "reduce_sum_f64");
+}
+
+void CudaDevice::step_scalars(kernels::StepState* st, const double* unit_sq, size_t n_units,
+                              const kernels::StepRule* rule) {
+  bind(ordinal_);
+  issued(k::step_scalars(st, unit_sq, n_units, rule, target()), "the step's scalars");
+}
+
+std::unique_ptr<SquaresTable> CudaDevice::make_squares_table(std::vector<SquaresSpan> spans) {
+  bind(ordinal_);
+  auto table = std::make_unique<CudaSquaresTable>(ordinal_, std::move(spans), pool_->get(), target(), ops_->native());
+  issued(cudaSuccess, "uploading the squares table");
+  return table;
+}
+
+void CudaDevice::sum_squares_table(const SquaresTable& table) {
+  const auto& t = dynamic_cast<const CudaSquaresTable&>(table);
+  bind(ordinal_);
+  cudaStream_t s = target();
+  t.dev().before_launch(s);
+  check(k::sum_squares_table(t.entries_dev(), t.chunks(), t.n_chunks(), t.entries().data(), t.entries().size(), s),
+        "sums of squares (multi-tensor)");
+  t.dev().after_launch(s);
+  issued(cudaSuccess, "sums of squares (multi-tensor)");
+}
+
+std::unique_ptr<SpanTable> CudaDevice::make_span_table(std::vector<ShardSpan> spans,
+                                                       std::vector<kernels::StepGroup> groups) {
+  bind(ordinal_);
+  auto table = std::make_unique<CudaSpanTable>(ordinal_, std::move(spans), std::move(groups), pool_->get(), target(),
+                                               ops_->native());
   issued(cudaSuccess, "uploading the span table");
   return table;
 }
 
-void CudaDevice::adam_spans(const SpanTable& table, const kernels::AdamOp& op, float lr, bool decoupled,
+void CudaDevice::adam_spans(const SpanTable& table, const kernels::StepRule& rule, const kernels::StepState* st,
                             DType out_dtype, bool zero_grads) {
   const auto& t = dynamic_cast<const CudaSpanTable&>(table);
   bind(ordinal_);
   cudaStream_t s = target();
-  t.before_launch(s);
-  check(k::adam_spans(t.spans_dev(), t.chunks(), t.n_chunks(), op, lr, decoupled, t.has_out(), code(out_dtype),
+  t.dev().before_launch(s);
+  check(k::adam_spans(t.spans_dev(), t.chunks(), t.n_chunks(), t.groups_dev(), rule, st, t.has_out(), code(out_dtype),
                       zero_grads, s),
         "adam (multi-tensor)");
-  t.after_launch(s);
+  t.dev().after_launch(s);
   issued(cudaSuccess, "adam (multi-tensor)");
 }
 
-void CudaDevice::sgd_spans(const SpanTable& table, const kernels::SgdOp& op, DType out_dtype, bool zero_grads) {
+void CudaDevice::sgd_spans(const SpanTable& table, const kernels::StepRule& rule, const kernels::StepState* st,
+                           DType out_dtype, bool zero_grads) {
   const auto& t = dynamic_cast<const CudaSpanTable&>(table);
   bind(ordinal_);
   cudaStream_t s = target();
-  t.before_launch(s);
-  check(k::sgd_spans(t.spans_dev(), t.chunks(), t.n_chunks(), op, t.momentum(), t.has_out(), code(out_dtype),
-                     zero_grads, s),
+  t.dev().before_launch(s);
+  check(k::sgd_spans(t.spans_dev(), t.chunks(), t.n_chunks(), t.groups_dev(), rule, st, t.momentum(), t.has_out(),
+                     code(out_dtype), zero_grads, s),
         "sgd (multi-tensor)");
-  t.after_launch(s);
+  t.dev().after_launch(s);
   issued(cudaSuccess, "sgd (multi-tensor)");
 }
 

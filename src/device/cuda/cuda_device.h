@@ -6,8 +6,8 @@
 // the CPU device's functors.
 //
 // Where work goes: an operation called inside a CudaStream's task is queued on
-// that stream and returns at once (its results are there once the task's
-// event completes, host-side outputs such as a sum of squares included);
+// that stream and returns at once (its results, sums of squares included,
+// stay in device memory and are there once the task's event completes);
 // called outside any task, it runs on the device's own stream and returns
 // when it is done, as the CPU device's operations do.
 #pragma once
@@ -73,15 +73,23 @@ class CudaDevice final : public Device {
   double sum_squares(const float* x, size_t numel) override;
   void reduce_sum(void* out, void* const* ins, size_t n_ins, size_t numel, DType dtype, float scale,
                   bool clear) override;
-  // The spans and their chunks uploaded to device memory where the next
-  // operation goes (in a task: on its stream, in order before the launches
-  // queued after it; outside: synchronously), from a host copy the table keeps;
-  // one launch per pass. A table is made at registration or after a load, not
-  // per step. A launch on another stream waits for the upload (an event).
-  std::unique_ptr<SpanTable> make_span_table(std::vector<ShardSpan> spans) override;
-  void adam_spans(const SpanTable& table, const kernels::AdamOp& op, float lr, bool decoupled, DType out_dtype,
+  void reduce_sum_f64(double* out, const double* const* ins, size_t n_ins, size_t n) override;
+  // The spans, their groups and their chunks uploaded to device memory where
+  // the next operation goes (in a task: on its stream, in order before the
+  // launches queued after it; outside: synchronously), from a host copy the
+  // table keeps; one launch per pass. A table is made at registration or
+  // after a change of the spans, not per step. A launch on another stream
+  // waits for the upload (an event).
+  std::unique_ptr<SpanTable> make_span_table(std::vector<ShardSpan> spans,
+                                             std::vector<kernels::StepGroup> groups) override;
+  void adam_spans(const SpanTable& table, const kernels::StepRule& rule, const kernels::StepState* st, DType out_dtype,
                   bool zero_grads) override;
-  void sgd_spans(const SpanTable& table, const kernels::SgdOp& op, DType out_dtype, bool zero_grads) override;
+  void sgd_spans(const SpanTable& table, const kernels::StepRule& rule, const kernels::StepState* st, DType out_dtype,
+                 bool zero_grads) override;
+  void step_scalars(kernels::StepState* st, const double* unit_sq, size_t n_units,
+                    const kernels::StepRule* rule) override;
+  std::unique_ptr<SquaresTable> make_squares_table(std::vector<SquaresSpan> spans) override;
+  void sum_squares_table(const SquaresTable& table) override;
   // Device memory (cudaMalloc*, the pool) is; host memory, pinned or not, and
   // managed memory are not.
   bool device_only(const void* ptr) const override;
@@ -92,12 +100,6 @@ class CudaDevice final : public Device {
   void wait_mark(const EventPtr& ev) override;
   void* native_stream() override { return target(); }
 
-  // Pinned host doubles for results the host reads (sums of squares); handed
-  // back from a host callback, which may make no CUDA call: their mutex is
-  // never held across a CUDA call (one that waited for the callback thread
-  // would deadlock).
-  double* take_pinned();
-  void give_pinned(double* p);
   // libfsdp's memory pool on this device (shared by the devices of one GPU).
   cudaMemPool_t mem_pool() const;
 
@@ -108,18 +110,14 @@ class CudaDevice final : public Device {
   void issued(cudaError_t e, const char* what);
   // accumulate (with `clear`: accumulate_clear).
   void accumulate_pass(float* acc, void* src, DType src_dtype, float scale, size_t numel, bool clear, double* acc_sq);
-  // Queues on `s`: *host_dst = the sum of squares of x, written by a host
-  // callback from a pinned copy once `s` gets there.
-  void queue_squares_to_host(const float* x, size_t numel, double* host_dst, cudaStream_t s);
+  // Queues on `s`: *out (device memory) = the sum of squares of x.
+  void squares_into(const float* x, size_t numel, double* out, cudaStream_t s);
 
   int ordinal_;
   std::shared_ptr<MemPool> pool_;
   std::unique_ptr<CudaStream> ops_;                              // operations called outside any task
   std::mutex mu_;                                                // callers_; never held across a CUDA call
   std::map<cudaStream_t, std::unique_ptr<CudaStream>> callers_;  // the host's streams, wrapped
-  std::mutex pinned_mu_;  // pinned_free_, pinned_blocks_; taken by host callbacks; never held across a CUDA call
-  std::vector<double*> pinned_free_;
-  std::vector<void*> pinned_blocks_;
 };
 
 }  // namespace fsdp::device::cuda

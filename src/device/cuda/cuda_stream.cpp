@@ -7,15 +7,22 @@
 #include <thread>
 #include <vector>
 
+#include "../../base/host_waits.h"
 #include "../../base/pool.h"
 #include "../../base/spin.h"
 #include "../../base/text.h"
+#include "../../base/timer_slack.h"
 #include "cuda_check.h"
 
 namespace fsdp::device::cuda {
 namespace {
 
 constexpr std::chrono::microseconds kSpinFor{20};
+// A wait polls every kPoll (with a fine timer slack, so that it wakes at most
+// about that late) for its first kFinePolling, then backs off to kMaxSleep
+// (a wait that long is a stall or a hang, and its timeout matters more).
+constexpr std::chrono::microseconds kPoll{20};
+constexpr std::chrono::milliseconds kFinePolling{50};
 constexpr std::chrono::microseconds kMaxSleep{1000};
 
 thread_local CudaStream* tls_current = nullptr;
@@ -106,17 +113,25 @@ fsdp_status_t CudaEvent::status() const {
 }
 
 void CudaEvent::wait(double timeout_s) {
+  base::note_host_wait();
   if (ev_ != nullptr) bind(ordinal_);
   auto start = std::chrono::steady_clock::now();
   if (!base::spin_until([this] { return done(); }, kSpinFor)) {
-    auto sleep = std::chrono::microseconds(10);
+    // A poll, not cudaEventSynchronize: the wait is bounded by timeout_s. It
+    // overshoots the event by at most about kPoll while the wait is short
+    // (the step's, a read's), where an exponential back-off overshot by up
+    // to 0.7 ms (docs/gpu.md).
+    base::FineTimerSlack slack;
+    slack.engage();
+    auto sleep = kPoll;
     while (!done()) {
-      if (timeout_s > 0 && std::chrono::steady_clock::now() - start > std::chrono::duration<double>(timeout_s)) {
+      auto waited = std::chrono::steady_clock::now() - start;
+      if (timeout_s > 0 && waited > std::chrono::duration<double>(timeout_s)) {
         fail(FSDP_ERR_TIMEOUT, describe() + " did not finish within timeout_s = " + base::format_double(timeout_s) +
                                    " s; it is still queued or running on the GPU");
       }
       std::this_thread::sleep_for(sleep);
-      sleep = std::min(sleep * 2, kMaxSleep);
+      if (waited > kFinePolling) sleep = std::min(sleep * 2, kMaxSleep);
     }
   }
   std::lock_guard<std::mutex> lock(mu_);
@@ -224,6 +239,12 @@ EventPtr CudaStream::recorded(const Label& what) {
     fail_cuda(e, "recording an event on the " + *name_ + " stream");
   }
   return base::make_pooled<CudaEvent>(ordinal_, events_, ev, what, name_);
+}
+
+void CudaStream::rethrow_failure() const {
+  if (failure() == FSDP_OK) return;
+  std::lock_guard<std::mutex> lock(mu_);
+  fail(failure_.load(), failure_message_);
 }
 
 void CudaStream::synchronize(double timeout_s) {

@@ -102,6 +102,7 @@ class CudaStream final : public Stream {
   // own also a fault on the GPU (an illegal address, a kernel that failed),
   // which CUDA makes sticky: found by a query, without waiting for an event.
   fsdp_status_t failure() const override;
+  void rethrow_failure() const override;
   void synchronize(double timeout_s) override;
 
   cudaStream_t native() const { return stream_; }
