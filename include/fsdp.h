@@ -334,6 +334,15 @@ FSDP_API fsdp_status_t fsdp_set_lr(fsdp_ctx_t* ctx, double lr);
  * grads held inf/nan. The scale is 1 unless loss_scale is on (by default it is
  * dynamic for param_dtype=fp16); fsdp_step divides it out of the grads. */
 FSDP_API fsdp_status_t fsdp_loss_scale(const fsdp_ctx_t* ctx, double* scale, uint64_t* skipped_steps);
+/* Where the steps keep the loss scale: *scale receives a pointer to one
+ * double in the memory of the device that holds the optimizer state (GPU
+ * memory on device=cuda without offload; host memory otherwise), valid for
+ * the context's life. A kernel that multiplies the loss by it reads it in
+ * stream order after the last fsdp_step, with no host wait: what a step
+ * captured in a CUDA graph needs (the scale changes as the graph's runs skip
+ * or grow it), and what fp16 training on a GPU should use instead of
+ * fsdp_loss_scale, which waits for the step. Allowed during a capture. */
+FSDP_API fsdp_status_t fsdp_loss_scale_device(fsdp_ctx_t* ctx, const double** scale);
 /* The global grad norm of the last fsdp_step (unscaled), before clipping;
  * inf or nan if that step was skipped. */
 FSDP_API fsdp_status_t fsdp_last_grad_norm(const fsdp_ctx_t* ctx, double* norm);

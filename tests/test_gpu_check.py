@@ -75,7 +75,7 @@ if [ "$1" = --build ]; then
   mkdir -p "$b/src" "$b/tests" "$b/examples/cuda" "$b/examples/gpt" "$b/benchmarks"
   printf 'const char* fsdp_build_info(void) { return "libfsdp 0.1.0 devices=cpu,cuda cuda=13.0 (stand-in)"; }\n' >"$b/info.c"
   cc -shared -fPIC -o "$b/src/libfsdp.so" "$b/info.c" || exit 1
-  progs="tests/test_cuda tests/test_cuda_engine examples/cuda/train_mlp_cuda examples/gpt/train_gpt"
+  progs="tests/test_cuda tests/test_cuda_engine tests/test_cuda_graph examples/cuda/train_mlp_cuda examples/gpt/train_gpt"
   progs="$progs benchmarks/bench_cuda_kernels benchmarks/bench_cuda_engine benchmarks/bench_nccl"
   [ -n "$FAKE_NO_GPT" ] || progs="$progs tests/test_gpt_cuda"
   for p in $progs; do cp "$FAKE_BIN/program" "$b/$p"; done

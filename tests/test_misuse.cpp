@@ -602,6 +602,40 @@ INSTANTIATE_TEST_SUITE_P(
       return std::string(std::get<0>(pi.param).name) + "_world" + std::to_string(std::get<1>(pi.param));
     });
 
+// Gathers run over a communicator of their own, apart from the other
+// collectives; a synchronous call (here fsdp_metrics_reduce) first meets the
+// other ranks on the gathers' communicator too. So a rank that makes it where
+// another issues a gather fails at once on both, naming both calls, instead
+// of each waiting for the other until timeout_s (30 s here).
+TEST(CollectiveMismatch, ASynchronousCallWhereAnotherRankGathersFailsBothAtOnce) {
+  std::vector<fsdp_status_t> got(2, FSDP_OK);
+  std::vector<std::string> msgs(2);
+  std::vector<double> took(2, 0);
+  run_ranks(
+      2,
+      [&](int rank, fsdp_local_group_t* group) {
+        ConfigPtr cfg = make_config({{"timeout_s", "30"}});
+        ASSERT_TRUE(cfg);
+        fsdp_ctx_t* raw = nullptr;
+        ASSERT_OK(fsdp_ctx_create(cfg.get(), group, rank, &raw));
+        CtxPtr ctx(raw);
+        fsdp_unit_t* u = nullptr;
+        ASSERT_OK(register_unit(ctx.get(), "block0", kBlock, &u));
+        const auto t0 = std::chrono::steady_clock::now();
+        double v = 1.0;
+        got[size_t(rank)] = rank == 0 ? fsdp_forward_begin(u, nullptr) : fsdp_metrics_reduce(raw, &v, 1, FSDP_REDUCE_SUM);
+        msgs[size_t(rank)] = last_error_str();
+        took[size_t(rank)] = seconds_since(t0);
+      },
+      60);
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(got[size_t(r)], FSDP_ERR_MISMATCH) << "rank " << r << ": " << msgs[size_t(r)];
+    EXPECT_LT(took[size_t(r)], 10.0) << "rank " << r << " waited for a timeout instead";
+    EXPECT_TRUE(contains(msgs[size_t(r)], "all_gather of unit 'block0'")) << msgs[size_t(r)];
+    EXPECT_TRUE(contains(msgs[size_t(r)], "fsdp_metrics_reduce")) << msgs[size_t(r)];
+  }
+}
+
 // ---- call order ----------------------------------------------------------------
 
 TEST(CallOrder, OutOfOrderCallsAreInvalidStateAndChangeNothing) {

@@ -310,7 +310,7 @@ print(lib.fsdp_build_info().decode())' "$GC_BUILD/src/libfsdp.so" 2>&1)
   # train_gpt's --device cuda) needs OpenBLAS, cuDNN 9 and cudnn-frontend,
   # and configure says which one was missing.
   local t why
-  for t in src/libfsdp.so tests/test_cuda tests/test_cuda_engine tests/test_gpt_cuda examples/cuda/train_mlp_cuda \
+  for t in src/libfsdp.so tests/test_cuda tests/test_cuda_engine tests/test_cuda_graph tests/test_gpt_cuda examples/cuda/train_mlp_cuda \
            examples/gpt/train_gpt benchmarks/bench_cuda_kernels benchmarks/bench_cuda_engine; do
     if [ -e "$GC_BUILD/$t" ]; then
       gc_item "built $t" PASS "" ""
@@ -578,7 +578,7 @@ stage_bench() {
   local b=$GC_BUILD/benchmarks p t0 rc line
   rm -f "$GC_STATE"/bench/*.json
   bench_run bench_cuda_kernels 150 "$b/bench_cuda_kernels"
-  bench_run bench_cuda_engine 150 "$b/bench_cuda_engine"
+  bench_run bench_cuda_engine 150 "$b/bench_cuda_engine" --graph
   if [ ! -x "$b/bench_nccl" ]; then
     gc_note "bench_nccl was not built (no NCCL headers): not run"
   elif [ "$gpus" -ge 2 ]; then

@@ -52,9 +52,10 @@ class Trainer {
 
 // The trainer for a context on `device` ("cpu", "cuda:N": the context's
 // config value). The GPU model computes in bf16 and has no recompute and no
-// LoRA; a build without it refuses "cuda" saying why.
+// LoRA; a build without it refuses "cuda" saying why. `graph`: the GPU
+// model's step captured in a CUDA graph and replayed (a world of one).
 std::unique_ptr<Trainer> make_trainer(fsdp_ctx_t* ctx, const std::string& device, const Shape& shape, int batch,
-                                      bool recompute, uint64_t seed, Lora lora = {});
+                                      bool recompute, uint64_t seed, Lora lora = {}, bool graph = false);
 
 // Every param of `units` (model_units order) gathered in full, fp32 (collective).
 std::vector<std::vector<float>> gather_params(const std::vector<fsdp_unit_t*>& units,

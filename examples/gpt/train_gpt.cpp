@@ -61,6 +61,7 @@ struct Options {
   double lora_alpha = -1;  // --lora-alpha (default: R, a scale of 1)
   std::string base;        // --base: the safetensors of the base model (a --export)
   bool recompute = false, check = false;
+  bool graph = false;  // --graph: the GPU GPT's step captured in a CUDA graph
   bool ranks_given = false;
   int bf16_shard = -1;  // keep_param_dtype_shard: -1 libfsdp's default, 0, 1
   uint64_t seed = 1234;
@@ -190,7 +191,7 @@ class Rank {
            " ranks");
     local_ = o_.batch / world_;
     const gpt::Lora lora = sh.phase.lora ? gpt::Lora{o_.lora, o_.lora_alpha} : gpt::Lora{};
-    model_ = gpt::make_trainer(ctx_, device, o_.shape, local_, o_.recompute, o_.seed, lora);
+    model_ = gpt::make_trainer(ctx_, device, o_.shape, local_, o_.recompute, o_.seed, lora, o_.graph);
     if (!sh.phase.resume.empty()) CHECK(fsdp_load(ctx_, sh.phase.resume.c_str()));
     if (!sh.phase.base.empty()) load_base(sh.phase.base, lora.on());
     const int t = o_.shape.context;
@@ -508,6 +509,8 @@ void usage(const char* argv0) {
                "  --device cpu|cuda[:N]  where the ranks compute (cpu; cuda: the GPU GPT, bf16, one GPU shared by\n"
                "                     the thread-ranks, or one GPU per process under torchrun/mpirun)\n"
                "  --recompute        drop each block's activations after forward, recompute them in backward\n"
+               "  --graph            (--device cuda, --ranks 1 --resume-ranks 1) capture the step once in a CUDA\n"
+               "                     graph and replay it (libfsdp's step stays on the device)\n"
                "  --no-bf16-shard    keep_param_dtype_shard=0: no persistent bf16 shard, cast at each gather\n"
                "  --bf16-shard       keep_param_dtype_shard=1\n"
                "  --text FILE        the corpus (examples/gpt/data/alice29.txt)\n"
@@ -544,6 +547,10 @@ Options parse(int argc, char** argv) {
   for (int a = 1; a < argc; ++a) {
     const std::string k = argv[a];
     if (k == "--check") continue;
+    if (k == "--graph") {
+      o.graph = true;
+      continue;
+    }
     if (k == "--recompute") {
       o.recompute = true;
       continue;

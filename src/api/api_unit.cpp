@@ -343,6 +343,15 @@ fsdp_status_t fsdp_loss_scale(const fsdp_ctx_t* ctx, double* scale, uint64_t* sk
   });
 }
 
+fsdp_status_t fsdp_loss_scale_device(fsdp_ctx_t* ctx, const double** scale) {
+  return guard([&] {
+    require(ctx, "fsdp_loss_scale_device", "ctx");
+    require(scale, "fsdp_loss_scale_device", "scale");
+    ctx_of(ctx)->check_live("fsdp_loss_scale_device");
+    *scale = ctx_of(ctx)->loss_scale_device();
+  });
+}
+
 fsdp_status_t fsdp_gather_param(fsdp_unit_t* unit, size_t param_index, float* out, size_t numel) {
   return guard([&] {
     Unit& u = live_unit(unit, "fsdp_gather_param");

@@ -116,6 +116,11 @@ Context::Context(const Options& opts, std::unique_ptr<comm::Communicator> world)
          [this](const std::string& reason) { abort_comms(reason); }, opts.timeout_s});
     rt_.gather_comm = gather_comm_.get();
     rt_.gather_stream = gather_stream_.get();
+    // A synchronous call meets the other ranks on the gathers' communicator
+    // too: a rank whose host made it where another issued a gather fails at
+    // once, naming both, instead of waiting until timeout_s.
+    sync_world_->set_fence(gather_stream_.get(), gather_comm_.get());
+    if (sync_shard_) sync_shard_->set_fence(gather_stream_.get(), gather_comm_.get());
   }
 }
 
@@ -360,6 +365,7 @@ void Context::step(device::Stream& caller) {
                                      "): optimizer=host updates the shards itself: call fsdp_step_begin, update "
                                      "each trainable unit's shard (fsdp_shard_tensors), then fsdp_step_end");
   }
+  rt_.join_capture(caller, "fsdp_step");
   device::Stream& run = step_stream(caller);
   settle_for_step(caller, run, "fsdp_step");
   // Queued after the reductions and the caller's work; returns without
@@ -398,6 +404,7 @@ bool Context::step_begin(device::Stream& caller, float* grad_scale) {
                                      optimizer_name(rt_.opts.optimizer) +
                                      " is libfsdp's own: call fsdp_step (fsdp_step_begin is optimizer=host's)");
   }
+  rt_.join_capture(caller, "fsdp_step_begin");
   device::Stream& run = step_stream(caller);
   settle_for_step(caller, run, "fsdp_step_begin");
   // Gathered params of the last pass are dropped above: the next gather

@@ -73,8 +73,10 @@ class Context {
   // Collective: fsdp_metrics_reduce.
   // `op` is an fsdp_reduce_op_t's value, checked here.
   void metrics_reduce(double* values, size_t count, int op);
-  // The loss scale as the last step left it (waits for that step).
+  // The loss scale as the last step left it (waits for that step), and
+  // where the steps keep it (fsdp_loss_scale_device).
   const LossScaler& loss_scaler() const { return optimizer_.loss_scaler(); }
+  const double* loss_scale_device() { return optimizer_.loss_scale_device(); }
   void finalize();
   // Checkpoints (checkpoint.cpp). Collective. kind is "sharded" or "full".
   void save(const std::string& dir, const std::string& kind);

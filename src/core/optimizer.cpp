@@ -102,7 +102,7 @@ void Optimizer::reserve_units(size_t n) {
     write_state(view_);
   }
   const size_t cap = unit_sq_.numel() * sizeof(float) / sizeof(double);
-  if (n <= cap) return;
+  if (n <= cap && cap > 0) return;  // (made with the state: the step sums them even when there is none)
   size_t grown = std::max(kUnitsReserved, 2 * cap);
   while (grown < n) grown *= 2;
   Buffer bigger(rt_.state_dev, nullptr, MemCategory::kScratch, DType::kFp32, floats_for(grown * sizeof(double)));
@@ -193,6 +193,14 @@ void Optimizer::poll() const {
 }
 
 const StepState& Optimizer::settled() const {
+  if (rt_.graph_origin != nullptr && queued_ > 0) {
+    // A captured step runs each time the host launches its graph, which
+    // queues no fsdp_step here: the live state, once its runs are done.
+    rt_.wait_step();
+    read_state();
+    report_skipped(view_);
+    return view_;
+  }
   if (queued_ > 0 && view_of_ != queued_) {
     rt_.wait_step();  // throws the step's failure
     poll();
@@ -207,6 +215,11 @@ const StepState& Optimizer::settled() const {
 const LossScaler& Optimizer::loss_scaler() const {
   settled();
   return scaler_;
+}
+
+const double* Optimizer::loss_scale_device() {
+  reserve_units(n_units_);
+  return &step_state_.as<StepState>()->loss_scale;
 }
 
 void Optimizer::read_state() const {
@@ -328,7 +341,8 @@ void Optimizer::collect(const std::vector<std::unique_ptr<Unit>>& units) {
 
 void Optimizer::queue(const std::vector<std::unique_ptr<Unit>>& units, device::Stream& caller, device::Stream& run,
                       bool update) {
-  poll();  // the last step's results, if it is done (its skips logged now)
+  reserve_units(n_units_);  // the step's state, also where no unit is registered
+  poll();                   // the last step's results, if it is done (its skips logged now)
   collect(units);
   // A table is made again only when a span changed (a unit registered,
   // frozen or unfrozen, a checkpoint loaded new buffers, a param's weight
@@ -338,6 +352,12 @@ void Optimizer::queue(const std::vector<std::unique_ptr<Unit>>& units, device::S
   const bool squares_changed = squares_.empty() ? squares_table_ != nullptr
                                                 : !squares_table_ || !same_squares(squares_table_->spans(), squares_);
   if ((spans_changed || squares_changed) && rt_.step_done) rt_.wait_step();
+  // A table a captured graph may still launch stays (the graph holds its
+  // pointers): kept until the context goes, once a step was captured.
+  if (rt_.capture_joined != 0) {
+    if (spans_changed && table_) retired_.push_back(std::move(table_));
+    if (squares_changed && squares_table_) retired_squares_.push_back(std::move(squares_table_));
+  }
   if (spans_changed) table_ = rt_.state_dev->make_span_table(spans_, groups_);
   if (squares_changed) squares_table_ = squares_.empty() ? nullptr : rt_.state_dev->make_squares_table(squares_);
 
@@ -383,7 +403,7 @@ void Optimizer::queue(const std::vector<std::unique_ptr<Unit>>& units, device::S
       } else {
         dev.adam_spans(*table_, rule_, st, rt_.opts.param_dtype, /*zero_grads=*/true);
       }
-      dev.zero(rt_.unit_sq, n_units_ * sizeof(double));  // every grad shard is zero now
+      if (n_units_ > 0) dev.zero(rt_.unit_sq, n_units_ * sizeof(double));  // every grad shard is zero now
     }
     dev.copy_to_host(&mirror_->slots[slot], st, sizeof(StepState));
   };

@@ -69,6 +69,10 @@ class Optimizer {
   // steps and skipped steps are loss_scaler()'s after it.
   const kernels::StepState& settled() const;
   const LossScaler& loss_scaler() const;
+  // Where the step keeps the loss scale (the state device's memory): a
+  // kernel that scales the loss reads it there, after the last step in stream
+  // order, as a captured step's replays need (fsdp_loss_scale_device).
+  const double* loss_scale_device();
   double last_grad_norm() const { return settled().norm; }
   // Updates applied (Adam's bias-correction step), and fsdp_step calls that
   // ran, skipped ones included (also across a checkpoint load).
@@ -133,7 +137,8 @@ class Optimizer {
   // Writes `s` over the live state (no step in flight: settled() first).
   void write_state(const kernels::StepState& s);
   void report_skipped(const kernels::StepState& s) const;
-  // Grows the units' sums of squares to hold `n` (between steps, nothing in flight).
+  // Makes the step's state (if not yet) and grows the units' sums of squares
+  // to hold `n` (between steps, nothing in flight).
   void reserve_units(size_t n);
 
   Runtime& rt_;
@@ -159,6 +164,8 @@ class Optimizer {
   std::unique_ptr<device::SpanTable> table_;
   std::vector<device::SquaresSpan> squares_;
   std::unique_ptr<device::SquaresTable> squares_table_;
+  std::vector<std::unique_ptr<device::SpanTable>> retired_;  // replaced after a capture: a graph may launch them
+  std::vector<std::unique_ptr<device::SquaresTable>> retired_squares_;
   device::Stream* last_caller_ = nullptr;  // the stream of the last fsdp_step (set_lr's writes go there)
   mutable EventPtr lr_written_;            // set_lr's write, queued there
 };

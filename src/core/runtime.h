@@ -74,9 +74,24 @@ struct Runtime {
   // Blocks the host until the last step's update is done (a call that reads
   // or rewrites what it writes: the shards, the optimizer state, the step's
   // scalars); at once when none is queued.
-  void wait_step() const {
-    if (step_done) step_done->wait(opts.timeout_s);
-  }
+  // After a CUDA graph captured a step, the graph's runs are the host's
+  // to launch (on the stream the capture began on): a read waits for all
+  // that stream queued.
+  void wait_step() const;
+  // CUDA graphs (docs/gpu.md, "CUDA graphs"): the capture the engine's
+  // streams joined last (0: none), and the host's stream it began on.
+  uint64_t capture_joined = 0;
+  device::Stream* graph_origin = nullptr;
+  // Called by every transition and fsdp_step with the host's stream `s`:
+  // where `s` is capturing a CUDA graph that the engine has not joined, the
+  // engine's streams join it (they wait for an event of `s`), so that what
+  // they queue is captured too; refused where the step cannot be captured
+  // (offload=cpu, optimizer=host) or where they still run work queued
+  // before the capture.
+  void join_capture(device::Stream& s, const char* call);
+  // A capture the engine joined is still open (only the calls a graph can
+  // hold are allowed then: check_live).
+  bool in_capture() const;
   // Steps queued so far, and the stream that last waited for the newest.
   uint64_t step_seq = 0;
   const device::Stream* step_waiter = nullptr;
@@ -138,7 +153,13 @@ struct Runtime {
            std::string(call) + " (" + where() + "): the context was finalized; only fsdp_ctx_destroy is allowed");
     }
     if (host_step_open) check_in_host_step(call);
+    if (capture_joined != 0) check_in_capture(call);
   }
+  // During a CUDA graph capture that the engine joined: the brackets, the
+  // pointers they hand out, fsdp_step and what only reads the host's own
+  // counters; anything else waits on the host or writes outside the graph,
+  // and is FSDP_ERR_INVALID_STATE naming `call`.
+  void check_in_capture(const char* call) const;
   // Between fsdp_step_begin and fsdp_step_end: the shards are the host's to
   // update, and what would read or change them (a pass, a save, a gather) is
   // FSDP_ERR_INVALID_STATE naming `call`.

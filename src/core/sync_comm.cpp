@@ -13,9 +13,14 @@ template <typename Fn>
 void SyncComm::run(const std::string& label, const Fn& fn) {
   if (alone_) {
     fn();
-  } else {
-    stream_.submit(task_label(label), [&fn] { fn(); })->wait(0);  // the collective bounds itself (timeout_s)
+    return;
   }
+  const device::Label& name = task_label(label);
+  if (fence_ != nullptr) {
+    comm::Communicator* fence = fence_;
+    fence_stream_->submit(name, [fence, &label] { fence->barrier(label); })->wait(0);
+  }
+  stream_.submit(name, [&fn] { fn(); })->wait(0);  // the collective bounds itself (timeout_s)
 }
 
 void SyncComm::all_gather(const void* send, void* recv, size_t nbytes_per_rank, const std::string& label) {

@@ -40,6 +40,16 @@ class SyncComm final : public comm::Communicator {
   int local_world_size() const override { return inner_.local_world_size(); }
   fsdp_status_t failure() const override { return inner_.failure(); }
   void abort(const std::string& reason) override { inner_.abort(reason); }
+  // The gathers' communicator and stream (core/context.cpp): each call first
+  // meets the other ranks there too, with a barrier of its label queued
+  // after the gathers issued before it. The gathers run apart from the other
+  // collectives (a communicator of their own), so a rank whose host made
+  // this call where another issued a gather would otherwise wait for it
+  // until timeout_s; with the fence both fail at once, naming both calls.
+  void set_fence(device::Stream* stream, comm::Communicator* comm) {
+    fence_stream_ = stream;
+    fence_ = comm;
+  }
 
  private:
   template <typename Fn>
@@ -52,6 +62,8 @@ class SyncComm final : public comm::Communicator {
   device::Stream& stream_;
   comm::Communicator& inner_;
   bool alone_;
+  device::Stream* fence_stream_ = nullptr;
+  comm::Communicator* fence_ = nullptr;
 };
 
 }  // namespace fsdp::core

@@ -361,6 +361,7 @@ void Unit::trace_memory() {
 
 void Unit::forward_begin(device::Stream& s) {
   TraceScope scope(rt_.trace, "forward_begin ", name_);
+  rt_.join_capture(s, "fsdp_forward_begin");
   if (in_use()) bad_state("fsdp_forward_begin", "the unit outside forward and backward");
   if (state_ == UnitState::kSharded) issue_gather(/*prefetch=*/false);
   rt_.sched->before_forward(*this);
@@ -370,6 +371,7 @@ void Unit::forward_begin(device::Stream& s) {
 
 void Unit::forward_end(device::Stream& s) {
   TraceScope scope(rt_.trace, "forward_end ", name_);
+  rt_.join_capture(s, "fsdp_forward_end");
   if (state_ != UnitState::kForward) bad_state("fsdp_forward_end", "the unit in forward (after fsdp_forward_begin)");
   EventPtr read = note_host_use(s);
   // The buffer goes once the caller's stream is done reading it.
@@ -383,6 +385,7 @@ void Unit::forward_end(device::Stream& s) {
 
 void Unit::backward_begin(device::Stream& s) {
   TraceScope scope(rt_.trace, "backward_begin ", name_);
+  rt_.join_capture(s, "fsdp_backward_begin");
   if (in_use()) bad_state("fsdp_backward_begin", "the unit outside forward and backward");
   if (state_ == UnitState::kSharded) issue_gather(/*prefetch=*/false);
   rt_.sched->before_backward(*this);
@@ -421,6 +424,7 @@ bool Unit::can_write_shard_grads() const {
 
 void Unit::backward_end(device::Stream& s) {
   TraceScope scope(rt_.trace, "backward_end ", name_);
+  rt_.join_capture(s, "fsdp_backward_end");
   if (state_ != UnitState::kBackward) {
     bad_state("fsdp_backward_end", "the unit in backward (after fsdp_backward_begin)");
   }

@@ -10,6 +10,7 @@
 // thread at once); a CUDA device maps both onto CUDA streams and events.
 #pragma once
 
+#include <cstdint>
 #include <memory>
 #include <string>
 
@@ -68,6 +69,9 @@ class Stream {
   // Throws the first failure (its status and message) if there is one;
   // never waits.
   virtual void rethrow_failure() const = 0;
+  // The CUDA graph capture this stream is part of now (cudaStreamGetCaptureInfo's
+  // id), 0 when it is not capturing (always, on the CPU).
+  virtual uint64_t capture_id() const { return 0; }
   // Blocks the host until everything queued so far is done; throws the
   // stream's first failure (failures stick to the stream, as a CUDA error
   // sticks to its context), or FSDP_ERR_TIMEOUT after `timeout_s` (0: no limit).

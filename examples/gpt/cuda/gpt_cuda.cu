@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -219,9 +220,13 @@ __global__ void to_bf16_kernel(const float* x, bf16* y, size_t total) {
 }
 
 // Per row of logits [n, 256]: loss[r] = logsumexp - logit[target], and
-// dlogits = (softmax - onehot(target)) * k, k = scale / n.
-__global__ void cross_entropy_kernel(const float* logits, const uint8_t* targets, float k, float* row_loss,
-                                     bf16* dlogits, int n) {
+// dlogits = (softmax - onehot(target)) * k, k = scale / n: the scale given,
+// or where `scale_dev` is set, the one libfsdp's step keeps in device memory
+// (fsdp_loss_scale_device: read when the kernel runs, as a graph's replay
+// must), in the same float arithmetic.
+__global__ void cross_entropy_kernel(const float* logits, const uint8_t* targets, float scale,
+                                     const double* scale_dev, float* row_loss, bf16* dlogits, int n) {
+  const float k = (scale_dev != nullptr ? static_cast<float>(*scale_dev) : scale) / static_cast<float>(n);
   static_assert(kVocab == 256, "one warp holds a row of 8 values per lane");
   const int row = blockIdx.x * kRowsPerBlock + threadIdx.x / 32, lane = threadIdx.x % 32;
   if (row >= n) return;
@@ -285,6 +290,12 @@ struct Model::Impl {
   uint8_t *tokens, *targets;
   int *token_rows, *token_offsets;
   std::vector<int> host_rows, host_offsets;
+  // stage(): the batch in pinned host memory, copied from there by the
+  // staged forward (a graph's memcpy nodes read a fixed address): tokens,
+  // targets, the token rows and offsets, one block.
+  void* pinned = nullptr;
+  uint8_t *pin_tokens = nullptr, *pin_targets = nullptr;
+  int *pin_rows = nullptr, *pin_offsets = nullptr;
   int t = 0, rows = 0;  // this batch's tokens per sequence, and batch * t
   bool have_loss = false;
 
@@ -399,11 +410,27 @@ Model::~Model() {
   Impl& m = *impl_;
   cudaStreamSynchronize(m.stream);  // nothing queued may still use the buffers
   m.attention.reset();
+  if (m.pinned != nullptr) cudaFreeHost(m.pinned);
   for (void* p : m.allocations) cudaFree(p);
   if (m.blas) cublasDestroy(m.blas);
 }
 
 size_t Model::activation_bytes() const { return impl_->nbytes + impl_->attention->workspace_bytes(); }
+
+namespace {
+
+// The rows of each token, for the embedding's backward (a counting sort):
+// offsets[v] .. offsets[v + 1] index rows[] for token v.
+void sort_token_rows(const uint8_t* tokens, size_t n, std::vector<int>& rows, std::vector<int>& offsets) {
+  offsets.assign(kVocab + 1, 0);
+  for (size_t r = 0; r < n; ++r) ++offsets[tokens[r] + 1];
+  for (int v = 0; v < kVocab; ++v) offsets[v + 1] += offsets[v];
+  rows.resize(n);
+  std::vector<int> next(offsets.begin(), offsets.end() - 1);
+  for (size_t r = 0; r < n; ++r) rows[static_cast<size_t>(next[tokens[r]]++)] = static_cast<int>(r);
+}
+
+}  // namespace
 
 void Model::embed_forward(const DeviceView& u, const uint8_t* tokens, int t) {
   if (t < 1 || t > s_.context) throw std::invalid_argument("gpt: sequence length out of range");
@@ -411,14 +438,8 @@ void Model::embed_forward(const DeviceView& u, const uint8_t* tokens, int t) {
   m.t = t;
   m.rows = b_ * t;
   m.have_loss = false;
-  const size_t n = static_cast<size_t>(m.rows), c = static_cast<size_t>(s_.width);
-  // The rows of each token, for the embedding's backward (a counting sort).
-  m.host_offsets.assign(kVocab + 1, 0);
-  for (size_t r = 0; r < n; ++r) ++m.host_offsets[tokens[r] + 1];
-  for (int v = 0; v < kVocab; ++v) m.host_offsets[v + 1] += m.host_offsets[v];
-  m.host_rows.resize(n);
-  std::vector<int> next(m.host_offsets.begin(), m.host_offsets.end() - 1);
-  for (size_t r = 0; r < n; ++r) m.host_rows[static_cast<size_t>(next[tokens[r]]++)] = static_cast<int>(r);
+  const size_t n = static_cast<size_t>(m.rows);
+  sort_token_rows(tokens, n, m.host_rows, m.host_offsets);
   // From pageable memory: each call returns once its bytes are staged.
   check(cudaMemcpyAsync(m.tokens, tokens, n, cudaMemcpyHostToDevice, m.stream), "copying the tokens");
   check(cudaMemcpyAsync(m.token_rows, m.host_rows.data(), n * sizeof(int), cudaMemcpyHostToDevice, m.stream),
@@ -426,9 +447,52 @@ void Model::embed_forward(const DeviceView& u, const uint8_t* tokens, int t) {
   check(cudaMemcpyAsync(m.token_offsets, m.host_offsets.data(), (kVocab + 1) * sizeof(int), cudaMemcpyHostToDevice,
                         m.stream),
         "copying the token offsets");
+  embed_kernel(u);
+}
+
+void Model::embed_kernel(const DeviceView& u) {
+  Impl& m = *impl_;
+  const size_t n = static_cast<size_t>(m.rows), c = static_cast<size_t>(s_.width);
   embed_forward_kernel<<<grid_for(n * c), kThreads, 0, m.stream>>>(m.tokens, as_bf16(u.p[kWte]), as_bf16(u.p[kWpe]),
-                                                                   m.x[0], t, s_.width, n * c);
+                                                                   m.x[0], m.t, s_.width, n * c);
   launched("embed_forward_kernel");
+}
+
+void Model::stage(const uint8_t* tokens, const uint8_t* targets, int t) {
+  if (t != s_.context) throw std::invalid_argument("gpt: a staged batch is of whole contexts");
+  Impl& m = *impl_;
+  const size_t n = static_cast<size_t>(b_) * s_.context;
+  if (m.pinned == nullptr) {
+    const size_t bytes = 2 * n + (n + kVocab + 1) * sizeof(int) + 64;
+    check(cudaHostAlloc(&m.pinned, bytes, cudaHostAllocPortable), "cudaHostAlloc (the staged batch)");
+    m.pin_rows = static_cast<int*>(m.pinned);
+    m.pin_offsets = m.pin_rows + n;
+    m.pin_tokens = reinterpret_cast<uint8_t*>(m.pin_offsets + kVocab + 1);
+    m.pin_targets = m.pin_tokens + n;
+  }
+  // The stream read the last staged batch already: the caller waited for its
+  // loss (loss()) before staging the next.
+  sort_token_rows(tokens, n, m.host_rows, m.host_offsets);
+  std::memcpy(m.pin_tokens, tokens, n);
+  std::memcpy(m.pin_targets, targets, n);
+  std::memcpy(m.pin_rows, m.host_rows.data(), n * sizeof(int));
+  std::memcpy(m.pin_offsets, m.host_offsets.data(), (kVocab + 1) * sizeof(int));
+  m.t = t;
+  m.rows = static_cast<int>(n);
+}
+
+void Model::embed_forward_staged(const DeviceView& u) {
+  Impl& m = *impl_;
+  if (m.pinned == nullptr) throw std::logic_error("gpt cuda: embed_forward_staged before stage()");
+  m.have_loss = false;
+  const size_t n = static_cast<size_t>(m.rows);
+  check(cudaMemcpyAsync(m.tokens, m.pin_tokens, n, cudaMemcpyHostToDevice, m.stream), "copying the tokens");
+  check(cudaMemcpyAsync(m.targets, m.pin_targets, n, cudaMemcpyHostToDevice, m.stream), "copying the targets");
+  check(cudaMemcpyAsync(m.token_rows, m.pin_rows, n * sizeof(int), cudaMemcpyHostToDevice, m.stream),
+        "copying the token rows");
+  check(cudaMemcpyAsync(m.token_offsets, m.pin_offsets, (kVocab + 1) * sizeof(int), cudaMemcpyHostToDevice, m.stream),
+        "copying the token offsets");
+  embed_kernel(u);
 }
 
 void Model::block_forward(int layer, const DeviceView& u) {
@@ -462,15 +526,18 @@ void Model::final_forward(const DeviceView& u) {
   m.layernorm(m.x.back(), u.p[kLnfW], u.p[kLnfB], m.lnf, m.meanf, m.rstdf, s_.width);
 }
 
-void Model::head_forward(const DeviceView& u, const uint8_t* targets, float scale) {
-  if (!targets) throw std::invalid_argument("gpt cuda: head_forward needs the targets");
+void Model::head_forward(const DeviceView& u, const uint8_t* targets, float scale, const double* scale_dev) {
   Impl& m = *impl_;
   const int n = m.rows;
   m.linear(m.lnf, u.p[kWte], m.logits, n, s_.width, kVocab);  // logits = lnf(x) wte^T
-  check(cudaMemcpyAsync(m.targets, targets, static_cast<size_t>(n), cudaMemcpyHostToDevice, m.stream),
-        "copying the targets");
-  cross_entropy_kernel<<<row_grid(n), kThreads, 0, m.stream>>>(m.logits, m.targets, scale / static_cast<float>(n),
-                                                               m.row_loss, m.dlogits, n);
+  if (targets != nullptr) {
+    check(cudaMemcpyAsync(m.targets, targets, static_cast<size_t>(n), cudaMemcpyHostToDevice, m.stream),
+          "copying the targets");
+  } else if (m.pinned == nullptr) {
+    throw std::invalid_argument("gpt cuda: head_forward needs the targets (or a staged batch)");
+  }
+  cross_entropy_kernel<<<row_grid(n), kThreads, 0, m.stream>>>(m.logits, m.targets, scale, scale_dev, m.row_loss,
+                                                               m.dlogits, n);
   launched("cross_entropy_kernel");
   sum_kernel<<<1, kThreads, 0, m.stream>>>(m.row_loss, n, m.loss_sum);
   launched("sum_kernel");

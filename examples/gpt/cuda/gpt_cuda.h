@@ -68,10 +68,19 @@ class Model {
 
   // `tokens` and `targets` are host bytes [batch, t] (copied when the call is made).
   void embed_forward(const DeviceView& embed, const uint8_t* tokens, int t);
+  // A batch of whole contexts staged in pinned host memory (host work: the
+  // token rows sorted there), then a forward that copies it from there: a
+  // step a CUDA graph captures reads the batch staged before each launch.
+  // Stage only once the stream has read the last staged batch (loss() waited).
+  void stage(const uint8_t* tokens, const uint8_t* targets, int t);
+  void embed_forward_staged(const DeviceView& embed);
   void block_forward(int layer, const DeviceView& block);
   void final_forward(const DeviceView& lnf);
-  // The logits, the mean cross-entropy against `targets` and d(loss * scale)/d(logits).
-  void head_forward(const DeviceView& embed, const uint8_t* targets, float scale = 1.0f);
+  // The logits, the mean cross-entropy against `targets` (null: the staged
+  // batch's) and d(loss * scale)/d(logits), the scale read from `scale_dev`
+  // (device memory, when the kernel runs) where given.
+  void head_forward(const DeviceView& embed, const uint8_t* targets, float scale = 1.0f,
+                    const double* scale_dev = nullptr);
   // The loss of the last head_forward (waits for the stream).
   double loss();
 
@@ -86,6 +95,7 @@ class Model {
   int batch() const { return b_; }
 
  private:
+  void embed_kernel(const DeviceView& embed);  // the forward's kernel, after the copies
   struct Impl;
   Shape s_;
   int b_;
@@ -100,7 +110,11 @@ class FsdpGptCuda : public Trainer {
  public:
   // Registers the units in `ctx` (collective) and sets their initial values.
   // `batch`: this rank's sequences per step; `stream`: the host's stream.
-  FsdpGptCuda(fsdp_ctx_t* ctx, const Shape& shape, int batch, uint64_t seed, cudaStream_t stream);
+  // `graph`: after kGraphWarmup eager steps, the step (forward, backward,
+  // fsdp_step) is captured once in a CUDA graph and each later step stages
+  // its batch and launches it (a world of one: ranks sharing the GPU would
+  // need one graph for all of them).
+  FsdpGptCuda(fsdp_ctx_t* ctx, const Shape& shape, int batch, uint64_t seed, cudaStream_t stream, bool graph = false);
   ~FsdpGptCuda() override;
   FsdpGptCuda(const FsdpGptCuda&) = delete;
   FsdpGptCuda& operator=(const FsdpGptCuda&) = delete;
@@ -118,8 +132,12 @@ class FsdpGptCuda : public Trainer {
   size_t activation_bytes() const override { return model_.activation_bytes(); }
 
  private:
+  static constexpr int kGraphWarmup = 2;  // eager steps before the capture: slots and tables are made
   DeviceView view(size_t unit, bool grads);
+  // inputs null: the staged batch.
   void forward(const uint8_t* inputs, const uint8_t* targets, bool train);
+  // The step's work, queued on the stream (no wait): forward, backward, fsdp_step.
+  void queue_step(const uint8_t* inputs, const uint8_t* targets);
 
   fsdp_ctx_t* ctx_;
   Shape shape_;
@@ -129,11 +147,15 @@ class FsdpGptCuda : public Trainer {
   Model model_;
   bool checked_device_ = false;
   double library_s_ = 0;
+  const double* scale_dev_ = nullptr;  // fsdp_loss_scale_device: the loss scale where the step keeps it
+  bool graph_ = false;
+  int eager_steps_ = 0;
+  cudaGraphExec_t exec_ = nullptr;
 };
 
 // train_gpt's trainer on GPU `ordinal` (the context's "cuda:N"): FsdpGptCuda on
 // a stream of its own. recompute is refused, saying why.
 std::unique_ptr<Trainer> make_cuda_trainer(fsdp_ctx_t* ctx, int ordinal, const Shape& shape, int batch, bool recompute,
-                                           uint64_t seed);
+                                           uint64_t seed, bool graph = false);
 
 }  // namespace gpt::cuda

@@ -5,8 +5,12 @@
 // directly (no cast per use), and every begin/end/step call gets the stream
 // the model's work is queued on, so that libfsdp orders its gathers and
 // reduce-scatters after that work without the host waiting (docs/gpu.md).
+// The loss is scaled by the scale libfsdp's step keeps on the device
+// (fsdp_loss_scale_device): no host read per step. With `graph` the step is
+// captured once in a CUDA graph and replayed (train_gpt --graph).
 #include <cuda_runtime_api.h>
 
+#include <chrono>
 #include <functional>
 #include <stdexcept>
 #include <string>
@@ -19,15 +23,29 @@ namespace gpt::cuda {
 #define CHECK(call) gpt::check_fsdp((call), #call)
 #define TIMED(call) GPT_TIMED(library_s_, call)
 
-FsdpGptCuda::FsdpGptCuda(fsdp_ctx_t* ctx, const Shape& shape, int batch, uint64_t seed, cudaStream_t stream)
-    : ctx_(ctx), shape_(shape), stream_(stream), specs_(model_units(shape)), model_(shape, batch, stream) {
+FsdpGptCuda::FsdpGptCuda(fsdp_ctx_t* ctx, const Shape& shape, int batch, uint64_t seed, cudaStream_t stream,
+                         bool graph)
+    : ctx_(ctx), shape_(shape), stream_(stream), specs_(model_units(shape)), model_(shape, batch, stream), graph_(graph) {
   fsdp_dtype_t dt;
   CHECK(fsdp_ctx_param_dtype(ctx, &dt));
   if (dt != FSDP_DTYPE_BF16) throw std::runtime_error("the GPU GPT computes with param_dtype bf16");
+  if (graph) {
+    int world = 0;
+    CHECK(fsdp_ctx_world_size(ctx, &world));
+    if (world != 1)
+      throw std::runtime_error("--graph captures one rank's step: run it at a world of one (--ranks 1 "
+                               "--resume-ranks 1); ranks sharing the GPU would need one graph for all of them");
+  }
   units_ = register_units(ctx, shape, specs_, seed);  // the CPU's init: both runs start from the same params
+  CHECK(fsdp_loss_scale_device(ctx, &scale_dev_));
 }
 
-FsdpGptCuda::~FsdpGptCuda() = default;
+FsdpGptCuda::~FsdpGptCuda() {
+  if (exec_ != nullptr) {
+    cudaStreamSynchronize(stream_);
+    cudaGraphExecDestroy(exec_);
+  }
+}
 
 DeviceView FsdpGptCuda::view(size_t unit, bool grads) {
   DeviceView v;
@@ -54,7 +72,11 @@ void FsdpGptCuda::forward(const uint8_t* inputs, const uint8_t* targets, bool tr
   const size_t L = static_cast<size_t>(shape_.layers);
   fsdp_unit_t* embed = units_[0];
   TIMED(fsdp_forward_begin(embed, stream_));
-  model_.embed_forward(view(0, false), inputs, shape_.context);
+  if (inputs != nullptr) {
+    model_.embed_forward(view(0, false), inputs, shape_.context);
+  } else {
+    model_.embed_forward_staged(view(0, false));
+  }
   TIMED(fsdp_forward_end(embed, stream_));
   for (size_t l = 0; l < L; ++l) {
     TIMED(fsdp_forward_begin(units_[1 + l], stream_));
@@ -64,13 +86,10 @@ void FsdpGptCuda::forward(const uint8_t* inputs, const uint8_t* targets, bool tr
   TIMED(fsdp_forward_begin(units_[1 + L], stream_));
   model_.final_forward(view(1 + L, false));
   TIMED(fsdp_forward_end(units_[1 + L], stream_));
-  double scale = 1.0;  // the loss scale (1 unless loss scaling is on)
-  if (train) {
-    uint64_t skipped;
-    CHECK(fsdp_loss_scale(ctx_, &scale, &skipped));
-  }
   TIMED(fsdp_forward_begin(embed, stream_));  // the tied head: the embed unit's second use
-  model_.head_forward(view(0, false), targets, static_cast<float>(scale));
+  // Training scales the loss by the step's loss scale (1 unless loss scaling
+  // is on), read on the device: no host wait for the last step.
+  model_.head_forward(view(0, false), targets, 1.0f, train ? scale_dev_ : nullptr);
   TIMED(fsdp_forward_end(embed, stream_));
 }
 
@@ -80,6 +99,41 @@ double FsdpGptCuda::eval(const uint8_t* inputs, const uint8_t* targets) {
 }
 
 double FsdpGptCuda::train_step(const uint8_t* inputs, const uint8_t* targets) {
+  if (!graph_ || eager_steps_ < kGraphWarmup) {
+    ++eager_steps_;
+    queue_step(inputs, targets);
+    return model_.loss();  // computed before the backward; waits for the stream
+  }
+  model_.stage(inputs, targets, shape_.context);  // the last step's loss() waited: the stream read the last batch
+  if (exec_ == nullptr) {
+    // Once: the step's work on the stream captured into a graph (nothing of
+    // it runs now); each step then launches it.
+    auto graph_check = [](cudaError_t e, const char* what) {
+      if (e != cudaSuccess) throw std::runtime_error(std::string("--graph: ") + what + ": " + cudaGetErrorString(e));
+    };
+    graph_check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize before the capture");
+    graph_check(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal), "cudaStreamBeginCapture");
+    cudaGraph_t g = nullptr;
+    try {
+      queue_step(nullptr, nullptr);
+    } catch (...) {
+      cudaStreamEndCapture(stream_, &g);
+      if (g != nullptr) cudaGraphDestroy(g);
+      throw;
+    }
+    graph_check(cudaStreamEndCapture(stream_, &g), "cudaStreamEndCapture");
+    cudaError_t e = cudaGraphInstantiate(&exec_, g, 0);
+    cudaGraphDestroy(g);
+    graph_check(e, "cudaGraphInstantiate");
+  }
+  auto t0 = std::chrono::steady_clock::now();
+  cudaError_t e = cudaGraphLaunch(exec_, stream_);
+  library_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  if (e != cudaSuccess) throw std::runtime_error(std::string("--graph: cudaGraphLaunch: ") + cudaGetErrorString(e));
+  return model_.loss();
+}
+
+void FsdpGptCuda::queue_step(const uint8_t* inputs, const uint8_t* targets) {
   forward(inputs, targets, true);
   const size_t L = static_cast<size_t>(shape_.layers);
   // Each use's grads are added into the grad buffer libfsdp zeroed for it.
@@ -94,7 +148,6 @@ double FsdpGptCuda::train_step(const uint8_t* inputs, const uint8_t* targets) {
     backward(1 + l, [&](const DeviceView& v) { model_.block_backward(static_cast<int>(l), v); });
   backward(0, [&](const DeviceView& v) { model_.embed_backward(v); });
   TIMED(fsdp_step(ctx_, stream_));
-  return model_.loss();  // computed before the backward; the step has waited for the stream
 }
 
 std::vector<std::vector<float>> FsdpGptCuda::gather_params() { return gpt::gather_params(units_, specs_); }
@@ -126,8 +179,8 @@ class OwnedStream {
 // The GPU trainer of train_gpt: the model on its own stream of the context's GPU.
 class CudaTrainer : public Trainer {
  public:
-  CudaTrainer(fsdp_ctx_t* ctx, int ordinal, const Shape& shape, int batch, uint64_t seed)
-      : stream_(ordinal), model_(ctx, shape, batch, seed, stream_.get()) {}
+  CudaTrainer(fsdp_ctx_t* ctx, int ordinal, const Shape& shape, int batch, uint64_t seed, bool graph)
+      : stream_(ordinal), model_(ctx, shape, batch, seed, stream_.get(), graph) {}
   double train_step(const uint8_t* inputs, const uint8_t* targets) override {
     return model_.train_step(inputs, targets);
   }
@@ -146,10 +199,10 @@ class CudaTrainer : public Trainer {
 }  // namespace
 
 std::unique_ptr<Trainer> make_cuda_trainer(fsdp_ctx_t* ctx, int ordinal, const Shape& shape, int batch, bool recompute,
-                                           uint64_t seed) {
+                                           uint64_t seed, bool graph) {
   if (recompute)
     throw std::runtime_error("the GPU GPT has no --recompute: its blocks keep their activations (the CPU GPT has it)");
-  return std::make_unique<CudaTrainer>(ctx, ordinal, shape, batch, seed);
+  return std::make_unique<CudaTrainer>(ctx, ordinal, shape, batch, seed, graph);
 }
 
 }  // namespace gpt::cuda

@@ -78,6 +78,16 @@ class MemPool {
 
 namespace {
 
+// Whether `s` is capturing into a CUDA graph.
+bool capturing(cudaStream_t s) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(s, &status) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return status != cudaStreamCaptureStatusNone;
+}
+
 // Host arrays uploaded into one block of the pool where the next operation
 // goes (in a task: on its stream, in order before the launches queued after
 // it there; outside: on the device's own stream), from host copies the owner
@@ -142,8 +152,23 @@ class Uploaded {
   Uploaded& operator=(const Uploaded&) = delete;
 
   // Around a launch on `s`: after the upload and the launches before it.
-  void before_launch(cudaStream_t s) const { check(cudaStreamWaitEvent(s, last_, 0), "waiting for a table"); }
-  void after_launch(cudaStream_t s) const { check(cudaEventRecord(last_, s), "recording a table's launch"); }
+  // Captured into a CUDA graph, the launch neither waits for nor records
+  // the event (no dependency crosses a capture): the upload must be done
+  // (it is, after the warm-up steps a capture follows), and the table lives
+  // as long as a graph may run it (Optimizer keeps a captured step's tables).
+  void before_launch(cudaStream_t s) const {
+    if (capturing(s)) {
+      cudaError_t q = cudaEventQuery(last_);
+      if (q == cudaSuccess) return;
+      if (q != cudaErrorNotReady) fail_cuda(q, "a table's upload");
+      fail(FSDP_ERR_INVALID_STATE, "cuda device: a table's upload still runs while a CUDA graph is captured that "
+                                   "reads it; synchronize (cudaDeviceSynchronize) before cudaStreamBeginCapture");
+    }
+    check(cudaStreamWaitEvent(s, last_, 0), "waiting for a table");
+  }
+  void after_launch(cudaStream_t s) const {
+    if (!capturing(s)) check(cudaEventRecord(last_, s), "recording a table's launch");
+  }
   template <typename T>
   T* part(size_t i) const {
     return block_ == nullptr ? nullptr : reinterpret_cast<T*>(block_ + at_.at(i));

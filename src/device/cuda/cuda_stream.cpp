@@ -27,6 +27,45 @@ constexpr std::chrono::microseconds kMaxSleep{1000};
 
 thread_local CudaStream* tls_current = nullptr;
 
+// The stream each CUDA graph capture began on, as far as libfsdp saw: the
+// host's stream its calls got while it was capturing (the engine's streams
+// join a capture only by waiting for an event of that stream). Never shrinks:
+// a handful of captures per process.
+class CaptureOrigins {
+ public:
+  static void note(unsigned long long id, cudaStream_t origin) {
+    std::lock_guard<std::mutex> lock(mu());
+    map().emplace(id, origin);
+  }
+  static cudaStream_t of(unsigned long long id) {
+    std::lock_guard<std::mutex> lock(mu());
+    auto it = map().find(id);
+    return it == map().end() ? nullptr : it->second;
+  }
+
+ private:
+  static std::mutex& mu() {
+    static auto* m = new std::mutex;  // never destroyed: events may go during static destruction
+    return *m;
+  }
+  static std::map<unsigned long long, cudaStream_t>& map() {
+    static auto* m = new std::map<unsigned long long, cudaStream_t>;
+    return *m;
+  }
+};
+
+// The capture `s` is part of (0: none). A stream in an invalidated capture
+// still counts: its work belongs to no graph and must not run as if eager.
+unsigned long long capture_of(cudaStream_t s) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  unsigned long long id = 0;
+  if (cudaStreamGetCaptureInfo(s, &status, &id) != cudaSuccess) {
+    cudaGetLastError();  // (the legacy stream beside a capturing blocking stream): not sticky
+    return 0;
+  }
+  return status == cudaStreamCaptureStatusNone ? 0 : id;
+}
+
 // Makes `s` the thread's current stream for the life of the scope.
 class CurrentStream {
  public:
@@ -72,8 +111,15 @@ void EventPool::give(cudaEvent_t ev) noexcept {
   free_.push_back(ev);
 }
 
-CudaEvent::CudaEvent(int ordinal, EventPool* pool, cudaEvent_t ev, Label what, Label stream)
-    : ordinal_(ordinal), pool_(pool), ev_(ev), what_(std::move(what)), stream_(std::move(stream)) {}
+CudaEvent::CudaEvent(int ordinal, EventPool* pool, cudaEvent_t ev, Label what, Label stream, unsigned long long capture,
+                     cudaStream_t origin)
+    : ordinal_(ordinal),
+      pool_(pool),
+      ev_(ev),
+      what_(std::move(what)),
+      stream_(std::move(stream)),
+      capture_(capture),
+      origin_(origin) {}
 
 CudaEvent::CudaEvent(fsdp_status_t status, std::string message)
     : done_(true), status_(status), message_(std::move(message)) {}
@@ -88,8 +134,33 @@ std::string CudaEvent::describe() const {
   return "'" + *what_ + "' on the " + stream + " stream";
 }
 
+bool CudaEvent::capture_open() const {
+  if (capture_ == 0) return false;
+  if (capture_of(origin_) == capture_) return true;
+  // The capture ended: the graph's runs are queued on the origin stream.
+  bind(ordinal_);
+  check(cudaEventRecord(ev_, origin_), "recording an event anew after its CUDA graph capture ended");
+  capture_ = 0;
+  return false;
+}
+
+cudaEvent_t CudaEvent::for_wait(bool waiter_capturing) const {
+  if (ev_ == nullptr) return nullptr;
+  std::lock_guard<std::mutex> lock(mu_);
+  if (capture_open()) return ev_;  // the waiter joins (or is in) that capture
+  if (!waiter_capturing) return ev_;
+  // Work queued before the capture, which a graph cannot wait for: it must
+  // have run already (the capture's own stream's earlier work is ordered
+  // before the graph anyway).
+  if (poll() && status_ == FSDP_OK) return nullptr;
+  fail(FSDP_ERR_INVALID_STATE, "cuda device: " + describe() +
+                                   " still runs on the GPU while a CUDA graph is captured that depends on it; "
+                                   "synchronize (cudaDeviceSynchronize) before cudaStreamBeginCapture");
+}
+
 bool CudaEvent::poll() const {
   if (done_.load(std::memory_order_relaxed)) return true;
+  if (capture_open()) return false;  // runs only as part of the graph: nothing to query yet
   cudaError_t e = cudaEventQuery(ev_);
   if (e == cudaErrorNotReady) return false;
   if (e != cudaSuccess) {
@@ -115,6 +186,14 @@ fsdp_status_t CudaEvent::status() const {
 void CudaEvent::wait(double timeout_s) {
   base::note_host_wait();
   if (ev_ != nullptr) bind(ordinal_);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (capture_open()) {
+      fail(FSDP_ERR_INVALID_STATE, "cuda device: " + describe() +
+                                       " is being captured into a CUDA graph: it runs when the graph is launched, so "
+                                       "nothing may wait for it on the host before cudaStreamEndCapture");
+    }
+  }
   auto start = std::chrono::steady_clock::now();
   if (!base::spin_until([this] { return done(); }, kSpinFor)) {
     // A poll, not cudaEventSynchronize: the wait is bounded by timeout_s. It
@@ -173,9 +252,15 @@ void CudaStream::fail_with(fsdp_status_t status, const std::string& message) con
   if (failure_.compare_exchange_strong(ok, status, std::memory_order_acq_rel)) failure_message_ = message;
 }
 
+uint64_t CudaStream::capture_id() const {
+  if (!try_bind(ordinal_)) return 0;
+  return capture_of(stream_);
+}
+
 fsdp_status_t CudaStream::failure() const {
   fsdp_status_t f = failure_.load(std::memory_order_acquire);
   if (f != FSDP_OK || !owned_ || !try_bind(ordinal_)) return f;
+  if (capture_of(stream_) != 0) return f;  // a query would end the capture; its work has not run anyway
   // A wrapped host stream is not queried: the host may have destroyed it.
   cudaError_t e = cudaStreamQuery(stream_);
   if (e == cudaSuccess || e == cudaErrorNotReady) return FSDP_OK;
@@ -214,7 +299,9 @@ void CudaStream::wait(const EventPtr& ev) {
   if (!ev) return;
   if (auto* ce = dynamic_cast<CudaEvent*>(ev.get()); ce != nullptr && ce->native() != nullptr) {
     bind(ordinal_);
-    cudaError_t e = cudaStreamWaitEvent(stream_, ce->native(), 0);
+    cudaEvent_t native = ce->for_wait(capture_of(stream_) != 0);
+    if (native == nullptr) return;  // done before the capture this stream is in
+    cudaError_t e = cudaStreamWaitEvent(stream_, native, 0);
     if (e != cudaSuccess) fail_cuda(e, "cudaStreamWaitEvent on the " + *name_ + " stream");
     return;
   }
@@ -238,7 +325,14 @@ EventPtr CudaStream::recorded(const Label& what) {
     events_->give(ev);
     fail_cuda(e, "recording an event on the " + *name_ + " stream");
   }
-  return base::make_pooled<CudaEvent>(ordinal_, events_, ev, what, name_);
+  const unsigned long long capture = capture_of(stream_);
+  if (capture == 0) return base::make_pooled<CudaEvent>(ordinal_, events_, ev, what, name_);
+  // Recorded into a capture. The host's stream libfsdp records on first in
+  // a capture is where it began: the engine's streams join it through that.
+  if (!owned_) CaptureOrigins::note(capture, stream_);
+  cudaStream_t origin = CaptureOrigins::of(capture);
+  return base::make_pooled<CudaEvent>(ordinal_, events_, ev, what, name_, capture,
+                                      origin != nullptr ? origin : stream_);
 }
 
 void CudaStream::rethrow_failure() const {

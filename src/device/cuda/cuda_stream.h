@@ -42,12 +42,21 @@ class EventPool {
   size_t created_ = 0;
 };
 
+// An event recorded into a CUDA graph being captured (the stream it was
+// recorded on was capturing) stands for that work as the graph runs it: while
+// the capture is open, streams of the capture wait for it, and nothing may
+// query or wait for it on the host; once the capture ended, the graph's runs
+// are queued on the stream the capture began on (its origin), so the event
+// becomes "all that origin stream has queued until now" (recorded there
+// anew): a wait after the capture waits for every run launched so far.
 class CudaEvent final : public Event {
  public:
   // Owns `ev` (recorded by the caller) until it goes back to `pool`; `what`
   // (may be null: the stream's queued work) and `stream` name the work in a
-  // timeout's message.
-  CudaEvent(int ordinal, EventPool* pool, cudaEvent_t ev, Label what, Label stream);
+  // timeout's message; `capture` (0: none) is the capture it was recorded
+  // into, whose graph runs on `origin`.
+  CudaEvent(int ordinal, EventPool* pool, cudaEvent_t ev, Label what, Label stream, unsigned long long capture = 0,
+            cudaStream_t origin = nullptr);
   // An event that failed before any GPU work was queued for it.
   CudaEvent(fsdp_status_t status, std::string message);
   ~CudaEvent() override;
@@ -60,11 +69,20 @@ class CudaEvent final : public Event {
   bool done() const override;
   fsdp_status_t status() const override;
   cudaEvent_t native() const { return ev_; }
+  // The event a stream `waiter` (capturing or not) waits for in its place,
+  // or null where no wait is needed: one recorded before a capture that a
+  // stream of the capture would wait for (a dependency no graph can hold)
+  // must be done already, else this throws, saying to synchronize before
+  // capturing.
+  cudaEvent_t for_wait(bool waiter_capturing) const;
 
  private:
   // Turns the query's answer into done/failed (under mu_).
   bool poll() const;
   std::string describe() const;
+  // Whether the capture this event was recorded into is still open; once it
+  // is not, the event is recorded anew on the origin stream (under mu_).
+  bool capture_open() const;
 
   int ordinal_ = -1;
   EventPool* pool_ = nullptr;
@@ -74,6 +92,8 @@ class CudaEvent final : public Event {
   mutable std::atomic<bool> done_{false};
   mutable fsdp_status_t status_ = FSDP_OK;
   mutable std::string message_;
+  mutable unsigned long long capture_ = 0;  // under mu_: the open capture it belongs to (0: none)
+  cudaStream_t origin_ = nullptr;           // where that capture's graph runs
 };
 
 class CudaStream final : public Stream {
@@ -104,6 +124,7 @@ class CudaStream final : public Stream {
   fsdp_status_t failure() const override;
   void rethrow_failure() const override;
   void synchronize(double timeout_s) override;
+  uint64_t capture_id() const override;
 
   cudaStream_t native() const { return stream_; }
   // The stream whose task runs on the calling thread (null outside tasks).
