@@ -255,6 +255,15 @@ func (c *Context) LossScale() (scale float64, skipped uint64, err error) {
 	return float64(s), uint64(n), err
 }
 
+// LossScalePtr is where the steps keep the loss scale (one float64;
+// fsdp_loss_scale_device): GPU memory on a CUDA context, for a loss kernel to
+// read in stream order after the last Step without the host wait of LossScale.
+func (c *Context) LossScalePtr() (unsafe.Pointer, error) {
+	var p *C.double
+	err := c.simple("fsdp_loss_scale_device", func() C.fsdp_status_t { return C.fsdp_loss_scale_device(c.ptr, &p) })
+	return unsafe.Pointer(p), err
+}
+
 // LastGradNorm is the global grad norm of the last Step, before clipping.
 func (c *Context) LastGradNorm() (float64, error) {
 	var v C.double

@@ -70,6 +70,7 @@ _PROTOTYPES = {
     "fsdp_set_grad_sync": (None, [c_void_p, c_int]),
     "fsdp_set_lr": (None, [c_void_p, c_double]),
     "fsdp_loss_scale": (None, [c_void_p, P(c_double), P(ctypes.c_uint64)]),
+    "fsdp_loss_scale_device": (None, [c_void_p, P(P(c_double))]),
     "fsdp_last_grad_norm": (None, [c_void_p, P(c_double)]),
     "fsdp_ctx_step": (None, [c_void_p, P(ctypes.c_uint64)]),
     "fsdp_metrics_reduce": (None, [c_void_p, P(c_double), c_size_t, c_int]),

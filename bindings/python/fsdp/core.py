@@ -355,6 +355,14 @@ class Context(_Handle):
     def skipped_steps(self):
         return self._loss_scale()[1]
 
+    def loss_scale_address(self):
+        """The address of the loss scale where the steps keep it (one float64; fsdp_loss_scale_device): GPU
+        memory on a CUDA context, for a loss kernel to read in stream order after the last step with no host
+        wait (loss_scale waits for the step), as a step captured in a CUDA graph must."""
+        p = ctypes.POINTER(ctypes.c_double)()
+        check(LIB.fsdp_loss_scale_device(self._handle(), ctypes.byref(p)), "fsdp_loss_scale_device")
+        return ctypes.cast(p, ctypes.c_void_p).value
+
     def metrics_reduce(self, values, op="sum"):
         """Collective: every rank passes the same number of values and gets back, as a new float64 array of
         the same shape, their sum, mean ("avg"), maximum or minimum over the ranks, the same bits on every

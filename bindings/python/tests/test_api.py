@@ -1,5 +1,6 @@
 # test_api.py - zero-copy views, dtypes, no_sync, backward without forward, checkpoints, memory stats, traces,
 # metrics_reduce, config, wrap() grouping and its default strategy.
+import ctypes
 import json
 import os
 
@@ -335,6 +336,25 @@ def test_config_values_and_scalars():
         ctx.set_lr(0.25)
     cfg.close()
     assert fsdp.version() >= 100 and "libfsdp" in fsdp.build_info()
+
+
+def test_loss_scale_address_is_where_the_steps_keep_the_scale():
+    """loss_scale_address(): the scale in the step's own memory (host memory on the CPU device), which a
+    step that skips (inf grads) halves and clean steps grow, as loss_scale reads it."""
+    cfg = fsdp.Config(param_dtype="fp16", loss_scale="dynamic", loss_scale_init=1024.0,
+                      loss_scale_growth_interval=2, **SGD)
+    with fsdp.Context(cfg) as ctx:
+        u = ctx.register_unit("u", {"w": (8,)})
+        u.set_values(0, np.ones(8, np.float32))
+        scale_at = ctypes.c_double.from_address(ctx.loss_scale_address())
+        seen = []
+        for g in (1.0, float("inf"), 1.0, 1.0):
+            with u.backward():
+                u.grad(0)[...] += np.float16(g)
+            ctx.step()
+            seen.append((scale_at.value, ctx.loss_scale))
+        assert [a for a, _ in seen] == [b for _, b in seen]
+        assert [a for a, _ in seen] == [1024.0, 512.0, 512.0, 1024.0]
 
 
 def test_group_params():
