@@ -328,6 +328,27 @@ inline fsdp_status_t register_unit(fsdp_ctx_t* ctx, const std::string& name, con
   return fsdp_unit_register(ctx, name.c_str(), params.size(), names.data(), ndims.data(), dims.data(), out);
 }
 
+// Rank `rank`'s context in `group` with `options` (timeout_s 20 unless
+// given) and the units of `specs` registered as unit0, unit1, ... into
+// `units`: what the steady-state harnesses open (test_alloc,
+// test_host_waits). Empty after a failed assertion.
+inline CtxPtr open_units(int rank, fsdp_local_group_t* group, std::map<std::string, std::string> options,
+                         const std::vector<std::vector<ParamSpec>>& specs, std::vector<fsdp_unit_t*>* units) {
+  options.emplace("timeout_s", "20");
+  ConfigPtr cfg = make_config(options);
+  EXPECT_TRUE(cfg);
+  if (!cfg) return CtxPtr();
+  fsdp_ctx_t* raw = nullptr;
+  EXPECT_EQ(fsdp_ctx_create(cfg.get(), group, rank, &raw), FSDP_OK) << last_error_str();
+  CtxPtr ctx(raw);
+  units->assign(specs.size(), nullptr);
+  for (size_t k = 0; raw != nullptr && k < specs.size(); ++k) {
+    EXPECT_EQ(register_unit(raw, "unit" + std::to_string(k), specs[k], &(*units)[k]), FSDP_OK) << last_error_str();
+    if ((*units)[k] == nullptr) return CtxPtr();
+  }
+  return ctx;
+}
+
 // ---- deterministic RNG -----------------------------------------------------
 
 class Rng {

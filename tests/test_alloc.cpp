@@ -168,17 +168,10 @@ TEST_P(SteadyState, TransitionsAndStepsAllocateNothingOnTheHeap) {
   Barrier barrier(c.world);
   long before = 0;
   run_ranks(c.world, [&](int rank, fsdp_local_group_t* group) {
-    std::map<std::string, std::string> opts = c.opts;
-    opts["timeout_s"] = "20";
-    ConfigPtr cfg = make_config(opts);
-    ASSERT_TRUE(cfg);
-    fsdp_ctx_t* raw = nullptr;
-    ASSERT_OK(fsdp_ctx_create(cfg.get(), group, rank, &raw));
-    CtxPtr ctx(raw);
-    std::vector<fsdp_unit_t*> units(kUnits.size());
-    for (size_t k = 0; k < kUnits.size(); ++k) {
-      ASSERT_OK(register_unit(raw, "unit" + std::to_string(k), kUnits[k], &units[k]));
-    }
+    std::vector<fsdp_unit_t*> units;
+    CtxPtr ctx = open_units(rank, group, c.opts, kUnits, &units);
+    ASSERT_TRUE(ctx);
+    fsdp_ctx_t* raw = ctx.get();
     Host host(raw, c.late_us > 0 ? c.late_us : -1);
     for (int i = 0; i < kWarmup; ++i) pass(host, units, raw, nullptr);
     if (rank == 0) before = g_allocs.load();
