@@ -13,11 +13,16 @@ import sys
 def check(path, events, rank, unit_names):
     assert events, f"{path}: no events of rank {rank}"
     names = {(e["name"], e["ph"], e.get("tid")) for e in events}
+    # Gathers on a stream of their own (gather_stream=1) have a track of
+    # their own (3); else they share the comm stream's (1). Never both.
+    gather_track = 3 if any(e.get("tid") == 3 and e["ph"] != "M" for e in events) else 1
+    stray = [n for n, ph, t in names if n.startswith("all_gather") and t != gather_track]
+    assert not stray, f"{path}: rank {rank}: all-gathers off track {gather_track}: {stray[:3]}"
     for u in unit_names:
         for call in ("forward_begin", "forward_end", "backward_begin", "backward_end"):
             for ph in "BE":
                 assert (f"{call} {u}", ph, 0) in names, f"{path}: rank {rank}: no {call} {u} {ph}"
-        for coll, track, where in (("all_gather", 3, "gather"), ("reduce_scatter", 1, "comm")):
+        for coll, track, where in (("all_gather", gather_track, "gathers'"), ("reduce_scatter", 1, "comm")):
             assert any(n.startswith(f"{coll} of unit '{u}'") and n.endswith(" B") and t == track
                        for n, ph, t in names), f"{path}: rank {rank}: no {coll} of {u} on the {where} track"
     assert ("step", "B", 0) in names, f"{path}: rank {rank}: no step"

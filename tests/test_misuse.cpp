@@ -233,7 +233,7 @@ TEST(Config, BadValuesFailListingValidChoicesAndChangeNothing) {
       {"align_bytes", "48", nullptr}, {"align_bytes", "2", nullptr}, {"align_bytes", "8192", nullptr},
       {"timeout_s", "soon", nullptr}, {"max_grad_norm", "1.0x", nullptr},
       {"sharding", "HYBRID", "HYBRID_SHARD_ZERO2"}, {"offload", "nvme", "cpu"}, {"shard_group_size", "-1", nullptr},
-      {"mpi_algorithm", "tree", "ring"}};
+      {"mpi_algorithm", "tree", "ring"}, {"gather_stream", "sometimes", "auto"}};
   // clang-format on
   for (const auto& b : bad) {
     SCOPED_TRACE(std::string(b.key) + "=" + b.value);
@@ -383,7 +383,9 @@ TEST(Config, AliasesReadBackAsCanonicalNames) {
       {"sharding", "HYBRID_SHARD", "HYBRID_SHARD"}, {"sharding", "hsdp", "HYBRID_SHARD"},
       {"sharding", "_HYBRID_SHARD_ZERO2", "HYBRID_SHARD_ZERO2"}, {"shard_group_size", "2", "2"},
       {"offload", "cpu", "cpu"}, {"cpu_offload", "1", "cpu"}, {"offload", "none", "none"},
-      {"mpi_algorithm", "ring", "ring"}, {"mpi_algorithm", "native", "native"}};
+      {"mpi_algorithm", "ring", "ring"}, {"mpi_algorithm", "native", "native"},
+      {"gather_stream", "on", "1"}, {"gather_stream", "no", "0"}, {"gather_stream", "AUTO", "auto"},
+      {"keep_param_dtype_shard", "true", "1"}, {"keep_param_dtype_shard", "auto", "auto"}};
   // clang-format on
   for (const auto& c : cases) {
     SCOPED_TRACE(std::string(c.key) + "=" + c.value);
@@ -415,6 +417,7 @@ TEST(Config, DefaultsAreTheDocumentedOnes) {
   EXPECT_EQ(get_option(cfg.get(), "reduce_op"), "avg");
   EXPECT_EQ(get_option(cfg.get(), "reduce_dtype"), "auto");
   EXPECT_EQ(get_option(cfg.get(), "param_dtype"), "fp32");
+  EXPECT_EQ(get_option(cfg.get(), "gather_stream"), "auto");
   const std::vector<std::pair<const char*, double>> numbers = {
       {"lr", 1e-3},    {"beta1", 0.9},       {"beta2", 0.999},    {"eps", 1e-8},      {"weight_decay", 0},
       {"momentum", 0}, {"max_grad_norm", 0}, {"align_bytes", 64}, {"timeout_s", 300}, {"threads", 1}};
@@ -602,37 +605,42 @@ INSTANTIATE_TEST_SUITE_P(
       return std::string(std::get<0>(pi.param).name) + "_world" + std::to_string(std::get<1>(pi.param));
     });
 
-// Gathers run over a communicator of their own, apart from the other
-// collectives; a synchronous call (here fsdp_metrics_reduce) first meets the
-// other ranks on the gathers' communicator too. So a rank that makes it where
-// another issues a gather fails at once on both, naming both calls, instead
-// of each waiting for the other until timeout_s (30 s here).
+// With gather_stream=1 gathers run over a communicator of their own, apart
+// from the other collectives; a synchronous call (here fsdp_metrics_reduce)
+// first meets the other ranks on the gathers' communicator too. So a rank
+// that makes it where another issues a gather fails at once on both, naming
+// both calls, instead of each waiting for the other until timeout_s (30 s
+// here). With gather_stream=0 both meet on one communicator, as fast.
 TEST(CollectiveMismatch, ASynchronousCallWhereAnotherRankGathersFailsBothAtOnce) {
-  std::vector<fsdp_status_t> got(2, FSDP_OK);
-  std::vector<std::string> msgs(2);
-  std::vector<double> took(2, 0);
-  run_ranks(
-      2,
-      [&](int rank, fsdp_local_group_t* group) {
-        ConfigPtr cfg = make_config({{"timeout_s", "30"}});
-        ASSERT_TRUE(cfg);
-        fsdp_ctx_t* raw = nullptr;
-        ASSERT_OK(fsdp_ctx_create(cfg.get(), group, rank, &raw));
-        CtxPtr ctx(raw);
-        fsdp_unit_t* u = nullptr;
-        ASSERT_OK(register_unit(ctx.get(), "block0", kBlock, &u));
-        const auto t0 = std::chrono::steady_clock::now();
-        double v = 1.0;
-        got[size_t(rank)] = rank == 0 ? fsdp_forward_begin(u, nullptr) : fsdp_metrics_reduce(raw, &v, 1, FSDP_REDUCE_SUM);
-        msgs[size_t(rank)] = last_error_str();
-        took[size_t(rank)] = seconds_since(t0);
-      },
-      60);
-  for (int r = 0; r < 2; ++r) {
-    EXPECT_EQ(got[size_t(r)], FSDP_ERR_MISMATCH) << "rank " << r << ": " << msgs[size_t(r)];
-    EXPECT_LT(took[size_t(r)], 10.0) << "rank " << r << " waited for a timeout instead";
-    EXPECT_TRUE(contains(msgs[size_t(r)], "all_gather of unit 'block0'")) << msgs[size_t(r)];
-    EXPECT_TRUE(contains(msgs[size_t(r)], "fsdp_metrics_reduce")) << msgs[size_t(r)];
+  for (const char* apart : {"1", "0"}) {
+    SCOPED_TRACE(std::string("gather_stream=") + apart);
+    std::vector<fsdp_status_t> got(2, FSDP_OK);
+    std::vector<std::string> msgs(2);
+    std::vector<double> took(2, 0);
+    run_ranks(
+        2,
+        [&](int rank, fsdp_local_group_t* group) {
+          ConfigPtr cfg = make_config({{"timeout_s", "30"}, {"gather_stream", apart}});
+          ASSERT_TRUE(cfg);
+          fsdp_ctx_t* raw = nullptr;
+          ASSERT_OK(fsdp_ctx_create(cfg.get(), group, rank, &raw));
+          CtxPtr ctx(raw);
+          fsdp_unit_t* u = nullptr;
+          ASSERT_OK(register_unit(ctx.get(), "block0", kBlock, &u));
+          const auto t0 = std::chrono::steady_clock::now();
+          double v = 1.0;
+          got[size_t(rank)] =
+              rank == 0 ? fsdp_forward_begin(u, nullptr) : fsdp_metrics_reduce(raw, &v, 1, FSDP_REDUCE_SUM);
+          msgs[size_t(rank)] = last_error_str();
+          took[size_t(rank)] = seconds_since(t0);
+        },
+        60);
+    for (int r = 0; r < 2; ++r) {
+      EXPECT_EQ(got[size_t(r)], FSDP_ERR_MISMATCH) << "rank " << r << ": " << msgs[size_t(r)];
+      EXPECT_LT(took[size_t(r)], 10.0) << "rank " << r << " waited for a timeout instead";
+      EXPECT_TRUE(contains(msgs[size_t(r)], "all_gather of unit 'block0'")) << msgs[size_t(r)];
+      EXPECT_TRUE(contains(msgs[size_t(r)], "fsdp_metrics_reduce")) << msgs[size_t(r)];
+    }
   }
 }
 

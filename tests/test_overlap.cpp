@@ -13,6 +13,7 @@
 #include <mutex>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "host_stream.h"
@@ -262,10 +263,11 @@ std::vector<TrackEvent> read_tracks(const std::string& path) {
   return out;
 }
 
-// The seq of the first event of `tid` whose name starts with `prefix`, in `phase`.
-long first_seq(const std::vector<TrackEvent>& ev, int tid, const std::string& prefix, char phase) {
+// The seq of the first event of `tid` after seq `after` whose name starts
+// with `prefix`, in `phase`.
+long first_seq(const std::vector<TrackEvent>& ev, int tid, const std::string& prefix, char phase, long after = -1) {
   for (const auto& e : ev) {
-    if (e.tid == tid && e.phase == phase && e.name.rfind(prefix, 0) == 0) return e.seq;
+    if (e.tid == tid && e.phase == phase && e.seq > after && e.name.rfind(prefix, 0) == 0) return e.seq;
   }
   return -1;
 }
@@ -282,11 +284,22 @@ constexpr int kCallerTrack = 0, kCommTrack = 1, kGatherTrack = 3;
 // u2, which backward_begin(u3) prefetches after that reduction is queued,
 // needs nothing of that compute (only u2's forward, long done) and completes
 // while the reduction still waits. On rank 0's trace the gather's end comes
-// before the reduction's: with one stream for both, it comes after.
+// before the reduction's. With gather_stream=0 (auto on a CPU host without a
+// core per rank for each stream) both share the comm stream and the gather
+// comes after the reduction: the test tells the two apart. auto splits them
+// on a CPU host with three cores for each of the two ranks.
 TEST(StreamSplit, AGatherQueuedAfterAReductionCompletesWhileTheReductionWaits) {
-  run_ranks(2, [](int rank, fsdp_local_group_t* group) {
+  for (const std::string mode : {"1", "0", "auto"}) {
+  const bool apart = mode == "1" || (mode == "auto" && std::thread::hardware_concurrency() >= 6);
+  SCOPED_TRACE("gather_stream=" + mode + (apart ? " (apart)" : " (together)"));
+  run_ranks(2, [apart, mode](int rank, fsdp_local_group_t* group) {
     Model m;
-    build(m, {{"forward_prefetch", "0"}, {"backward_prefetch", "pre"}, {"limit_all_gathers", "5"}}, group, rank);
+    build(m,
+          {{"forward_prefetch", "0"},
+           {"backward_prefetch", "pre"},
+           {"limit_all_gathers", "5"},
+           {"gather_stream", mode}},
+          group, rank);
     if (::testing::Test::HasFatalFailure()) return;
     Host host(m.ctx.get(), rank == 1 ? 60000 : 0);
     auto iteration = [&](int step) {
@@ -318,26 +331,36 @@ TEST(StreamSplit, AGatherQueuedAfterAReductionCompletesWhileTheReductionWaits) {
       std::remove(path.c_str());
       const long reduce_queued = first_seq(ev, kCallerTrack, "backward_end u4", 'E');
       const long gather_issued = first_seq(ev, kCallerTrack, "prefetch all_gather of unit 'u2'", 'i');
-      const long gather_end = first_seq(ev, kGatherTrack, "all_gather of unit 'u2' (#2)", 'E');
+      // The end of the gather that prefetch issued (u2's forward gather ends
+      // under the same name, before).
+      const long gather_end =
+          first_seq(ev, apart ? kGatherTrack : kCommTrack, "all_gather of unit 'u2' (#2)", 'E', gather_issued);
       const long reduce_end = first_seq(ev, kCommTrack, "reduce_scatter of unit 'u4' (#4)", 'E');
       ASSERT_GE(reduce_queued, 0);
       ASSERT_GE(gather_issued, 0) << "no backward prefetch of u2";
-      ASSERT_GE(gather_end, 0) << "no all_gather of u2 on the gather track";
+      ASSERT_GE(gather_end, 0) << "no all_gather of u2 on the " << (apart ? "gather" : "comm") << " track";
       ASSERT_GE(reduce_end, 0) << "no reduce_scatter of u4 on the comm track";
       EXPECT_LT(reduce_queued, gather_issued) << "the gather was not queued after the reduction";
-      EXPECT_LT(gather_end, reduce_end) << "the gather of u2 waited behind the reduce-scatter of u4";
-      // No reduction or step ran on the gather track, and no gather on the comm track.
+      if (apart) {
+        EXPECT_LT(gather_end, reduce_end) << "the gather of u2 waited behind the reduce-scatter of u4";
+      } else {
+        EXPECT_GT(gather_end, reduce_end) << "the gather of u2 passed the reduce-scatter of u4 on one stream";
+      }
+      // Apart: no reduction or step ran on the gather track, and no gather on
+      // the comm track. Together: nothing on the gather track.
       for (const auto& e : ev) {
         if (e.tid == kGatherTrack) {
+          EXPECT_TRUE(apart) << e.name << " on the gather track with gather_stream=0";
           EXPECT_EQ(e.name.rfind("all_gather", 0), 0u) << e.name << " on the gather track";
         }
-        if (e.tid == kCommTrack) {
+        if (e.tid == kCommTrack && apart) {
           EXPECT_EQ(e.name.rfind("all_gather", 0), std::string::npos) << e.name << " on the comm track";
         }
       }
     }
     EXPECT_OK(fsdp_ctx_finalize(m.ctx.get()));
   });
+  }
 }
 
 // ---- the limit bounds the gathered units --------------------------------------

@@ -77,11 +77,25 @@ long parse_int(const std::string& key, const std::string& value, long lo, long h
   return n;
 }
 
-bool parse_bool(const std::string& key, const std::string& value) {
+// 1 for a word that means true, 0 for one that means false, else -1.
+int bool_word(const std::string& value) {
   std::string v = lower(trim(value));
-  if (v == "1" || v == "true" || v == "on" || v == "yes") return true;
-  if (v == "0" || v == "false" || v == "off" || v == "no") return false;
-  bad_value(key, value, "0, 1, true, false, on, off");
+  if (v == "1" || v == "true" || v == "on" || v == "yes") return 1;
+  if (v == "0" || v == "false" || v == "off" || v == "no") return 0;
+  return -1;
+}
+
+bool parse_bool(const std::string& key, const std::string& value) {
+  int b = bool_word(value);
+  if (b < 0) bad_value(key, value, "0, 1, true, false, on, off");
+  return b == 1;
+}
+
+AutoBool parse_auto_bool(const std::string& key, const std::string& value) {
+  if (lower(trim(value)) == "auto") return AutoBool::kAuto;
+  int b = bool_word(value);
+  if (b < 0) bad_value(key, value, "auto, 0, 1, true, false, on, off");
+  return b == 1 ? AutoBool::kYes : AutoBool::kNo;
 }
 
 DType parse_dtype(const std::string& key, const std::string& value) {
@@ -366,28 +380,12 @@ const std::vector<Entry>& table() {
        [](const Options& o) { return std::string(o.offload_cpu ? "cpu" : "none"); }},
       {"keep_param_dtype_shard",
        {},
-       [](Options& o, const std::string& v) {
-         std::string t = lower(trim(v));
-         if (t == "auto") {
-           o.keep_param_dtype_shard = Options::KeepShard::kAuto;
-         } else if (t == "1" || t == "true" || t == "on" || t == "yes") {
-           o.keep_param_dtype_shard = Options::KeepShard::kYes;
-         } else if (t == "0" || t == "false" || t == "off" || t == "no") {
-           o.keep_param_dtype_shard = Options::KeepShard::kNo;
-         } else {
-           bad_value("keep_param_dtype_shard", v, "auto, 0, 1, true, false, on, off");
-         }
-       },
-       [](const Options& o) {
-         switch (o.keep_param_dtype_shard) {
-           case Options::KeepShard::kYes:
-             return std::string("1");
-           case Options::KeepShard::kNo:
-             return std::string("0");
-           default:
-             return std::string("auto");
-         }
-       }},
+       [](Options& o, const std::string& v) { o.keep_param_dtype_shard = parse_auto_bool("keep_param_dtype_shard", v); },
+       [](const Options& o) { return auto_bool_name(o.keep_param_dtype_shard); }},
+      {"gather_stream",
+       {},
+       [](Options& o, const std::string& v) { o.gather_stream = parse_auto_bool("gather_stream", v); },
+       [](const Options& o) { return auto_bool_name(o.gather_stream); }},
       {"forward_prefetch",
        {},
        [](Options& o, const std::string& v) { o.forward_prefetch = parse_bool("forward_prefetch", v); },
@@ -494,6 +492,17 @@ const Entry& find_or_fail(const std::string& key) {
 bool debug_poison_from_env() {
   const char* v = std::getenv("FSDP_DEBUG_POISON");
   return v != nullptr && std::string(v) == "1";
+}
+
+const char* auto_bool_name(AutoBool b) {
+  switch (b) {
+    case AutoBool::kYes:
+      return "1";
+    case AutoBool::kNo:
+      return "0";
+    default:
+      return "auto";
+  }
 }
 
 const char* sharding_name(Sharding s) {

@@ -47,6 +47,11 @@ ParamGroupOptions parse_param_group(const char* text, bool adam, const char* cal
 // FSDP_DEBUG_POISON=1 in the environment (debug_poison's default).
 bool debug_poison_from_env();
 
+// An option that is on, off, or left to libfsdp (`auto`).
+enum class AutoBool { kAuto, kNo, kYes };
+// "auto", "0" or "1", as the option reads back.
+const char* auto_bool_name(AutoBool b);
+
 struct Options {
   Sharding sharding = Sharding::kFullShard;
   DType param_dtype = DType::kFp32;
@@ -78,11 +83,15 @@ struct Options {
   // master as the gathers' source (kYes), or cast the master into a transient
   // stage at each gather (kNo: 2 bytes less per param share, a cast per gather).
   // kAuto: kNo, except with offload=cpu (keeps_param_dtype_shard()).
-  enum class KeepShard { kAuto, kNo, kYes };
-  KeepShard keep_param_dtype_shard = KeepShard::kAuto;
+  AutoBool keep_param_dtype_shard = AutoBool::kAuto;
   bool keeps_param_dtype_shard() const {
-    return keep_param_dtype_shard == KeepShard::kYes || (keep_param_dtype_shard == KeepShard::kAuto && offload_cpu);
+    return keep_param_dtype_shard == AutoBool::kYes || (keep_param_dtype_shard == AutoBool::kAuto && offload_cpu);
   }
+  // The params' all-gathers on a stream and a communicator of their own
+  // (kYes), or on the comm stream behind the reductions (kNo). kAuto: a GPU
+  // always; the CPU where the host has a core per rank for its compute, its
+  // comm stream and its gather stream (Context::gathers_apart).
+  AutoBool gather_stream = AutoBool::kAuto;
   BackwardPrefetch backward_prefetch = BackwardPrefetch::kPre;  // PyTorch's default
   int limit_all_gathers = 2;
   LossScaleMode loss_scale_mode = LossScaleMode::kAuto;  // auto: dynamic for fp16, off otherwise

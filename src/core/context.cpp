@@ -6,6 +6,7 @@
 #include <locale>
 #include <set>
 #include <sstream>
+#include <thread>
 
 #include "../base/error.h"
 #include "../base/text.h"
@@ -27,7 +28,8 @@ std::string describe(const Options& o) {
      << "\noptimizer=" << static_cast<int>(o.optimizer) << "\nlr=" << o.lr << "\nbeta1=" << o.beta1
      << "\nbeta2=" << o.beta2 << "\neps=" << o.eps << "\nweight_decay=" << o.weight_decay << "\nmomentum=" << o.momentum
      << "\nnesterov=" << o.nesterov << "\nmax_grad_norm=" << o.max_grad_norm << "\nalign_bytes=" << o.align_bytes
-     << "\nkeep_param_dtype_shard=" << o.keeps_param_dtype_shard() << "\nforward_prefetch=" << o.forward_prefetch
+     << "\nkeep_param_dtype_shard=" << o.keeps_param_dtype_shard() << "\ngather_stream=" << auto_bool_name(o.gather_stream)
+     << "\nforward_prefetch=" << o.forward_prefetch
      << "\nbackward_prefetch=" << static_cast<int>(o.backward_prefetch) << "\nlimit_all_gathers=" << o.limit_all_gathers
      << "\nloss_scale=" << static_cast<int>(o.loss_scale_mode) << "," << o.loss_scale_static << "," << o.loss_scale_init
      << "," << o.loss_scale_growth << "," << o.loss_scale_backoff << "," << o.loss_scale_growth_interval
@@ -67,7 +69,7 @@ Context::Context(const Options& opts, std::unique_ptr<comm::Communicator> world)
                                    "each) or the local communicator (ranks as threads of one process sharing the "
                                    "GPU); comm=mpi moves host memory only (docs/gpu.md)");
   }
-  if (opts.keep_param_dtype_shard == Options::KeepShard::kNo && opts.offload_cpu) {
+  if (opts.keep_param_dtype_shard == AutoBool::kNo && opts.offload_cpu) {
     fail(FSDP_ERR_UNSUPPORTED,
          "fsdp_ctx_create: keep_param_dtype_shard=0 with offload=cpu: the param_dtype shard on the host is what "
          "each gather copies to the device, half the bytes of the fp32 master; casting at the gather instead "
@@ -104,7 +106,12 @@ Context::Context(const Options& opts, std::unique_ptr<comm::Communicator> world)
   rt_.grad_slots = grad_slots_.get();
   agree(*rt_.comm, "fsdp_ctx_create (config)", describe(rt_.opts));
   setup_groups();
-  if (rt_.shard_size > 1) {
+  if (rt_.shard_size > 1 && !gathers_apart()) {
+    // The gathers share the comm stream and the shard group's communicator
+    // with the reductions, in the order the host issued them.
+    rt_.gather_stream = stream_.get();
+    rt_.gather_comm = rt_.shard_comm;
+  } else if (rt_.shard_size > 1) {
     // A communicator and a stream of their own for the params' gathers, so
     // that a prefetched gather never queues behind a reduction. Split off
     // the shard group's: the same ranks, collectives ordered apart.
@@ -122,6 +129,22 @@ Context::Context(const Options& opts, std::unique_ptr<comm::Communicator> world)
     sync_world_->set_fence(gather_stream_.get(), gather_comm_.get());
     if (sync_shard_) sync_shard_->set_fence(gather_stream_.get(), gather_comm_.get());
   }
+}
+
+bool Context::gathers_apart() {
+  const Options& o = rt_.opts;
+  if (o.gather_stream != AutoBool::kAuto) return o.gather_stream == AutoBool::kYes;
+  if (o.on_cuda()) return true;
+  // On the CPU a stream is a thread: apart, each rank runs three at once
+  // (its compute, its reductions, its gathers). Where the host has fewer
+  // cores than that for its ranks, the threads take turns on them and a
+  // collective waits for the turn of every rank's thread, which costs more
+  // than the overlap gains (bench_step at 2 ranks on 2 cores: 50% more
+  // time in libfsdp). Every rank must choose alike: apart where all can.
+  unsigned cores = std::thread::hardware_concurrency();
+  double can = cores >= 3u * static_cast<unsigned>(std::max(1, world_->local_world_size())) ? 1.0 : 0.0;
+  rt_.comm->all_reduce_f64(&can, 1, comm::RedOp::kMin, "fsdp_ctx_create (gather_stream=auto)");
+  return can == 1.0;
 }
 
 void Context::setup_groups() {

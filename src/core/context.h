@@ -131,6 +131,8 @@ class Context {
   void settle_units();
   // Shard and replica groups (HYBRID_SHARD) and the rank's place in them.
   void setup_groups();
+  // Whether the gathers get a stream and a communicator of their own (gather_stream).
+  bool gathers_apart();
   // Fails every collective of this context's communicators (never waits).
   void abort_comms(const std::string& reason);
   // checkpoint.cpp: the metadata of this context's state, and the files this
