@@ -5,18 +5,19 @@
 // through an lr change between replays (fsdp_set_lr writes in stream order),
 // a skipped step (inf grads: the host's factor, read from device memory, set
 // to inf for one replay) and the dynamic loss scale's growth and backoff
-// (the scale lives in device memory: fsdp_loss_scale_device). At a world of
-// one (alone and with comm=nccl) and with two ranks as threads sharing the
-// GPU, captured into one graph. What cannot be captured is refused, naming
-// the call: offload=cpu, and a call that would wait on the host during the
-// capture. Skips, saying so, without a GPU.
+// (the scale lives in device memory: fsdp_loss_scale_device), in fp32 and
+// bf16 (whose grads the test writes in bf16). At a world of one, alone and
+// with comm=nccl. What cannot be captured is refused, naming the call:
+// offload=cpu, a call that would wait on the host during the capture, and
+// (for now) ranks that are threads sharing the GPU. Skips, saying so,
+// without a GPU.
 #include <gtest/gtest.h>
 
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 
-#include <atomic>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <limits>
 #include <map>
@@ -54,8 +55,17 @@ struct Rank {
   cudaStream_t s = nullptr;
   cublasHandle_t blas = nullptr;
   float* factor = nullptr;  // device: grad = factor * param (+ the rank's offset)
-  float* offset = nullptr;  // device: a rank-dependent constant grad
+  void* offset = nullptr;   // device: a rank-dependent constant grad, in the params' dtype
+  cudaDataType_t type = CUDA_R_32F;  // the params' and grads' dtype (fp32 or bf16)
 };
+
+// x rounded to the nearest bf16 (ties to even), as its bits.
+uint16_t to_bf16(float x) {
+  uint32_t b = 0;
+  std::memcpy(&b, &x, sizeof b);
+  b += 0x7fffu + ((b >> 16) & 1u);
+  return static_cast<uint16_t>(b >> 16);
+}
 
 struct Result {
   std::vector<std::vector<float>> params;
@@ -92,10 +102,19 @@ void open(Rank& r, const std::map<std::string, std::string>& extra, fsdp_local_g
   CHECK_BLAS(cublasCreate(&r.blas));
   CHECK_BLAS(cublasSetStream(r.blas, r.s));
   CHECK_CUDA(cudaMalloc(reinterpret_cast<void**>(&r.factor), sizeof(float)));
-  CHECK_CUDA(cudaMalloc(reinterpret_cast<void**>(&r.offset), kDim * kDim * sizeof(float)));
+  fsdp_dtype_t dtype = FSDP_DTYPE_FP32;
+  CHECK_OK(fsdp_ctx_param_dtype(r.ctx, &dtype));
+  ASSERT_TRUE(dtype == FSDP_DTYPE_FP32 || dtype == FSDP_DTYPE_BF16) << "the test makes fp32 or bf16 grads";
+  r.type = dtype == FSDP_DTYPE_BF16 ? CUDA_R_16BF : CUDA_R_32F;
   std::vector<float> off(kDim * kDim);
   for (size_t i = 0; i < off.size(); ++i) off[i] = 0.01f * static_cast<float>((i * 7 + static_cast<size_t>(rank)) % 13);
-  CHECK_CUDA(cudaMemcpy(r.offset, off.data(), off.size() * sizeof(float), cudaMemcpyHostToDevice));
+  std::vector<uint16_t> off16(off.size());
+  for (size_t i = 0; i < off.size(); ++i) off16[i] = to_bf16(off[i]);
+  const bool bf16 = r.type == CUDA_R_16BF;
+  const size_t nbytes = off.size() * (bf16 ? sizeof(uint16_t) : sizeof(float));
+  CHECK_CUDA(cudaMalloc(&r.offset, nbytes));
+  CHECK_CUDA(cudaMemcpy(r.offset, bf16 ? static_cast<const void*>(off16.data()) : off.data(), nbytes,
+                        cudaMemcpyHostToDevice));
 }
 
 void close(Rank& r) {
@@ -123,10 +142,11 @@ void step_calls(Rank& r) {
     CHECK_OK(fsdp_param_ptr(u, 0, &p));
     CHECK_OK(fsdp_grad_ptr(u, 0, &g));
     const float one = 1.0f;
+    // In the params' dtype (bf16 grads for bf16 params), computed in fp32.
     CHECK_BLAS(cublasSetPointerMode(r.blas, CUBLAS_POINTER_MODE_HOST));
-    CHECK_BLAS(cublasSaxpy(r.blas, kDim * kDim, &one, r.offset, 1, static_cast<float*>(g), 1));
+    CHECK_BLAS(cublasAxpyEx(r.blas, kDim * kDim, &one, CUDA_R_32F, r.offset, r.type, 1, g, r.type, 1, CUDA_R_32F));
     CHECK_BLAS(cublasSetPointerMode(r.blas, CUBLAS_POINTER_MODE_DEVICE));
-    CHECK_BLAS(cublasSaxpy(r.blas, kDim * kDim, r.factor, static_cast<const float*>(p), 1, static_cast<float*>(g), 1));
+    CHECK_BLAS(cublasAxpyEx(r.blas, kDim * kDim, r.factor, CUDA_R_32F, p, r.type, 1, g, r.type, 1, CUDA_R_32F));
     CHECK_OK(fsdp_backward_end(u, r.s));
   }
   CHECK_OK(fsdp_step(r.ctx, r.s));
@@ -227,67 +247,38 @@ TEST(CudaGraph, ACapturedStepWithNcclAtAWorldOfOneReplaysTheEagerSteps) {
   expect_same(eager, graph);
 }
 
-// Two ranks as threads sharing the GPU (the local communicator on device
-// memory): their collectives order each rank's stream after the other's
-// with events, which one graph can hold but two cannot, so the host captures
-// both ranks into one graph: rank 0 begins the capture, rank 1's stream
-// joins it (an event of rank 0's), and rank 0 ends it once rank 1's stream
-// joined back. Each launch runs both ranks' step. No lr change here: each
-// rank's fsdp_set_lr writes on its own stream, which the host would have to
-// order before the launch itself.
-TEST(CudaGraph, TwoRanksSharingTheGpuCapturedInOneGraphReplayTheEagerSteps) {
+// Ranks that are threads sharing the GPU (the local communicator on device
+// memory) are not captured yet: two of them captured into one graph hung on
+// an H100 (docs/gpu.md, "GPU runs", 2026-11-27). The first call inside the
+// capture is refused, naming why, before it queues anything: once the
+// capture ended, both ranks train on eagerly, bitwise as a world that never
+// tried.
+TEST(CudaGraph, ThreadRanksSharingTheGpuAreRefusedACaptureAndTrainOnUnchanged) {
   SKIP_WITHOUT_GPU();
-  auto run = [](bool graph, std::vector<Result>* out) {
+  auto run = [](bool try_capture, std::vector<Result>* out) {
     fsdp_local_group_t* group = nullptr;
     CHECK_OK(fsdp_local_group_create(2, &group));
     std::vector<Rank> ranks(2);
     out->assign(2, Result{});
-    cudaEvent_t fork = nullptr, join = nullptr;
-    CHECK_CUDA(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
-    CHECK_CUDA(cudaEventCreateWithFlags(&join, cudaEventDisableTiming));
-    std::atomic<int> phase{0};  // 1: rank 0 began the capture; 2: rank 1 recorded its join
-    cudaGraphExec_t exec = nullptr;
     auto body = [&](int rank) {
       Rank& r = ranks[static_cast<size_t>(rank)];
       open(r, {{"sharding", "FULL_SHARD"}}, group, rank);
       if (::testing::Test::HasFatalFailure()) return;
-      for (int i = 0; i < kCaptureAt || (!graph && i < kSteps); ++i) {
+      for (int i = 0; i < kSteps; ++i) {
+        if (try_capture && rank == 0 && i == kCaptureAt) {
+          CHECK_CUDA(cudaStreamSynchronize(r.s));
+          CHECK_CUDA(cudaStreamBeginCapture(r.s, cudaStreamCaptureModeThreadLocal));
+          EXPECT_EQ(fsdp_forward_begin(r.units[0], r.s), FSDP_ERR_UNSUPPORTED);
+          EXPECT_NE(std::string(fsdp_last_error()).find("threads sharing one GPU"), std::string::npos)
+              << fsdp_last_error();
+          cudaGraph_t g = nullptr;
+          EXPECT_EQ(cudaStreamEndCapture(r.s, &g), cudaSuccess) << "the refusal queued something into the capture";
+          if (g != nullptr) cudaGraphDestroy(g);
+        }
         const float f = factor_at(i);
         ASSERT_EQ(cudaMemcpyAsync(r.factor, &f, sizeof f, cudaMemcpyHostToDevice, r.s), cudaSuccess);
         step_calls(r);
         if (::testing::Test::HasFatalFailure()) return;
-      }
-      if (graph) {
-        CHECK_CUDA(cudaDeviceSynchronize());
-        if (rank == 0) {
-          CHECK_CUDA(cudaStreamBeginCapture(r.s, cudaStreamCaptureModeThreadLocal));
-          CHECK_CUDA(cudaEventRecord(fork, r.s));
-          phase = 1;
-        } else {
-          while (phase.load() < 1) std::this_thread::yield();
-          CHECK_CUDA(cudaStreamWaitEvent(r.s, fork, 0));  // rank 1's stream joins the capture
-        }
-        step_calls(r);
-        if (rank == 1) {
-          CHECK_CUDA(cudaEventRecord(join, r.s));
-          phase = 2;
-        } else {
-          while (phase.load() < 2) std::this_thread::yield();
-          CHECK_CUDA(cudaStreamWaitEvent(r.s, join, 0));
-          cudaGraph_t g = nullptr;
-          CHECK_CUDA(cudaStreamEndCapture(r.s, &g));
-          CHECK_CUDA(cudaGraphInstantiate(&exec, g, 0));
-          cudaGraphDestroy(g);
-          for (int i = kCaptureAt; i < kSteps; ++i) {
-            for (Rank& each : ranks) {
-              const float f = factor_at(i);
-              CHECK_CUDA(cudaMemcpyAsync(each.factor, &f, sizeof f, cudaMemcpyHostToDevice, r.s));
-            }
-            CHECK_CUDA(cudaGraphLaunch(exec, r.s));
-          }
-          phase = 3;
-        }
-        while (phase.load() < 3) std::this_thread::yield();
       }
       read_result(r, &(*out)[static_cast<size_t>(rank)]);
     };
@@ -297,23 +288,20 @@ TEST(CudaGraph, TwoRanksSharingTheGpuCapturedInOneGraphReplayTheEagerSteps) {
     for (Rank& r : ranks) {
       if (r.ctx != nullptr) close(r);
     }
-    if (exec != nullptr) cudaGraphExecDestroy(exec);
-    cudaEventDestroy(fork);
-    cudaEventDestroy(join);
     fsdp_local_group_destroy(group);
   };
-  std::vector<Result> eager, graph;
+  std::vector<Result> eager, tried;
   run(false, &eager);
-  run(true, &graph);
+  run(true, &tried);
   if (::testing::Test::HasFatalFailure()) return;
   for (int rank = 0; rank < 2; ++rank) {
     SCOPED_TRACE("rank " + std::to_string(rank));
-    const Result &e = eager[static_cast<size_t>(rank)], &g = graph[static_cast<size_t>(rank)];
+    const Result &e = eager[static_cast<size_t>(rank)], &t = tried[static_cast<size_t>(rank)];
     for (int k = 0; k < kUnits; ++k) {
-      EXPECT_EQ(std::memcmp(e.params[k].data(), g.params[k].data(), e.params[k].size() * 4), 0) << "unit " << k;
+      EXPECT_EQ(std::memcmp(e.params[k].data(), t.params[k].data(), e.params[k].size() * 4), 0) << "unit " << k;
     }
-    EXPECT_EQ(g.scale, e.scale);
-    EXPECT_EQ(g.skipped, e.skipped);
+    EXPECT_EQ(t.scale, e.scale);
+    EXPECT_EQ(t.skipped, e.skipped);
     EXPECT_EQ(e.skipped, 1u);
   }
 }

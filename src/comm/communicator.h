@@ -69,6 +69,10 @@ class Communicator {
     return false;
   }
 
+  // Whether its collectives can be captured into a CUDA graph with the rest
+  // of a step (docs/gpu.md, "The step on the device and CUDA graphs").
+  virtual bool capturable() const { return true; }
+
   // FSDP_OK, or the status of the failure that made this communicator unusable
   // (a timeout, an abort, ranks out of step).
   virtual fsdp_status_t failure() const = 0;

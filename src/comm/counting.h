@@ -55,6 +55,7 @@ class CountingComm final : public Communicator {
   // The new communicator counts into the same counters.
   std::unique_ptr<Communicator> split(int color, int key, const std::string& label) override;
   int local_world_size() const override { return inner_->local_world_size(); }
+  bool capturable() const override { return inner_->capturable(); }
   bool attach_data_plane(std::shared_ptr<DataPlane> plane) override {
     return inner_->attach_data_plane(std::move(plane));
   }

@@ -31,6 +31,13 @@ void Runtime::join_capture(device::Stream& s, const char* call) {
     fail(FSDP_ERR_UNSUPPORTED, who + "optimizer=host updates the shards from the host between fsdp_step_begin and "
                                      "fsdp_step_end, which a graph cannot hold; use fsdp_step's optimizer to capture");
   }
+  if (world_comm != nullptr && !world_comm->capturable()) {
+    fail(FSDP_ERR_UNSUPPORTED, who + "ranks that are threads sharing one GPU (the local communicator at a world of " +
+                                     std::to_string(world) +
+                                     ") cannot be captured yet: their capture into one graph did not pass its test "
+                                     "on a GPU (docs/gpu.md, 'GPU runs'); capture at a world of one or with "
+                                     "comm=nccl, or run these steps eagerly");
+  }
   device::Stream* engine[] = {stream, gather_stream, copy_in, copy_out};
   for (device::Stream* e : engine) {
     // Work an engine stream queued before the capture cannot be waited for

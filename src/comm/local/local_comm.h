@@ -43,6 +43,10 @@ class LocalComm final : public Communicator {
   fsdp_status_t failure() const override { return failure_.load(); }
   void abort(const std::string& reason) override;
   bool attach_data_plane(std::shared_ptr<DataPlane> plane) override;
+  // Ranks that are threads sharing a GPU, captured into one graph, hung in
+  // their GPU test (docs/gpu.md, "GPU runs", 2026-11-27): refused until that
+  // passes. Alone, a rank meets nobody and is captured like any other.
+  bool capturable() const override { return world_size() == 1; }
 
  private:
   // Publishes (desc, send, recv), waits for every rank, checks that all ranks

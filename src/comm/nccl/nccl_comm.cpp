@@ -269,13 +269,26 @@ void NcclComm::give_event(cudaEvent_t ev) {
 
 template <typename Fn>
 void NcclComm::collective(const char* kind, const std::string& label, uint64_t seq, cudaStream_t s, Fn&& call) {
+  // Into a CUDA graph capture, the collective runs when the graph is
+  // launched, and an event recorded in a capture cannot be queried: it is
+  // queued unwatched (a graph's collective that hangs is the host's to time
+  // out, docs/gpu.md).
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  const bool watched = !(cudaStreamIsCapturing(s, &capture) == cudaSuccess && capture != cudaStreamCaptureStatusNone);
   InFlight f;
-  f.start = take_event();
-  f.done = take_event();
+  if (watched) {
+    f.start = take_event();
+    f.done = take_event();
+  }
   f.kind = kind;
   f.seq = seq;
   ncclResult_t r = ncclSuccess;
-  cudaError_t e = cudaEventRecord(f.start, s);
+  cudaError_t e = watched ? cudaEventRecord(f.start, s) : cudaSuccess;
+  auto give_back = [&] {
+    if (!watched) return;
+    give_event(f.start);
+    give_event(f.done);
+  };
   try {
     if (e == cudaSuccess) {
       Call guard(*this);
@@ -287,16 +300,14 @@ void NcclComm::collective(const char* kind, const std::string& label, uint64_t s
           if (nccl().CommGetAsyncError(comm_, &r) != ncclSuccess) break;
         }
       }
-      if (r == ncclSuccess) e = cudaEventRecord(f.done, s);
+      if (r == ncclSuccess && watched) e = cudaEventRecord(f.done, s);
     }
   } catch (...) {
-    give_event(f.start);
-    give_event(f.done);
+    give_back();
     throw;
   }
   if (r != ncclSuccess || e != cudaSuccess) {
-    give_event(f.start);
-    give_event(f.done);
+    give_back();
     if (r != ncclSuccess) {
       fail_with(FSDP_ERR_COMM, describe(kind, label, seq) +
                                    (r == ncclInProgress ? " was not queued within timeout_s" : " failed: ") +
@@ -306,6 +317,7 @@ void NcclComm::collective(const char* kind, const std::string& label, uint64_t s
     }
     cuda_check(e, "queueing " + describe(kind, label, seq));
   }
+  if (!watched) return;
   size_t n = std::min(label.size(), sizeof f.label - 4);
   std::memcpy(f.label, label.data(), n);
   if (n < label.size()) std::memcpy(f.label + n, "...", 3);
@@ -318,6 +330,11 @@ void NcclComm::collective(const char* kind, const std::string& label, uint64_t s
 
 void NcclComm::watch() {
   cudaSetDevice(ordinal_);
+  // Its queries are of events outside every CUDA graph capture (collectives
+  // queued into one are not watched): in the default capture mode they would
+  // fail, and invalidate a capture the host has open on another thread.
+  cudaStreamCaptureMode relaxed = cudaStreamCaptureModeRelaxed;
+  cudaThreadExchangeStreamCaptureMode(&relaxed);
   const auto timeout = std::chrono::duration<double>(timeout_s_);
   std::unique_lock<std::mutex> lock(mu_);
   while (!stop_) {

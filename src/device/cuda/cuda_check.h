@@ -60,4 +60,23 @@ inline bool try_bind(int ordinal) noexcept {
   return cudaSetDevice(ordinal) == cudaSuccess;
 }
 
+// A query of work outside any CUDA graph capture (cudaEventQuery,
+// cudaStreamQuery, an event's synchronize) is one of the calls CUDA deems
+// unsafe during a capture: where the calling thread's capture mode is global
+// or thread-local (the default, and what a host that captures usually
+// picks), it fails and invalidates the capture under way, even though what
+// it asks about is not in it. libfsdp queries only work it knows to lie
+// outside every capture (an event recorded inside one is never queried), so
+// it makes such a call in this scope: the thread's mode relaxed, and put back.
+class RelaxedCaptureMode {
+ public:
+  RelaxedCaptureMode() noexcept { cudaThreadExchangeStreamCaptureMode(&mode_); }
+  ~RelaxedCaptureMode() { cudaThreadExchangeStreamCaptureMode(&mode_); }
+  RelaxedCaptureMode(const RelaxedCaptureMode&) = delete;
+  RelaxedCaptureMode& operator=(const RelaxedCaptureMode&) = delete;
+
+ private:
+  cudaStreamCaptureMode mode_ = cudaStreamCaptureModeRelaxed;
+};
+
 }  // namespace fsdp::device::cuda

@@ -141,6 +141,7 @@ class Uploaded {
   ~Uploaded() {
     if (!try_bind(ordinal_)) return;
     base::note_host_wait();
+    RelaxedCaptureMode outside;  // (last_ is never recorded inside a capture)
     cudaEventSynchronize(last_);
     if (block_ != nullptr) {
       CudaStream* cur = CudaStream::current();
@@ -158,7 +159,11 @@ class Uploaded {
   // as long as a graph may run it (Optimizer keeps a captured step's tables).
   void before_launch(cudaStream_t s) const {
     if (capturing(s)) {
-      cudaError_t q = cudaEventQuery(last_);
+      cudaError_t q = cudaErrorNotReady;
+      {
+        RelaxedCaptureMode outside;  // the upload was queued before the capture
+        q = cudaEventQuery(last_);
+      }
       if (q == cudaSuccess) return;
       if (q != cudaErrorNotReady) fail_cuda(q, "a table's upload");
       fail(FSDP_ERR_INVALID_STATE, "cuda device: a table's upload still runs while a CUDA graph is captured that "
@@ -384,6 +389,7 @@ void CudaDevice::issued(cudaError_t e, const char* what) {
   check(e, what);
   if (CudaStream::current() == nullptr) {
     base::note_host_wait();
+    RelaxedCaptureMode outside;  // the device's own stream is never captured
     check(cudaStreamSynchronize(ops_->native()), what);
   }
 }

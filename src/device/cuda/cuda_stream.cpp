@@ -161,7 +161,11 @@ cudaEvent_t CudaEvent::for_wait(bool waiter_capturing) const {
 bool CudaEvent::poll() const {
   if (done_.load(std::memory_order_relaxed)) return true;
   if (capture_open()) return false;  // runs only as part of the graph: nothing to query yet
-  cudaError_t e = cudaEventQuery(ev_);
+  cudaError_t e = cudaErrorNotReady;
+  {
+    RelaxedCaptureMode outside;  // a host's capture may be open: this event is not in it
+    e = cudaEventQuery(ev_);
+  }
   if (e == cudaErrorNotReady) return false;
   if (e != cudaSuccess) {
     status_ = status_of(e);
@@ -237,6 +241,7 @@ CudaStream::CudaStream(int ordinal, cudaStream_t wrapped, std::string name)
 
 CudaStream::~CudaStream() {
   if (!owned_) return;
+  RelaxedCaptureMode outside;
   if (try_bind(ordinal_) && hooks_.abort && cudaStreamQuery(stream_) == cudaErrorNotReady) {
     // Destroy is local: what is queued may wait for ranks that will not come.
     (void)capture([&] { hooks_.abort("a rank destroyed its context while collectives were queued or running"); });
@@ -262,7 +267,11 @@ fsdp_status_t CudaStream::failure() const {
   if (f != FSDP_OK || !owned_ || !try_bind(ordinal_)) return f;
   if (capture_of(stream_) != 0) return f;  // a query would end the capture; its work has not run anyway
   // A wrapped host stream is not queried: the host may have destroyed it.
-  cudaError_t e = cudaStreamQuery(stream_);
+  cudaError_t e = cudaErrorNotReady;
+  {
+    RelaxedCaptureMode outside;  // another stream may be capturing
+    e = cudaStreamQuery(stream_);
+  }
   if (e == cudaSuccess || e == cudaErrorNotReady) return FSDP_OK;
   fail_with(status_of(e), "cuda device: the GPU failed while running the " + *name_ + " stream's work (" + describe(e) +
                               "); the CUDA context cannot be used any more");
