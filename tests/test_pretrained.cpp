@@ -6,6 +6,7 @@
 // and 3 under FULL_SHARD, SHARD_GRAD_OP and offload, each rank reading its
 // shard. Misfits name every offender and change nothing; a truncated file is
 // FSDP_ERR_CORRUPT naming it; strict=0 loads what matches and reports the rest.
+// Headers and indexes are read as strictly as safetensors' own reader does.
 #include <gtest/gtest.h>
 #include <malloc.h>
 
@@ -53,8 +54,8 @@ FileTensor make_tensor(const std::string& name, const std::string& dtype, std::v
   return {name, dtype, std::move(shape), std::move(v)};
 }
 
-// Writes a safetensors file: 8-byte header length, JSON header, data.
-void write_safetensors(const std::string& path, const std::vector<FileTensor>& tensors) {
+// A safetensors file's parts: the JSON header and the data section.
+std::pair<std::string, std::string> safetensors_parts(const std::vector<FileTensor>& tensors) {
   nlohmann::ordered_json head = nlohmann::ordered_json::object();
   head["__metadata__"] = {{"format", "pt"}};
   std::string data;
@@ -71,11 +72,32 @@ void write_safetensors(const std::string& path, const std::vector<FileTensor>& t
     head[t.name] = {{"dtype", t.dtype}, {"shape", t.shape}, {"data_offsets", {data.size(), data.size() + bytes.size()}}};
     data += bytes;
   }
-  std::string json = head.dump();
-  uint64_t n = json.size();
+  return {head.dump(), data};
+}
+
+// A file of these bytes as they are: 8-byte header length, header, data.
+void write_raw(const std::string& path, const std::string& header, const std::string& data) {
+  uint64_t n = header.size();
   std::ofstream f(path, std::ios::binary);
   f.write(reinterpret_cast<const char*>(&n), 8);
-  f << json << data;
+  f << header << data;
+}
+
+void write_safetensors(const std::string& path, const std::vector<FileTensor>& tensors) {
+  auto [header, data] = safetensors_parts(tensors);
+  write_raw(path, header, data);
+}
+
+// file_tensors() `ts` as Hugging Face shards them, two files in `dir`; the
+// index that goes with them is returned, for the test to write.
+nlohmann::json write_shards(const std::string& dir, const std::vector<FileTensor>& ts) {
+  fs::create_directories(dir);
+  write_safetensors(dir + "/model-00001-of-00002.safetensors", {ts[0], ts[2], ts[4]});
+  write_safetensors(dir + "/model-00002-of-00002.safetensors", {ts[1], ts[3]});
+  nlohmann::json idx = {{"metadata", {{"total_size", 0}}}, {"weight_map", nlohmann::json::object()}};
+  for (size_t k : {0, 2, 4}) idx["weight_map"][ts[k].name] = "model-00001-of-00002.safetensors";
+  for (size_t k : {1, 3}) idx["weight_map"][ts[k].name] = "model-00002-of-00002.safetensors";
+  return idx;
 }
 
 // The host's params: two units, names as the host calls them.
@@ -162,12 +184,7 @@ TEST_P(Pretrained, EveryDtypeNameRuleAndTransposeLandsExactly) {
   const auto ts = file_tensors();
   std::string path;
   if (c.index) {
-    fs::create_directories(tmp / "hf");
-    write_safetensors(tmp / "hf/model-00001-of-00002.safetensors", {ts[0], ts[2], ts[4]});
-    write_safetensors(tmp / "hf/model-00002-of-00002.safetensors", {ts[1], ts[3]});
-    nlohmann::json idx = {{"metadata", {{"total_size", 0}}}, {"weight_map", nlohmann::json::object()}};
-    for (size_t k : {0, 2, 4}) idx["weight_map"][ts[k].name] = "model-00001-of-00002.safetensors";
-    for (size_t k : {1, 3}) idx["weight_map"][ts[k].name] = "model-00002-of-00002.safetensors";
+    const nlohmann::json idx = write_shards(tmp / "hf", ts);
     std::ofstream(tmp / "hf/model.safetensors.index.json") << idx.dump();
     path = tmp / "hf";
   } else {
@@ -300,6 +317,118 @@ TEST(PretrainedMisuse, AReadErrorOnOneRankFailsEveryRankSayingSoAndLoadingAgainM
     EXPECT_OK(fsdp_ctx_finalize(x.ctx.get()));
   });
   unsetenv("FSDP_CKPT_FAULT");
+}
+
+// A load that must be refused: FSDP_ERR_CORRUPT on every rank, saying
+// `says`, and the params as they were.
+void expect_corrupt(const std::string& path, const std::string& says) {
+  run_ranks(2, [&](int rank, fsdp_local_group_t* group) {
+    Ctx x;
+    open(x, {{"sharding", "FULL_SHARD"}}, rank, group);
+    if (::testing::Test::HasFatalFailure()) return;
+    const auto before = gather(x);
+    EXPECT_STATUS(FSDP_ERR_CORRUPT, fsdp_load_pretrained(x.ctx.get(), path.c_str(), kOptions));
+    EXPECT_NE(last_error_str().find(says), std::string::npos) << last_error_str();
+    EXPECT_EQ(gather(x), before) << "a refused load changed params";
+    EXPECT_OK(fsdp_ctx_finalize(x.ctx.get()));
+  });
+}
+
+// A header the reference reader (safetensors' own, serde_json) refuses, made
+// from a well-formed one, and what the refusal says after the file's name.
+struct MalformedHeader {
+  const char* name;
+  std::string (*make)(const std::string& header);
+  std::string (*says)(const std::string& header);
+};
+
+const MalformedHeader kMalformed[] = {
+    {"ByteOrderMark", [](const std::string& h) { return "\xEF\xBB\xBF" + h; },
+     [](const std::string&) { return std::string("its safetensors header starts with a UTF-8 byte order mark"); }},
+    // nlohmann stops at a NUL as at the end of its input: NUL padding
+    // would load as if it were spaces.
+    {"NulPadding", [](const std::string& h) { return h + std::string(3, '\0'); },
+     [](const std::string& h) {
+       return "its safetensors header has a NUL byte at header offset " + std::to_string(h.size()) + " (file byte " +
+              std::to_string(8 + h.size()) + ")";
+     }},
+    // The last tensor's entry again, the same: a parser that keeps either
+    // one would load the file.
+    {"DuplicateTensorName",
+     [](const std::string& h) {
+       auto head = nlohmann::ordered_json::parse(h);
+       auto last = std::prev(head.end());
+       return h.substr(0, h.size() - 1) + "," + nlohmann::json(last.key()).dump() + ":" + last.value().dump() + "}";
+     },
+     [](const std::string&) {
+       return std::string("its safetensors header names tensor 'transformer.h.1.attn.c_attn.weight' twice");
+     }},
+    {"DuplicateKeyInATensor",
+     [](const std::string& h) {
+       std::string dtype = R"("dtype":"F32",)";
+       return std::string(h).insert(h.find(dtype), dtype);
+     },
+     [](const std::string&) {
+       return std::string("its safetensors header has key 'dtype' twice in the object of 'transformer.wte.weight'");
+     }},
+};
+
+void PrintTo(const MalformedHeader& m, std::ostream* os) { *os << m.name; }
+
+class PretrainedStrict : public ::testing::TestWithParam<MalformedHeader> {};
+
+TEST_P(PretrainedStrict, AHeaderTheReferenceReaderRefusesIsCorruptNamingTheFileAndChangesNothing) {
+  TempDir tmp;
+  const auto [header, data] = safetensors_parts(file_tensors());
+  const std::string path = tmp / "w.safetensors";
+  write_raw(path, GetParam().make(header), data);
+  expect_corrupt(path, "pretrained weights file '" + path + "': " + GetParam().says(header));
+}
+
+INSTANTIATE_TEST_SUITE_P(Headers, PretrainedStrict, ::testing::ValuesIn(kMalformed),
+                         [](const auto& i) { return std::string(i.param.name); });
+
+// Spaces after the header's JSON are the format's padding (writers align the
+// data section to 8 bytes with them): the file loads, every value as written.
+TEST(PretrainedStrict, SpacesAfterTheHeaderArePaddingAndLoad) {
+  TempDir tmp;
+  const auto ts = file_tensors();
+  const auto [header, data] = safetensors_parts(ts);
+  const std::string path = tmp / "w.safetensors";
+  write_raw(path, header + std::string(8 + (8 - header.size() % 8) % 8, ' '), data);
+  const auto want = expected(ts);
+  run_ranks(2, [&](int rank, fsdp_local_group_t* group) {
+    Ctx x;
+    open(x, {{"sharding", "FULL_SHARD"}}, rank, group);
+    if (HasFatalFailure()) return;
+    ASSERT_OK(fsdp_load_pretrained(x.ctx.get(), path.c_str(), kOptions));
+    EXPECT_EQ(gather(x), want);
+    EXPECT_OK(fsdp_ctx_finalize(x.ctx.get()));
+  });
+}
+
+// "\u0000" in a weight_map file name: cut there, as the system would open
+// it, the name is a file of the directory, and the load would go ahead.
+TEST(PretrainedStrict, AnIndexNamingAFileWithANulIsCorruptNamingTheIndex) {
+  TempDir tmp;
+  const auto ts = file_tensors();
+  nlohmann::json idx = write_shards(tmp / "hf", ts);
+  for (size_t k : {1, 3})
+    idx["weight_map"][ts[k].name] = "model-00002-of-00002.safetensors" + std::string(1, '\0') + ".bak";
+  std::ofstream(tmp / "hf/model.safetensors.index.json") << idx.dump();
+  expect_corrupt(tmp / "hf", "pretrained index '" + tmp / "hf/model.safetensors.index.json" + "': tensor '" +
+                                 ts[3].name + "' is mapped to a file name with a NUL byte");
+}
+
+// A tensor mapped twice, to the same file: nlohmann alone would keep one.
+TEST(PretrainedStrict, AnIndexWithAKeyTwiceIsCorruptNamingIt) {
+  TempDir tmp;
+  const auto ts = file_tensors();
+  std::string text = write_shards(tmp / "hf", ts).dump();  // ends with the weight_map's "}}"
+  text.insert(text.size() - 2, ",\"" + ts[0].name + "\":\"model-00001-of-00002.safetensors\"");
+  std::ofstream(tmp / "hf/model.safetensors.index.json") << text;
+  expect_corrupt(tmp / "hf", "pretrained index '" + tmp / "hf/model.safetensors.index.json" + "' has key '" +
+                                 ts[0].name + "' twice in the object of 'weight_map'");
 }
 
 // Large enough that what a load holds shows: a transposed param whose shard

@@ -8,6 +8,7 @@
 #include "../base/error.h"
 #include "../base/text.h"
 #include "io.h"
+#include "strict_json.h"
 
 namespace fsdp::ckpt {
 
@@ -65,9 +66,15 @@ std::vector<std::string> pretrained_files(const std::string& path) {
   File f = File::open_read(index);
   std::string text(f.size(), '\0');
   f.pread_exact(0, text.data(), text.size());
-  nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  StrictJson parsed = parse_strict_json(text.data(), text.data() + text.size());
+  nlohmann::json& j = parsed.value;
   if (j.is_discarded() || !j.is_object() || !j.contains("weight_map") || !j["weight_map"].is_object()) {
     fail(FSDP_ERR_CORRUPT, "pretrained index " + base::quote_path(index) + " is not JSON with a \"weight_map\" object");
+  }
+  if (const std::vector<std::string>& d = parsed.duplicate; !d.empty()) {
+    // Which of two entries wins would be the reader's guess.
+    fail(FSDP_ERR_CORRUPT, "pretrained index " + base::quote_path(index) + " has key " + base::quote(d.back()) +
+                               " twice" + (d.size() > 1 ? " in the object of " + base::quote(d[d.size() - 2]) : ""));
   }
   std::set<std::string> files;
   for (const auto& [tensor, file] : j["weight_map"].items()) {
@@ -75,6 +82,12 @@ std::vector<std::string> pretrained_files(const std::string& path) {
         file.get<std::string>().find('/') != std::string::npos) {
       fail(FSDP_ERR_CORRUPT, "pretrained index " + base::quote_path(index) + ": tensor " + base::quote(tensor) +
                                  " is not mapped to a file name of the directory");
+    }
+    if (file.get<std::string>().find('\0') != std::string::npos) {
+      // "\u0000" in the JSON: the system would open the name cut short there,
+      // another file than the one the index names.
+      fail(FSDP_ERR_CORRUPT, "pretrained index " + base::quote_path(index) + ": tensor " + base::quote(tensor) +
+                                 " is mapped to a file name with a NUL byte, " + base::quote(file.get<std::string>()));
     }
     files.insert(file.get<std::string>());
   }

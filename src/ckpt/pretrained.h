@@ -14,7 +14,8 @@ namespace fsdp::ckpt {
 // The files of pretrained weights at `path`: the file itself; in a
 // directory, the files that model.safetensors.index.json's weight_map names
 // (each once, in name order), else model.safetensors. FSDP_ERR_IO for what is
-// missing, FSDP_ERR_CORRUPT for an index that is not one, naming the file.
+// missing, FSDP_ERR_CORRUPT for an index that is not one (no weight_map
+// object, a key twice, a file name with a '/' or a NUL), naming the file.
 std::vector<std::string> pretrained_files(const std::string& path);
 
 // fsdp_load_pretrained's options: "key=value" items separated by ';' or

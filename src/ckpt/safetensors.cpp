@@ -10,6 +10,7 @@
 
 #include "../base/error.h"
 #include "../base/text.h"
+#include "strict_json.h"
 
 namespace fsdp::ckpt {
 namespace {
@@ -69,9 +70,30 @@ uint32_t crc32_of(const void* data, size_t n, uint32_t crc) {
 
 Header parse_header(const std::string& file, const char* text, size_t n, uint64_t file_size, const char* kind) {
   auto corrupt = [&](const std::string& msg) { ckpt::corrupt(kind, file, msg); };
-  json j = json::parse(text, text + n, nullptr, /*allow_exceptions=*/false);
+  // As strict as the reference reader, so that no file loads here that it
+  // refuses: nlohmann stops quietly at a NUL (NUL padding would pass for
+  // spaces), skips a byte order mark, and keeps the last of repeated keys.
+  if (const void* nul = std::memchr(text, '\0', n)) {
+    uint64_t at = static_cast<uint64_t>(static_cast<const char*>(nul) - text);
+    corrupt("its safetensors header has a NUL byte at header offset " + std::to_string(at) + " (file byte " +
+            std::to_string(8 + at) + "); JSON allows none, and the format pads with spaces");
+  }
+  if (n >= 3 && std::memcmp(text, "\xEF\xBB\xBF", 3) == 0) {
+    corrupt("its safetensors header starts with a UTF-8 byte order mark; it must start with '{'");
+  }
+  if (n == 0 || text[0] != '{') corrupt("its safetensors header does not start with '{'");
+  StrictJson parsed = parse_strict_json(text, text + n);
+  json& j = parsed.value;
   if (j.is_discarded()) corrupt("its safetensors header is not valid JSON");
   if (!j.is_object()) corrupt("its safetensors header is not a JSON object");
+  if (const std::vector<std::string>& d = parsed.duplicate; !d.empty()) {
+    if (d.size() == 1) {
+      corrupt(d[0] == "__metadata__" ? std::string("its safetensors header has __metadata__ twice")
+                                     : "its safetensors header names tensor " + base::quote(d[0]) + " twice");
+    }
+    corrupt("its safetensors header has key " + base::quote(d.back()) + " twice in the object of " +
+            base::quote(d[d.size() - 2]));
+  }
   Header h;
   h.json_bytes = n;
   for (auto it = j.begin(); it != j.end(); ++it) {

@@ -36,11 +36,14 @@ size_t dtype_bytes(const std::string& dtype);
 // Largest header accepted (the reference implementation's limit).
 constexpr uint64_t kMaxHeaderBytes = 100u << 20;
 
-// Parses a header's JSON (`n` bytes). Checks everything the format promises:
-// known dtypes, shapes matching byte ranges, ranges that tile the data section
-// in order with no gap or overlap, and (when file_size != 0) a data section
-// that ends exactly at the end of the file. Throws FSDP_ERR_CORRUPT naming
-// `file` (as a `kind`: "checkpoint file") and the tensor.
+// Parses a header's JSON (`n` bytes). Checks everything the format promises,
+// as strictly as the reference reader: JSON that starts with '{' (no byte
+// order mark), holds no NUL byte and repeats no key (trailing spaces, the
+// format's padding, are fine); known dtypes, shapes matching byte ranges,
+// ranges that tile the data section in order with no gap or overlap, and
+// (when file_size != 0) a data section that ends exactly at the end of the
+// file. Throws FSDP_ERR_CORRUPT naming `file` (as a `kind`: "checkpoint
+// file") and the tensor.
 Header parse_header(const std::string& file, const char* json, size_t n, uint64_t file_size,
                     const char* kind = "checkpoint file");
 
