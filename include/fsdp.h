@@ -188,6 +188,16 @@ FSDP_API fsdp_status_t fsdp_ctx_async_error(const fsdp_ctx_t* ctx);
  * a message naming the first difference. The unit belongs to the context. */
 FSDP_API fsdp_status_t fsdp_unit_register(fsdp_ctx_t* ctx, const char* name, size_t n_params, const char* const* names,
                                           const int32_t* ndims, const int64_t* dims, fsdp_unit_t** out);
+/* fsdp_unit_register with each param's trainable flag from the start
+ * (`trainable` NULL: all 1): a param registered 0 is frozen as by
+ * fsdp_param_set_trainable, and a unit whose params are all 0 as by
+ * fsdp_unit_set_trainable, but no grad or optimizer memory is ever allocated
+ * for them (a frozen base of a fine-tuning run never costs its grads). The
+ * flags are part of what the ranks must agree on. */
+FSDP_API fsdp_status_t fsdp_unit_register_trainable(fsdp_ctx_t* ctx, const char* name, size_t n_params,
+                                                    const char* const* names, const int32_t* ndims,
+                                                    const int64_t* dims, const int32_t* trainable,
+                                                    fsdp_unit_t** out);
 /* Sets param `param_index` from a full fp32 host tensor of `numel` elements;
  * this rank keeps only its slice. Local, unless sync_module_states=1: then
  * collective, rank 0's `values` are used on every rank and the other ranks
@@ -243,7 +253,11 @@ FSDP_API fsdp_status_t fsdp_param_trainable(const fsdp_unit_t* unit, size_t para
  * gives the fp32 master, the reduced grads and the host_state fp32 buffers
  * libfsdp keeps for it (zero at first, sharded, checkpointed as "host0",
  * "host1", ...). Padding between params is zero in all of them and must stay
- * zero. fsdp_step_end waits for `stream`, makes the param_dtype copies
+ * zero. Outside the host's step fsdp_shard_tensors hands out the same
+ * buffers once the last step is done (for a binding to make its views of
+ * them once; they change only when the unit is laid out again: freezing,
+ * loads), to be written only inside the step. fsdp_step_end waits for
+ * `stream`, makes the param_dtype copies
  * follow, zeroes the grads, and counts the step (fsdp_ctx_step: during the
  * update it gives the steps before this one). Between the two only
  * fsdp_shard_tensors, fsdp_shard_info, fsdp_param_flat_range, fsdp_ctx_step,

@@ -314,9 +314,10 @@ inline size_t numel_of(const std::vector<int64_t>& shape) {
   return n;
 }
 
-// fsdp_unit_register with the pointer+count arrays built from `params`.
+// fsdp_unit_register with the pointer+count arrays built from `params`
+// (with `trainable`: fsdp_unit_register_trainable with those flags).
 inline fsdp_status_t register_unit(fsdp_ctx_t* ctx, const std::string& name, const std::vector<ParamSpec>& params,
-                                   fsdp_unit_t** out) {
+                                   fsdp_unit_t** out, const std::vector<int32_t>* trainable = nullptr) {
   std::vector<const char*> names;
   std::vector<int32_t> ndims;
   std::vector<int64_t> dims;
@@ -324,6 +325,10 @@ inline fsdp_status_t register_unit(fsdp_ctx_t* ctx, const std::string& name, con
     names.push_back(p.name.c_str());
     ndims.push_back(int32_t(p.shape.size()));
     dims.insert(dims.end(), p.shape.begin(), p.shape.end());
+  }
+  if (trainable != nullptr) {
+    return fsdp_unit_register_trainable(ctx, name.c_str(), params.size(), names.data(), ndims.data(), dims.data(),
+                                        trainable->data(), out);
   }
   return fsdp_unit_register(ctx, name.c_str(), params.size(), names.data(), ndims.data(), dims.data(), out);
 }

@@ -235,6 +235,63 @@ TEST(FrozenParams, AFrozenParamHasNoGradsNoStateAndNoReductionBytes) {
   }
 }
 
+// Params registered frozen (fsdp_unit_register_trainable, what fsdp.torch
+// does for a PEFT base): the grads and AdamW moments of the frozen ones are
+// never allocated, not even for a moment (the peak is what stays), where
+// freezing after registering peaks at the full sizes first; both train to
+// the same bits.
+TEST(FrozenAtRegistration, AllocatesNothingForFrozenParamsAndTrainsLikeFreezingAfter) {
+  const State init = make_init(kNet, 6);
+  const std::vector<std::vector<int32_t>> flags = {{1, 1}, {0, 1}, {0, 0}};
+  for (int world : {1, 2}) {
+    SCOPED_TRACE("world " + std::to_string(world));
+    std::vector<State> trained(2 * world);
+    std::vector<fsdp_memory_stats_t> mem(2 * world);
+    for (int from_start : {0, 1}) {
+      run_ranks(world, [&](int rank, fsdp_local_group_t* group) {
+        Job job;
+        ConfigPtr cfg = make_config(base_options("FULL_SHARD"));
+        fsdp_ctx_t* raw = nullptr;
+        ASSERT_OK(fsdp_ctx_create(cfg.get(), group, rank, &raw));
+        job.ctx.reset(raw);
+        job.host.attach(raw);
+        job.units.assign(kNet.units.size(), nullptr);
+        for (size_t k = 0; k < kNet.units.size(); ++k) {
+          ASSERT_OK(register_unit(raw, kNet.unit_name(k), kNet.units[k], &job.units[k],
+                                  from_start ? &flags[k] : nullptr));
+        }
+        if (!from_start) {  // unit 1's weight and unit 2 frozen after registering
+          set_param_trainable(job, 1, 0, 0);
+          set_trainable(job, 2, 0);
+        }
+        ASSERT_NO_FATAL_FAILURE(set_state(job, init));
+        int t = 1;
+        ASSERT_OK(fsdp_unit_trainable(job.units[2], &t));
+        EXPECT_EQ(t, 0) << "a unit registered with every param frozen is frozen";
+        ASSERT_OK(fsdp_param_trainable(job.units[1], 0, &t));
+        EXPECT_EQ(t, 0);
+        mem[from_start * world + rank] = stats(raw);
+        ASSERT_NO_FATAL_FAILURE(train(job, kNet, 0, 3, world, rank));
+        trained[from_start * world + rank] = gather(job, kNet);
+        if (from_start) {
+          const std::vector<int32_t> bad = {1, 2};
+          fsdp_unit_t* u = nullptr;
+          EXPECT_STATUS(FSDP_ERR_INVALID_ARGUMENT, register_unit(raw, "bad", kNet.units[0], &u, &bad));
+          EXPECT_NE(last_error_str().find("not 0 or 1"), std::string::npos) << last_error_str();
+        }
+      });
+    }
+    for (int rank = 0; rank < world; ++rank) {
+      const fsdp_memory_stats_t &a = mem[rank], &b = mem[world + rank];
+      EXPECT_EQ(b.sharded_grads_nbytes, a.sharded_grads_nbytes);
+      EXPECT_EQ(b.optimizer_state_nbytes, a.optimizer_state_nbytes);
+      EXPECT_EQ(b.total_peak_nbytes, b.total_nbytes) << "frozen grads or moments were allocated, then freed";
+      EXPECT_GT(a.total_peak_nbytes, a.total_nbytes) << "freezing after registering peaks higher (the control)";
+      EXPECT_TRUE(bitwise_equal(trained[world + rank], trained[rank])) << "rank " << rank;
+    }
+  }
+}
+
 // Every param of a trainable unit frozen one by one: the unit keeps no grad
 // and no state bytes (its trainable block is empty), takes no grad slot,
 // trains nothing, and both kinds of checkpoint save and load it whole.

@@ -5,7 +5,6 @@
 // a single-process reference on the whole batch; the state checkpoints and
 // resumes bitwise; misuse is refused.
 #include <algorithm>
-#include <cmath>
 #include <string>
 #include <vector>
 
@@ -268,13 +267,22 @@ TEST(HostOptimizerMisuse, IsRefusedAndChangesNothing) {
     EXPECT_STATUS(FSDP_ERR_INVALID_STATE, fsdp_step(ctx, nullptr));
     EXPECT_NE(last_error_str().find("fsdp_step_begin"), std::string::npos) << last_error_str();
     EXPECT_STATUS(FSDP_ERR_INVALID_STATE, fsdp_step_end(ctx, nullptr));
-    EXPECT_STATUS(FSDP_ERR_INVALID_STATE, fsdp_shard_tensors(ctx, job.units[0], &p, &g, &s, 1, &n));
+    // Outside the host's step: the buffers it will hand out (a binding's views), the same as inside.
+    ASSERT_OK(fsdp_shard_tensors(ctx, job.units[0], &p, &g, &s, 1, &n));
+    float *p_out = p, *g_out = g, *s_out = s;
+    const size_t n_out = n;
     EXPECT_STATUS(FSDP_ERR_UNSUPPORTED, fsdp_set_param_group(ctx, "*", "lr_scale=2", nullptr));
     EXPECT_STATUS(FSDP_ERR_INVALID_ARGUMENT, fsdp_step_begin(ctx, nullptr, nullptr, &scale));
     ASSERT_OK(fsdp_unit_set_trainable(ctx, job.units[2], 0));
     const State before = gather(job, kNet);
     ASSERT_OK(fsdp_step_begin(ctx, nullptr, &update, &scale));
     EXPECT_EQ(update, 1);
+    // The first step's norm is known inside it (a binding's clip_grad_norm_ reads it there).
+    double norm = -1.0;
+    ASSERT_OK(fsdp_last_grad_norm(ctx, &norm));
+    EXPECT_EQ(norm, 0.0) << "no backward ran: the grads are zero";
+    ASSERT_OK(fsdp_shard_tensors(ctx, job.units[0], &p, &g, &s, 1, &n));
+    EXPECT_TRUE(p == p_out && g == g_out && s == s_out && n == n_out) << "the host step hands out other buffers";
     EXPECT_STATUS(FSDP_ERR_INVALID_ARGUMENT, fsdp_shard_tensors(ctx, job.units[0], &p, &g, &s, 2, &n));
     EXPECT_STATUS(FSDP_ERR_INVALID_STATE, fsdp_shard_tensors(ctx, job.units[2], &p, &g, &s, 1, &n));
     EXPECT_NE(last_error_str().find("frozen"), std::string::npos) << last_error_str();
@@ -294,5 +302,9 @@ TEST(HostOptimizerMisuse, IsRefusedAndChangesNothing) {
     int update = 0;
     float scale = 0;
     EXPECT_STATUS(FSDP_ERR_INVALID_STATE, fsdp_step_begin(job.ctx.get(), nullptr, &update, &scale));
+    float *p = nullptr, *g = nullptr;
+    size_t n = 0;
+    EXPECT_STATUS(FSDP_ERR_INVALID_STATE, fsdp_shard_tensors(job.ctx.get(), job.units[0], &p, &g, nullptr, 0, &n));
+    EXPECT_NE(last_error_str().find("optimizer=host"), std::string::npos) << last_error_str();
   });
 }

@@ -23,7 +23,7 @@ if [[ $# -gt 0 ]]; then
 fi
 unset FSDP_LIBRARY
 pipq() { "$1" -m pip install -q --disable-pip-version-check "${@:2}"; }
-adapters=(test_torch_adapter.py test_jax_adapter.py)
+adapters=(test_torch_adapter.py test_torch_idioms.py test_jax_adapter.py)
 present=()
 for t in "${adapters[@]}"; do [[ -f bindings/python/tests/$t ]] && present+=("$t"); done
 
@@ -52,6 +52,14 @@ req="$root/bindings/python/tests/requirements-frameworks.txt"
 stamp="$fw/.requirements.sha256"
 want="$(sha256sum "$req" | cut -d' ' -f1)"
 fw_ok=1
+# A changed requirements file is first installed over the kept venv (pip changes only what differs: a
+# package added need not download torch again); the venv is made anew only if that fails.
+if [[ -x "$fw/bin/python" && "$(cat "$stamp" 2>/dev/null)" != "$want" ]]; then
+  echo "   updating $fw to $req"
+  if pipq "$fw/bin/python" -r "$req"; then
+    echo "$want" >"$stamp"
+  fi
+fi
 if [[ ! -x "$fw/bin/python" || "$(cat "$stamp" 2>/dev/null)" != "$want" ]]; then
   echo "   making $fw (torch, transformers, JAX from PyPI: a few minutes once, then reused)"
   start=$SECONDS

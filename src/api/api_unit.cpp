@@ -126,6 +126,30 @@ fsdp_status_t fsdp_unit_register(fsdp_ctx_t* ctx, const char* name, size_t n_par
   });
 }
 
+fsdp_status_t fsdp_unit_register_trainable(fsdp_ctx_t* ctx, const char* name, size_t n_params,
+                                           const char* const* names, const int32_t* ndims, const int64_t* dims,
+                                           const int32_t* trainable, fsdp_unit_t** out) {
+  return guard([&] {
+    const char* call = "fsdp_unit_register_trainable";
+    require(ctx, call, "ctx");
+    ctx_of(ctx)->check_live(call);
+    std::vector<ParamSpec> params;
+    std::string problem = read_params(name, n_params, names, ndims, dims, out, params);
+    std::vector<bool> frozen;
+    if (trainable != nullptr && problem.empty()) {
+      for (size_t i = 0; i < n_params; ++i) {
+        if (trainable[i] != 0 && trainable[i] != 1 && problem.empty()) {
+          problem = "trainable[" + std::to_string(i) + "] is " + std::to_string(trainable[i]) + ", not 0 or 1";
+        }
+        frozen.push_back(trainable[i] == 0);
+      }
+    }
+    Unit& unit = ctx_of(ctx)->register_unit(name != nullptr ? name : "", std::move(params), problem,
+                                            std::move(frozen));
+    *out = reinterpret_cast<fsdp_unit_t*>(&unit);
+  });
+}
+
 fsdp_status_t fsdp_param_set_values(fsdp_unit_t* unit, size_t param_index, const float* values, size_t numel) {
   return guard([&] { live_unit(unit, "fsdp_param_set_values").set_values(param_index, values, numel); });
 }
@@ -215,10 +239,13 @@ fsdp_status_t fsdp_shard_tensors(fsdp_ctx_t* ctx, fsdp_unit_t* unit, float** par
     require(grads, call, "grads");
     require(numel, call, "numel");
     if (n_states > 0) require(states, call, "states");
-    if (!u.runtime().host_step_open) {
+    if (u.runtime().opts.optimizer != fsdp::core::OptimizerKind::kHost) {
       fail(FSDP_ERR_INVALID_STATE, std::string(call) + " on unit " + base::quote(u.name()) +
-                                       ": only between fsdp_step_begin and fsdp_step_end (optimizer=host)");
+                                       ": only with optimizer=host (the host updates the shards itself)");
     }
+    // Outside the host's step: the same buffers, once the step in flight is
+    // done, for a binding to make its views of them (written only inside).
+    if (!u.runtime().host_step_open) u.runtime().wait_step();
     if (!u.trainable()) {
       fail(FSDP_ERR_INVALID_STATE, std::string(call) + " on unit " + base::quote(u.name()) +
                                        ": the unit is frozen, so it has no grads or state to update");

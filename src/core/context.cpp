@@ -40,14 +40,15 @@ std::string describe(const Options& o) {
   return os.str();
 }
 
-std::string describe(size_t index, const std::string& name, const std::vector<ParamSpec>& params) {
+std::string describe(size_t index, const std::string& name, const std::vector<ParamSpec>& params,
+                     const std::vector<bool>& frozen) {
   std::ostringstream os;
   os.imbue(std::locale::classic());
   os << "unit #" << index << " '" << name << "' with " << params.size() << " params\n";
   for (size_t i = 0; i < params.size(); ++i) {
     os << "param " << i << " '" << params[i].name << "' shape [";
     for (size_t d = 0; d < params[i].shape.size(); ++d) os << (d ? ", " : "") << params[i].shape[d];
-    os << "]\n";
+    os << "]" << (i < frozen.size() && frozen[i] ? " frozen" : "") << "\n";
   }
   return os.str();
 }
@@ -217,7 +218,8 @@ void Context::agree_or_refuse(const std::string& what, const std::string& text, 
   if (!refusal.empty()) fail(status, refusal);
 }
 
-Unit& Context::register_unit(const std::string& name, std::vector<ParamSpec> params, std::string problem) {
+Unit& Context::register_unit(const std::string& name, std::vector<ParamSpec> params, std::string problem,
+                              std::vector<bool> frozen) {
   // Register collectively even when this rank's arguments are bad, so that the
   // other ranks learn of it instead of waiting.
   size_t index = units_.size();
@@ -227,13 +229,13 @@ Unit& Context::register_unit(const std::string& name, std::vector<ParamSpec> par
     if (problem.empty() && !seen.insert(p.name).second)
       problem = "param name " + base::quote(p.name) + " appears twice";
   }
-  std::string text = problem.empty() ? describe(index, name, params) : "invalid registration: " + problem;
+  std::string text = problem.empty() ? describe(index, name, params, frozen) : "invalid registration: " + problem;
   agree_or_refuse(what, text, FSDP_ERR_INVALID_ARGUMENT,
                   problem.empty() ? "" : what + " " + base::quote(name) + ": " + problem);
   // More units than the sums of squares have room for: they move, once
   // nothing that writes one is queued.
   if (optimizer_.unit_slots_full() && !units_.empty()) settle_units();
-  auto unit = std::make_unique<Unit>(rt_, index, name, std::move(params));
+  auto unit = std::make_unique<Unit>(rt_, index, name, std::move(params), std::move(frozen));
   optimizer_.add_unit(*unit);
   units_.push_back(std::move(unit));
   return *units_.back();
@@ -460,7 +462,9 @@ void Context::set_lr(double lr) {
 
 double Context::last_grad_norm() const {
   // A skipped step (inf/nan grads) ran too: its norm is the inf or nan.
-  if (optimizer_.steps_run() == 0) {
+  // Inside the host's step (optimizer=host) the norm is this step's, known
+  // since fsdp_step_begin, though the step is counted at fsdp_step_end.
+  if (optimizer_.steps_run() == 0 && !rt_.host_step_open) {
     fail(FSDP_ERR_INVALID_STATE, "fsdp_last_grad_norm: no fsdp_step has run yet on this context");
   }
   return optimizer_.last_grad_norm();

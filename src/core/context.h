@@ -41,7 +41,9 @@ class Context {
 
   // Collective. `problem` is this rank's reason its arguments are invalid ("" if
   // none): the call still joins the other ranks so that they fail too.
-  Unit& register_unit(const std::string& name, std::vector<ParamSpec> params, std::string problem);
+  // `frozen` (empty: none frozen): the params registered frozen (Unit).
+  Unit& register_unit(const std::string& name, std::vector<ParamSpec> params, std::string problem,
+                      std::vector<bool> frozen = {});
   // Orders itself after `caller`'s work (the host's compute stream).
   void step(device::Stream& caller);
   // optimizer=host: fsdp_step_begin (all of step() but the update; returns

@@ -117,7 +117,7 @@ bool Optimizer::unit_slots_full() const { return n_units_ >= unit_sq_.numel() * 
 
 void Optimizer::add_unit(const Unit& unit) {
   reserve_units(unit.index() + 1);
-  states_.push_back(make_state(unit.trainable_shard_numel()));
+  states_.push_back(unit.trainable() ? make_state(unit.trainable_shard_numel()) : State{});
   n_units_ = states_.size();
 }
 

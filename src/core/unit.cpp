@@ -48,12 +48,13 @@ const char* unit_state_name(UnitState s) {
   return "?";
 }
 
-Unit::Unit(Runtime& rt, size_t index, std::string name, std::vector<ParamSpec> params)
+Unit::Unit(Runtime& rt, size_t index, std::string name, std::vector<ParamSpec> params, std::vector<bool> frozen)
     : rt_(rt),
       index_(index),
       name_(std::move(name)),
       tag_(base::quote(name_) + " (#" + std::to_string(index_) + ")"),
-      layout_(std::move(params), rt.opts.align_bytes / sizeof(float), rt.shard_world()) {
+      layout_(std::move(params), rt.opts.align_bytes / sizeof(float), rt.shard_world(), frozen),
+      trainable_(frozen.empty() || std::find(frozen.begin(), frozen.end(), false) != frozen.end()) {
   segments_ = layout_.shard_segments(rt_.shard_rank());
   block_slices_ = layout_.shard_ranges(0);
   for (size_t i = 0; i < layout_.n_params(); ++i) {
@@ -70,7 +71,9 @@ Unit::Unit(Runtime& rt, size_t index, std::string name, std::vector<ParamSpec> p
   if (rt_.opts.param_dtype != DType::kFp32 && (rt_.opts.keeps_param_dtype_shard() || !rt_.gathers())) {
     lowp_ = Buffer(rt_.state_dev, &rt_.mem, MemCategory::kShardedParams, rt_.opts.param_dtype, s);
   }
-  sgrad_ = Buffer(rt_.state_dev, &rt_.mem, MemCategory::kShardedGrads, DType::kFp32, layout_.trainable_shard_numel());
+  if (trainable_) {
+    sgrad_ = Buffer(rt_.state_dev, &rt_.mem, MemCategory::kShardedGrads, DType::kFp32, layout_.trainable_shard_numel());
+  }
   if (!rt_.gathers()) state_ = UnitState::kGathered;  // the shard is the full params
   gather_label_ = label("all_gather");
   reduce_label_ = label(rt_.sharded() ? "reduce_scatter" : "all_reduce");

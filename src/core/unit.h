@@ -33,7 +33,10 @@ const char* unit_state_name(UnitState s);
 
 class Unit {
  public:
-  Unit(Runtime& rt, size_t index, std::string name, std::vector<ParamSpec> params);
+  // `frozen` (empty: none): params frozen from the start, laid out in the
+  // frozen block with no grads or state ever allocated for them; all of
+  // them frozen makes the unit frozen (fsdp_unit_register_trainable).
+  Unit(Runtime& rt, size_t index, std::string name, std::vector<ParamSpec> params, std::vector<bool> frozen = {});
 
   const std::string& name() const { return name_; }
   const Runtime& runtime() const { return rt_; }

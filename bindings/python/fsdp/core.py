@@ -232,6 +232,7 @@ class Context(_Handle):
             self.device = config.get("device")
             self._host_state = int(config.get("host_state"))  # optimizer=host: Unit.shard_tensors's buffers
             self._offload = config.get("offload")
+            self.optimizer = config.get("optimizer")  # "host": the shards are updated by the host (fsdp.torch)
             check(LIB.fsdp_ctx_create(config._handle(), group._handle() if group is not None else None, int(rank),
                                       ctypes.byref(h)), "fsdp_ctx_create")
         finally:
@@ -253,8 +254,10 @@ class Context(_Handle):
         self.device_id = int(idx) if idx.isdigit() else 0
 
     # ---- units ----
-    def register_unit(self, name, params):
-        """Collective. params: {name: shape} or [(name, shape), ...]; returns the Unit."""
+    def register_unit(self, name, params, trainable=None):
+        """Collective. params: {name: shape} or [(name, shape), ...]; returns the Unit. trainable: a bool per
+        param (None: all True); a False param is frozen from the start, with no grad or optimizer memory ever
+        (fsdp_unit_register_trainable)."""
         items = list(params.items()) if isinstance(params, dict) else [tuple(p) for p in params]
         names = [str(n) for n, _ in items]
         shapes = [tuple(int(d) for d in (s if hasattr(s, "__len__") else (s,))) for _, s in items]
@@ -264,8 +267,16 @@ class Context(_Handle):
         flat = [d for s in shapes for d in s]
         c_dims = (ctypes.c_int64 * max(len(flat), 1))(*flat)
         h = ctypes.c_void_p()
-        check(LIB.fsdp_unit_register(self._handle(), str(name).encode(), n, c_names, c_ndims, c_dims,
-                                     ctypes.byref(h)), "fsdp_unit_register")
+        if trainable is None:
+            check(LIB.fsdp_unit_register(self._handle(), str(name).encode(), n, c_names, c_ndims, c_dims,
+                                         ctypes.byref(h)), "fsdp_unit_register")
+        else:
+            flags = [1 if t else 0 for t in trainable]
+            if len(flags) != n:
+                raise InvalidArgument(1, f"Context.register_unit: {len(flags)} trainable flags for {n} params")
+            c_flags = (ctypes.c_int32 * max(n, 1))(*flags)
+            check(LIB.fsdp_unit_register_trainable(self._handle(), str(name).encode(), n, c_names, c_ndims, c_dims,
+                                                   c_flags, ctypes.byref(h)), "fsdp_unit_register_trainable")
         unit = Unit(self, h.value, str(name), names, shapes)
         self.units.append(unit)
         return unit

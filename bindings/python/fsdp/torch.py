@@ -46,9 +46,13 @@ try:
 except ImportError as e:  # fsdp itself needs numpy only; this module is the one that needs torch
     raise ImportError(f"fsdp.torch needs PyTorch (pip install torch): {e}") from e
 
+from ._torch_optim import TorchOptimizer, _live
+from ._torch_state import Placeholders, StateDictHooks, written_message
 from .core import Context, InvalidArgument, InvalidState, Unsupported
 
 _TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_PEFT_ORDER = (" (PEFT: call get_peft_model before fsdp.torch.shard, so that the adapters are registered and "
+               "the base is frozen from the start)")
 
 
 def _tensors(obj, out):
@@ -111,26 +115,36 @@ class ShardedModule:
     """The result of shard(): .ctx, .units (libfsdp Units, registration order), .step(), .no_sync(),
     .state_dict(), .close(). The model itself is used as before: model(x), loss.backward()."""
 
-    def __init__(self, model, ctx, groups, check_writes, pack_saved):
+    def __init__(self, model, ctx, groups, check_writes, pack_saved, state_dict_ranks="all"):
         self.model, self.ctx = model, ctx
+        self._state_dict_ranks = state_dict_ranks
         self._pdtype = _TORCH_DTYPES[ctx.param_dtype]
         self._device = torch.device("cuda", ctx.device_id) if ctx.device_kind == "cuda" else torch.device("cpu")
         self._check_writes, self._pack_saved = check_writes, pack_saved
         self._states, self._state_of_param, self._hooks = [], {}, []
+        self._grad_hooks, self._installed = {}, False
         self._storages = {}  # data pointer of a live view's storage -> (state, key)
         self._saved_hooks = None
         self._in_backward = False
         self._empty = torch.empty(0, dtype=self._pdtype, device=self._device)
+        self._placeholders = Placeholders(self._pdtype, self._device)  # the params' data outside the brackets
+        self._grad_placeholders = {}  # param -> a NaN expanded to its shape: its .grad after backward
+        self._sd_hooks = None
         self.units = []
         for name, module, params in groups:
-            unit = ctx.register_unit(name, [(n, tuple(p.shape)) for n, p in params])
+            # Frozen params (requires_grad False: a PEFT base) are registered frozen: their grads and
+            # optimizer state are never allocated, not even for a moment.
+            unit = ctx.register_unit(name, [(n, tuple(p.shape)) for n, p in params],
+                                     trainable=[bool(p.requires_grad) for _, p in params])
             st = _UnitState(self, unit, module, [p for _, p in params])
+            st.requires_grad = [bool(p.requires_grad) for _, p in params]  # as registered
             self._states.append(st)
             self.units.append(unit)
             for p in st.params:
                 self._state_of_param[p] = st
         self._param_names = {p: n for _, _, params in groups for n, p in params}
         self._root = next((st for st in self._states if st.module is model), None)
+        self._optim = TorchOptimizer(self)  # sharded.parameters(), clip_grad_norm_, the optimizers' hooks
 
     @property
     def dtype(self):
@@ -145,7 +159,7 @@ class ShardedModule:
                     st.unit.set_values(i, None)
                 else:
                     st.unit.set_values(i, p.detach().to(torch.float32).cpu().numpy())
-                p.data = self._empty  # the model's own copy goes: the unit holds the values now
+                self._placeholders.put(p)  # the model's own copy goes: the unit holds the values now
 
     def _sync_trainable(self):
         """requires_grad=False params are frozen in libfsdp: a unit whose params are all frozen as a whole
@@ -168,6 +182,16 @@ class ShardedModule:
                     st.unit.set_trainable(True)
             st.requires_grad = flags
             st.cache.clear()  # the unit was laid out again: the views' offsets moved
+        self._hook_grads()
+
+    def _hook_grads(self):
+        """A param that needs grad gets the hook that keeps its grad in the unit's buffer (torch refuses
+        hooks on params that do not: frozen ones, e.g. a PEFT base, get theirs when unfrozen)."""
+        if not self._installed:
+            return
+        for p, st in self._state_of_param.items():
+            if p.requires_grad and p not in self._grad_hooks:
+                self._grad_hooks[p] = p.register_post_accumulate_grad_hook(functools.partial(self._grad_arrived, st))
 
     def _install(self):
         model = self.model
@@ -180,8 +204,9 @@ class ShardedModule:
                 functools.partial(self._unit_post_forward, st), always_call=True))
         self._hooks.append(model.register_forward_pre_hook(self._root_pre_forward, with_kwargs=True))
         self._hooks.append(model.register_forward_hook(self._root_post_forward, always_call=True))
-        for p, st in self._state_of_param.items():
-            self._hooks.append(p.register_post_accumulate_grad_hook(functools.partial(self._grad_arrived, st)))
+        self._installed = True
+        self._hook_grads()
+        self._sd_hooks = StateDictHooks(self, self._state_dict_ranks)
         self._expected = list(model.named_parameters())
 
     # ---- views ----
@@ -221,7 +246,7 @@ class ShardedModule:
         """After *_begin: the params' .data are the gathered views (and their .grad the grad buffers)."""
         base, views = self._make_views(st, grad=False)
         for p, v in zip(st.params, views):
-            if p.numel() != 0 and p.data_ptr() != v.data_ptr():
+            if not self._placeholders.holds(p) and p.data_ptr() != v.data_ptr():
                 raise InvalidState(2, f"fsdp.torch: param {self._param_names[p]!r} of unit {st.unit.name!r} was "
                                       f"given new data after shard(); set values through the unit "
                                       f"(unit.set_values) instead")
@@ -251,7 +276,7 @@ class ShardedModule:
             if b.numel():
                 self._storages.pop(b.untyped_storage().data_ptr(), None)
         for p in st.params:
-            p.data = self._empty
+            self._placeholders.put(p)
             p.grad = None
         st.base = st.views = st.grads = st.versions = None
         st.phase = None
@@ -314,6 +339,10 @@ class ShardedModule:
         if self._saved_hooks is not None:
             raise InvalidState(2, "fsdp.torch: the model's forward was entered again before it returned")
         self._check_params()
+        self._check_outside_writes()
+        for p, g in self._grad_placeholders.items():  # last backward's: the grads live in the units
+            if p.grad is g:
+                p.grad = None
         self._sync_trainable()
         if self._pack_saved:
             self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
@@ -342,7 +371,8 @@ class ShardedModule:
             raise InvalidState(2, f"fsdp.torch: the model's params changed after shard(): "
                                   f"{'new or replaced: ' + ', '.join(new) if new else ''}"
                                   f"{'; ' if new and gone else ''}{'gone: ' + ', '.join(gone) if gone else ''}"
-                                  f"{'reordered' if not new and not gone else ''}; shard the new model instead")
+                                  f"{'reordered' if not new and not gone else ''}; shard the new model instead"
+                                  f"{_PEFT_ORDER if any('lora_' in n for n in new) else ''}")
 
     # ---- saved tensors ----
     def _pack(self, t):
@@ -411,11 +441,47 @@ class ShardedModule:
             st.pending = 0
             if st.phase == "backward":
                 self._end_backward(st)
+        # The grads are in the units' shards now: each trainable param's .grad is a NaN of its shape (no
+        # memory), so that torch code that reads it (torch.nn.utils.clip_grad_norm_ over model.parameters())
+        # gets NaN or fails, instead of finding no grad and doing nothing.
+        for p in self._state_of_param:
+            if p.requires_grad:
+                g = self._grad_placeholders.get(p)
+                if g is None:
+                    g = self._grad_placeholders[p] = torch.full((), float("nan"), dtype=self._pdtype,
+                                                                device=self._device).expand(p.shape)
+                p.grad = g
+
+    def _check_outside_writes(self):
+        written = self._placeholders.written()
+        if written:
+            raise InvalidState(2, written_message([self._param_names[p] for p in written]))
 
     # ---- the step and the rest ----
     def step(self):
         """Collective: the optimizer step on every rank's shards (fsdp_step)."""
+        if self.ctx.optimizer == "host":
+            raise InvalidState(2, "fsdp.torch: with optimizer='torch' the step is the torch optimizer's: "
+                                  "opt.step() over sharded.parameters(), not sharded.step()")
+        self._check_outside_writes()
         self.ctx.step(self._stream())
+
+    def parameters(self):
+        """The params a torch optimizer steps (shard(..., optimizer='torch')): one torch.nn.Parameter per
+        trainable param, a 1-D view of this rank's slice of its fp32 master (possibly empty), whose .grad is
+        its slice of the reduced grads during the optimizer's step. Param groups by name: named_parameters()."""
+        return [p for _, p in self._optim.named_parameters()]
+
+    def named_parameters(self):
+        """[(the model's param name, its shard param)] of parameters(), in registration order."""
+        return self._optim.named_parameters()
+
+    def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False):
+        """torch.nn.utils.clip_grad_norm_ for the sharded model (collective): the global L2 norm of the grads
+        over every rank, returned as a tensor; the grads are scaled by max_norm / (norm + 1e-6) where that
+        is below 1. After backward, before the torch optimizer's step (optimizer='torch'); with libfsdp's
+        own optimizer the clip is the max_grad_norm option instead (raises, saying so)."""
+        return self._optim.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
 
     def set_lr(self, lr):
         self.ctx.set_lr(lr)
@@ -447,23 +513,22 @@ class ShardedModule:
             config.save_pretrained(dir)
 
     def state_dict(self):
-        """Collective: the model's state_dict with every param gathered in fp32 (tied params under each of
-        their names, one tensor), buffers as the model holds them; what model.load_state_dict and
-        transformers' save_pretrained take."""
-        full = {}
-        for st in self._states:
-            for i, p in enumerate(st.params):
-                full[p] = torch.from_numpy(st.unit.gather(i))
-        out = {}
-        for name, v in self.model.state_dict(keep_vars=True).items():
-            out[name] = full[v] if isinstance(v, nn.Parameter) and v in full else v.detach()
-        return out
+        """Collective: model.state_dict(), every param gathered in fp32 (tied params under each of their
+        names, one tensor), buffers as the model holds them; what model.load_state_dict and transformers'
+        save_pretrained take. With state_dict_ranks='rank0' the params are only in rank 0's."""
+        return self.model.state_dict()
 
     def close(self):
         """Removes the hooks and closes the context (local)."""
         for h in self._hooks:
             h.remove()
-        self._hooks = []
+        for h in self._grad_hooks.values():
+            h.remove()
+        self._hooks, self._grad_hooks = [], {}
+        if self._sd_hooks is not None:
+            self._sd_hooks.remove()
+            self._sd_hooks = None
+        _live.discard(self)
         self.ctx.close()
 
     def __enter__(self):
@@ -526,7 +591,7 @@ def _group(model, units):
 
 
 def shard(model, units=None, *, group=None, rank=None, config=None, sync_module_states=True, check_writes=True,
-          **options):
+          state_dict_ranks="all", **options):
     """Shards `model`'s params over libfsdp units and installs the hooks that drive them. Collective.
 
     units: a list of submodules, a module class (or tuple of classes: every module of that class, like
@@ -535,16 +600,28 @@ def shard(model, units=None, *, group=None, rank=None, config=None, sync_module_
       shared by modules of different units, form the root unit. None: the whole model is one unit.
     group, rank: as Context (thread ranks: fsdp.run_ranks gives both; under mpirun leave them None).
     config: a fsdp.Config, or options as keywords (lr=..., sharding=..., param_dtype="bf16", ...).
+      optimizer="torch": the update is a torch optimizer's over sharded.parameters() (libfsdp's
+      optimizer=host); else libfsdp's own (adamw by default), run by sharded.step().
     sync_module_states: rank 0's param values go to every rank (on by default: thread ranks share torch's
       RNG, so their inits differ).
     check_writes: raise at a bracket's end if a param was written in place inside it.
+    state_dict_ranks: "all" (every rank's model.state_dict() holds the full params) or "rank0" (only rank
+      0's; the others' have no param entries). Either way every rank must call it: the gathers are
+      collective.
 
-    The model must not be used for forward before shard() returns; its params hold no memory afterwards
-    outside a unit's bracket (their .data is an empty tensor), and their .grad is the unit's grad buffer
-    only during the unit's backward. Run the optimizer through .step(), not a torch optimizer."""
+    Params whose requires_grad is False when shard() is called (a frozen base, a PEFT model's) are frozen
+    in libfsdp: no grads, no optimizer state. Outside a unit's bracket a param holds no memory (its .data
+    is a NaN expanded to its shape: p.shape and p.numel() are the model's, its values NaN), and after
+    backward its .grad is such a NaN too: the grads live in the units (docs/bindings.md, "PyTorch")."""
     if not isinstance(model, nn.Module):
         raise InvalidArgument(1, f"fsdp.torch.shard: model must be a torch.nn.Module, not {type(model).__name__}")
     pack_saved = options.pop("_pack_saved", True)  # tests only: the naive glue, without saved-tensor hooks
+    if options.get("optimizer") == "torch":
+        options["optimizer"] = "host"
+        options.setdefault("host_state", 0)  # the torch optimizer keeps its own state
+    if state_dict_ranks not in ("all", "rank0"):
+        raise InvalidArgument(1, f"fsdp.torch.shard: state_dict_ranks must be 'all' or 'rank0', not "
+                                 f"{state_dict_ranks!r}")
     if config is None:
         options.setdefault("sync_module_states", 1 if sync_module_states else 0)
         ctx = Context(None, group, rank, **options)
@@ -553,7 +630,7 @@ def shard(model, units=None, *, group=None, rank=None, config=None, sync_module_
     try:
         sync = config.get("sync_module_states") if config is not None else options["sync_module_states"]
         groups = _group(model, units)
-        sharded = ShardedModule(model, ctx, groups, check_writes, pack_saved)
+        sharded = ShardedModule(model, ctx, groups, check_writes, pack_saved, state_dict_ranks)
         sharded._set_values(str(sync) not in ("0", "false", "False"))
         sharded._sync_trainable()
         sharded._install()

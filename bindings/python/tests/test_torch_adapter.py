@@ -150,11 +150,14 @@ def test_param_views_are_bf16_torch_tensors_only_inside_the_bracket():
             blk.register_forward_pre_hook(look)
             model(torch.randn(2, 6, dtype=torch.bfloat16)).float().sum().backward()
             sh.step()
-            return tuple(blk.fc1.weight.shape), blk.fc1.weight.grad
+            w = blk.fc1.weight
+            return (tuple(w.shape), w.untyped_storage().nbytes(), bool(w.isnan().all()),
+                    w.grad.untyped_storage().nbytes(), bool(w.grad.isnan().all()))
 
     outside = fsdp.run_ranks(2, rank_fn)
     assert seen[0] == (torch.bfloat16, (64, 16)) and seen[1] == seen[0]
-    assert outside[0] == ((0,), None), "a param holds memory, or a grad, outside its unit's bracket"
+    # Outside the bracket: the param's shape, one bf16 NaN of memory, and a grad that is NaN too.
+    assert outside[0] == ((64, 16), 2, True, 2, True), "a param holds memory, or a grad, outside its unit's bracket"
 
 
 def test_gpt2_matches_plain_torch_with_tied_embeddings():
