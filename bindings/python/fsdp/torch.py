@@ -13,9 +13,11 @@ How it works (docs/bindings.md, "PyTorch"):
 
 - Each unit module (and the model itself, for the params outside every unit module: the root unit) gets a
   forward pre-hook (``forward_begin``; the module's ``nn.Parameter`` objects get the gathered memory as
-  their ``.data``) and a forward hook (``forward_end``; the params' ``.data`` become empty tensors). The
-  ``nn.Parameter`` objects stay the same objects all along: hooks, ``named_parameters()`` and tied params
-  keep working, and they hold no memory between the brackets.
+  their ``.data``) and a forward hook (``forward_end``; each param's ``.data`` becomes a NaN expanded to
+  its shape: _torch_state.py). The ``nn.Parameter`` objects stay the same objects all along: hooks,
+  ``named_parameters()`` and tied params keep working, and they hold no memory between the brackets.
+- model.state_dict() / load_state_dict() give and take the full model (_torch_state.py); a torch optimizer
+  steps the shards through sharded.parameters() (_torch_optim.py).
 - Autograd saves tensors in forward that it reads in backward: a matmul's weight, a LayerNorm's gamma,
   views of them. Those point into gathered memory that ``forward_end`` gave back. A
   ``torch.autograd.graph.saved_tensors_hooks`` pair, active during the model's forward, replaces every

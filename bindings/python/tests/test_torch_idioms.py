@@ -268,9 +268,8 @@ def test_gpt2_save_pretrained_of_the_sharded_model_loads_in_transformers(tmp_pat
                 model(rows, labels=rows).loss.backward()
                 o.step()
                 o.zero_grad()
-            sd = model.state_dict()  # collective: every rank
-            if rank == 0:
-                model.save_pretrained(tmp_path, state_dict=sd)
+            # Every rank (model.state_dict() inside is collective); rank 0 writes.
+            model.save_pretrained(tmp_path, is_main_process=(rank == 0))
             return True
 
     fsdp.run_ranks(2, rank_fn)
