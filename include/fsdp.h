@@ -188,6 +188,18 @@ FSDP_API fsdp_status_t fsdp_ctx_async_error(const fsdp_ctx_t* ctx);
  * a message naming the first difference. The unit belongs to the context. */
 FSDP_API fsdp_status_t fsdp_unit_register(fsdp_ctx_t* ctx, const char* name, size_t n_params, const char* const* names,
                                           const int32_t* ndims, const int64_t* dims, fsdp_unit_t** out);
+/* torch.nn.utils.clip_grad_norm_ for libfsdp's own optimizer: after the
+ * step's last backward, before its fsdp_step. Collective. Waits for every
+ * reduction and gives the global L2 norm of the grads over all ranks in
+ * `*total_norm` (unscaled by the loss scale, as fsdp_last_grad_norm; a host
+ * wait), and the coming fsdp_step alone multiplies the grads by
+ * max_norm / (norm + 1e-6) where that is below 1, after the max_grad_norm
+ * option's clip if one is set. A non-finite norm changes nothing (the step
+ * skips). max_norm must be finite and > 0 (else FSDP_ERR_INVALID_ARGUMENT);
+ * with optimizer=host it is FSDP_ERR_INVALID_STATE (fsdp_step_begin gives
+ * the norm and the host scales the grads). The max_grad_norm option does the
+ * same inside fsdp_step without a host wait: the fast path. */
+FSDP_API fsdp_status_t fsdp_clip_grad_norm(fsdp_ctx_t* ctx, void* stream, double max_norm, double* total_norm);
 /* fsdp_unit_register with each param's trainable flag from the start
  * (`trainable` NULL: all 1): a param registered 0 is frozen as by
  * fsdp_param_set_trainable, and a unit whose params are all 0 as by

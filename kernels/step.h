@@ -31,6 +31,7 @@ struct StepState {
   int64_t clean;      // clean steps since the dynamic scale last changed
   float grad_scale;   // the update's factor for the grads: 1 / scale, times the clip coefficient
   int32_t skip;       // the last step was skipped: the update only clears the grads
+  double clip;        // fsdp_clip_grad_norm's coefficient for the coming update alone (0: none)
 };
 
 // The context's options a step decides by (fixed for its life).
@@ -80,6 +81,8 @@ FSDP_HD void step_sum_units(StepState& s, const double* unit_sq, size_t n_units)
 // coefficient) and the count.
 FSDP_HD void step_decide(StepState& s, const StepRule& r) {
   const double scale = s.loss_scale;
+  const double clip = s.clip;  // this update's alone, skipped or not
+  s.clip = 0.0;
   s.norm = std::sqrt(s.sq) / scale;
   if (non_finite_f64(s.sq)) {
     s.skip = 1;
@@ -92,12 +95,13 @@ FSDP_HD void step_decide(StepState& s, const StepRule& r) {
     s.loss_scale = scale * r.growth;
     s.clean = 0;
   }
-  float grad_scale = static_cast<float>(1.0 / scale);
+  double factor = 1.0 / scale;
   if (r.max_grad_norm > 0.0) {
     double coef = r.max_grad_norm / (s.norm + 1e-6);  // torch.nn.utils.clip_grad_norm_
-    if (coef < 1.0) grad_scale = static_cast<float>(coef / scale);
+    if (coef < 1.0) factor = coef / scale;
   }
-  s.grad_scale = grad_scale;
+  if (clip > 0.0) factor *= clip;  // fsdp_clip_grad_norm's, on top
+  s.grad_scale = static_cast<float>(factor);
   s.skip = 0;
   if (r.count) ++s.t;
 }

@@ -46,8 +46,9 @@ void make(Rank& s, std::map<std::string, std::string> opts, fsdp_local_group_t* 
 }
 
 // One pass whose grad is `scale` * (a fixed per-rank grad), written in the
-// context's param dtype; `poison` puts an inf into element 3.
-void pass(Rank& s, int rank, int step, double scale, bool poison) {
+// context's param dtype; `poison` puts an inf into element 3. With `clip`
+// > 0, fsdp_clip_grad_norm(clip) before the step, its norm into *norm.
+void pass(Rank& s, int rank, int step, double scale, bool poison, double clip = 0.0, double* norm = nullptr) {
   fsdp_dtype_t dt;
   ASSERT_OK(fsdp_ctx_param_dtype(s.ctx.get(), &dt));
   ASSERT_OK(fsdp_forward_begin(s.unit, s.host.stream()));
@@ -62,6 +63,7 @@ void pass(Rank& s, int rank, int step, double scale, bool poison) {
     if (poison) add_elem(g, 3, dt, std::numeric_limits<float>::infinity());
   });
   ASSERT_OK(fsdp_backward_end(s.unit, s.host.stream()));
+  if (clip > 0.0) ASSERT_OK(fsdp_clip_grad_norm(s.ctx.get(), s.host.stream(), clip, norm));
   ASSERT_OK(fsdp_step(s.ctx.get(), s.host.stream()));
 }
 
@@ -178,6 +180,82 @@ TEST(LossScale, TheScaleIsDividedOutExactly) {
     });
   }
   EXPECT_EQ(results[0], results[1]);
+}
+
+// fsdp_clip_grad_norm (torch.nn.utils.clip_grad_norm_ for libfsdp's own
+// optimizer) clips the coming step as the max_grad_norm option does, to the
+// bit, with a static loss scale divided out, and returns the norm that
+// fsdp_last_grad_norm reports for that step; the clip bites (without it the
+// params differ), a max_norm above the norm changes nothing, a skipped step
+// leaves no coefficient behind, and bad calls are refused.
+TEST(LossScale, ClipGradNormClipsTheComingStepLikeMaxGradNorm) {
+  enum Run { kOption, kCall, kNone, kLoose };
+  constexpr int kSteps = 4;
+  for (int world : {1, 3}) {
+    SCOPED_TRACE("world " + std::to_string(world));
+    std::vector<std::vector<float>> w(4);
+    std::vector<std::vector<double>> norms(4, std::vector<double>(kSteps));
+    for (int run : {kOption, kCall, kNone, kLoose}) {
+      run_ranks(world, [&, run](int rank, fsdp_local_group_t* group) {
+        Rank s;
+        std::map<std::string, std::string> opts = {{"loss_scale", "1024"}};
+        if (run == kOption) opts["max_grad_norm"] = "0.01";
+        make(s, opts, group, rank);
+        if (::testing::Test::HasFatalFailure()) return;
+        for (int step = 0; step < kSteps; ++step) {
+          double norm = -1.0;
+          const double clip = run == kCall ? 0.01 : run == kLoose ? 1e9 : 0.0;
+          pass(s, rank, step, 1024.0, /*poison=*/run == kCall && step == 1, clip, &norm);
+          double last = 0.0;
+          ASSERT_OK(fsdp_last_grad_norm(s.ctx.get(), &last));
+          if (clip > 0.0 && std::isfinite(last)) {
+            EXPECT_EQ(norm, last) << "step " << step;
+          }
+          if (rank == 0) norms[size_t(run)][size_t(step)] = last;
+        }
+        const std::vector<float> got = params(s);  // collective
+        if (rank == 0) w[size_t(run)] = got;
+        if (run == kCall) {
+          double n = 0.0;
+          for (double bad : {0.0, -1.0, std::numeric_limits<double>::infinity(), std::nan("")}) {
+            EXPECT_STATUS(FSDP_ERR_INVALID_ARGUMENT, fsdp_clip_grad_norm(s.ctx.get(), s.host.stream(), bad, &n));
+          }
+          EXPECT_STATUS(FSDP_ERR_INVALID_ARGUMENT, fsdp_clip_grad_norm(s.ctx.get(), s.host.stream(), 1.0, nullptr));
+          ASSERT_OK(fsdp_forward_begin(s.unit, s.host.stream()));
+          EXPECT_STATUS(FSDP_ERR_INVALID_STATE, fsdp_clip_grad_norm(s.ctx.get(), s.host.stream(), 1.0, &n));
+          ASSERT_OK(fsdp_forward_end(s.unit, s.host.stream()));
+        }
+        EXPECT_OK(fsdp_ctx_finalize(s.ctx.get()));
+      });
+    }
+    // The call's run skipped its step 1 (an inf): compare it with the option's over the steps both ran.
+    EXPECT_FALSE(std::isfinite(norms[kCall][1]));
+    EXPECT_NE(w[kOption], w[kNone]) << "the clip must bite for the test to show it";
+    EXPECT_EQ(w[kLoose], w[kNone]) << "a max_norm above the norm changed the step";
+    EXPECT_EQ(norms[kCall][0], norms[kOption][0]);
+  }
+}
+
+// Without a skipped step in between, the call gives the option's bits step by step.
+TEST(LossScale, ClipGradNormGivesTheMaxGradNormOptionsBits) {
+  std::vector<std::vector<float>> w(2);
+  for (int run : {0, 1}) {
+    run_ranks(2, [&, run](int rank, fsdp_local_group_t* group) {
+      Rank s;
+      std::map<std::string, std::string> opts = {{"loss_scale", "1024"}};
+      if (run == 0) opts["max_grad_norm"] = "0.01";
+      make(s, opts, group, rank);
+      if (::testing::Test::HasFatalFailure()) return;
+      for (int step = 0; step < 4; ++step) {
+        double norm = 0.0;
+        pass(s, rank, step, 1024.0, false, run == 1 ? 0.01 : 0.0, &norm);
+      }
+      const std::vector<float> got = params(s);  // collective
+      if (rank == 0) w[size_t(run)] = got;
+      EXPECT_OK(fsdp_ctx_finalize(s.ctx.get()));
+    });
+  }
+  EXPECT_EQ(w[0], w[1]);
 }
 
 TEST(LossScale, DefaultIsOffOutsideFp16AndNullArgumentsAreRejected) {

@@ -311,6 +311,16 @@ fsdp_status_t fsdp_step(fsdp_ctx_t* ctx, void* stream) {
   });
 }
 
+fsdp_status_t fsdp_clip_grad_norm(fsdp_ctx_t* ctx, void* stream, double max_norm, double* total_norm) {
+  return guard([&] {
+    const char* call = "fsdp_clip_grad_norm";
+    require(ctx, call, "ctx");
+    require(total_norm, call, "total_norm");
+    ctx_of(ctx)->check_live(call);
+    *total_norm = ctx_of(ctx)->clip_grad_norm(ctx_of(ctx)->caller_stream(stream, call), max_norm);
+  });
+}
+
 fsdp_status_t fsdp_set_grad_sync(fsdp_ctx_t* ctx, int enabled) {
   return guard([&] {
     require(ctx, "fsdp_set_grad_sync", "ctx");

@@ -3,6 +3,7 @@
 
 #include <fnmatch.h>
 
+#include <cmath>
 #include <locale>
 #include <set>
 #include <sstream>
@@ -399,6 +400,28 @@ void Context::step(device::Stream& caller) {
   optimizer_.step(units_, caller, run);
   for (const auto& u : units_) u->grads_cleared();
   scheduler_.on_step();
+}
+
+double Context::clip_grad_norm(device::Stream& caller, double max_norm) {
+  const char* call = "fsdp_clip_grad_norm";
+  if (!(max_norm > 0.0) || !std::isfinite(max_norm)) {
+    fail(FSDP_ERR_INVALID_ARGUMENT, std::string(call) + " (" + rt_.where() + "): max_norm must be a finite number > 0, "
+                                        "not " + base::format_double(max_norm));
+  }
+  if (rt_.opts.optimizer == OptimizerKind::kHost) {
+    fail(FSDP_ERR_INVALID_STATE, std::string(call) + " (" + rt_.where() +
+                                     "): optimizer=host: fsdp_step_begin gives the norm (fsdp_last_grad_norm); "
+                                     "the host's update scales the grads by its own coefficient");
+  }
+  device::Stream& run = step_stream(caller);
+  settle_for_step(caller, run, call);
+  // torch.nn.utils.clip_grad_norm_: the norm before the clip is returned;
+  // the coming update alone scales the grads (a non-finite norm is the
+  // step's to skip).
+  const double norm = optimizer_.grad_norm(units_, caller, run);
+  const double coef = max_norm / (norm + 1e-6);
+  if (std::isfinite(norm) && coef < 1.0) optimizer_.set_clip(coef, run);
+  return norm;
 }
 
 void Context::settle_for_step(device::Stream& caller, device::Stream& run, const char* call) {

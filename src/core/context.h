@@ -42,6 +42,9 @@ class Context {
   // Collective. `problem` is this rank's reason its arguments are invalid ("" if
   // none): the call still joins the other ranks so that they fail too.
   // `frozen` (empty: none frozen): the params registered frozen (Unit).
+  // fsdp_clip_grad_norm: the grads' global norm, and the coming fsdp_step
+  // clips them with torch's rule (Optimizer::grad_norm, set_clip).
+  double clip_grad_norm(device::Stream& caller, double max_norm);
   Unit& register_unit(const std::string& name, std::vector<ParamSpec> params, std::string problem,
                       std::vector<bool> frozen = {});
   // Orders itself after `caller`'s work (the host's compute stream).

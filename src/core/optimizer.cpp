@@ -55,18 +55,21 @@ bool same_squares(const std::vector<device::SquaresSpan>& a, const std::vector<d
 }  // namespace
 
 // Two StepStates in host memory the device's copies reach fastest (pinned
-// for a GPU): each step copies its results into slot (its number % 2).
+// for a GPU): each step copies its results into slot (its number % 2); a
+// third, `probe`, takes fsdp_clip_grad_norm's sum of squares.
 struct Optimizer::Mirror {
   explicit Mirror(device::HostMemory m) : mem(m) {
-    slots = static_cast<StepState*>(mem.alloc(2 * sizeof(StepState)));
+    slots = static_cast<StepState*>(mem.alloc(3 * sizeof(StepState)));
     if (slots == nullptr) fail(FSDP_ERR_OUT_OF_MEMORY, "fsdp: no host memory for the step's results");
-    std::memset(static_cast<void*>(slots), 0, 2 * sizeof(StepState));
+    std::memset(static_cast<void*>(slots), 0, 3 * sizeof(StepState));
+    probe = slots + 2;
   }
   ~Mirror() { mem.free(slots); }
   Mirror(const Mirror&) = delete;
   Mirror& operator=(const Mirror&) = delete;
   device::HostMemory mem;
   StepState* slots = nullptr;
+  StepState* probe = nullptr;
 };
 
 Optimizer::Optimizer(Runtime& rt) : rt_(rt), scaler_(rt.opts) {
@@ -339,8 +342,8 @@ void Optimizer::collect(const std::vector<std::unique_ptr<Unit>>& units) {
   }
 }
 
-void Optimizer::queue(const std::vector<std::unique_ptr<Unit>>& units, device::Stream& caller, device::Stream& run,
-                      bool update) {
+void Optimizer::prepare(const std::vector<std::unique_ptr<Unit>>& units, device::Stream& caller,
+                        device::Stream& run) {
   reserve_units(n_units_);  // the step's state, also where no unit is registered
   poll();                   // the last step's results, if it is done (its skips logged now)
   collect(units);
@@ -373,7 +376,57 @@ void Optimizer::queue(const std::vector<std::unique_ptr<Unit>>& units, device::S
     }
   }
   if (lr_written_) run.wait(lr_written_);
+  if (clip_written_) run.wait(clip_written_);
+}
 
+void Optimizer::sum_squares(bool over_ranks) {
+  device::Device& dev = *rt_.state_dev;
+  StepState* st = step_state_.as<StepState>();
+  if (squares_table_) dev.sum_squares_table(*squares_table_);
+  dev.step_scalars(st, rt_.unit_sq, n_units_, nullptr);
+  // Shards of a shard group cover the model once; replicas hold the same
+  // grads. The sum runs on the device: NCCL, or the local communicator
+  // over the GPU's memory (rank order), or host memory on the CPU.
+  if (over_ranks) rt_.shard_comm->sum_f64(&st->sq_rank, &st->sq, 1, "grad norm");
+}
+
+// The norm's part of the step alone, its sums copied to the probe slot, and
+// a wait for them: the sums it writes are written again by the step.
+double Optimizer::grad_norm(const std::vector<std::unique_ptr<Unit>>& units, device::Stream& caller,
+                            device::Stream& run) {
+  prepare(units, caller, run);
+  const bool over_ranks = rt_.shard_world() > 1;
+  static const device::Label kNorm = device::make_label("grad norm (sum over the shard group)");
+  static const device::Label kProbe = device::make_label("fsdp_clip_grad_norm: the grads' norm");
+  StepState* probe = mirror_->probe;
+  auto copy = [this, probe] { rt_.state_dev->copy_to_host(probe, step_state_.data(), sizeof(StepState)); };
+  EventPtr done;
+  if (over_ranks && &run != rt_.stream) {  // as the step: the collective on the comm stream
+    rt_.stream->wait(run.record());
+    rt_.stream->wait(caller.record());
+    EventPtr summed = rt_.stream->submit(kNorm, [this] { sum_squares(true); });
+    run.wait(summed);
+    done = run.submit(kProbe, copy);
+  } else {
+    done = run.submit(kProbe, [this, over_ranks, copy] {
+      sum_squares(over_ranks);
+      copy();
+    });
+  }
+  done->wait(rt_.opts.timeout_s);
+  return std::sqrt(probe->sq) / probe->loss_scale;
+}
+
+void Optimizer::set_clip(double coef, device::Stream& run) {
+  static const device::Label kClip = device::make_label("fsdp_clip_grad_norm: the coming update's coefficient");
+  device::Device* dev = rt_.state_dev;
+  double* at = &step_state_.as<StepState>()->clip;
+  clip_written_ = run.submit(kClip, [dev, at, coef] { dev->copy_from_host(at, &coef, sizeof coef); });
+}
+
+void Optimizer::queue(const std::vector<std::unique_ptr<Unit>>& units, device::Stream& caller, device::Stream& run,
+                      bool update) {
+  prepare(units, caller, run);
   const size_t slot = queued_ % 2;
   const bool over_ranks = rt_.shard_world() > 1;
   // offload=cpu over ranks: the norm's sum is a collective, which runs on the
@@ -383,16 +436,7 @@ void Optimizer::queue(const std::vector<std::unique_ptr<Unit>>& units, device::S
   static const device::Label kNorm = device::make_label("grad norm (sum over the shard group)");
   static const device::Label kStep = device::make_label("optimizer step");
   static const device::Label kVerdict = device::make_label("grad norm, loss scale and clipping");
-  auto sum = [this, over_ranks] {
-    device::Device& dev = *rt_.state_dev;
-    StepState* st = step_state_.as<StepState>();
-    if (squares_table_) dev.sum_squares_table(*squares_table_);
-    dev.step_scalars(st, rt_.unit_sq, n_units_, nullptr);
-    // Shards of a shard group cover the model once; replicas hold the same
-    // grads. The sum runs on the device: NCCL, or the local communicator
-    // over the GPU's memory (rank order), or host memory on the CPU.
-    if (over_ranks) rt_.shard_comm->sum_f64(&st->sq_rank, &st->sq, 1, "grad norm");
-  };
+  auto sum = [this, over_ranks] { sum_squares(over_ranks); };
   auto finish = [this, slot, update] {
     device::Device& dev = *rt_.state_dev;
     StepState* st = step_state_.as<StepState>();

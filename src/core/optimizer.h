@@ -63,6 +63,12 @@ class Optimizer {
   // fsdp_step_end: the param_dtype copies follow the masters, the grads are
   // zeroed, and an update that ran counts as a step.
   void host_end(const std::vector<std::unique_ptr<Unit>>& units, bool updated);
+  // fsdp_clip_grad_norm: the grads' global norm now (unscaled by the loss
+  // scale, as fsdp_last_grad_norm), queued as the step queues it and waited
+  // for; set_clip makes the coming update alone multiply the grads by
+  // `coef`, written in stream order on `run`.
+  double grad_norm(const std::vector<std::unique_ptr<Unit>>& units, device::Stream& caller, device::Stream& run);
+  void set_clip(double coef, device::Stream& run);
 
   // What the steps decided, once the last one is done (waits for it: a read
   // of the step's results is a host wait). The loss scaler's scale, clean
@@ -124,6 +130,12 @@ class Optimizer {
   // allocates nothing once warm), and the units whose grads no pass summed
   // into squares_. The device tables are made again only where these changed.
   void collect(const std::vector<std::unique_ptr<Unit>>& units);
+  // What a step and a norm wait for and read: the last step's results, the
+  // tables made again where a span changed, the streams' order.
+  void prepare(const std::vector<std::unique_ptr<Unit>>& units, device::Stream& caller, device::Stream& run);
+  // The step's sum of squares into the state: the units' sums, over the
+  // shard group with `over_ranks` (a stream task).
+  void sum_squares(bool over_ranks);
   // Queues the norm and the verdict (and, with `update`, the update, the
   // clearing of the sums and the mirror's copy) after `caller`'s work, on
   // `run`; the event in Runtime::step_done.
@@ -168,6 +180,7 @@ class Optimizer {
   std::vector<std::unique_ptr<device::SquaresTable>> retired_squares_;
   device::Stream* last_caller_ = nullptr;  // the stream of the last fsdp_step (set_lr's writes go there)
   mutable EventPtr lr_written_;            // set_lr's write, queued there
+  EventPtr clip_written_;                  // set_clip's write: the next step waits for it
 };
 
 }  // namespace fsdp::core

@@ -49,6 +49,7 @@ _PROTOTYPES = {
     "fsdp_ctx_async_error": (None, [c_void_p]),
     "fsdp_unit_register": (None, [c_void_p, c_char_p, c_size_t, P(c_char_p), P(ctypes.c_int32),
                                   P(ctypes.c_int64), P(c_void_p)]),
+    "fsdp_clip_grad_norm": (None, [c_void_p, c_void_p, c_double, P(c_double)]),
     "fsdp_unit_register_trainable": (None, [c_void_p, c_char_p, c_size_t, P(c_char_p), P(ctypes.c_int32),
                                             P(ctypes.c_int64), P(ctypes.c_int32), P(c_void_p)]),
     "fsdp_param_set_values": (None, [c_void_p, c_size_t, c_void_p, c_size_t]),

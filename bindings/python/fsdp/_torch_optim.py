@@ -13,7 +13,8 @@ those. A step of such an optimizer is bracketed by torch's global optimizer hook
 
 Elementwise optimizers (AdamW, Adam, SGD, Lion...) compute what they compute on the whole params; one
 that needs a param's shape (Shampoo, a factored Adafactor) sees 1-D slices. ``clip_grad_norm_`` opens
-the host step early and scales the grads by torch's coefficient. A torch optimizer over the model's own
+the host step early and scales the grads by torch's coefficient (with libfsdp's own optimizer it is
+fsdp_clip_grad_norm). A torch optimizer over the model's own
 params (``model.parameters()``, which hold no values outside a forward) raises at its first step,
 naming ``sharded.parameters()``."""
 import ctypes
@@ -60,7 +61,9 @@ class TorchOptimizer:
     """The shard params of one ShardedModule and its part in a torch optimizer's step."""
 
     def __init__(self, sharded):
-        self.sh = sharded
+        # A weak reference: the ShardedModule owns this, and a cycle would keep its views (DLPack imports of
+        # libfsdp's memory) alive after close() until the garbage collector runs.
+        self._sh = weakref.ref(sharded)
         self.slices = None  # [_Slice], made at the first parameters()
         self.buffers = {}  # unit -> (params address, grads address, numel): the views' memory
         self.kinds = weakref.WeakKeyDictionary()  # optimizer -> "shards", "model" or None
@@ -69,6 +72,13 @@ class TorchOptimizer:
         self.factor = 1.0  # what the grads were multiplied by (loss scale, clip)
         _install_global_hooks()
         _live.add(sharded)
+
+    @property
+    def sh(self):
+        sh = self._sh()
+        if sh is None:
+            raise InvalidState(2, "fsdp.torch: the sharded model is gone")
+        return sh
 
     @property
     def host(self):
@@ -208,11 +218,13 @@ class TorchOptimizer:
             raise Unsupported(3, f"fsdp.torch: clip_grad_norm_ with norm_type={norm_type}: libfsdp's norm is the "
                                  f"global L2 norm (norm_type=2)")
         if not self.host:
-            raise Unsupported(3, "fsdp.torch: with libfsdp's own optimizer the clip runs inside sharded.step(): "
-                                 "pass max_grad_norm=... to shard() (torch's rule on the global norm; "
-                                 "sharded.ctx.last_grad_norm reads the norm after the step). "
-                                 "sharded.clip_grad_norm_ works with a torch optimizer on the shards "
-                                 "(shard(..., optimizer='torch'))")
+            # libfsdp's own optimizer: the norm now, and the coming sharded.step() clips (fsdp_clip_grad_norm).
+            self.sh._check_outside_writes()
+            norm = self.sh.ctx.clip_grad_norm(max_norm, self.sh._stream())
+            if error_if_nonfinite and not np.isfinite(norm):
+                raise RuntimeError(f"The total norm of order 2.0 for gradients from `parameters` is non-finite, so "
+                                   f"it cannot be clipped (fsdp.torch: libfsdp skips this step)")
+            return torch.tensor(norm, dtype=torch.float32)
         if self.slices is None:
             self.named_parameters()
         if self.open:

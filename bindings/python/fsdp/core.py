@@ -299,6 +299,15 @@ class Context(_Handle):
         """Collective: reduce waits, unscale, clip, optimizer on this rank's shards."""
         check(LIB.fsdp_step(self._handle(), self._stream(stream, "Context.step")), "fsdp_step")
 
+    def clip_grad_norm(self, max_norm, stream=None):
+        """Collective, after the step's last backward, before step(): the grads' global L2 norm (returned; a
+        host wait), and the coming step alone clips the grads to max_norm with torch's rule
+        (fsdp_clip_grad_norm; the max_grad_norm option does it inside the step, without the wait)."""
+        v = ctypes.c_double()
+        check(LIB.fsdp_clip_grad_norm(self._handle(), self._stream(stream, "Context.clip_grad_norm"), float(max_norm),
+                                      ctypes.byref(v)), "fsdp_clip_grad_norm")
+        return v.value
+
     def step_begin(self, stream=None):
         """optimizer=host: every reduction done, the norm, the loss scaler's verdict and clipping. Returns
         (update, grad_scale): update False for a skipped step (inf/nan: change nothing), else multiply every grad

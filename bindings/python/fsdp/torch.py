@@ -340,6 +340,8 @@ class ShardedModule:
     def _root_pre_forward(self, module, args, kwargs):
         if self._saved_hooks is not None:
             raise InvalidState(2, "fsdp.torch: the model's forward was entered again before it returned")
+        if self._peft_added():
+            self._reshard()
         self._check_params()
         self._check_outside_writes()
         for p, g in self._grad_placeholders.items():  # last backward's: the grads live in the units
@@ -363,6 +365,40 @@ class ShardedModule:
             if hooks is not None:
                 hooks.__exit__(None, None, None)
         return None
+
+    def _peft_added(self):
+        """PEFT's get_peft_model ran after shard(): the model has a peft_config, and its params are the ones
+        libfsdp holds plus new ones (the adapters), none gone or replaced."""
+        if getattr(self.model, "peft_config", None) is None:
+            return False
+        now = {id(p) for _, p in self.model.named_parameters()}
+        return len(now) > len(self._expected) and all(id(p) in now for _, p in self._expected)
+
+    def _reshard(self):
+        """The model sharded again as it is now (collective: every rank's next forward reaches it): the values
+        libfsdp holds are gathered back into their params, the context closes, and shard() runs again with
+        its first arguments, so that the adapters are registered and the base, which PEFT froze, is
+        registered frozen. Thread ranks draw different adapter inits from torch's shared RNG: with
+        sync_module_states (the default) rank 0's win, as at shard()."""
+        if any(st.phase is not None for st in self._states) or self._optim.open:
+            raise InvalidState(2, "fsdp.torch: PEFT's adapters appeared while a step is in progress")
+        full = {p: torch.from_numpy(st.unit.gather(i)) for st in self._states for i, p in enumerate(st.params)}
+        args = self._args
+        self.close()
+        for p, v in full.items():
+            p.data = v
+            p.grad = None
+        _, group, rank, config, options, sync, check_writes, pack_saved, state_dict_ranks = args
+        ctx = Context(config, group, rank, **options)
+        try:
+            self.__init__(self.model, ctx, _group(self.model, args[0]), check_writes, pack_saved, state_dict_ranks)
+            self._args = args
+            self._set_values(sync)
+            self._sync_trainable()
+            self._install()
+        except BaseException:
+            ctx.close()
+            raise
 
     def _check_params(self):
         now = list(self.model.named_parameters())
@@ -481,8 +517,9 @@ class ShardedModule:
     def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False):
         """torch.nn.utils.clip_grad_norm_ for the sharded model (collective): the global L2 norm of the grads
         over every rank, returned as a tensor; the grads are scaled by max_norm / (norm + 1e-6) where that
-        is below 1. After backward, before the torch optimizer's step (optimizer='torch'); with libfsdp's
-        own optimizer the clip is the max_grad_norm option instead (raises, saying so)."""
+        is below 1. After backward, before the step: the torch optimizer's (optimizer='torch'), or
+        sharded.step() (fsdp_clip_grad_norm: a host wait for the norm; the max_grad_norm option clips inside
+        the step without it)."""
         return self._optim.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
 
     def set_lr(self, lr):
@@ -531,6 +568,9 @@ class ShardedModule:
             self._sd_hooks.remove()
             self._sd_hooks = None
         _live.discard(self)
+        for st in self._states:  # the views hold DLPack imports of the context's memory
+            st.cache.clear()
+            st.base = st.views = st.grads = None
         self.ctx.close()
 
     def __enter__(self):
@@ -633,7 +673,10 @@ def shard(model, units=None, *, group=None, rank=None, config=None, sync_module_
         sync = config.get("sync_module_states") if config is not None else options["sync_module_states"]
         groups = _group(model, units)
         sharded = ShardedModule(model, ctx, groups, check_writes, pack_saved, state_dict_ranks)
-        sharded._set_values(str(sync) not in ("0", "false", "False"))
+        sync = str(sync) not in ("0", "false", "False")
+        # What _reshard needs to shard the model again (PEFT's get_peft_model after shard()).
+        sharded._args = (units, group, rank, config, dict(options), sync, check_writes, pack_saved, state_dict_ranks)
+        sharded._set_values(sync)
         sharded._sync_trainable()
         sharded._install()
     except BaseException:

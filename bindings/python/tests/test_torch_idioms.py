@@ -140,21 +140,58 @@ def test_a_torch_optimizer_over_model_parameters_raises_at_its_step():
     assert fsdp.run_ranks(2, rank_fn) == [True, True]
 
 
-def test_torch_clip_grad_norm_over_model_parameters_raises_and_sharded_clip_names_its_option():
+def test_torch_clip_grad_norm_over_model_parameters_raises():
     def rank_fn(rank, group):
         model = make_net()
         with ft.shard(model, units=Block, group=group, rank=rank) as sh:
             mse(model, *make_data()).backward()
             with pytest.raises(RuntimeError):
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            with pytest.raises(fsdp.Unsupported, match="max_grad_norm"):
-                sh.clip_grad_norm_(1.0)
             with pytest.raises(fsdp.InvalidState, match="optimizer='torch'"):
                 sh.parameters()
             sh.step()
             return True
 
     assert fsdp.run_ranks(2, rank_fn) == [True, True]
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_sharded_clip_with_libfsdps_own_adamw_matches_plain_torch(world):
+    """sharded.clip_grad_norm_ then sharded.step() (fsdp_clip_grad_norm: the norm now, the step clips) against
+    torch.nn.utils.clip_grad_norm_ and torch.optim.AdamW on the unsharded model."""
+    init = make_net()
+    x, y = make_data()
+    ref = copy.deepcopy(init)
+    opt = torch.optim.AdamW(ref.parameters(), lr=HYPER["lr"], betas=(HYPER["beta1"], HYPER["beta2"]),
+                            eps=HYPER["eps"], weight_decay=HYPER["weight_decay"], foreach=False)
+    ref_losses, ref_norms = [], []
+    for _ in range(STEPS):
+        loss = mse(ref, x, y)
+        loss.backward()
+        ref_norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5).item())
+        opt.step()
+        opt.zero_grad()
+        ref_losses.append(loss.item())
+    assert min(ref_norms) > 0.5, "the clip must bite in every step for the test to show it"
+
+    def rank_fn(rank, group):
+        model = copy.deepcopy(init)
+        with ft.shard(model, units=Block, group=group, rank=rank, **HYPER) as sh:
+            rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+            losses, norms = [], []
+            for _ in range(STEPS):
+                loss = mse(model, x[rows], y[rows])
+                loss.backward()
+                norms.append(sh.clip_grad_norm_(0.5).item())
+                sh.step()
+                losses.append(float(sh.ctx.metrics_reduce([loss.item()], "avg")[0]))
+            return losses, norms, model.state_dict()
+
+    losses, norms, sd = fsdp.run_ranks(world, rank_fn)[0]
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    np.testing.assert_allclose(norms, ref_norms, rtol=1e-5)
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(sd[k], v, rtol=0, atol=2e-5, msg=lambda m: f"{k}: {m}")
 
 
 def test_params_outside_a_forward_have_the_models_shapes_and_nan_values():
@@ -342,16 +379,55 @@ def test_peft_lora_trains_like_peft_in_plain_torch_and_its_adapter_loads(tmp_pat
         torch.testing.assert_close(loaded(ids).logits, ref(ids).logits, rtol=0, atol=1e-4)
 
 
-def test_get_peft_model_after_shard_is_refused_naming_the_order():
+@pytest.mark.parametrize("world", [1, 2])
+def test_get_peft_model_after_shard_trains_like_peft_in_plain_torch(world):
+    """shard(), then get_peft_model on the sharded model: the next forward shards the model again (the adapters
+    registered, PEFT's frozen base registered frozen) and LoRA trains like plain PEFT from the same values."""
     peft = pytest.importorskip("peft", reason="peft is not installed in this venv")
     from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+    import threading
+    lock = threading.Lock()
+    cfg = dict(r=4, lora_alpha=8, target_modules=["c_attn", "c_proj"], lora_dropout=0.0, init_lora_weights=False,
+               fan_in_fan_out=True)
+
+    def peft_of(model):  # the same adapter init in every thread: torch's RNG is one per process
+        with lock:
+            torch.manual_seed(1)
+            return peft.get_peft_model(model, peft.LoraConfig(**cfg))
+
+    ids = torch.randint(0, 128, (BATCH, 16), generator=torch.Generator().manual_seed(5))
+    base = make_gpt2()  # made once: threads drawing from torch's RNG at once would draw other inits
+    ref = peft_of(copy.deepcopy(base))
+    opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=LR, foreach=False)
+    ref_losses = []
+    for _ in range(3):
+        loss = ref(ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref_losses.append(loss.item())
 
     def rank_fn(rank, group):
-        model = make_gpt2()
-        with ft.shard(model, units=GPT2Block, group=group, rank=rank):
-            wrapped = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["c_attn"]))
-            with pytest.raises(fsdp.InvalidState, match="get_peft_model.*before"):
-                wrapped(torch.zeros(1, 4, dtype=torch.long))
-            return True
+        model = copy.deepcopy(base)
+        with ft.shard(model, units=GPT2Block, group=group, rank=rank, **HYPER) as sh:
+            wrapped = peft_of(model)
+            rows = ids[rank * BATCH // world:(rank + 1) * BATCH // world]
+            losses = []
+            for step in range(3):
+                loss = wrapped(rows, labels=rows).loss
+                if step == 0:
+                    mem = sh.ctx.memory_stats()
+                loss.backward()
+                sh.step()
+                losses.append(float(sh.ctx.metrics_reduce([loss.item()], "avg")[0]))
+            return losses, mem, wrapped.state_dict()
 
-    assert fsdp.run_ranks(1, rank_fn) == [True]
+    losses, mem, sd = fsdp.run_ranks(world, rank_fn)[0]
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    n_lora = sum(p.numel() for p in ref.parameters() if p.requires_grad)
+    assert mem.optimizer_state_nbytes <= 2 * (n_lora // world + 64 * 4) * 4, "the base has optimizer state"
+    for k, v in ref.state_dict().items():
+        if "lora_" in k:
+            torch.testing.assert_close(sd[k], v, rtol=0, atol=2e-5, msg=lambda m: f"{k}: {m}")
+        else:
+            assert torch.equal(sd[k], v), f"the frozen base param {k} changed"
