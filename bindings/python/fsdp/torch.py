@@ -209,6 +209,15 @@ class ShardedModule:
         self._installed = True
         self._hook_grads()
         self._sd_hooks = StateDictHooks(self, self._state_dict_ranks)
+        # transformers' save_pretrained asks the model whether this rank writes: rank 0 alone, so that
+        # model.save_pretrained(dir) can be called on every rank (its state_dict is collective).
+        orig = getattr(model, "should_save_on_this_rank", None)
+        if callable(orig) and "should_save_on_this_rank" not in vars(model):
+            rank = self.ctx.rank
+
+            def should_save_on_this_rank(is_main_process, _orig=orig):
+                return bool(_orig(is_main_process)) and rank == 0
+            model.should_save_on_this_rank = should_save_on_this_rank
         self._expected = list(model.named_parameters())
 
     # ---- views ----
@@ -567,6 +576,7 @@ class ShardedModule:
         if self._sd_hooks is not None:
             self._sd_hooks.remove()
             self._sd_hooks = None
+        vars(self.model).pop("should_save_on_this_rank", None)
         _live.discard(self)
         for st in self._states:  # the views hold DLPack imports of the context's memory
             st.cache.clear()

@@ -305,11 +305,11 @@ def test_gpt2_save_pretrained_of_the_sharded_model_loads_in_transformers(tmp_pat
                 model(rows, labels=rows).loss.backward()
                 o.step()
                 o.zero_grad()
-            # Every rank (model.state_dict() inside is collective); rank 0 writes.
-            model.save_pretrained(tmp_path, is_main_process=(rank == 0))
-            return True
+            # As in a plain script, on every rank (model.state_dict() inside is collective): rank 0 writes.
+            model.save_pretrained(tmp_path)
+            return model.should_save_on_this_rank(True)
 
-    fsdp.run_ranks(2, rank_fn)
+    assert fsdp.run_ranks(2, rank_fn) == [True, False], "rank 0 alone writes the files"
     loaded = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path), dtype=torch.float32)
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, ref(ids).logits, rtol=0, atol=1e-4)
