@@ -397,17 +397,8 @@ class ShardedModule:
         for p, v in full.items():
             p.data = v
             p.grad = None
-        _, group, rank, config, options, sync, check_writes, pack_saved, state_dict_ranks = args
-        ctx = Context(config, group, rank, **options)
-        try:
-            self.__init__(self.model, ctx, _group(self.model, args[0]), check_writes, pack_saved, state_dict_ranks)
-            self._args = args
-            self._set_values(sync)
-            self._sync_trainable()
-            self._install()
-        except BaseException:
-            ctx.close()
-            raise
+        _, group, rank, config, options = args[:5]
+        _setup(self, Context(config, group, rank, **options), args)
 
     def _check_params(self):
         now = list(self.model.named_parameters())
@@ -676,20 +667,25 @@ def shard(model, units=None, *, group=None, rank=None, config=None, sync_module_
                                  f"{state_dict_ranks!r}")
     if config is None:
         options.setdefault("sync_module_states", 1 if sync_module_states else 0)
-        ctx = Context(None, group, rank, **options)
-    else:
-        ctx = Context(config, group, rank, **options)
+    sync = config.get("sync_module_states") if config is not None else options["sync_module_states"]
+    sync = str(sync) not in ("0", "false", "False")
+    ctx = Context(config, group, rank, **options)
+    sharded = ShardedModule.__new__(ShardedModule)
+    sharded.model = model
+    # shard()'s arguments: what _reshard needs to shard the model again (PEFT's get_peft_model after shard()).
+    _setup(sharded, ctx, (units, group, rank, config, dict(options), sync, check_writes, pack_saved, state_dict_ranks))
+    return sharded
+
+
+def _setup(sharded, ctx, args):
+    """(Re)makes `sharded` over its model with the context `ctx` and shard()'s arguments; closes ctx on failure."""
+    units, sync, check_writes, pack_saved, state_dict_ranks = args[0], *args[5:]
     try:
-        sync = config.get("sync_module_states") if config is not None else options["sync_module_states"]
-        groups = _group(model, units)
-        sharded = ShardedModule(model, ctx, groups, check_writes, pack_saved, state_dict_ranks)
-        sync = str(sync) not in ("0", "false", "False")
-        # What _reshard needs to shard the model again (PEFT's get_peft_model after shard()).
-        sharded._args = (units, group, rank, config, dict(options), sync, check_writes, pack_saved, state_dict_ranks)
+        sharded.__init__(sharded.model, ctx, _group(sharded.model, units), check_writes, pack_saved, state_dict_ranks)
+        sharded._args = args
         sharded._set_values(sync)
         sharded._sync_trainable()
         sharded._install()
     except BaseException:
         ctx.close()
         raise
-    return sharded

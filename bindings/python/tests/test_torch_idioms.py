@@ -326,6 +326,19 @@ def _peft_gpt2():
     return peft.get_peft_model(base, cfg)
 
 
+def _plain_peft(ref, ids, steps=3):
+    """PEFT in plain torch: AdamW over the adapters, the whole batch. (the model, its losses)"""
+    opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=LR, foreach=False)
+    losses = []
+    for _ in range(steps):
+        loss = ref(ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return ref, losses
+
+
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_peft_lora_trains_like_peft_in_plain_torch_and_its_adapter_loads(tmp_path, world):
     """get_peft_model, then shard(): the base is registered frozen (no grad or optimizer memory ever: the
@@ -336,15 +349,7 @@ def test_peft_lora_trains_like_peft_in_plain_torch_and_its_adapter_loads(tmp_pat
     from transformers.models.gpt2.modeling_gpt2 import GPT2Block
     init = _peft_gpt2()
     ids = torch.randint(0, 128, (BATCH, 16), generator=torch.Generator().manual_seed(5))
-    ref = copy.deepcopy(init)
-    opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=LR, foreach=False)
-    ref_losses = []
-    for _ in range(3):
-        loss = ref(ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        ref_losses.append(loss.item())
+    ref, ref_losses = _plain_peft(copy.deepcopy(init), ids)
     n_all = sum(p.numel() for p in init.parameters())
     n_lora = sum(p.numel() for p in init.parameters() if p.requires_grad)
 
@@ -397,15 +402,7 @@ def test_get_peft_model_after_shard_trains_like_peft_in_plain_torch(world):
 
     ids = torch.randint(0, 128, (BATCH, 16), generator=torch.Generator().manual_seed(5))
     base = make_gpt2()  # made once: threads drawing from torch's RNG at once would draw other inits
-    ref = peft_of(copy.deepcopy(base))
-    opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=LR, foreach=False)
-    ref_losses = []
-    for _ in range(3):
-        loss = ref(ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        ref_losses.append(loss.item())
+    ref, ref_losses = _plain_peft(peft_of(copy.deepcopy(base)), ids)
 
     def rank_fn(rank, group):
         model = copy.deepcopy(base)
