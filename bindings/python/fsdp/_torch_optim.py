@@ -18,6 +18,7 @@ fsdp_clip_grad_norm). A torch optimizer over the model's own
 params (``model.parameters()``, which hold no values outside a forward) raises at its first step,
 naming ``sharded.parameters()``."""
 import ctypes
+import threading
 import weakref
 
 import numpy as np
@@ -29,7 +30,18 @@ from ._lib import LIB, check
 from .core import InvalidState, Unsupported
 
 _live = weakref.WeakSet()  # ShardedModules: the global optimizer hooks look at each
+_live_lock = threading.Lock()  # thread ranks shard, close and step at once
 _hooks = []
+
+
+def _track(sharded, on):
+    with _live_lock:
+        (_live.add if on else _live.discard)(sharded)
+
+
+def _tracked():
+    with _live_lock:
+        return list(_live)
 
 
 def _install_global_hooks():
@@ -40,12 +52,12 @@ def _install_global_hooks():
 
 
 def _pre_step(opt, args, kwargs):
-    for sh in list(_live):
+    for sh in _tracked():
         sh._optim.before(opt)
 
 
 def _post_step(opt, args, kwargs):
-    for sh in list(_live):
+    for sh in _tracked():
         sh._optim.after(opt)
 
 
@@ -66,12 +78,14 @@ class TorchOptimizer:
         self._sh = weakref.ref(sharded)
         self.slices = None  # [_Slice], made at the first parameters()
         self.buffers = {}  # unit -> (params address, grads address, numel): the views' memory
-        self.kinds = weakref.WeakKeyDictionary()  # optimizer -> "shards", "model" or None
+        self.kinds = weakref.WeakKeyDictionary()  # optimizer -> (params, "shards", "model" or None)
+        self.kinds_lock = threading.Lock()  # thread ranks' optimizers step at once, and each looks here
         self.open = False  # fsdp_step_begin called, fsdp_step_end not yet
         self.update = True
         self.factor = 1.0  # what the grads were multiplied by (loss scale, clip)
-        _install_global_hooks()
-        _live.add(sharded)
+        with _live_lock:
+            _install_global_hooks()
+        _track(sharded, True)
 
     @property
     def sh(self):
@@ -157,14 +171,16 @@ class TorchOptimizer:
     def kind(self, opt):
         """'shards' if `opt` steps this model's shard params, 'model' if it holds the model's own params."""
         n = sum(len(g["params"]) for g in opt.param_groups)
-        got = self.kinds.get(opt)
+        with self.kinds_lock:
+            got = self.kinds.get(opt)
         if got is not None and got[0] == n:
             return got[1]
         ids = {id(p) for g in opt.param_groups for p in g["params"]}
         mine = self.slices is not None and any(id(s.param) in ids for s in self.slices)
         model = any(id(p) in ids for p in self.sh._state_of_param)
         kind = "model" if model else ("shards" if mine else None)
-        self.kinds[opt] = (n, kind)
+        with self.kinds_lock:
+            self.kinds[opt] = (n, kind)
         return kind
 
     def before(self, opt):

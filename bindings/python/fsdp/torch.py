@@ -48,7 +48,7 @@ try:
 except ImportError as e:  # fsdp itself needs numpy only; this module is the one that needs torch
     raise ImportError(f"fsdp.torch needs PyTorch (pip install torch): {e}") from e
 
-from ._torch_optim import TorchOptimizer, _live
+from ._torch_optim import TorchOptimizer, _track
 from ._torch_state import Placeholders, StateDictHooks, written_message
 from .core import Context, InvalidArgument, InvalidState, Unsupported
 
@@ -568,7 +568,7 @@ class ShardedModule:
             self._sd_hooks.remove()
             self._sd_hooks = None
         vars(self.model).pop("should_save_on_this_rank", None)
-        _live.discard(self)
+        _track(self, False)
         for st in self._states:  # the views hold DLPack imports of the context's memory
             st.cache.clear()
             st.base = st.views = st.grads = None
