@@ -18,6 +18,7 @@ How it works (docs/bindings.md, "PyTorch"):
   ``named_parameters()`` and tied params keep working, and they hold no memory between the brackets.
 - model.state_dict() / load_state_dict() give and take the full model (_torch_state.py); a torch optimizer
   steps the shards through sharded.parameters() (_torch_optim.py).
+- Which params make which unit, and the per-unit pieces the hooks keep: _torch_units.py.
 - Autograd saves tensors in forward that it reads in backward: a matmul's weight, a LayerNorm's gamma,
   views of them. Those point into gathered memory that ``forward_end`` gave back. A
   ``torch.autograd.graph.saved_tensors_hooks`` pair, active during the model's forward, replaces every
@@ -40,7 +41,6 @@ get different random inits: ``sync_module_states`` is on by default here, so ran
 intra-op thread pool size (``torch.set_num_threads``; give each rank cores / ranks), its default dtype.
 """
 import functools
-import weakref
 
 try:
     import torch
@@ -50,67 +50,12 @@ except ImportError as e:  # fsdp itself needs numpy only; this module is the one
 
 from ._torch_optim import TorchOptimizer, _track
 from ._torch_state import Placeholders, StateDictHooks, written_message
+from ._torch_units import _PostBackward, _SavedParam, _UnitState, _group, _tensors
 from .core import Context, InvalidArgument, InvalidState, Unsupported
 
 _TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _PEFT_ORDER = (" (PEFT: call get_peft_model before fsdp.torch.shard, so that the adapters are registered and "
                "the base is frozen from the start)")
-
-
-def _tensors(obj, out):
-    """Appends the tensors in a module's output (tensor, tuple/list, dict, ModelOutput) to `out`."""
-    if isinstance(obj, torch.Tensor):
-        out.append(obj)
-    elif isinstance(obj, (list, tuple)):
-        for o in obj:
-            _tensors(o, out)
-    elif isinstance(obj, dict) or hasattr(obj, "values") and callable(obj.values):
-        for o in obj.values():
-            _tensors(o, out)
-    return out
-
-
-class _SavedParam:
-    """What the pack hook saves instead of a tensor that lies in a unit's gathered memory."""
-    __slots__ = ("unit", "key", "size", "stride", "offset", "dtype")
-
-    def __init__(self, unit, key, t):
-        self.unit, self.key = unit, key
-        self.size, self.stride, self.offset, self.dtype = t.size(), t.stride(), t.storage_offset(), t.dtype
-
-
-class _PostBackward(torch.autograd.Function):
-    """Identity on a unit module's inputs: its backward runs once the inputs' grads are computed, that is
-    after the module's whole backward (the adapter ends the unit's backward there)."""
-
-    @staticmethod
-    def forward(ctx, state, *tensors):
-        ctx.state = state
-        return tensors if len(tensors) != 1 else tensors[0]
-
-    @staticmethod
-    def backward(ctx, *grads):
-        state = ctx.state
-        state.owner()._post_backward(state)
-        return (None,) + grads
-
-
-class _UnitState:
-    """The adapter's view of one unit: its params, its views now, and where it is in the step."""
-
-    def __init__(self, owner, unit, module, params):
-        self.owner = weakref.ref(owner)
-        self.unit, self.module, self.params = unit, module, params  # params: [nn.Parameter] in unit order
-        self.phase = None  # None (sharded), "forward", "backward"
-        self.base = None  # the tensor(s) the current views slice: [flat] or one per param
-        self.views = None  # [tensor] of the params, in unit order
-        self.grads = None  # [tensor] of the grad buffers, in unit order (in backward)
-        self.index = {p: i for i, p in enumerate(params)}
-        self.versions = None
-        self.cache = {}  # (grad, data pointer) -> (base tensors, views): gathered slots come back
-        self.pending = 0  # forward calls whose _PostBackward has not run yet (this step)
-        self.in_forward = 0  # nested calls of the unit module
-        self.requires_grad = [True] * len(params)  # the flags libfsdp was last told (_sync_trainable)
 
 
 class ShardedModule:
@@ -579,58 +524,6 @@ class ShardedModule:
 
     def __exit__(self, *exc):
         self.close()
-
-
-def _group(model, units):
-    """[(unit name, module, [(param name, param)])]: the root first (params outside every unit module,
-    and params shared between units), then each unit module in module order."""
-    if units is None:
-        unit_modules = []
-    elif isinstance(units, type) or (isinstance(units, tuple) and units and all(isinstance(u, type) for u in units)):
-        unit_modules = [m for m in model.modules() if isinstance(m, units) and m is not model]
-    elif callable(units) and not isinstance(units, nn.Module):
-        unit_modules = [m for n, m in model.named_modules() if m is not model and units(n, m)]
-    else:
-        unit_modules = list(units)
-        for m in unit_modules:
-            if not isinstance(m, nn.Module):
-                raise InvalidArgument(1, f"fsdp.torch.shard: units must be modules, module classes or a predicate "
-                                         f"(name, module) -> bool; got {type(m).__name__}")
-    names, rank_of = {}, {}
-    for n, m in model.named_modules(remove_duplicate=False):
-        names.setdefault(m, n)
-        rank_of.setdefault(m, len(rank_of))
-    for m in unit_modules:
-        if m not in names:
-            raise InvalidArgument(1, f"fsdp.torch.shard: unit module {type(m).__name__} is not part of the model")
-    # A chosen module inside another chosen one stays in the outer one (no nesting).
-    unit_modules = sorted(set(unit_modules), key=rank_of.get)
-    chosen, covered = [], set()
-    for m in unit_modules:
-        if m not in covered:
-            chosen.append(m)
-            covered |= set(m.modules())
-    # Where each param is used: in which unit modules, and whether by a module outside all of them.
-    owners = {}
-    for m in chosen:
-        for p in m.parameters():
-            owners.setdefault(p, set()).add(m)
-    outside = {p for m in model.modules() if m not in covered for p in m.parameters(recurse=False)}
-    in_units = {m: [] for m in chosen}
-    root = []
-    for n, p in model.named_parameters():
-        o = owners.get(p, ())
-        if len(o) == 1 and p not in outside:
-            in_units[next(iter(o))].append((n, p))
-        else:
-            root.append((n, p))
-    groups = []
-    if root:
-        groups.append(("root", model, root))
-    for m in chosen:
-        if in_units[m]:
-            groups.append((names[m] or type(m).__name__, m, in_units[m]))
-    return groups
 
 
 def shard(model, units=None, *, group=None, rank=None, config=None, sync_module_states=True, check_writes=True,
