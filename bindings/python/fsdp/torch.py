@@ -294,8 +294,6 @@ class ShardedModule:
     def _root_pre_forward(self, module, args, kwargs):
         if self._saved_hooks is not None:
             raise InvalidState(2, "fsdp.torch: the model's forward was entered again before it returned")
-        if self._peft_added():
-            self._reshard()
         self._check_params()
         self._check_outside_writes()
         for p, g in self._grad_placeholders.items():  # last backward's: the grads live in the units
@@ -320,14 +318,6 @@ class ShardedModule:
                 hooks.__exit__(None, None, None)
         return None
 
-    def _peft_added(self):
-        """PEFT's get_peft_model ran after shard(): the model has a peft_config, and its params are the ones
-        libfsdp holds plus new ones (the adapters), none gone or replaced."""
-        if getattr(self.model, "peft_config", None) is None:
-            return False
-        now = {id(p) for _, p in self.model.named_parameters()}
-        return len(now) > len(self._expected) and all(id(p) in now for _, p in self._expected)
-
     def _reshard(self):
         """The model sharded again as it is now (collective: every rank's next forward reaches it): the values
         libfsdp holds are gathered back into their params, the context closes, and shard() runs again with
@@ -346,11 +336,18 @@ class ShardedModule:
         _setup(self, Context(config, group, rank, **options), args)
 
     def _check_params(self):
+        """The model's params are those shard() registered; where PEFT's get_peft_model added its adapters
+        since (a peft_config, params added, none of the registered ones gone: PEFT only renames them), the
+        model is sharded again."""
         now = list(self.model.named_parameters())
         if len(now) != len(self._expected) or any(a is not b or n != m for (n, a), (m, b) in zip(now, self._expected)):
             known = {id(p) for _, p in self._expected}
             new = [n for n, p in now if id(p) not in known]
             gone = sorted(set(n for n, _ in self._expected) - set(n for n, _ in now))
+            kept = {id(p) for _, p in now} >= known  # PEFT renames the base params it wraps, not replaces them
+            if new and kept and getattr(self.model, "peft_config", None) is not None:
+                self._reshard()
+                return
             raise InvalidState(2, f"fsdp.torch: the model's params changed after shard(): "
                                   f"{'new or replaced: ' + ', '.join(new) if new else ''}"
                                   f"{'; ' if new and gone else ''}{'gone: ' + ', '.join(gone) if gone else ''}"
