@@ -285,6 +285,7 @@ TEST_P(GatheredBytes, FullShardGathersOneUnitAtATimeShardGradOpKeepsAllUntilBack
       ASSERT_OK(fsdp_backward_end(s.units[u], s.host.stream()));
     }
     ASSERT_OK(fsdp_step(ctx, s.host.stream()));
+    settle_step(ctx);  // late, the step's scratch is freed only once it ran
     const fsdp_memory_stats_t m = stats_of(ctx);
     EXPECT_EQ(m.gathered_params_peak_nbytes, full ? largest : sum);
     size_t largest_pair = 0;
