@@ -333,6 +333,22 @@ FSDP_API fsdp_status_t fsdp_param_ptr(fsdp_unit_t* unit, size_t param_index, voi
 /* Pointer to param `param_index`'s grad (param_dtype), valid between
  * fsdp_backward_begin and fsdp_backward_end. Add grads into it. */
 FSDP_API fsdp_status_t fsdp_grad_ptr(fsdp_unit_t* unit, size_t param_index, void** ptr);
+/* Adds a framework's gradient into param `param_index`'s grad, as the host's
+ * own add into fsdp_grad_ptr would: `src` holds `numel` elements (the param's
+ * count) of `src_dtype` (fp32, bf16 or fp16, whatever param_dtype is), each
+ * added to the grad in fp32 and rounded once to param_dtype. For frameworks
+ * whose arrays are immutable (JAX) or live in an allocator of their own
+ * (Julia, Go, C): `src` is memory of the unit's device (on device=cuda GPU
+ * memory of its GPU, managed memory or mapped pinned memory; else
+ * FSDP_ERR_INVALID_ARGUMENT and nothing is queued). Between
+ * fsdp_backward_begin and fsdp_backward_end of a trainable param. The add is
+ * queued on `stream` after the work queued there so far and before the
+ * fsdp_backward_end that reduces it (on the CPU's NULL stream it runs now):
+ * `src` must stay valid until it has run: until the host next synchronizes
+ * `stream` (on the CPU's NULL stream, until the call returns). Several calls
+ * for one param add up. */
+FSDP_API fsdp_status_t fsdp_grad_accumulate(fsdp_unit_t* unit, size_t param_index, const void* src,
+                                            fsdp_dtype_t src_dtype, size_t numel, void* stream);
 /* Collective. Queues the step after the work queued on `stream` and the
  * grad reductions, and returns without waiting for it: the global grad norm
  * (summed over the ranks on the device), the inf/nan verdict, the loss scale's

@@ -82,4 +82,14 @@ struct CastOp {
   }
 };
 
+// acc[i] = acc[i] + src[i], added in fp32 and rounded once to acc's type:
+// what a host does that adds its grad into a param_dtype grad buffer element
+// by element (fsdp_grad_accumulate). Any pair of storage types.
+struct AddOp {
+  template <typename Acc, typename Src>
+  FSDP_HD void operator()(Acc* acc, const Src* src, size_t i) const {
+    store(acc, i, load(acc, i) + load(src, i));
+  }
+};
+
 }  // namespace fsdp::kernels

@@ -186,6 +186,37 @@ TEST(CudaKernels, CastMatchesTheCpuBitwiseAndClearsItsSource) {
   }
 }
 
+// fsdp_grad_accumulate's pass: every pair of grad and source dtypes, aligned
+// and not (the scalar path), and which pointers it may be handed.
+TEST(CudaKernels, AddMatchesTheCpuBitwiseForEveryDtypePair) {
+  SKIP_WITHOUT_GPU();
+  CudaDevice gpu(0);
+  CpuDevice cpu(1, Pool::kDevice);
+  for (size_t n : kSizes) {
+    for (DType acc_t : kDtypes) {
+      for (DType src_t : kDtypes) {
+        for (size_t skew : {size_t(0), size_t(1)}) {
+          SCOPED_TRACE("n=" + std::to_string(n) + " " + fsdp::dtype_name(src_t) + " into " +
+                       fsdp::dtype_name(acc_t) + (skew ? " unaligned" : ""));
+          std::vector<uint8_t> acc = storage(cpu, acc_t, random_floats(n + skew, 6, 3e4f));
+          std::vector<uint8_t> src = storage(cpu, src_t, random_floats(n + skew, 7, 3e4f));
+          std::vector<uint8_t> want = acc;
+          const size_t ao = skew * fsdp::dtype_size(acc_t), so = skew * fsdp::dtype_size(src_t);
+          cpu.add(want.data() + ao, acc_t, src.data() + so, src_t, n);
+          DeviceArray d_acc = upload(gpu, acc), d_src = upload(gpu, src);
+          gpu.add(d_acc.as<uint8_t>() + ao, acc_t, d_src.as<uint8_t>() + so, src_t, n);
+          EXPECT_EQ(first_difference(want, d_acc.read<uint8_t>()), -1);
+        }
+      }
+    }
+  }
+  DeviceArray d(gpu, nullptr, 64);
+  EXPECT_TRUE(gpu.readable(d.ptr));
+  std::vector<float> pageable(16);
+  EXPECT_FALSE(gpu.readable(pageable.data())) << "pageable host memory: a kernel reading it would fault";
+  EXPECT_FALSE(gpu.readable(nullptr));
+}
+
 TEST(CudaKernels, UnalignedArraysTakeTheScalarPathWithTheSameBits) {
   SKIP_WITHOUT_GPU();
   CudaDevice gpu(0);

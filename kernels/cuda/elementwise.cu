@@ -167,6 +167,20 @@ struct AccumulateBody {
   }
 };
 
+template <typename Acc, typename Src>
+struct AddBody {
+  Acc* acc;
+  const Src* src;
+  __device__ void one(size_t i) const { AddOp{}(acc, src, i); }
+  __device__ void vec(size_t j) const {
+    float a[4], x[4];
+    load4(acc, j, a);
+    load4(src, j, x);
+    for (int k = 0; k < 4; ++k) a[k] += x[k];
+    store4(acc, j, a);
+  }
+};
+
 template <typename Out, bool kZero>
 struct AdamBody {
   AdamOp op;
@@ -360,6 +374,17 @@ cudaError_t cast(void* out, fsdp_dtype_t out_dtype, void* in, fsdp_dtype_t in_dt
       using I = std::remove_pointer_t<decltype(i)>;
       bool vec = aligned4(o) && aligned4(i);
       return clear ? launch(CastBody<O, I, true>{o, i}, n, vec, s) : launch(CastBody<O, I, false>{o, i}, n, vec, s);
+    });
+  });
+}
+
+cudaError_t add(void* acc, fsdp_dtype_t acc_dtype, const void* src, fsdp_dtype_t src_dtype, size_t n,
+                cudaStream_t s) {
+  return with_dtype(acc_dtype, acc, [&](auto* a) {
+    return with_dtype(src_dtype, const_cast<void*>(src), [&](auto* x) {
+      using A = std::remove_pointer_t<decltype(a)>;
+      using X = std::remove_pointer_t<decltype(x)>;
+      return launch(AddBody<A, X>{a, x}, n, aligned4(a) && aligned4(x), s);
     });
   });
 }

@@ -22,6 +22,9 @@ namespace fsdp::kernels::cuda {
 // out = cast(in); with `clear`, in[i] = 0 once read.
 cudaError_t cast(void* out, fsdp_dtype_t out_dtype, void* in, fsdp_dtype_t in_dtype, size_t n, bool clear,
                  cudaStream_t s);
+// acc[i] = acc[i] + src[i] in fp32, rounded once to acc's type (AddOp).
+cudaError_t add(void* acc, fsdp_dtype_t acc_dtype, const void* src, fsdp_dtype_t src_dtype, size_t n,
+                cudaStream_t s);
 // acc[i] += scale * src[i] (AccumulateOp); with `clear`, src[i] = 0 once read.
 cudaError_t accumulate(float* acc, void* src, fsdp_dtype_t src_dtype, float scale, size_t n, bool clear,
                        cudaStream_t s);

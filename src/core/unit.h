@@ -121,6 +121,10 @@ class Unit {
   void backward_end(device::Stream& s);
   void* param_ptr(size_t param_index);
   void* grad_ptr(size_t param_index);
+  // Adds `src` (numel elements of src_dtype in memory the unit's device
+  // reads) into the param's grad on `s`, after the work queued there so far:
+  // what a host's add through grad_ptr computes (kernels::AddOp).
+  void grad_accumulate(size_t param_index, const void* src, DType src_dtype, size_t numel, device::Stream& s);
   void gather_param(size_t param_index, float* out, size_t numel);
   // The reduced fp32 grad of one param as the grad shards hold it after
   // backward (before fsdp_step unscales and clips it). Collective like
@@ -174,6 +178,9 @@ class Unit {
   void refuse_frozen(const char* call) const;
   // FSDP_ERR_INVALID_STATE naming `call` when param `param_index` is frozen.
   void refuse_frozen_param(size_t param_index, const char* call) const;
+  // The param's place in the grads being written, after grad_ptr's checks
+  // (in backward, trainable), as `call`.
+  void* grad_at(size_t param_index, const char* call);
   // gather_param's and gather_grad's argument and state checks.
   void check_gather_out(size_t param_index, size_t numel, const char* call) const;
   // Copies param `param_index`'s range of the flat fp32 state whose shard is
@@ -244,7 +251,8 @@ class Unit {
   // built once: a transition builds no string.
   std::string gather_label_, reduce_label_, replica_label_;
   struct TaskLabels {
-    device::Label gather, gather_cast, copy_in, copy_out_grads, reduce, copy_out_reduced, host_accumulate, accumulate;
+    device::Label gather, gather_cast, copy_in, copy_out_grads, reduce, copy_out_reduced, host_accumulate, accumulate,
+        add_grad;
   } tasks_;
   EventPtr gather_event_;  // the gathered params are complete (while gathered)
   EventPtr reduce_event_;  // the last reduction queued for this unit

@@ -153,6 +153,14 @@ class Device {
   // (sum_squares of acc, bit for bit): the grad norm of a grad shard, taken
   // while the reduction writes it.
   virtual void accumulate(float* acc, const void* src, DType src_dtype, float scale, size_t numel, double* acc_sq) = 0;
+  // acc[i] = acc[i] + src[i] in fp32, rounded once to acc_dtype
+  // (kernels::AddOp): a framework's grad added into a grad buffer of the
+  // param dtype (fsdp_grad_accumulate). `src` overlaps `acc` only as itself.
+  virtual void add(void* acc, DType acc_dtype, const void* src, DType src_dtype, size_t numel) = 0;
+  // Whether this device's kernels can read `ptr` (on a GPU: its own memory,
+  // managed memory, or host memory mapped for it), for the pointers a host
+  // hands in; a bad one would fault the device, not fail a call.
+  virtual bool readable(const void* ptr) const = 0;
   // cast and accumulate that also set src[i] = 0 once read: the grads read as
   // zeros again after the pass that consumes them, with no memset pass of
   // their own (the next backward adds into them as they are).

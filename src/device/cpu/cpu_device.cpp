@@ -141,6 +141,12 @@ FSDP_SIMD_CLONES void cast_loop(Out* out, In* in, size_t b, size_t e) {
   }
 }
 
+template <typename Acc, typename Src>
+FSDP_SIMD_CLONES void add_loop(Acc* acc, const Src* src, size_t b, size_t e) {
+  kernels::AddOp op;
+  for (size_t i = b; i < e; ++i) op(acc, src, i);
+}
+
 template <bool kClear, typename In>
 FSDP_HD void accumulate_range(float* acc, In* in, float scale, size_t b, size_t e) {
   kernels::AccumulateOp op{scale};
@@ -317,6 +323,14 @@ void CpuDevice::cast(void* dst, DType dst_dtype, const void* src, DType src_dtyp
 
 void CpuDevice::cast_clear(void* dst, DType dst_dtype, void* src, DType src_dtype, size_t numel) {
   cast_pass<true>(dst, dst_dtype, src, src_dtype, numel);
+}
+
+void CpuDevice::add(void* acc, DType acc_dtype, const void* src, DType src_dtype, size_t numel) {
+  with_dtype(acc_dtype, acc, [&](auto* out) {
+    with_dtype(src_dtype, const_cast<void*>(src), [&](auto* in) {
+      pool_.parallel_for(numel, kGrain, [&](size_t b, size_t e) { add_loop(out, in, b, e); });
+    });
+  });
 }
 
 void CpuDevice::accumulate(float* acc, const void* src, DType src_dtype, float scale, size_t numel, double* acc_sq) {

@@ -49,6 +49,8 @@ class CpuDevice final : public Device {
 
   void cast(void* dst, DType dst_dtype, const void* src, DType src_dtype, size_t numel) override;
   void accumulate(float* acc, const void* src, DType src_dtype, float scale, size_t numel, double* acc_sq) override;
+  void add(void* acc, DType acc_dtype, const void* src, DType src_dtype, size_t numel) override;
+  bool readable(const void* ptr) const override { return ptr != nullptr; }
   void cast_clear(void* dst, DType dst_dtype, void* src, DType src_dtype, size_t numel) override;
   void accumulate_clear(float* acc, void* src, DType src_dtype, float scale, size_t numel, double* acc_sq) override;
   void adam(const AdamArgs& args) override;

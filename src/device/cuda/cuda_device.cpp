@@ -459,6 +459,11 @@ void CudaDevice::cast(void* dst, DType dst_dtype, const void* src, DType src_dty
   issued(k::cast(dst, code(dst_dtype), const_cast<void*>(src), code(src_dtype), numel, false, target()), "cast");
 }
 
+void CudaDevice::add(void* acc, DType acc_dtype, const void* src, DType src_dtype, size_t numel) {
+  bind(ordinal_);
+  issued(k::add(acc, code(acc_dtype), src, code(src_dtype), numel, target()), "add");
+}
+
 void CudaDevice::cast_clear(void* dst, DType dst_dtype, void* src, DType src_dtype, size_t numel) {
   bind(ordinal_);
   issued(k::cast(dst, code(dst_dtype), src, code(src_dtype), numel, true, target()), "cast_clear");
@@ -634,6 +639,25 @@ bool CudaDevice::device_only(const void* ptr) const {
     return false;
   }
   return a.type == cudaMemoryTypeDevice;
+}
+
+bool CudaDevice::readable(const void* ptr) const {
+  if (ptr == nullptr) return false;
+  cudaPointerAttributes a{};
+  if (cudaPointerGetAttributes(&a, ptr) != cudaSuccess) {
+    cudaGetLastError();  // not sticky: memory CUDA does not know (pageable host memory)
+    return false;
+  }
+  switch (a.type) {
+    case cudaMemoryTypeDevice:
+      return a.device == ordinal_;
+    case cudaMemoryTypeManaged:
+      return true;
+    case cudaMemoryTypeHost:  // page-locked: readable where it is mapped for the device
+      return a.devicePointer == ptr;
+    default:
+      return false;
+  }
 }
 
 EventPtr CudaDevice::mark() {
