@@ -13,6 +13,9 @@ package fsdp
 // static fsdp_status_t fsdp_go_forward_end(fsdp_unit_t* u, uintptr_t s) { return fsdp_forward_end(u, (void*)s); }
 // static fsdp_status_t fsdp_go_backward_begin(fsdp_unit_t* u, uintptr_t s) { return fsdp_backward_begin(u, (void*)s); }
 // static fsdp_status_t fsdp_go_backward_end(fsdp_unit_t* u, uintptr_t s) { return fsdp_backward_end(u, (void*)s); }
+// static fsdp_status_t fsdp_go_grad_accumulate(fsdp_unit_t* u, size_t i, uintptr_t src, fsdp_dtype_t dt, size_t n, uintptr_t s) {
+//   return fsdp_grad_accumulate(u, i, (const void*)src, dt, n, (void*)s);
+// }
 // static fsdp_status_t fsdp_go_step(fsdp_ctx_t* c, uintptr_t s) { return fsdp_step(c, (void*)s); }
 // static fsdp_status_t fsdp_go_step_begin(fsdp_ctx_t* c, uintptr_t s, int* u, float* g) { return fsdp_step_begin(c, (void*)s, u, g); }
 // static fsdp_status_t fsdp_go_step_end(fsdp_ctx_t* c, uintptr_t s) { return fsdp_step_end(c, (void*)s); }
@@ -57,6 +60,24 @@ func (u *Unit) BackwardBeginOn(s Stream) error {
 // the host's kernels add on s are reduced once they are there.
 func (u *Unit) BackwardEndOn(s Stream) error {
 	return u.simple("fsdp_backward_end", func() C.fsdp_status_t { return C.fsdp_go_backward_end(u.ptr, s.c()) })
+}
+
+// GradAccumulateOn adds a grad from memory of the host's own into param i's
+// grad, queued on s after the work queued there so far (fsdp_grad_accumulate):
+// src holds the param's element count of dtype (FP32, BF16 or FP16, whatever
+// the context's param dtype), each added in fp32 and rounded once to the param
+// dtype. src is memory of the context's device (a GPU pointer from a cgo CUDA
+// library on CUDA) passed as an address, never Go memory on a GPU context:
+// the add may run after the call returns, so src must stay valid until s is
+// synchronized. Between BackwardBegin and BackwardEnd.
+func (u *Unit) GradAccumulateOn(i int, src uintptr, dtype Dtype, s Stream) error {
+	if err := u.checkIndex("fsdp_grad_accumulate", i); err != nil {
+		return err
+	}
+	n := C.size_t(u.params[i].Numel())
+	return call("fsdp_grad_accumulate", func() C.fsdp_status_t {
+		return C.fsdp_go_grad_accumulate(u.ptr, C.size_t(i), C.uintptr_t(src), C.fsdp_dtype_t(dtype), n, s.c())
+	})
 }
 
 // StepOn is Step after the work queued on s so far.

@@ -310,6 +310,51 @@ func (u *Unit) Grad(i int) ([]float32, error) {
 	return unsafe.Slice((*float32)(p), u.params[i].Numel()), nil
 }
 
+// GradAccumulate adds g (the param's element count of fp32 values) into
+// param i's grad as the host's own add into Grad would (each element in fp32,
+// rounded once to the param dtype), for grads held in Go memory: any param
+// dtype, no 16-bit conversion of one's own. CPU contexts (the add is done
+// when it returns); on a GPU, GradAccumulateOn with device memory.
+func (u *Unit) GradAccumulate(i int, g []float32) error {
+	var p unsafe.Pointer
+	if len(g) > 0 {
+		p = unsafe.Pointer(&g[0])
+	}
+	return u.accumulateHost(i, p, len(g), FP32)
+}
+
+// GradAccumulateU16 is GradAccumulate for raw bf16 or fp16 values (dtype BF16
+// or FP16), whatever the context's param dtype.
+func (u *Unit) GradAccumulateU16(i int, g []uint16, dtype Dtype) error {
+	if dtype != BF16 && dtype != FP16 {
+		return newError("fsdp_grad_accumulate", StatusInvalidArgument,
+			fmt.Sprintf("dtype %v: 16-bit values are BF16 or FP16", dtype))
+	}
+	var p unsafe.Pointer
+	if len(g) > 0 {
+		p = unsafe.Pointer(&g[0])
+	}
+	return u.accumulateHost(i, p, len(g), dtype)
+}
+
+func (u *Unit) accumulateHost(i int, p unsafe.Pointer, n int, dtype Dtype) error {
+	if err := u.checkIndex("fsdp_grad_accumulate", i); err != nil {
+		return err
+	}
+	if d := u.ctx.device; d != "cpu" {
+		return newError("fsdp_grad_accumulate", StatusUnsupported, fmt.Sprintf(
+			"the context runs on %s, whose kernels cannot read Go memory; use GradAccumulateOn with device memory", d))
+	}
+	if n != u.params[i].Numel() {
+		return newError("fsdp_grad_accumulate", StatusInvalidArgument,
+			fmt.Sprintf("param %q has %d elements, not %d", u.params[i].Name, u.params[i].Numel(), n))
+	}
+	// Go memory: the call (on the CPU's NULL stream) is done with it when it returns.
+	return call("fsdp_grad_accumulate", func() C.fsdp_status_t {
+		return C.fsdp_grad_accumulate(u.ptr, C.size_t(i), p, C.fsdp_dtype_t(dtype), C.size_t(n), nil)
+	})
+}
+
 // ParamU16 is Param for bf16/fp16 contexts: the raw 16-bit values.
 func (u *Unit) ParamU16(i int) ([]uint16, error) {
 	if err := u.hostOnly("fsdp_param_ptr"); err != nil {

@@ -69,6 +69,7 @@ _PROTOTYPES = {
     "fsdp_backward_end": (None, [c_void_p, c_void_p]),
     "fsdp_param_ptr": (None, [c_void_p, c_size_t, P(c_void_p)]),
     "fsdp_grad_ptr": (None, [c_void_p, c_size_t, P(c_void_p)]),
+    "fsdp_grad_accumulate": (None, [c_void_p, c_size_t, c_void_p, ctypes.c_int, c_size_t, c_void_p]),
     "fsdp_step": (None, [c_void_p, c_void_p]),
     "fsdp_set_grad_sync": (None, [c_void_p, c_int]),
     "fsdp_set_lr": (None, [c_void_p, c_double]),

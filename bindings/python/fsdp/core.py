@@ -11,6 +11,7 @@ import numpy as np
 from . import _lib
 from ._lib import LIB, check, InvalidState, InvalidArgument, Unsupported
 from . import cudart
+from ._sources import grad_source
 from .dlpack import DeviceArray
 
 _DTYPES = {0: ("fp32", np.float32, ctypes.c_float), 1: ("bf16", np.uint16, ctypes.c_uint16),
@@ -725,6 +726,21 @@ class Unit:
             view[...] = (view.astype(np.float32) + g).astype(np.float16)
         else:
             view += g
+
+    def grad_accumulate(self, i, src, dtype=None, stream=None):
+        """grad(i) += src on the unit's device (fsdp_grad_accumulate): each element added in float32 and rounded
+        once to the param dtype, as add_grad does, from an array of the host's framework in any of float32,
+        bfloat16, float16, without writing into libfsdp's buffer (for arrays that cannot be added into in
+        place, JAX's, or memory of another allocator). src: a torch tensor, a JAX array, a numpy array (CPU),
+        an array with __cuda_array_interface__ (CuPy, Numba), or an int address with dtype=; dense row-major
+        with numel(i) elements, on the context's device. Queued on `stream` (default: the one this unit's
+        block began on) after its work so far: on a GPU keep src alive until that stream is synchronized; on
+        the CPU the add is done when this returns. Inside backward(); several calls add up."""
+        i = self.index(i)
+        ptr, code, n = grad_source(src, dtype, f"Unit.grad_accumulate({self.names[i]!r})")
+        s = self._last_stream if stream is None else self.ctx._stream(stream, "Unit.grad_accumulate")
+        check(LIB.fsdp_grad_accumulate(self._handle(), i, ptr, code, self.numel(i) if n is None else n, s),
+              "fsdp_grad_accumulate")
 
     def params(self):
         return {n: self.param(k) for k, n in enumerate(self.names)}

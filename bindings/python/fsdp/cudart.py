@@ -1,4 +1,5 @@
-# cudart.py - the CUDA runtime through ctypes, for one job: ordering a DLPack consumer's stream after libfsdp's.
+# cudart.py - the CUDA runtime through ctypes, for two jobs: ordering a DLPack consumer's stream after libfsdp's,
+# and waiting for a stream before a framework's memory that it reads may go (fsdp.jax's grads).
 """A DLPack consumer (torch on a side stream, JAX on XLA's stream, CuPy on its current stream) names the
 stream it will read on; the data was made ready on another one, the stream given to ``*_begin``. DLPack
 leaves the ordering to the producer: record an event on the producer's stream and make the consumer's
@@ -12,6 +13,7 @@ torch, CuPy or JAX already loaded, or one on the loader's path), else the ``nvid
 (``$CUDA_HOME``, ``$CUDA_PATH``, ``/usr/local/cuda``), else ``libcudart.so``. It is loaded on the first
 export that needs an event, never on the CPU or when the streams are already ordered.
 """
+import contextlib
 import ctypes
 import importlib.util
 import os
@@ -28,6 +30,7 @@ _FUNCTIONS = {  # name: argtypes; each returns a cudaError_t
     "cudaEventRecord": [ctypes.c_void_p, ctypes.c_void_p],
     "cudaStreamWaitEvent": [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint],
     "cudaEventDestroy": [ctypes.c_void_p],
+    "cudaStreamSynchronize": [ctypes.c_void_p],
 }
 
 
@@ -66,6 +69,21 @@ class CudaRuntime:
                 name = got.decode() if isinstance(got, bytes) else str(got)
             raise CudaRuntimeError(f"fsdp.cudart: {call} failed ({name}) while {doing} (runtime {self.path})")
 
+    @contextlib.contextmanager
+    def _on_device(self, device_id, doing):
+        """The block with cuda:`device_id` current; the thread's current device is the same afterwards."""
+        lib = self._lib
+        prev = ctypes.c_int(-1)
+        self._check(lib.cudaGetDevice(ctypes.byref(prev)), "cudaGetDevice", doing)
+        switch = prev.value != device_id
+        if switch:
+            self._check(lib.cudaSetDevice(device_id), f"cudaSetDevice({device_id})", doing)
+        try:
+            yield
+        finally:
+            if switch:
+                lib.cudaSetDevice(prev.value)
+
     def stream_wait(self, producer, consumer, device_id):
         """Makes stream `consumer` wait, on the GPU, for the work queued so far on stream `producer` (each a
         cudaStream_t as an int; 1 is cudaStreamLegacy, 2 cudaStreamPerThread) through an event made on
@@ -73,12 +91,7 @@ class CudaRuntime:
         the same afterwards."""
         lib = self._lib
         doing = f"making stream {consumer:#x} wait for stream {producer:#x} on cuda:{device_id}"
-        prev = ctypes.c_int(-1)
-        self._check(lib.cudaGetDevice(ctypes.byref(prev)), "cudaGetDevice", doing)
-        switch = prev.value != device_id
-        if switch:
-            self._check(lib.cudaSetDevice(device_id), f"cudaSetDevice({device_id})", doing)
-        try:
+        with self._on_device(device_id, doing):
             ev = ctypes.c_void_p()
             self._check(lib.cudaEventCreateWithFlags(ctypes.byref(ev), CUDA_EVENT_DISABLE_TIMING),
                         "cudaEventCreateWithFlags", doing)
@@ -89,9 +102,13 @@ class CudaRuntime:
                 # The wait took the event's state when it was queued, so the event may go now: CUDA frees it
                 # once the GPU is past it.
                 lib.cudaEventDestroy(ev)
-        finally:
-            if switch:
-                lib.cudaSetDevice(prev.value)
+
+    def stream_synchronize(self, stream, device_id):
+        """Blocks the host until the work queued so far on `stream` (a cudaStream_t as an int; 0 is the legacy
+        default stream) on cuda:`device_id` is done: until a framework's memory that the work reads may go."""
+        doing = f"waiting for stream {stream:#x} on cuda:{device_id}"
+        with self._on_device(device_id, doing):
+            self._check(self._lib.cudaStreamSynchronize(ctypes.c_void_p(stream)), "cudaStreamSynchronize", doing)
 
 
 def _wheel_dirs():

@@ -12,8 +12,11 @@ the gathered params through one DLPack import per unit.
     params = sharded.gather()                        # the full fp32 params, as numpy arrays in the same pytree
 
 JAX is imported when a function here first needs it: ``import fsdp`` and ``import fsdp.jax`` work without it.
-Only ``device=cpu`` contexts: on a GPU JAX arrays are immutable, so grads could not be added in place into
-libfsdp's buffers without another array library (``fsdp.Unit.grad_array`` with CuPy or torch).
+``device=cpu`` and ``device=cuda`` contexts alike: JAX arrays are immutable, so the grads are never written
+into libfsdp's buffers; ``Unit.grad_accumulate`` (``fsdp_grad_accumulate``) adds each JAX grad from JAX's own
+memory on the unit's device, in the params' dtype. On a GPU the params reach JAX through DLPack on the GPU
+(JAX's stream is ordered after the gather with an event, ``fsdp.cudart``), and the adds are queued on the
+block's stream (the legacy default stream), which the adapter synchronizes before it drops JAX's grads.
 
 Rules the adapter keeps, which glue of one's own must keep too (docs/bindings.md, "JAX"):
 
@@ -32,6 +35,7 @@ import threading
 
 import numpy as np
 
+from . import cudart
 from ._lib import InvalidArgument, InvalidState, Unsupported
 from .core import Config, Context
 from .dlpack import DeviceArray
@@ -324,10 +328,15 @@ class ShardedParams(Wrapped):
         return tuple(jax.dlpack.from_dlpack(views[i]) for i in live), layout, span
 
     def _add_grads(self, u, grads):
+        """Adds a unit's JAX grads (blocked on) into its grad buffers from JAX's memory (Unit.grad_accumulate:
+        in fp32, rounded once to param_dtype). On a GPU the adds are queued on the block's stream: it is
+        synchronized before the grads may go back to JAX's allocator."""
         unit = self.units[u]
         for i, g in enumerate(grads):
             if unit.numel(i):
-                unit.add_grad(i, np.asarray(g))  # a zero-copy numpy view of the JAX result, added in fp32
+                unit.grad_accumulate(i, g if hasattr(g, "unsafe_buffer_pointer") else np.ascontiguousarray(g))
+        if self.ctx.device_kind == "cuda":
+            cudart.load().stream_synchronize(unit._last_stream or 0, self.ctx.device_id)
 
     def _scale(self):
         return np.float32(self.ctx.loss_scale)
@@ -346,7 +355,7 @@ class ShardedParams(Wrapped):
         every unit gathered during the call (the whole model's params, as JAX needs them at once); use
         layerwise() to hold fewer. Under fp16's dynamic loss scaling the grads are of loss * ctx.loss_scale,
         and the loss returned is the unscaled one."""
-        self._cpu_only("value_and_grad")
+        self._check_device("value_and_grad")
 
         def train(*args, **kwargs):
             with self._pass("value_and_grad"):
@@ -406,7 +415,7 @@ class ShardedParams(Wrapped):
         backward_prefetch=pre or post in backward) while limit_all_gathers (default 2) allows; so at most
         max(1, min(2, limit_all_gathers)) units. SHARD_GRAD_OP keeps every unit gathered from its forward to
         its backward by design."""
-        self._cpu_only("layerwise")
+        self._check_device("layerwise")
         chain = self._chain(layer_fns)
 
         def train(x, *loss_args):
@@ -481,10 +490,10 @@ class ShardedParams(Wrapped):
         return loss
 
     # ---- pass guards ----
-    def _cpu_only(self, what):
-        if self.ctx.device_kind != "cpu":
-            raise Unsupported(3, f"ShardedParams.{what}: fsdp.jax runs on device=cpu contexts only; this one is "
-                                 f"{self.ctx.device} (grads are added in place, which JAX arrays cannot do)")
+    def _check_device(self, what):
+        if self.ctx.device_kind not in ("cpu", "cuda"):
+            raise Unsupported(3, f"ShardedParams.{what}: fsdp.jax runs on device=cpu and device=cuda contexts; "
+                                 f"this one is {self.ctx.device}")
 
     def _pass(self, what):
         if not self._busy.acquire(blocking=False):
@@ -605,7 +614,7 @@ def shard(params, units=1, ctx=None, group=None, rank=None, **config):
         sharding = None
     try:
         sp = ShardedParams(ctx, own, sharding, treedef, names, shapes, unit_list, unit_trees)
-        sp._cpu_only("shard")
+        sp._check_device("shard")
         for uname, leaves in unit_list:
             sp._add_unit(ctx.register_unit(uname, [(names[k], shapes[k]) for k in leaves]))
         sp._set_leaves([leaf for _, leaf in flat])

@@ -423,6 +423,68 @@ def test_add_grad_fp16_rounds_once():
             assert u.grad(0)[0] == once
 
 
+@pytest.mark.parametrize("mp", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("src_dtype", ["float32", "bfloat16", "float16"])
+def test_grad_accumulate_adds_as_add_grad_does_from_any_dtype(mp, src_dtype):
+    """Unit.grad_accumulate (fsdp_grad_accumulate) reads the framework's array in its own dtype and adds it as
+    add_grad adds: the same bits in the grad buffer, and the same reduced grad over 2 ranks."""
+    rng = np.random.default_rng(3)
+    g1 = rng.uniform(-1, 1, (2, 6)).astype(np.float32)
+    g2 = rng.uniform(-1, 1, (2, 6)).astype(np.float32)
+
+    def src(values):  # the framework's array in src_dtype, and its values as fp32
+        if src_dtype == "bfloat16":
+            bits = fsdp.f32_to_bf16(values)
+            return bits, fsdp.bf16_to_f32(bits).astype(np.float32)
+        a = values.astype(src_dtype)
+        return a, a.astype(np.float32)
+
+    def fn(rank, group):
+        with fsdp.Context(fsdp.Config(param_dtype=mp, loss_scale="off", **SGD), group, rank) as ctx:
+            acc = ctx.register_unit("acc", {"acc.w": (2, 6)})
+            ref = ctx.register_unit("ref", {"ref.w": (2, 6)})
+            a1, f1 = src(g1 + rank)
+            a2, f2 = src(g2)
+            kw = {"dtype": "bfloat16"} if src_dtype == "bfloat16" else {}
+            with acc.backward(), ref.backward():
+                acc.grad_accumulate(0, a1, **kw)
+                acc.grad_accumulate("acc.w", a2, **kw)
+                ref.add_grad(0, f1)
+                ref.add_grad(0, f2)
+                mine, want = np.array(acc.grad(0)), np.array(ref.grad(0))
+            return mine, want, acc.gather_grad(0), ref.gather_grad(0)
+
+    for mine, want, reduced, reduced_ref in fsdp.run_ranks(2, fn):
+        np.testing.assert_array_equal(mine.view(np.uint8), want.view(np.uint8))
+        np.testing.assert_array_equal(reduced, reduced_ref)
+        assert np.abs(reduced).max() > 0.1  # something was added
+
+
+def test_grad_accumulate_takes_torch_tensors_and_refuses_what_it_cannot_read():
+    torch = pytest.importorskip("torch")
+    with fsdp.Context(fsdp.Config(param_dtype="bf16", loss_scale="off", **SGD)) as ctx:
+        u = ctx.register_unit("u", {"w": (3, 4)})
+        t = torch.arange(12, dtype=torch.bfloat16).reshape(3, 4) / 8
+        with pytest.raises(fsdp.InvalidState, match="fsdp_grad_accumulate"):
+            u.grad_accumulate(0, t)  # outside backward
+        with u.backward():
+            u.grad_accumulate(0, t)
+            with pytest.raises(ValueError, match="not contiguous"):
+                u.grad_accumulate(0, t.t())
+            with pytest.raises(fsdp.InvalidArgument, match="12 elements, not 4"):
+                u.grad_accumulate(0, t[0])
+            with pytest.raises(ValueError, match="none of float32"):
+                u.grad_accumulate(0, np.zeros(12, np.float64))
+            with pytest.raises(ValueError, match="holds float32"):
+                u.grad_accumulate(0, np.zeros(12, np.float32), dtype="float16")
+            with pytest.raises(TypeError, match="needs dtype"):
+                u.grad_accumulate(0, np.zeros(12, np.float32).ctypes.data)
+            with pytest.raises(TypeError, match="no array"):
+                u.grad_accumulate(0, [1.0] * 12)
+            got = fsdp.bf16_to_f32(np.array(u.grad(0)))
+        np.testing.assert_array_equal(got, (torch.arange(12).reshape(3, 4) / 8).numpy())
+
+
 def test_frozen_unit_has_no_grads_and_stays_as_it_was():
     """Unit.set_trainable(False): the grad shard and the moments go (memory_stats), the params stay bitwise,
     grad views are refused; the unit beside it trains exactly as SGD says (param -= mean grad)."""

@@ -43,43 +43,7 @@ STEPS = 4
 SPIN_CYCLES = 50_000_000  # ~25 ms at 2 GHz: long enough that unordered work would visibly run first
 
 
-def gpus_listed():
-    """How many GPUs `nvidia-smi -L` lists (0 without it, or when CUDA_VISIBLE_DEVICES is "" or -1: hidden on
-    purpose), as tests/gpu_presence.h counts them for the C++ GPU tests."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None and (visible == "" or visible.startswith("-")):
-        return 0
-    try:
-        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=60).stdout
-    except (OSError, subprocess.SubprocessError):
-        return 0
-    return sum(1 for line in out.splitlines() if line.startswith("GPU "))
-
-
-def _gpu_problem():
-    """(why the GPU tests cannot run, whether that is a failure) or (None, False)."""
-    if "cuda" not in fsdp.build_info():
-        return "this libfsdp has no CUDA device (fsdp_build_info)", False
-    try:
-        fsdp.Context(fsdp.Config(device="cuda:0")).close()
-    except fsdp.FsdpError as e:
-        why = f"no CUDA device can be used here ({e.status_name}: {e.message})"
-        listed = gpus_listed()
-        if listed:  # a GPU is there but CUDA cannot use it (an old driver, missing device files): fail, not skip
-            return f"nvidia-smi -L lists {listed} GPU(s), but {why}", True
-        return why, False
-    return None, False
-
-
-_PROBLEM, _PROBLEM_FAILS = _gpu_problem()
-
-
-def _not_run(why, fails=False):
-    """Skips, saying why; fails instead where a GPU is listed but unusable, and for every reason with
-    FSDP_REQUIRE_GPU=1 (tools/gpu-check.sh on a machine with a GPU)."""
-    if fails or os.environ.get("FSDP_REQUIRE_GPU") == "1":
-        pytest.fail(f"GPU test could not run: {why}")
-    pytest.skip(f"GPU test not run: {why}")
+from gpu_env import PROBLEM as _PROBLEM, PROBLEM_FAILS as _PROBLEM_FAILS, not_run as _not_run  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -194,21 +158,18 @@ class CupyHost:
 
 class JaxHost:
     """JAX computes on XLA's own stream, which jax.dlpack.from_dlpack names to the export (the review's P1:
-    refused before); JAX arrays are immutable, so torch or CuPy adds the result into the grad buffer,
-    importing it from JAX through DLPack on the legacy stream."""
+    refused before); JAX arrays are immutable, so the result is added into the grad buffer from JAX's memory
+    by Unit.grad_accumulate (fsdp_grad_accumulate) on the legacy stream, after JAX is done computing it and
+    before JAX may reuse its memory (the stream is synchronized)."""
 
     def unit_stream(self):
         return None
 
     def add_grad(self, u, world):
         w = jax.dlpack.from_dlpack(u.param_array(0))
-        x = (w - jnp.asarray(TARGET)) * 2.0 * (1.0 / world)
-        ga = u.grad_array(0)
-        if torch is not None:
-            torch.from_dlpack(ga).add_(torch.from_dlpack(x))
-        else:
-            g = cupy.from_dlpack(ga)
-            g += cupy.from_dlpack(x)
+        x = jax.block_until_ready((w - jnp.asarray(TARGET)) * 2.0 * (1.0 / world))
+        u.grad_accumulate(0, x)
+        cudart.load().stream_synchronize(0, 0)
         del w, x
 
 
@@ -267,8 +228,6 @@ def test_fp16_reaches_cupy_through_the_cuda_array_interface(world):
 @pytest.mark.parametrize("world", [1, 2])
 def test_jax_imports_params_on_its_own_stream_and_trains_like_the_cpu(world):
     _need_jax_gpu()
-    if torch is None and cupy is None:
-        _not_run("JAX's grads are added through torch or CuPy, and neither is installed")
     _on_cpu_and_gpu(world, JaxHost)
 
 

@@ -1,5 +1,7 @@
 # test_jax_adapter.py - fsdp.jax against unsharded JAX: an MLP params pytree trained by libfsdp (whole-function and
 # layer-wise modes, worlds 1/2/4, FULL_SHARD/SHARD_GRAD_OP/HYBRID_SHARD) matches a JAX run with a numpy AdamW.
+# The cases marked by a `device` parameter also run with device=cuda against JAX's own run on the GPU (thread
+# ranks sharing it through the local communicator); they skip saying why where no GPU is usable (gpu_env.py).
 import functools
 import importlib.util
 import os
@@ -8,8 +10,12 @@ import shutil
 import subprocess
 import sys
 
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # JAX shares the GPU with libfsdp
+
 import numpy as np
 import pytest
+
+import gpu_env
 
 try:
     import jax
@@ -21,6 +27,19 @@ import fsdp
 import fsdp.jax as fj
 
 jax.config.update("jax_enable_x64", False)  # fp32 throughout, as libfsdp's fp32 params
+# On a GPU XLA would multiply fp32 in TF32 by default: the sharded run (each rank's rows) and the reference (the
+# whole batch) would then differ by TF32's rounding, not fp32's, and the tolerances below are fp32's.
+jax.config.update("jax_default_matmul_precision", "highest")
+DEVICES = ["cpu", "cuda"]
+
+
+def on_device(device):
+    """The JAX device the test's own computations run on for a libfsdp context of `device` (skips the cuda
+    cases where no GPU is usable, saying why)."""
+    if device == "cuda":
+        gpu_env.need_jax_gpu(jax)
+        return jax.devices("gpu")[0]
+    return jax.devices("cpu")[0]
 
 DIMS = [8, 32, 32, 24, 4]  # three tanh layers ("layers.0".."layers.2") and a linear head: 4 units of unequal size
 BATCH = 16                 # the global batch; each rank takes BATCH / world rows
@@ -84,9 +103,14 @@ def adamw(p, g, m, v, step, name):
 
 
 @functools.lru_cache(maxsize=None)
-def reference():
-    """Unsharded JAX: the whole batch's mean loss, its grads (jax.grad), the AdamW above. Returns (losses per
-    step, {name: grad} of step 1, {name: param} after STEPS)."""
+def reference(device="cpu"):
+    """Unsharded JAX on `device`: the whole batch's mean loss, its grads (jax.grad), the AdamW above. Returns
+    (losses per step, {name: grad} of step 1, {name: param} after STEPS)."""
+    with jax.default_device(on_device(device)):
+        return _reference()
+
+
+def _reference():
     x, t = make_data()
     flat, treedef = jax.tree_util.tree_flatten_with_path(init_params())
     names = [fj.path_name(p) for p, _ in flat]
@@ -109,12 +133,12 @@ def named(tree):
     return {fj.path_name(p): np.asarray(a) for p, a in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
-def train(world, sharding, mode, steps=STEPS, **extra):
+def train(world, sharding, mode, steps=STEPS, device="cpu", **extra):
     """libfsdp through fsdp.jax on `world` thread-ranks: (global mean loss per step, {name: reduced grad} after
     the first backward, {name: param} after the last step, each rank's MemoryStats)."""
     x, t = make_data()
     params = init_params()
-    opts = dict(OPTS, sharding=sharding, **extra)
+    opts = dict(OPTS, sharding=sharding, device="cuda:0" if device == "cuda" else "cpu", **extra)
     if sharding.startswith("HYBRID"):
         opts.setdefault("shard_group_size", 2)
 
@@ -143,11 +167,12 @@ CASES = [(1, "FULL_SHARD"), (2, "FULL_SHARD"), (4, "FULL_SHARD"), (1, "SHARD_GRA
          (4, "SHARD_GRAD_OP"), (4, "HYBRID_SHARD")]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mode", ["whole", "layerwise"])
 @pytest.mark.parametrize("world,sharding", CASES, ids=[f"{s}-w{w}" for w, s in CASES])
-def test_matches_unsharded_jax(world, sharding, mode):
-    ref_losses, ref_grads, ref_params = reference()
-    losses, grads, params, _ = train(world, sharding, mode)
+def test_matches_unsharded_jax(world, sharding, mode, device):
+    ref_losses, ref_grads, ref_params = reference(device)
+    losses, grads, params, _ = train(world, sharding, mode, device=device)
     # Step 1's reduced grads: the same fp32 math as the reference, summed in another order (each rank's rows,
     # then the ranks' mean). Seen: bitwise at world 1, at most 1.7e-7 of each param's largest grad at worlds 2
     # and 4 (a couple of ulp); 1e-6 keeps a 6x margin while a dropped or doubled term (1/world of a grad) fails.
@@ -359,34 +384,40 @@ def test_a_root_unit_runs_in_the_chain():
             np.testing.assert_allclose(g, want[name], rtol=1e-5, atol=1e-6, err_msg=name)
 
 
-def test_naive_glue_reads_nan_under_debug_poison():
+@pytest.mark.parametrize("device", DEVICES)
+def test_naive_glue_reads_nan_under_debug_poison(device):
     """The failure the adapter avoids, shown to be caught: JAX arrays imported from a unit's views inside its
     forward block and used after forward_end read NaN with debug_poison=1 (world 2, FULL_SHARD), so the
     poisoned runs above would have failed had the adapter read freed memory."""
+    dev = on_device(device)
+
     def rank_fn(rank, group):
-        with fj.shard(init_params(), units=2, group=group, rank=rank, **OPTS) as sp:
+        with fj.shard(init_params(), units=2, group=group, rank=rank, device=str(device), **OPTS) as sp:
             kept = {}
             for u in sp.units:
                 with u.forward():  # the naive way: import each param, compute later
                     kept.update({n: jax.dlpack.from_dlpack(u.param_array(i)) for i, n in enumerate(u.names)})
             sp.ctx.metrics_reduce([0.0])  # a collective: the NaN fills queued on the comm stream are done
             params = jax.tree_util.tree_unflatten(sp.treedef, [kept[n] for n in sp.names])
-            x, t = make_data()
+            x, t = (jax.device_put(a, dev) for a in make_data())
             out = float(model_loss(params, x, t))
             del params, kept
             return out
     assert all(np.isnan(v) for v in fsdp.run_ranks(2, rank_fn))
 
 
-def test_no_sync_accumulates_and_bf16_trains():
+@pytest.mark.parametrize("device", DEVICES)
+def test_no_sync_accumulates_and_bf16_trains(device):
     """Two passes, the first inside no_sync(), add their grads (the sum of the two batches' mean grads); a bf16
     context computes in bf16 (leaves arrive as bfloat16) and its first loss is the fp32 one to bf16's precision."""
     x, t = make_data()
     params = init_params()
     vg = jax.jit(jax.grad(model_loss))
     h = BATCH // 2
-    want = jax.tree_util.tree_map(lambda a, b: np.asarray(a) + np.asarray(b), vg(params, x[:h], t[:h]),
-                                  vg(params, x[h:], t[h:]))
+    with jax.default_device(on_device(device)):
+        want = jax.tree_util.tree_map(lambda a, b: np.asarray(a) + np.asarray(b), vg(params, x[:h], t[:h]),
+                                      vg(params, x[h:], t[h:]))
+    opts = dict(OPTS, device=device)
     seen = []
 
     def bf16_loss(p, x, t):
@@ -395,14 +426,14 @@ def test_no_sync_accumulates_and_bf16_trains():
 
     def rank_fn(rank, group):
         q = BATCH // 4  # each rank's share of each half
-        with fj.shard(params, units=2, group=group, rank=rank, **OPTS) as sp:
+        with fj.shard(params, units=2, group=group, rank=rank, **opts) as sp:
             run = sp.value_and_grad(model_loss)
             with sp.no_sync():
                 run(x[rank * q:(rank + 1) * q], t[rank * q:(rank + 1) * q])
             run(x[h + rank * q:h + (rank + 1) * q], t[h + rank * q:h + (rank + 1) * q])
             grads = named(sp.gather_grads())
             sp.finalize()
-        with fj.shard(params, units=2, group=group, rank=rank, param_dtype="bf16", **OPTS) as sp:
+        with fj.shard(params, units=2, group=group, rank=rank, param_dtype="bf16", **opts) as sp:
             loss = sp.value_and_grad(bf16_loss)(x[rank * h:(rank + 1) * h], t[rank * h:(rank + 1) * h])
             loss = float(sp.ctx.metrics_reduce([loss], "avg")[0])
             sp.step()
@@ -411,7 +442,7 @@ def test_no_sync_accumulates_and_bf16_trains():
     for grads, loss in fsdp.run_ranks(2, rank_fn):
         for name, ref in named(want).items():
             assert float(np.max(np.abs(grads[name] - ref))) <= 1e-6 * float(np.max(np.abs(ref))), name
-        assert loss == pytest.approx(reference()[0][0], rel=2e-2)  # bf16 params: 8 bits of mantissa
+        assert loss == pytest.approx(reference(device)[0][0], rel=2e-2)  # bf16 params: 8 bits of mantissa
     assert seen and all(d == jnp.bfloat16 for d in seen)
 
 

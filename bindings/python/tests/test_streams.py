@@ -187,8 +187,22 @@ class FakeCudart:
         self.calls.append(("cudaEventDestroy", ev.value))
         return 0
 
+    def cudaStreamSynchronize(self, stream):
+        self.calls.append(("cudaStreamSynchronize", stream.value, self.device))
+        return self._ret("cudaStreamSynchronize")
+
     def cudaGetErrorName(self, status):
         return b"cudaErrorIllegalAddress" if status == 700 else b"cudaErrorUnknown"
+
+
+def test_stream_synchronize_waits_on_the_streams_device_and_switches_back():
+    fake = FakeCudart(device=0)
+    cudart.CudaRuntime(fake).stream_synchronize(0x7000, device_id=1)
+    assert fake.calls == [("cudaGetDevice",), ("cudaSetDevice", 1), ("cudaStreamSynchronize", 0x7000, 1),
+                          ("cudaSetDevice", 0)]
+    fake = FakeCudart(device=0, fail="cudaStreamSynchronize")
+    with pytest.raises(cudart.CudaRuntimeError, match="cudaStreamSynchronize failed .cudaErrorIllegalAddress."):
+        cudart.CudaRuntime(fake).stream_synchronize(0, device_id=0)
 
 
 def test_stream_wait_records_on_the_producer_and_makes_the_consumer_wait():

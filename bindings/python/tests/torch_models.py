@@ -53,14 +53,16 @@ def mse(model, x, y):
     return ((model(x) - y) ** 2).mean()
 
 
-def reference_train(init, x, y, steps, dtype=torch.float32, micro=1, on_step=None):
+def reference_train(init, x, y, steps, dtype=torch.float32, micro=1, on_step=None, device="cpu"):
     """Plain torch on the whole batch: fp32 master params and torch.optim.AdamW; with dtype bf16 the forward
     and backward run on a bf16 copy of the master (what libfsdp's param_dtype=bf16 does), the grads are
     converted to fp32 for the update. micro > 1: the batch in `micro` micro-batches, grads summed (each
     micro-batch's loss divided by micro. on_step(model, step) runs before each step's forward (a test's
-    change of requires_grad). Returns (per-step losses, the first step's grads, final params)."""
-    master = copy.deepcopy(init)
-    compute = master if dtype == torch.float32 else copy.deepcopy(init).to(dtype)
+    change of requires_grad). On `device` (a torch device: the model and data are moved there). Returns
+    (per-step losses, the first step's grads, final params)."""
+    master = copy.deepcopy(init).to(device)
+    x, y = x.to(device), y.to(device)
+    compute = master if dtype == torch.float32 else copy.deepcopy(init).to(device=device, dtype=dtype)
     opt = torch.optim.AdamW(master.parameters(), lr=HYPER["lr"], betas=(HYPER["beta1"], HYPER["beta2"]),
                             eps=HYPER["eps"], weight_decay=HYPER["weight_decay"], foreach=False)
     losses, grads0 = [], None
