@@ -9,6 +9,7 @@
 #   suite      every CTest named Cuda* (on a GPU a skip is a failure); the
 #              multi-process NCCL ones after the rest, one at a time
 #   python     the Python binding's GPU tests (bindings/python/tests/test_cuda*.py)
+#              and the fsdp.torch / fsdp.jax suites with their device=cuda cases
 #   go         the Go binding's tests, its GPU ones included (tools/test_go.sh);
 #              unavailable, not failed, where go is not installed
 #   memcheck   compute-sanitizer memcheck on test_cuda, test_cuda_engine, test_gpt_cuda
@@ -420,15 +421,20 @@ stage_python() {
   gc_stage_begin python
   need_build || return
   local site="" rc t0 w files=()
-  # pytest: the machine's, else the wheels of .gpu-deps/wheels unzipped (pure
-  # Python: no pip needed) into a folder of their own.
-  if ! python3 -c "import pytest" 2>/dev/null && compgen -G "$GC_ROOT/.gpu-deps/wheels/*.whl" >/dev/null; then
+  # pytest and transformers: the machine's, else the wheels of
+  # .gpu-deps/wheels and .gpu-deps-tests/py-wheels unzipped (no pip needed) into a
+  # folder of their own, behind what the machine has (its torch, numpy).
+  local need=()
+  python3 -c "import pytest" 2>/dev/null || need+=("$GC_ROOT"/.gpu-deps/wheels/*.whl)
+  python3 -c "import transformers" 2>/dev/null || need+=("$GC_ROOT"/.gpu-deps-tests/py-wheels/*.whl)
+  if [ ${#need[@]} -gt 0 ] && compgen -G "${need[0]}" >/dev/null; then
     site=$GC_STATE/pytest-site
     rm -rf "$site"
-    for w in "$GC_ROOT"/.gpu-deps/wheels/*.whl; do
+    for w in "${need[@]}"; do
+      [ -f "$w" ] || continue
       python3 -c 'import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extractall(sys.argv[2])' "$w" "$site"
     done
-    gc_note "pytest from .gpu-deps/wheels, unzipped into $site"
+    gc_note "wheels from .gpu-deps unzipped into $site: ${need[*]##*/}"
   fi
   local pythonpath=${PYTHONPATH:-}
   [ -z "$site" ] || pythonpath=$site${pythonpath:+:$pythonpath}
@@ -436,10 +442,15 @@ stage_python() {
     gc_stage_end FAIL "pytest not found (run tools/gpu-deps.sh elsewhere and carry .gpu-deps): the Python GPU tests did not run"
     return
   fi
-  files=("$GC_ROOT"/bindings/python/tests/test_cuda*.py)
+  # The binding's own GPU tests, and the adapters' suites, whose device=cuda
+  # cases run here against the frameworks' own runs on the GPU (the CPU cases
+  # run too: every adapter test that passes on the CPU must pass here).
+  for w in "$GC_ROOT"/bindings/python/tests/{test_cuda*,test_torch_adapter,test_jax_adapter,test_api}.py; do
+    [ -f "$w" ] && files+=("$w")
+  done
   rm -f "$GC_STATE/logs/python-junit.xml"
   t0=$(date +%s)
-  gc_timed 300 "$GC_STATE/logs/python.log" env FSDP_REQUIRE_GPU=1 "FSDP_LIBRARY=$GC_BUILD/src/libfsdp.so" \
+  gc_timed 540 "$GC_STATE/logs/python.log" env FSDP_REQUIRE_GPU=1 "FSDP_LIBRARY=$GC_BUILD/src/libfsdp.so" \
     "PYTHONPATH=$GC_ROOT/bindings/python${pythonpath:+:$pythonpath}" \
     python3 -m pytest -q -rs -p no:cacheprovider --junitxml="$GC_STATE/logs/python-junit.xml" "${files[@]}"
   rc=$?
@@ -463,8 +474,17 @@ stage_python() {
 stage_go() {
   gc_stage_begin go
   need_build || return
+  # Go: the machine's, else the toolchain tools/gpu-deps.sh packed into
+  # .gpu-deps-tests/go.tar.xz, unpacked once into the state folder.
+  if ! command -v go >/dev/null && [ -f "$GC_ROOT/.gpu-deps-tests/go.tar.xz" ]; then
+    if [ ! -x "$GC_STATE/go/bin/go" ]; then
+      rm -rf "$GC_STATE/go" && tar -C "$GC_STATE" -xJf "$GC_ROOT/.gpu-deps-tests/go.tar.xz"
+    fi
+    export GOROOT=$GC_STATE/go PATH=$GC_STATE/go/bin:$PATH
+    gc_note "go from .gpu-deps-tests/go.tar.xz: $(go version 2>&1)"
+  fi
   if ! command -v go >/dev/null; then
-    gc_stage_end UNAVAILABLE "go is not installed here: the Go binding's GPU tests did not run"
+    gc_stage_end UNAVAILABLE "go is not installed here (and no .gpu-deps-tests/go.tar.xz): the Go binding's GPU tests did not run"
     return
   fi
   local t0 rc t failed=()
