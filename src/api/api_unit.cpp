@@ -305,15 +305,19 @@ fsdp_status_t fsdp_grad_ptr(fsdp_unit_t* unit, size_t param_index, void** ptr) {
 
 fsdp_status_t fsdp_grad_accumulate(fsdp_unit_t* unit, size_t param_index, const void* src, fsdp_dtype_t src_dtype,
                                    size_t numel, void* stream) {
+  // Any int may come in as the enum (see fsdp_metrics_reduce): its bytes.
+  int dtype_value = 0;
+  static_assert(sizeof dtype_value == sizeof src_dtype, "fsdp_dtype_t is an int");
+  std::memcpy(&dtype_value, &src_dtype, sizeof dtype_value);
   return guard([&] {
     const char* call = "fsdp_grad_accumulate";
     Unit& u = live_unit(unit, call);
     if (numel != 0) require(src, call, "src");
-    if (src_dtype != FSDP_DTYPE_FP32 && src_dtype != FSDP_DTYPE_BF16 && src_dtype != FSDP_DTYPE_FP16) {
-      fail(FSDP_ERR_INVALID_ARGUMENT, std::string(call) + ": src_dtype " + std::to_string(static_cast<int>(src_dtype)) +
+    if (dtype_value != FSDP_DTYPE_FP32 && dtype_value != FSDP_DTYPE_BF16 && dtype_value != FSDP_DTYPE_FP16) {
+      fail(FSDP_ERR_INVALID_ARGUMENT, std::string(call) + ": src_dtype " + std::to_string(dtype_value) +
                                           " is none of FSDP_DTYPE_FP32, FSDP_DTYPE_BF16, FSDP_DTYPE_FP16");
     }
-    u.grad_accumulate(param_index, src, static_cast<fsdp::DType>(src_dtype), numel, u.caller_stream(stream, call));
+    u.grad_accumulate(param_index, src, static_cast<fsdp::DType>(dtype_value), numel, u.caller_stream(stream, call));
   });
 }
 
