@@ -217,6 +217,42 @@ TEST(CudaKernels, AddMatchesTheCpuBitwiseForEveryDtypePair) {
   EXPECT_FALSE(gpu.readable(nullptr));
 }
 
+// The quantized all-gather's passes (kernels/quant.h): the GPU packs and
+// unpacks the CPU's bytes, including NaN, infinite, zero and short blocks.
+TEST(CudaKernels, QuantizeAndDequantizeMatchTheCpuBitwise) {
+  SKIP_WITHOUT_GPU();
+  CudaDevice gpu(0);
+  CpuDevice cpu(1, Pool::kDevice);
+  for (fsdp::kernels::QType t : {fsdp::kernels::QType::kInt8, fsdp::kernels::QType::kFp8E4m3}) {
+    for (size_t n : kSizes) {
+      for (DType in_t : kDtypes) {
+        SCOPED_TRACE("n=" + std::to_string(n) + " from " + fsdp::dtype_name(in_t) +
+                     (t == fsdp::kernels::QType::kInt8 ? " int8" : " fp8"));
+        const size_t block = 256, slices = 2;
+        std::vector<float> v = random_floats(n * slices, 8, 50.0f);
+        if (v.size() > 300) v[3] = NAN, v[290] = INFINITY;           // two blocks of NaN
+        for (size_t i = 0; i < std::min<size_t>(v.size(), 16); ++i) v[v.size() - 1 - i] = 0.0f;  // zeros
+        std::vector<uint8_t> src = storage(cpu, in_t, v);
+        const size_t bytes = fsdp::kernels::quant_packed_bytes(n, block), es = fsdp::dtype_size(in_t);
+        std::vector<uint8_t> want(bytes * slices);
+        for (size_t s = 0; s < slices; ++s) cpu.quantize(want.data() + s * bytes, src.data() + s * n * es, in_t, n, block, t);
+        DeviceArray d_src = upload(gpu, src), d_q(gpu, nullptr, want.size());
+        for (size_t s = 0; s < slices; ++s) {
+          gpu.quantize(d_q.as<uint8_t>() + s * bytes, d_src.as<uint8_t>() + s * n * es, in_t, n, block, t);
+        }
+        EXPECT_EQ(first_difference(want, d_q.read<uint8_t>()), -1) << "packed bytes";
+        for (DType out_t : kDtypes) {
+          std::vector<uint8_t> out(n * slices * fsdp::dtype_size(out_t));
+          cpu.dequantize(out.data(), out_t, want.data(), slices, n, block, t);
+          DeviceArray d_out(gpu, nullptr, out.size());
+          gpu.dequantize(d_out.ptr, out_t, d_q.ptr, slices, n, block, t);
+          EXPECT_EQ(first_difference(out, d_out.read<uint8_t>()), -1) << "into " << fsdp::dtype_name(out_t);
+        }
+      }
+    }
+  }
+}
+
 TEST(CudaKernels, UnalignedArraysTakeTheScalarPathWithTheSameBits) {
   SKIP_WITHOUT_GPU();
   CudaDevice gpu(0);

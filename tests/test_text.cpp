@@ -393,6 +393,7 @@ TEST(Config, EveryNumericRangeInAMessageIsTheOneCheckedAndTheOneDocumented) {
                                          "shard_group_size",
                                          "world_size",
                                          "limit_all_gathers",
+                                         "gather_block",
                                          "loss_scale_growth_interval"};
   const std::regex range(R"(in ([\[(])([-+0-9.e]+), ([-+0-9.e]+)([\])]))");
   for (const std::string& key : keys) {

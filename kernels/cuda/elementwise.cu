@@ -10,6 +10,7 @@
 #include "../optim.h"
 #include "../reduce.h"
 #include "../step.h"
+#include "dispatch.cuh"
 #include "launch.h"
 
 namespace fsdp::kernels::cuda {
@@ -112,19 +113,6 @@ cudaError_t launch(const Body& body, size_t n, bool vec, cudaStream_t s) {
   return cudaGetLastError();
 }
 
-// Calls fn(typed pointer) with `p` cast to the storage type of `dtype`.
-template <typename Fn>
-cudaError_t with_dtype(fsdp_dtype_t dtype, void* p, Fn&& fn) {
-  switch (dtype) {
-    case FSDP_DTYPE_FP32:
-      return fn(static_cast<float*>(p));
-    case FSDP_DTYPE_BF16:
-      return fn(static_cast<bf16_t*>(p));
-    case FSDP_DTYPE_FP16:
-      return fn(static_cast<fp16_t*>(p));
-  }
-  return cudaErrorInvalidValue;
-}
 // The same with "no output" for a null `p`.
 template <typename Fn>
 cudaError_t with_out(fsdp_dtype_t dtype, void* p, Fn&& fn) {

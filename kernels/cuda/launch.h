@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "../optim.h"
+#include "../quant.h"
 #include "../step.h"
 #include "fsdp.h"
 
@@ -22,6 +23,13 @@ namespace fsdp::kernels::cuda {
 // out = cast(in); with `clear`, in[i] = 0 once read.
 cudaError_t cast(void* out, fsdp_dtype_t out_dtype, void* in, fsdp_dtype_t in_dtype, size_t n, bool clear,
                  cudaStream_t s);
+// The quantized all-gather's ends (kernels/quant.h, Device::quantize and
+// dequantize): one thread block per quantization block packs x[0, n); one
+// thread per value unpacks n_slices packed slices into out.
+cudaError_t quantize(void* packed, const void* x, fsdp_dtype_t x_dtype, size_t n, size_t block, QType t,
+                     cudaStream_t s);
+cudaError_t dequantize(void* out, fsdp_dtype_t out_dtype, const void* packed, size_t n_slices, size_t n, size_t block,
+                       QType t, cudaStream_t s);
 // acc[i] = acc[i] + src[i] in fp32, rounded once to acc's type (AddOp).
 cudaError_t add(void* acc, fsdp_dtype_t acc_dtype, const void* src, fsdp_dtype_t src_dtype, size_t n,
                 cudaStream_t s);

@@ -386,6 +386,32 @@ const std::vector<Entry>& table() {
        {},
        [](Options& o, const std::string& v) { o.gather_stream = parse_auto_bool("gather_stream", v); },
        [](const Options& o) { return auto_bool_name(o.gather_stream); }},
+      {"gather_dtype",
+       {},
+       [](Options& o, const std::string& v) {
+         const std::string w = lower(trim(v));
+         if (w == "param" || w == "param_dtype") {
+           o.gather_quantized = false;
+         } else if (w == "int8") {
+           o.gather_quantized = true;
+           o.gather_qtype = kernels::QType::kInt8;
+         } else if (w == "fp8_e4m3" || w == "fp8") {
+           o.gather_quantized = true;
+           o.gather_qtype = kernels::QType::kFp8E4m3;
+         } else {
+           bad_value("gather_dtype", v, "param, int8, fp8_e4m3");
+         }
+       },
+       [](const Options& o) {
+         if (!o.gather_quantized) return std::string("param");
+         return std::string(o.gather_qtype == kernels::QType::kInt8 ? "int8" : "fp8_e4m3");
+       }},
+      {"gather_block",
+       {},
+       [](Options& o, const std::string& v) {
+         o.gather_block = static_cast<size_t>(parse_int("gather_block", v, 16, 65536));
+       },
+       [](const Options& o) { return std::to_string(o.gather_block); }},
       {"forward_prefetch",
        {},
        [](Options& o, const std::string& v) { o.forward_prefetch = parse_bool("forward_prefetch", v); },

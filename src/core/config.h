@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "../../kernels/quant.h"
 #include "../base/dtype.h"
 #include "../comm/options.h"
 
@@ -92,6 +93,15 @@ struct Options {
   // always; the CPU where the host has a core per rank for its compute, its
   // comm stream and its gather stream (Context::gathers_apart).
   AutoBool gather_stream = AutoBool::kAuto;
+  // Quantized param gathers (gather_dtype=int8|fp8_e4m3): each rank
+  // quantizes its slice of the fp32 master in blocks of gather_block values
+  // (kernels/quant.h), the all-gather moves the codes and scales, and the
+  // gathered side dequantizes to param_dtype. The master, the grads and the
+  // optimizer stay full precision. gather_quantized false: the gathers move
+  // param_dtype values (the default).
+  bool gather_quantized = false;
+  kernels::QType gather_qtype = kernels::QType::kInt8;
+  size_t gather_block = 256;
   BackwardPrefetch backward_prefetch = BackwardPrefetch::kPre;  // PyTorch's default
   int limit_all_gathers = 2;
   LossScaleMode loss_scale_mode = LossScaleMode::kAuto;  // auto: dynamic for fp16, off otherwise

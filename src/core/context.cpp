@@ -30,6 +30,7 @@ std::string describe(const Options& o) {
      << "\nbeta2=" << o.beta2 << "\neps=" << o.eps << "\nweight_decay=" << o.weight_decay << "\nmomentum=" << o.momentum
      << "\nnesterov=" << o.nesterov << "\nmax_grad_norm=" << o.max_grad_norm << "\nalign_bytes=" << o.align_bytes
      << "\nkeep_param_dtype_shard=" << o.keeps_param_dtype_shard() << "\ngather_stream=" << auto_bool_name(o.gather_stream)
+     << "\ngather_dtype=" << (o.gather_quantized ? static_cast<int>(o.gather_qtype) : -1) << "," << o.gather_block
      << "\nforward_prefetch=" << o.forward_prefetch
      << "\nbackward_prefetch=" << static_cast<int>(o.backward_prefetch) << "\nlimit_all_gathers=" << o.limit_all_gathers
      << "\nloss_scale=" << static_cast<int>(o.loss_scale_mode) << "," << o.loss_scale_static << "," << o.loss_scale_init

@@ -156,7 +156,10 @@ void Unit::issue_gather(bool prefetch) {
   device::Stream* gather = rt_.gather_stream;
   gathered_ = rt_.gather_slots->acquire(layout_.padded_numel(), copy_only ? *rt_.copy_in : *gather,
                                         /*zeroed=*/false);
-  const void* src = lowp_.empty() ? master_.data() : lowp_.data();
+  // Quantized gathers (gather_dtype) start from the fp32 master; the others
+  // from the param_dtype copy where one is kept.
+  const bool quantized = rt_.opts.gather_quantized && !copy_only;
+  const void* src = lowp_.empty() || quantized ? master_.data() : lowp_.data();
   void* dst = gathered_.data();
   size_t nbytes = shard_numel() * es;
   Unit* self = this;  // tasks reach the unit's constants and stages through it (the streams stop before units go)
@@ -171,13 +174,17 @@ void Unit::issue_gather(bool prefetch) {
     // Otherwise it lands in offload_stage_, taken by the copy task and freed
     // by the gather task (each stream-ordered on its own stream); the next
     // copy of this unit waits for this gather, which is done with the stage.
+    // Quantized, the stage holds the fp32 master, which the gather task
+    // packs on the device (stream-ordered, as every copy of the state is).
     bool alone = rt_.shard_world() == 1;
+    if (quantized) nbytes = shard_numel() * sizeof(float);
     rt_.copy_in->wait(last_gather_);
-    EventPtr copied = rt_.copy_in->submit(tasks_.copy_in, [self, alone, dst, src, nbytes] {
+    EventPtr copied = rt_.copy_in->submit(tasks_.copy_in, [self, alone, quantized, dst, src, nbytes] {
       Runtime& rt = self->rt_;
       void* to = dst;
       if (!alone) {
-        self->offload_stage_ = Buffer(rt.dev, &rt.mem, MemCategory::kScratch, rt.opts.param_dtype, self->shard_numel(),
+        self->offload_stage_ = Buffer(rt.dev, &rt.mem, MemCategory::kScratch,
+                                      quantized ? DType::kFp32 : rt.opts.param_dtype, self->shard_numel(),
                                       /*zeroed=*/false);
         to = self->offload_stage_.data();
       }
@@ -187,15 +194,28 @@ void Unit::issue_gather(bool prefetch) {
       gather_event_ = copied;
     } else {
       gather->wait(copied);
-      gather_event_ = gather->submit(tasks_.gather, [self, shard, dst] {
-        self->gather_blocks(*shard, self->offload_stage_.data(), dst, dtype_size(self->rt_.opts.param_dtype), false,
-                            self->gather_label_);
-        if (self->rt_.opts.debug_poison)
-          self->rt_.dev->fill_nan(self->offload_stage_.data(), self->offload_stage_.nbytes());
+      gather_event_ = gather->submit(tasks_.gather, [self, shard, dst, quantized] {
+        void* stage = self->offload_stage_.data();
+        if (quantized) {
+          self->pack_and_gather(*shard, static_cast<const float*>(stage), dst);
+        } else {
+          self->gather_blocks(*shard, stage, dst, dtype_size(self->rt_.opts.param_dtype), false, self->gather_label_);
+        }
+        if (self->rt_.opts.debug_poison) self->rt_.dev->fill_nan(stage, self->offload_stage_.nbytes());
         self->offload_stage_.reset();
       });
     }
     last_gather_ = gather_event_;
+    set_state(UnitState::kGathering);
+    trace_memory();
+    return;
+  }
+  if (quantized) {
+    // The master's slices packed into a stage on the gather stream, just
+    // before the collective reads it (as the cast stage below).
+    gather_event_ = gather->submit(tasks_.gather, [self, shard, src, dst] {
+      self->pack_and_gather(*shard, static_cast<const float*>(src), dst);
+    });
     set_state(UnitState::kGathering);
     trace_memory();
     return;
@@ -224,6 +244,32 @@ void Unit::issue_gather(bool prefetch) {
   });
   set_state(UnitState::kGathering);
   trace_memory();
+}
+
+void Unit::pack_and_gather(comm::Communicator& c, const float* master, void* dst) const {
+  // Per block: this rank's slice of the master packed, the ranks' packed
+  // slices gathered in rank order, then unpacked into the block's place in
+  // the full buffer (where gather_blocks lays the param_dtype slices).
+  const size_t w = static_cast<size_t>(layout_.shard_world()), block = rt_.opts.gather_block;
+  const DType dt = rt_.opts.param_dtype;
+  const kernels::QType qt = rt_.opts.gather_qtype;
+  size_t most = 0;
+  for (const ShardRange& r : block_slices_) most = std::max(most, kernels::quant_packed_bytes(r.numel, block));
+  const size_t words = (most + sizeof(float) - 1) / sizeof(float);
+  Buffer mine(rt_.dev, &rt_.mem, MemCategory::kScratch, DType::kFp32, words, /*zeroed=*/false);
+  Buffer all(rt_.dev, &rt_.mem, MemCategory::kScratch, DType::kFp32, words * w, /*zeroed=*/false);
+  size_t flat = 0;
+  for (const ShardRange& r : block_slices_) {
+    const size_t bytes = kernels::quant_packed_bytes(r.numel, block);
+    rt_.dev->quantize(mine.data(), master + r.shard_begin, DType::kFp32, r.numel, block, qt);
+    c.all_gather(mine.data(), all.data(), bytes, gather_label_);
+    rt_.dev->dequantize(static_cast<char*>(dst) + flat * dtype_size(dt), dt, all.data(), w, r.numel, block, qt);
+    flat += r.numel * w;
+  }
+  if (rt_.opts.debug_poison) {
+    rt_.dev->fill_nan(mine.data(), mine.nbytes());
+    rt_.dev->fill_nan(all.data(), all.nbytes());
+  }
 }
 
 void Unit::gather_blocks(comm::Communicator& c, const void* src, void* dst, size_t es, bool trainable_block,

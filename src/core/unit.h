@@ -86,6 +86,11 @@ class Unit {
   // restarts from zero at its new length. The caller moves the optimizer
   // state (Optimizer::relayout).
   void relayout(const std::vector<bool>& frozen);
+  // The quantized all-gather (gather_dtype) of this rank's fp32 master shard
+  // `master` (on the compute device) into the full param_dtype buffer `dst`:
+  // per block, its slice packed (kernels/quant.h), the ranks' packed slices
+  // gathered, and unpacked where gather_blocks would put the values.
+  void pack_and_gather(comm::Communicator& c, const float* master, void* dst) const;
   // The all-gather of `src` (this rank's shard, `es` bytes per element, on
   // the compute device) into the flat buffer `dst`: one collective per block
   // (only the trainable block's with `trainable_block`).

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "../../kernels/optim.h"
+#include "../../kernels/quant.h"
 #include "../../kernels/step.h"
 #include "../base/dtype.h"
 #include "stream.h"
@@ -161,6 +162,14 @@ class Device {
   // managed memory, or host memory mapped for it), for the pointers a host
   // hands in; a bad one would fault the device, not fail a call.
   virtual bool readable(const void* ptr) const = 0;
+  // The quantized all-gather's two ends (kernels/quant.h): `packed` receives
+  // x[0, n) of x_dtype as a packed slice (kernels::quant_packed_bytes(n,
+  // block) bytes: the codes, then a scale per block); dequantize unpacks
+  // `n_slices` such slices, laid one after another, into out (n_slices * n
+  // values of out_dtype, slice after slice).
+  virtual void quantize(void* packed, const void* x, DType x_dtype, size_t n, size_t block, kernels::QType t) = 0;
+  virtual void dequantize(void* out, DType out_dtype, const void* packed, size_t n_slices, size_t n, size_t block,
+                          kernels::QType t) = 0;
   // cast and accumulate that also set src[i] = 0 once read: the grads read as
   // zeros again after the pass that consumes them, with no memset pass of
   // their own (the next backward adds into them as they are).

@@ -3,6 +3,7 @@
 // vectorises it (the library is built with -fno-math-errno so that sqrt does).
 #include "cpu_device.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <new>
@@ -330,6 +331,62 @@ void CpuDevice::add(void* acc, DType acc_dtype, const void* src, DType src_dtype
     with_dtype(src_dtype, const_cast<void*>(src), [&](auto* in) {
       pool_.parallel_for(numel, kGrain, [&](size_t b, size_t e) { add_loop(out, in, b, e); });
     });
+  });
+}
+
+// The quantized gather's passes over the quantization blocks [kb, ke): one
+// slice's blocks, or blocks of n_slices slices of n values (j / blocks is the slice).
+template <typename T>
+FSDP_SIMD_CLONES void quantize_loop(const T* in, size_t n, size_t block, kernels::QType t, uint8_t* out, size_t kb,
+                                    size_t ke) {
+  for (size_t k = kb; k < ke; ++k) kernels::quantize_block(in, n, block, k, t, out);
+}
+
+// Every E4M3 code's value (kernels::e4m3_bits_to_f32's bits): a lookup per
+// value instead of the decode's arithmetic, which the compiler leaves scalar.
+const float* e4m3_table() {
+  static const auto table = [] {
+    std::vector<float> v(256);
+    for (int c = 0; c < 256; ++c) v[static_cast<size_t>(c)] = kernels::e4m3_bits_to_f32(static_cast<uint8_t>(c));
+    return v;
+  }();
+  return table.data();
+}
+
+template <typename T>
+FSDP_SIMD_CLONES void dequantize_loop(const uint8_t* in, size_t n, size_t block, kernels::QType t, T* out, size_t kb,
+                                      size_t ke) {
+  const size_t blocks = kernels::quant_blocks(n, block), stride = kernels::quant_packed_bytes(n, block);
+  const float* fp8 = e4m3_table();
+  for (size_t j = kb; j < ke; ++j) {
+    const size_t s = j / blocks, k = j % blocks;
+    const uint8_t* slice = in + s * stride;
+    if (t == kernels::QType::kInt8) {
+      kernels::dequantize_block(slice, n, block, k, t, out + s * n);
+      continue;
+    }
+    // dequantize_block's fp8 arm, the decode looked up.
+    const float scale = reinterpret_cast<const float*>(slice + kernels::quant_scales_offset(n))[k];
+    T* o = out + s * n;
+    for (size_t i = k * block, e = std::min(n, i + block); i < e; ++i) kernels::store(o, i, fp8[slice[i]] * scale);
+  }
+}
+
+void CpuDevice::quantize(void* packed, const void* x, DType x_dtype, size_t n, size_t block, kernels::QType t) {
+  auto* out = static_cast<uint8_t*>(packed);
+  with_dtype(x_dtype, const_cast<void*>(x), [&](auto* in) {
+    // Chunks of whole quantization blocks.
+    pool_.parallel_for(kernels::quant_blocks(n, block), std::max<size_t>(1, 16 * kGrain / block),
+                       [&](size_t b, size_t e) { quantize_loop(in, n, block, t, out, b, e); });
+  });
+}
+
+void CpuDevice::dequantize(void* out, DType out_dtype, const void* packed, size_t n_slices, size_t n, size_t block,
+                           kernels::QType t) {
+  const auto* in = static_cast<const uint8_t*>(packed);
+  with_dtype(out_dtype, out, [&](auto* o) {
+    pool_.parallel_for(n_slices * kernels::quant_blocks(n, block), std::max<size_t>(1, 16 * kGrain / block),
+                       [&](size_t b, size_t e) { dequantize_loop(in, n, block, t, o, b, e); });
   });
 }
 

@@ -464,6 +464,17 @@ void CudaDevice::add(void* acc, DType acc_dtype, const void* src, DType src_dtyp
   issued(k::add(acc, code(acc_dtype), src, code(src_dtype), numel, target()), "add");
 }
 
+void CudaDevice::quantize(void* packed, const void* x, DType x_dtype, size_t n, size_t block, kernels::QType t) {
+  bind(ordinal_);
+  issued(k::quantize(packed, x, code(x_dtype), n, block, t, target()), "quantize");
+}
+
+void CudaDevice::dequantize(void* out, DType out_dtype, const void* packed, size_t n_slices, size_t n, size_t block,
+                            kernels::QType t) {
+  bind(ordinal_);
+  issued(k::dequantize(out, code(out_dtype), packed, n_slices, n, block, t, target()), "dequantize");
+}
+
 void CudaDevice::cast_clear(void* dst, DType dst_dtype, void* src, DType src_dtype, size_t numel) {
   bind(ordinal_);
   issued(k::cast(dst, code(dst_dtype), src, code(src_dtype), numel, true, target()), "cast_clear");

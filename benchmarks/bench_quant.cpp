@@ -1,0 +1,78 @@
+// benchmarks/bench_quant.cpp - the quantized all-gather's two passes on the
+// CPU device (kernels/quant.h through CpuDevice::quantize / dequantize), as a
+// fraction of the memory bandwidth a plain copy reaches on the same threads in
+// the same run. quantize reads fp32 and writes one byte per value plus a scale
+// per block; dequantize reads those and writes param_dtype. Prints one JSON
+// object per line.
+//
+//   bench_quant [numel [reps [threads,...]]]   (defaults: 2^24, 5, "1,2")
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "bench_util.h"
+#include "device/cpu/cpu_device.h"
+
+using fsdp::DType;
+using fsdp::bench::JsonLine;
+namespace k = fsdp::kernels;
+
+namespace {
+
+constexpr size_t kBlock = 256;
+
+void report(const char* name, int threads, size_t n, double seconds, double bytes, double copy_gbs) {
+  const double gbs = bytes / seconds / 1e9;
+  std::printf("%s\n", JsonLine()
+                          .add("benchmark", name)
+                          .add("threads", threads)
+                          .add("numel", static_cast<double>(n))
+                          .add("block", static_cast<double>(kBlock))
+                          .add("seconds", seconds)
+                          .add("bytes_per_element", bytes / static_cast<double>(n))
+                          .add("gb_per_s", gbs)
+                          .add("copy_gb_per_s", copy_gbs)
+                          .add("fraction_of_copy", gbs / copy_gbs)
+                          .str()
+                          .c_str());
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const size_t n = argc > 1 ? std::strtoull(argv[1], nullptr, 10) : (size_t(1) << 24);
+  const int reps = argc > 2 ? std::atoi(argv[2]) : 5;
+  std::vector<int> thread_counts = {1, 2};
+  if (argc > 3) {
+    thread_counts.clear();
+    for (const char* p = argv[3]; *p != '\0';) {
+      char* end = nullptr;
+      thread_counts.push_back(static_cast<int>(std::strtol(p, &end, 10)));
+      p = *end == ',' ? end + 1 : end;
+    }
+  }
+  const size_t packed = k::quant_packed_bytes(n, kBlock);
+  for (int threads : thread_counts) {
+    fsdp::device::CpuDevice dev(threads, fsdp::device::Pool::kDevice);
+    std::vector<float> x(n);
+    for (size_t i = 0; i < n; ++i) x[i] = static_cast<float>(i % 1000) * 1e-3f - 0.5f;
+    std::vector<uint8_t> q(packed);
+    std::vector<uint16_t> out(n);
+    std::vector<float> copy_dst(n);
+    // The limit: the device's own copy of the fp32 array (read 4, write 4 bytes per value).
+    const double copy_s = fsdp::bench::best_seconds(reps, [&] { dev.copy(copy_dst.data(), x.data(), n * 4); });
+    const double copy_gbs = 8.0 * static_cast<double>(n) / copy_s / 1e9;
+    for (k::QType t : {k::QType::kInt8, k::QType::kFp8E4m3}) {
+      const std::string tn = t == k::QType::kInt8 ? "int8" : "fp8_e4m3";
+      const double qs = fsdp::bench::best_seconds(
+          reps, [&] { dev.quantize(q.data(), x.data(), DType::kFp32, n, kBlock, t); });
+      report(("quantize_fp32_to_" + tn).c_str(), threads, n, qs, 4.0 * double(n) + double(packed), copy_gbs);
+      const double ds = fsdp::bench::best_seconds(
+          reps, [&] { dev.dequantize(out.data(), DType::kBf16, q.data(), 1, n, kBlock, t); });
+      report(("dequantize_" + tn + "_to_bf16").c_str(), threads, n, ds, double(packed) + 2.0 * double(n), copy_gbs);
+    }
+  }
+  return 0;
+}

@@ -1,0 +1,152 @@
+// kernels/quant.h - block-wise quantization of params to 8 bits, for the
+// quantized all-gather (gather_dtype = int8 | fp8_e4m3, issue 37): a rank's
+// slice of n values is cut into blocks of `block` values (the last one
+// shorter); each block gets one fp32 scale, absmax / qmax, and each value
+// the 8-bit code of value / scale (round to nearest, ties to even). The
+// gathered side multiplies each code by its block's scale in fp32 and rounds
+// once to param_dtype. CPU loops and CUDA kernels run these functions, so a
+// quantization gives the same bits on every device (tests/test_quant.cpp).
+//
+// Rules at the edges, which the tests check and docs/configuration.md states:
+// - A block whose values are all zero (or so small that absmax / qmax is 0 in
+//   fp32, below 1.8e-43) has scale 0 and dequantizes to zeros.
+// - A block holding a NaN or an infinity has a NaN scale: every value of it
+//   dequantizes to NaN (propagated, loudly: the loss turns NaN), never to a
+//   finite number that would train differently in silence.
+// - int8 codes are -127..127 (the symmetric range; -128 is never made);
+//   fp8 is OCP FP8 E4M3FN (bias 7, no infinities, max 448, 0x7f/0xff NaN),
+//   saturating at +-448.
+#pragma once
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+
+#include "cast.h"
+#include "common.h"
+
+namespace fsdp::kernels {
+
+enum class QType : uint8_t { kInt8 = 0, kFp8E4m3 = 1 };
+
+constexpr float kInt8Max = 127.0f;
+constexpr float kE4m3Max = 448.0f;
+
+FSDP_HD float qmax(QType t) { return t == QType::kInt8 ? kInt8Max : kE4m3Max; }
+
+// fp32 -> E4M3FN bits, round to nearest even, +-448 for anything beyond
+// (infinities included), NaN kept (0x7f with the sign). Both roundings are
+// computed and one is selected (no branches: CPU loops over it vectorise).
+FSDP_HD uint8_t f32_to_e4m3_bits(float f) {
+  const uint32_t u = f32_bits(f);
+  const uint32_t sign = (u >> 24) & 0x80u;
+  const uint32_t a = u & 0x7fffffffu;
+  // Normal E4M3 (>= 2^-6): rebias the exponent (127 -> 7) and round the 20
+  // dropped mantissa bits; a carry moves into the exponent, as it should.
+  uint32_t normal = a - 0x3c000000u;
+  normal = (normal + 0x7ffffu + ((normal >> 20) & 1u)) >> 20;
+  // Subnormal E4M3 (2^-10 .. 2^-6): units of 2^-9 from the full mantissa,
+  // ties to even; the shift is kept in range where the other cases apply.
+  const uint32_t exp = a >> 23;
+  uint32_t shift = 141u - exp;
+  shift = exp > 140u ? 1u : (shift > 31u ? 31u : shift);
+  const uint32_t mant = (a & 0x7fffffu) | 0x800000u;
+  const uint32_t half = 1u << (shift - 1u);
+  const uint32_t rest = mant & ((1u << shift) - 1u);
+  uint32_t sub = mant >> shift;
+  sub += static_cast<uint32_t>(rest > half) | (static_cast<uint32_t>(rest == half) & sub & 1u);
+  uint32_t v = a >= 0x3c800000u ? normal : (a < 0x3a800000u ? 0u : sub);  // below 2^-10: zero
+  v = a >= 0x43e00000u ? 0x7eu : v;                                         // >= 448: saturate
+  v = a > 0x7f800000u ? 0x7fu : v;                                          // NaN
+  return static_cast<uint8_t>(sign | v);
+}
+
+// Branch-free (selects), so that CPU loops over it vectorise.
+FSDP_HD float e4m3_bits_to_f32(uint8_t b) {
+  const uint32_t sign = (static_cast<uint32_t>(b) & 0x80u) << 24;
+  const uint32_t e = (b >> 3) & 0xfu;
+  const uint32_t m = b & 0x7u;
+  const uint32_t normal = sign | ((e + 120u) << 23) | (m << 20);
+  const uint32_t sub = sign | f32_bits(static_cast<float>(m) * 0.001953125f);  // m * 2^-9, exact
+  const uint32_t bits = e == 0 ? sub : normal;
+  const bool nan = (static_cast<uint32_t>(e == 0xfu) & static_cast<uint32_t>(m == 0x7u)) != 0u;  // 0x7f / 0xff
+  return f32_from_bits(nan ? (sign | 0x7fc00000u) : bits);
+}
+
+// The scale of the block x[b, e) of any storage type: absmax / qmax in fp32;
+// NaN when the block holds a NaN or an infinity. The largest magnitude is the
+// largest of the values' bits without their sign (an order that holds for
+// every non-negative float), which also tells a non-finite value (at least
+// 0x7f800000) apart.
+template <typename T>
+FSDP_HD float block_scale(const T* x, size_t b, size_t e, QType t) {
+  uint32_t most = 0;
+  for (size_t i = b; i < e; ++i) {
+    const uint32_t a = f32_bits(load(x, i)) & 0x7fffffffu;
+    most = a > most ? a : most;
+  }
+  return most < 0x7f800000u ? f32_from_bits(most) / qmax(t) : f32_from_bits(0x7fc00000u);
+}
+
+// The int8 code of a value already divided by its scale: -127..127.
+FSDP_HD uint8_t int8_code(float v) {
+  float r = rintf(v);
+  r = r > kInt8Max ? kInt8Max : (r < -kInt8Max ? -kInt8Max : r);
+  return static_cast<uint8_t>(static_cast<int8_t>(r));
+}
+
+// One value's code with its block's scale (0 where the scale is 0 or NaN:
+// the NaN scale alone carries the block's NaN through dequantize).
+FSDP_HD uint8_t quantize(float x, float scale, QType t) {
+  if (!(scale > 0.0f)) return 0;
+  return t == QType::kFp8E4m3 ? f32_to_e4m3_bits(x / scale) : int8_code(x / scale);
+}
+
+FSDP_HD float dequantize(uint8_t q, float scale, QType t) {
+  const float v = t == QType::kInt8 ? static_cast<float>(static_cast<int8_t>(q)) : e4m3_bits_to_f32(q);
+  return v * scale;
+}
+
+// The blocks of a slice of n values.
+FSDP_HD size_t quant_blocks(size_t n, size_t block) { return (n + block - 1) / block; }
+
+// The packed bytes of a slice of n values as the all-gather moves them: the
+// n codes, then (from the next multiple of 4 bytes) one fp32 scale per block.
+FSDP_HD size_t quant_scales_offset(size_t n) { return (n + 3) / 4 * 4; }
+FSDP_HD size_t quant_packed_bytes(size_t n, size_t block) {
+  return quant_scales_offset(n) + quant_blocks(n, block) * sizeof(float);
+}
+
+// Quantizes the block k of x[0, n) into a packed slice `out` (quantize()
+// per value, with the tests of the scale and the type taken out of the
+// loops, which then vectorise on the CPU).
+template <typename T>
+FSDP_HD void quantize_block(const T* x, size_t n, size_t block, size_t k, QType t, uint8_t* out) {
+  const size_t b = k * block;
+  const size_t e = b + block < n ? b + block : n;
+  const float scale = block_scale(x, b, e, t);
+  reinterpret_cast<float*>(out + quant_scales_offset(n))[k] = scale;
+  if (!(scale > 0.0f)) {
+    for (size_t i = b; i < e; ++i) out[i] = 0;
+  } else if (t == QType::kInt8) {
+    for (size_t i = b; i < e; ++i) out[i] = int8_code(load(x, i) / scale);
+  } else {
+    for (size_t i = b; i < e; ++i) out[i] = f32_to_e4m3_bits(load(x, i) / scale);
+  }
+}
+
+// Dequantizes the block k of a packed slice of n values into out[0, n)
+// (any storage type: each value rounded once to it).
+template <typename T>
+FSDP_HD void dequantize_block(const uint8_t* packed, size_t n, size_t block, size_t k, QType t, T* out) {
+  const size_t b = k * block;
+  const size_t e = b + block < n ? b + block : n;
+  const float scale = reinterpret_cast<const float*>(packed + quant_scales_offset(n))[k];
+  if (t == QType::kInt8) {
+    for (size_t i = b; i < e; ++i) store(out, i, static_cast<float>(static_cast<int8_t>(packed[i])) * scale);
+  } else {
+    for (size_t i = b; i < e; ++i) store(out, i, e4m3_bits_to_f32(packed[i]) * scale);
+  }
+}
+
+}  // namespace fsdp::kernels

@@ -1,0 +1,392 @@
+// Quantized param gathers (gather_dtype=int8|fp8_e4m3, kernels/quant.h).
+//
+// The kernels against references written here from the formats' definitions:
+// every E4M3FN code decoded by its formula, the encoder against the nearest
+// code (ties to the even code) found by search, int8 by nearbyint, and the
+// block rules (zeros, NaN and infinity, underflow, a short last block). Then
+// the engine: what a rank reads through fsdp_param_ptr after a quantized
+// gather equals the test's own model of it (each rank's slice of each block
+// of the fp32 master quantized in blocks, dequantized, rounded to
+// param_dtype), for every strategy, worlds 1-4, fp32 and bf16, offload, a
+// frozen param, prefetch, the late host stream; the all-gathers move exactly
+// the packed bytes; the master, grads and optimizer stay full precision (a
+// step's update is the unquantized run's, bit for bit).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "../kernels/quant.h"
+#include "../src/device/cpu/cpu_device.h"
+#include "host_stream.h"
+#include "rank_runner.h"
+
+using namespace fsdp_test;
+namespace k = fsdp::kernels;
+
+namespace {
+
+// ---- references from the formats' definitions ----
+
+// E4M3FN: sign, 4 exponent bits (bias 7), 3 mantissa bits; exponent 0 is
+// subnormal (m / 8 * 2^-6); 0x7f and 0xff are NaN; no infinities.
+double e4m3_value(int code) {
+  const int s = code >> 7, e = (code >> 3) & 15, m = code & 7;
+  if (e == 15 && m == 7) return NAN;
+  const double v = e == 0 ? m / 8.0 * std::ldexp(1.0, -6) : (1.0 + m / 8.0) * std::ldexp(1.0, e - 7);
+  return s ? -v : v;
+}
+
+// The nearest E4M3 code to x (saturating at +-448), ties to the even code.
+int e4m3_nearest(float x) {
+  if (std::isnan(x)) return 0x7f;
+  const double a = std::min(std::fabs(double(x)), 448.0);
+  int best = 0;
+  double best_d = INFINITY;
+  for (int c = 0; c < 0x7f; ++c) {  // the finite non-negative codes, in increasing value
+    const double d = std::fabs(e4m3_value(c) - a);
+    if (d < best_d || (d == best_d && (c & 1) == 0)) best = c, best_d = d;
+  }
+  return (std::signbit(x) ? 0x80 : 0) | best;
+}
+
+float qmax_of(k::QType t) { return t == k::QType::kInt8 ? 127.0f : 448.0f; }
+
+// One value's code and its dequantized fp32 value, with the block's scale.
+float ref_dequantized(float x, float scale, k::QType t) {
+  if (std::isnan(scale)) return NAN;
+  if (!(scale > 0.0f)) return 0.0f;
+  const float v = x / scale;
+  double code;
+  if (t == k::QType::kInt8) {
+    // An integer code: a negative value that rounds to 0 is +0 (int8 has no -0).
+    code = static_cast<int>(std::min(127.0, std::max(-127.0, std::nearbyint(double(v)))));
+  } else {
+    code = e4m3_value(e4m3_nearest(v));
+  }
+  return static_cast<float>(code) * scale;
+}
+
+// A slice of n fp32 values quantized in blocks and dequantized, in fp32.
+std::vector<float> ref_round_trip(const float* x, size_t n, size_t block, k::QType t) {
+  std::vector<float> out(n);
+  for (size_t b = 0; b < n; b += block) {
+    const size_t e = std::min(n, b + block);
+    float amax = 0.0f;
+    bool finite = true;
+    for (size_t i = b; i < e; ++i) {
+      finite = finite && std::isfinite(x[i]);
+      amax = std::max(amax, std::fabs(x[i]));
+    }
+    const float scale = finite ? amax / qmax_of(t) : NAN;
+    for (size_t i = b; i < e; ++i) out[i] = ref_dequantized(x[i], scale, t);
+  }
+  return out;
+}
+
+bool same_value(float a, float b) { return (std::isnan(a) && std::isnan(b)) || f32_bits(a) == f32_bits(b); }
+
+const k::QType kTypes[] = {k::QType::kInt8, k::QType::kFp8E4m3};
+const char* type_name(k::QType t) { return t == k::QType::kInt8 ? "int8" : "fp8_e4m3"; }
+
+}  // namespace
+
+// ---- the kernels ----
+
+TEST(QuantKernels, E4m3DecodesEveryCodeByItsDefinitionAndEncodesToTheNearestTiesToEven) {
+  for (int c = 0; c < 256; ++c) {
+    const float got = k::e4m3_bits_to_f32(static_cast<uint8_t>(c));
+    const double want = e4m3_value(c);
+    if (std::isnan(want)) {
+      EXPECT_TRUE(std::isnan(got)) << "code " << c;
+    } else {
+      EXPECT_EQ(double(got), want) << "code " << c;
+    }
+  }
+  std::vector<float> xs = {0.0f, -0.0f, 448.0f, -448.0f, 449.0f, 463.9f, 464.0f, 1e6f, INFINITY, -INFINITY,
+                           std::ldexp(1.0f, -10), std::nextafter(std::ldexp(1.0f, -10), 1.0f), std::ldexp(1.0f, -12),
+                           std::ldexp(1.0f, -6), 1e-30f, -3.3f};
+  // Every code, the midpoints between neighbours (ties) and a hair on either side.
+  for (int c = 0; c < 0x7e; ++c) {
+    const float lo = float(e4m3_value(c)), hi = float(e4m3_value(c + 1));
+    const float mid = float((double(lo) + double(hi)) / 2);
+    for (float v : {lo, mid, std::nextafter(mid, 0.0f), std::nextafter(mid, 1e9f)}) {
+      xs.push_back(v);
+      xs.push_back(-v);
+    }
+  }
+  Rng rng(5);
+  for (int i = 0; i < 2000; ++i) xs.push_back(rng.uniform(-500.f, 500.f) * (i % 3 == 0 ? 0.01f : 1.0f));
+  for (float x : xs) {
+    EXPECT_EQ(int(k::f32_to_e4m3_bits(x)), e4m3_nearest(x)) << "x = " << x;
+  }
+  EXPECT_EQ(int(k::f32_to_e4m3_bits(NAN) & 0x7f), 0x7f);
+}
+
+TEST(QuantKernels, BlocksFollowTheirRulesZerosNanUnderflowAndAShortLastBlock) {
+  for (k::QType t : kTypes) {
+    SCOPED_TRACE(type_name(t));
+    const size_t block = 16;
+    std::vector<float> x(16 * 5 + 7, 0.0f);  // block 0: zeros
+    Rng rng(11);
+    for (size_t i = 16; i < x.size(); ++i) x[i] = rng.uniform(-3.f, 3.f);
+    x[16 + 3] = NAN;                 // block 1: a NaN
+    x[32 + 9] = -INFINITY;           // block 2: an infinity
+    for (size_t i = 48; i < 64; ++i) x[i] = 1e-44f * float(i % 3);  // block 3: absmax / qmax underflows to 0
+    std::vector<uint8_t> packed(k::quant_packed_bytes(x.size(), block));
+    for (size_t b = 0; b < k::quant_blocks(x.size(), block); ++b) k::quantize_block(x.data(), x.size(), block, b, t, packed.data());
+    std::vector<float> out(x.size(), 7.0f);
+    for (size_t b = 0; b < k::quant_blocks(x.size(), block); ++b) k::dequantize_block(packed.data(), x.size(), block, b, t, out.data());
+    const std::vector<float> want = ref_round_trip(x.data(), x.size(), block, t);
+    for (size_t i = 0; i < x.size(); ++i) ASSERT_TRUE(same_value(out[i], want[i])) << i << ": " << out[i] << " vs " << want[i];
+    for (size_t i = 0; i < 16; ++i) EXPECT_EQ(out[i], 0.0f) << "a zero block dequantizes to zeros";
+    for (size_t i = 16; i < 48; ++i) EXPECT_TRUE(std::isnan(out[i])) << "a NaN or an infinity makes its whole block NaN";
+    for (size_t i = 48; i < 64; ++i) EXPECT_EQ(out[i], 0.0f) << "an underflowing scale gives zeros";
+    // The rest: within half a step of the code grid (int8) or 2^-4 relative plus the subnormal step (fp8).
+    for (size_t b = 64; b < x.size(); b += block) {
+      const size_t e = std::min(x.size(), b + block);
+      float amax = 0.0f;
+      for (size_t i = b; i < e; ++i) amax = std::max(amax, std::fabs(x[i]));
+      const float scale = amax / qmax_of(t);
+      for (size_t i = b; i < e; ++i) {
+        const float bound = t == k::QType::kInt8 ? scale * 0.5f : std::fabs(x[i]) / 16 + scale * std::ldexp(1.0f, -10);
+        EXPECT_LE(std::fabs(out[i] - x[i]), bound * 1.0001f) << i;
+      }
+    }
+  }
+}
+
+TEST(QuantKernels, TheCpuDevicePacksAndUnpacksAsTheReferenceInEveryDtype) {
+  fsdp::device::CpuDevice cpu(2, fsdp::device::Pool::kDevice);
+  const fsdp::DType dts[] = {fsdp::DType::kFp32, fsdp::DType::kBf16, fsdp::DType::kFp16};
+  for (k::QType t : kTypes) {
+    for (fsdp::DType out_dt : dts) {
+      for (size_t n : {size_t(1), size_t(255), size_t(256), size_t(3000)}) {
+        SCOPED_TRACE(std::string(type_name(t)) + " into " + fsdp::dtype_name(out_dt) + " n=" + std::to_string(n));
+        const size_t block = 256, slices = 3;
+        std::vector<float> x(n * slices);
+        Rng rng(n);
+        for (size_t i = 0; i < x.size(); ++i) x[i] = rng.uniform(-1.f, 1.f) * std::ldexp(1.0f, int(i / 256 % 9) - 4);
+        std::vector<uint8_t> packed(k::quant_packed_bytes(n, block) * slices);
+        for (size_t s = 0; s < slices; ++s) {
+          cpu.quantize(packed.data() + s * k::quant_packed_bytes(n, block), x.data() + s * n, fsdp::DType::kFp32, n,
+                       block, t);
+        }
+        std::vector<uint8_t> out(x.size() * fsdp::dtype_size(out_dt));
+        cpu.dequantize(out.data(), out_dt, packed.data(), slices, n, block, t);
+        const fsdp_dtype_t odt = static_cast<fsdp_dtype_t>(out_dt);
+        for (size_t s = 0; s < slices; ++s) {
+          const std::vector<float> want = ref_round_trip(x.data() + s * n, n, block, t);
+          for (size_t i = 0; i < n; ++i) {
+            ASSERT_TRUE(same_value(load_elem(out.data(), s * n + i, odt), round_to(odt, want[i])))
+                << "slice " << s << " element " << i;
+          }
+        }
+      }
+    }
+  }
+}
+
+// ---- the engine ----
+
+namespace {
+
+struct Case {
+  const char* sharding;
+  int world;
+  fsdp_dtype_t dtype;
+  k::QType qtype;
+  bool offload;
+  bool frozen;  // param "c" frozen: a second block
+};
+
+std::string case_name(const ::testing::TestParamInfo<Case>& info) {
+  const Case& c = info.param;
+  return std::string(c.sharding) + "_world" + std::to_string(c.world) + "_" + dtype_config_name(c.dtype) + "_" +
+         type_name(c.qtype) + (c.offload ? "_offload" : "") + (c.frozen ? "_frozen" : "");
+}
+
+const std::vector<ParamSpec> kParams = {{"a", {7, 13}}, {"b", {40}}, {"c", {9, 11}}};
+constexpr size_t kBlock = 16;
+
+std::vector<float> values_of(size_t p) {
+  Rng rng(300 + p);
+  std::vector<float> v(numel_of(kParams[p].shape));
+  // Magnitudes that differ across the buffer, so that blocks get different scales.
+  for (size_t i = 0; i < v.size(); ++i) v[i] = rng.uniform(-1.f, 1.f) * std::ldexp(1.0f, int(i % 23 / 4) - 3);
+  return v;
+}
+
+std::map<std::string, std::string> options_of(const Case& c) {
+  std::map<std::string, std::string> o = {{"sharding", c.sharding},
+                                          {"param_dtype", dtype_config_name(c.dtype)},
+                                          {"gather_dtype", type_name(c.qtype)},
+                                          {"gather_block", std::to_string(kBlock)},
+                                          {"optimizer", "sgd"},
+                                          {"lr", "0.5"},
+                                          {"loss_scale", "off"},
+                                          {"timeout_s", "30"}};
+  if (c.offload) o["offload"] = "cpu";
+  if (std::string(c.sharding).rfind("HYBRID", 0) == 0) o["shard_group_size"] = "2";
+  return o;
+}
+
+}  // namespace
+
+class QuantizedGather : public ::testing::TestWithParam<Case> {};
+
+TEST_P(QuantizedGather, EachRankReadsTheDequantizedSlicesAndTheGathersMoveThePackedBytes) {
+  const Case c = GetParam();
+  const int shard_world = std::string(c.sharding) == "NO_SHARD" ? 1
+                          : std::string(c.sharding).rfind("HYBRID", 0) == 0 ? 2
+                                                                             : c.world;
+  run_ranks(c.world, [&](int rank, fsdp_local_group_t* group) {
+    ConfigPtr cfg = make_config(options_of(c));
+    ASSERT_TRUE(cfg);
+    fsdp_ctx_t* raw = nullptr;
+    ASSERT_OK(fsdp_ctx_create(cfg.get(), group, group ? rank : -1, &raw));
+    CtxPtr ctx(raw);
+    fsdp_unit_t* unit = nullptr;
+    const std::vector<int32_t> trainable = {1, 1, c.frozen ? 0 : 1};
+    ASSERT_OK(register_unit(raw, "u", kParams, &unit, &trainable));
+    for (size_t p = 0; p < kParams.size(); ++p) {
+      const std::vector<float> v = values_of(p);
+      ASSERT_OK(fsdp_param_set_values(unit, p, v.data(), v.size()));
+    }
+    // The test's model of the full buffer: the flat fp32 master, cut into its
+    // blocks (the trainable one, then the frozen one), each rank's slice of a
+    // block quantized on its own.
+    float* shard = nullptr;
+    size_t shard_off = 0, shard_n = 0;
+    ASSERT_OK(fsdp_shard_info(unit, &shard, &shard_off, &shard_n));
+    const size_t padded = shard_n * size_t(shard_world);
+    std::vector<float> flat(padded, 0.0f);
+    std::vector<size_t> offsets(kParams.size());
+    for (size_t p = 0; p < kParams.size(); ++p) {
+      size_t off = 0, n = 0;
+      ASSERT_OK(fsdp_param_flat_range(unit, p, &off, &n));
+      offsets[p] = off;
+      const std::vector<float> v = values_of(p);
+      std::copy(v.begin(), v.end(), flat.begin() + static_cast<ptrdiff_t>(off));
+    }
+    std::vector<size_t> bounds = {0};
+    if (c.frozen) bounds.push_back(offsets[2]);
+    bounds.push_back(padded);
+    const bool gathers = shard_world > 1;
+    // What each rank reads after a gather of the master `m` (flat, fp32).
+    auto model = [&](const std::vector<float>& m) {
+      std::vector<float> out = m;
+      if (!gathers) return out;
+      for (size_t b = 0; b + 1 < bounds.size(); ++b) {
+        const size_t slice = (bounds[b + 1] - bounds[b]) / size_t(shard_world);
+        for (int r = 0; r < shard_world; ++r) {
+          const size_t at = bounds[b] + size_t(r) * slice;
+          const std::vector<float> q = ref_round_trip(m.data() + at, slice, kBlock, c.qtype);
+          std::copy(q.begin(), q.end(), out.begin() + static_cast<ptrdiff_t>(at));
+        }
+      }
+      return out;
+    };
+    // Pass 0 reads the values set; pass 1 those after one SGD step (lr 0.5) on
+    // grads of 0.25 everywhere (every rank: their mean is 0.25), in fp32 on
+    // the exact master: p - 0.5 * 0.25, the frozen param unchanged.
+    std::vector<float> stepped = flat;
+    for (size_t p = 0; p < kParams.size(); ++p) {
+      if (c.frozen && p == 2) continue;
+      for (size_t i = 0; i < numel_of(kParams[p].shape); ++i) stepped[offsets[p] + i] -= 0.5f * 0.25f;
+    }
+    const std::vector<float> wants[2] = {model(flat), model(stepped)};
+    Host host(raw);
+    // The all-gathers' bytes of the passes (fsdp_gather_param's own gathers,
+    // full fp32, left out).
+    uint64_t gathered_bytes = 0;
+    auto gather_bytes_now = [raw] {
+      fsdp_comm_stats_t st{};
+      st.struct_size = sizeof st;
+      EXPECT_OK(fsdp_comm_stats(raw, &st));
+      return st.all_gather_nbytes;
+    };
+    uint64_t since = gather_bytes_now();
+    for (int pass = 0; pass < 2; ++pass) {  // the second forward gathers again after the step below
+      ASSERT_OK(fsdp_forward_begin(unit, host.stream()));
+      std::vector<void*> ptrs(kParams.size());
+      for (size_t p = 0; p < kParams.size(); ++p) ASSERT_OK(fsdp_param_ptr(unit, p, &ptrs[p]));
+      std::vector<std::vector<float>> seen(kParams.size());
+      host.run([&seen, ptrs, dt = c.dtype] {
+        for (size_t p = 0; p < kParams.size(); ++p) {
+          for (size_t i = 0; i < numel_of(kParams[p].shape); ++i) seen[p].push_back(load_elem(ptrs[p], i, dt));
+        }
+      });
+      host.sync();
+      ASSERT_OK(fsdp_forward_end(unit, host.stream()));
+      for (size_t p = 0; p < kParams.size(); ++p) {
+        for (size_t i = 0; i < seen[p].size(); ++i) {
+          const float w = round_to(c.dtype, wants[pass][offsets[p] + i]);
+          ASSERT_TRUE(same_value(seen[p][i], w)) << "pass " << pass << " param " << kParams[p].name << " element " << i
+                                                 << ": read " << seen[p][i] << ", the model says " << w;
+        }
+      }
+      if (pass == 1) break;
+      // The step: full-precision grads on the exact master (nothing of the
+      // quantized copy may leak into it).
+      ASSERT_OK(fsdp_backward_begin(unit, host.stream()));
+      std::vector<void*> grads;
+      for (size_t p = 0; p < 2 + (c.frozen ? 0 : 1); ++p) {
+        grads.push_back(nullptr);
+        ASSERT_OK(fsdp_grad_ptr(unit, p, &grads.back()));
+      }
+      host.run([grads, dt = c.dtype] {
+        for (size_t p = 0; p < grads.size(); ++p) {
+          for (size_t i = 0; i < numel_of(kParams[p].shape); ++i) add_elem(grads[p], i, dt, 0.25f);
+        }
+      });
+      ASSERT_OK(fsdp_backward_end(unit, host.stream()));
+      ASSERT_OK(fsdp_step(raw, host.stream()));
+      double norm = 0.0;  // waits for the step, and so for the gathers before it (late, they may still run)
+      ASSERT_OK(fsdp_last_grad_norm(raw, &norm));
+      gathered_bytes += gather_bytes_now() - since;
+      for (size_t p = 0; p < kParams.size(); ++p) {
+        std::vector<float> master(numel_of(kParams[p].shape), NAN);
+        ASSERT_OK(fsdp_gather_param(unit, p, master.data(), master.size()));
+        for (size_t i = 0; i < master.size(); ++i) {
+          ASSERT_EQ(f32_bits(master[i]), f32_bits(stepped[offsets[p] + i]))
+              << "the fp32 master after the step: " << kParams[p].name << " " << i;
+        }
+      }
+      since = gather_bytes_now();
+    }
+    gathered_bytes += gather_bytes_now() - since;
+    if (gathers) {
+      // Per gather of the unit (forward twice, and backward's under
+      // FULL_SHARD and HYBRID_SHARD): each block's packed slice from every
+      // rank of the shard group.
+      size_t per_gather = 0;
+      for (size_t b = 0; b + 1 < bounds.size(); ++b) {
+        per_gather += k::quant_packed_bytes((bounds[b + 1] - bounds[b]) / size_t(shard_world), kBlock) *
+                      size_t(shard_world);
+      }
+      const bool again = std::string(c.sharding) == "FULL_SHARD" || std::string(c.sharding) == "HYBRID_SHARD";
+      const size_t gathers_run = 2 + (again ? 1 : 0);
+      EXPECT_EQ(gathered_bytes, per_gather * gathers_run);
+    }
+    EXPECT_OK(fsdp_ctx_finalize(raw));
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Strategies, QuantizedGather,
+    ::testing::Values(Case{"FULL_SHARD", 2, FSDP_DTYPE_FP32, k::QType::kInt8, false, false},
+                      Case{"FULL_SHARD", 2, FSDP_DTYPE_BF16, k::QType::kFp8E4m3, false, false},
+                      Case{"FULL_SHARD", 3, FSDP_DTYPE_BF16, k::QType::kInt8, false, true},
+                      Case{"FULL_SHARD", 4, FSDP_DTYPE_FP32, k::QType::kFp8E4m3, false, true},
+                      Case{"SHARD_GRAD_OP", 2, FSDP_DTYPE_BF16, k::QType::kInt8, false, false},
+                      Case{"HYBRID_SHARD", 4, FSDP_DTYPE_FP32, k::QType::kInt8, false, false},
+                      Case{"HYBRID_SHARD_ZERO2", 4, FSDP_DTYPE_BF16, k::QType::kFp8E4m3, false, true},
+                      Case{"NO_SHARD", 2, FSDP_DTYPE_FP32, k::QType::kInt8, false, false},
+                      Case{"FULL_SHARD", 1, FSDP_DTYPE_BF16, k::QType::kInt8, true, false},
+                      Case{"FULL_SHARD", 2, FSDP_DTYPE_FP32, k::QType::kInt8, true, false},
+                      Case{"FULL_SHARD", 3, FSDP_DTYPE_BF16, k::QType::kFp8E4m3, true, true}),
+    case_name);
