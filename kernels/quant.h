@@ -35,29 +35,26 @@ constexpr float kE4m3Max = 448.0f;
 FSDP_HD float qmax(QType t) { return t == QType::kInt8 ? kInt8Max : kE4m3Max; }
 
 // fp32 -> E4M3FN bits, round to nearest even, +-448 for anything beyond
-// (infinities included), NaN kept (0x7f with the sign). Both roundings are
-// computed and one is selected (no branches: CPU loops over it vectorise).
+// (infinities included), NaN kept (0x7f with the sign). The magnitude is
+// rounded in float arithmetic, all of it exact but the one rintf: scaled by
+// a power of two so that its E4M3 quantum (2^(e-3) for a normal exponent e,
+// 2^-9 below 2^-6) is 1, rounded to an integer (ties to even), scaled back;
+// the rounded value's bits then are the code's. Only selects, no branches:
+// CPU loops over it vectorise.
 FSDP_HD uint8_t f32_to_e4m3_bits(float f) {
   const uint32_t u = f32_bits(f);
   const uint32_t sign = (u >> 24) & 0x80u;
-  const uint32_t a = u & 0x7fffffffu;
-  // Normal E4M3 (>= 2^-6): rebias the exponent (127 -> 7) and round the 20
-  // dropped mantissa bits; a carry moves into the exponent, as it should.
-  uint32_t normal = a - 0x3c000000u;
-  normal = (normal + 0x7ffffu + ((normal >> 20) & 1u)) >> 20;
-  // Subnormal E4M3 (2^-10 .. 2^-6): units of 2^-9 from the full mantissa,
-  // ties to even; the shift is kept in range where the other cases apply.
-  const uint32_t exp = a >> 23;
-  uint32_t shift = 141u - exp;
-  shift = exp > 140u ? 1u : (shift > 31u ? 31u : shift);
-  const uint32_t mant = (a & 0x7fffffu) | 0x800000u;
-  const uint32_t half = 1u << (shift - 1u);
-  const uint32_t rest = mant & ((1u << shift) - 1u);
-  uint32_t sub = mant >> shift;
-  sub += static_cast<uint32_t>(rest > half) | (static_cast<uint32_t>(rest == half) & sub & 1u);
-  uint32_t v = a >= 0x3c800000u ? normal : (a < 0x3a800000u ? 0u : sub);  // below 2^-10: zero
-  v = a >= 0x43e00000u ? 0x7eu : v;                                         // >= 448: saturate
-  v = a > 0x7f800000u ? 0x7fu : v;                                          // NaN
+  const uint32_t a_bits = u & 0x7fffffffu;
+  const bool nan = a_bits > 0x7f800000u;
+  const float a = f32_from_bits(a_bits >= 0x43e00000u ? 0x43e00000u : a_bits);  // saturate at 448 (and inf)
+  const uint32_t exp = a_bits >= 0x43e00000u ? 135u : a_bits >> 23;             // biased; 448's is 135
+  const uint32_t q = (exp < 121u ? 121u : exp) - 3u;  // the quantum's biased exponent: 118 (2^-9) .. 132
+  const float r = rintf(a * f32_from_bits((254u - q) << 23)) * f32_from_bits(q << 23);
+  const uint32_t rb = f32_bits(r);
+  const uint32_t re = rb >> 23;
+  const uint32_t normal = ((re - 120u) << 3) | ((rb >> 20) & 7u);
+  const uint32_t sub = static_cast<uint32_t>(r * 512.0f);  // 0..8 units of 2^-9 (8: the smallest normal, 0x08)
+  const uint32_t v = nan ? 0x7fu : (re >= 121u ? normal : sub);
   return static_cast<uint8_t>(sign | v);
 }
 
