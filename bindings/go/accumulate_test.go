@@ -1,5 +1,5 @@
-// accumulate_test.go - Unit.GradAccumulate and GradAccumulateU16: grads added
-// from Go memory in any dtype, against the sum the test computes itself.
+// accumulate_test.go - Unit.GradAccumulate and GradAccumulateU16 (grads added from Go memory in any dtype,
+// against the sum the test computes itself), RegisterUnitTrainable and ClipGradNorm.
 
 package fsdp
 
@@ -104,5 +104,111 @@ func TestGradAccumulate(t *testing.T) {
 				}
 			})
 		}
+	}
+}
+
+// A param registered frozen gets no grad or optimizer memory and no grads;
+// the trainable one trains (SGD lr 1: it drops by the ranks' mean grad).
+func TestRegisterUnitTrainable(t *testing.T) {
+	err := RunRanks(2, func(rank int, g *Group) error {
+		ctx, err := newRankContext(g, rank, map[string]string{"optimizer": "adamw", "lr": "0.01"})
+		if err != nil {
+			return err
+		}
+		defer ctx.Close()
+		params := []Param{{Name: "w", Shape: []int64{64}}, {Name: "frozen", Shape: []int64{1024}}}
+		if _, err := ctx.RegisterUnitTrainable("bad", params, []bool{true}); !errors.Is(err, ErrInvalidArgument) {
+			return fmt.Errorf("one flag for two params gave %v, not ErrInvalidArgument", err)
+		}
+		u, err := ctx.RegisterUnitTrainable("u", params, []bool{true, false})
+		if err != nil {
+			return err
+		}
+		m, err := ctx.MemoryStats()
+		if err != nil {
+			return err
+		}
+		// Grads of the trainable param only (its shard: half of 64, padded), AdamW's two states of them.
+		if m.ShardedGrads >= 1024*4/2 || m.OptimizerState != 2*m.ShardedGrads {
+			return fmt.Errorf("grads %d B, optimizer %d B: the frozen param's memory is allocated", m.ShardedGrads, m.OptimizerState)
+		}
+		if tr, err := u.ParamTrainable(1); err != nil || tr {
+			return fmt.Errorf("ParamTrainable(1) = %v, %v; want false", tr, err)
+		}
+		if err := u.BackwardBegin(); err != nil {
+			return err
+		}
+		if _, err := u.Grad(1); !errors.Is(err, ErrInvalidState) {
+			return fmt.Errorf("Grad of a frozen param gave %v, not ErrInvalidState", err)
+		}
+		if err := u.BackwardEnd(); err != nil {
+			return err
+		}
+		return ctx.Finalize()
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+}
+
+// ClipGradNorm returns the global norm the test computes and the step applies
+// the clipped grads: SGD lr 1 from zeros, rank r's grads r+1 everywhere, mean
+// 1.5, norm 1.5*sqrt(n); clipped to 1 each param moves by 1.5 / (norm + 1e-6).
+func TestClipGradNorm(t *testing.T) {
+	const n = 16
+	err := RunRanks(2, func(rank int, g *Group) error {
+		ctx, err := newRankContext(g, rank, map[string]string{"optimizer": "sgd", "lr": "1", "weight_decay": "0"})
+		if err != nil {
+			return err
+		}
+		defer ctx.Close()
+		u, err := ctx.RegisterUnit("u", []Param{{Name: "w", Shape: []int64{n}}})
+		if err != nil {
+			return err
+		}
+		if err := u.SetValues(0, make([]float32, n)); err != nil {
+			return err
+		}
+		if _, err := ctx.ClipGradNorm(-1); !errors.Is(err, ErrInvalidArgument) {
+			return fmt.Errorf("max norm -1 gave %v, not ErrInvalidArgument", err)
+		}
+		if err := u.BackwardBegin(); err != nil {
+			return err
+		}
+		g0 := make([]float32, n)
+		for i := range g0 {
+			g0[i] = float32(rank + 1)
+		}
+		if err := u.GradAccumulate(0, g0); err != nil {
+			return err
+		}
+		if err := u.BackwardEnd(); err != nil {
+			return err
+		}
+		norm, err := ctx.ClipGradNorm(1)
+		if err != nil {
+			return err
+		}
+		want := 1.5 * math.Sqrt(n)
+		if math.Abs(norm-want) > 1e-6*want {
+			return fmt.Errorf("ClipGradNorm gave %v, want %v", norm, want)
+		}
+		if err := ctx.Step(); err != nil {
+			return err
+		}
+		p, err := u.Gather(0)
+		if err != nil {
+			return err
+		}
+		move := 1.5 / (want + 1e-6)
+		for i, v := range p {
+			if math.Abs(float64(v)+move) > 1e-6 {
+				return fmt.Errorf("param %d is %v after the clipped step, want %v", i, v, -move)
+			}
+		}
+		return ctx.Finalize()
+	})
+	if err != nil {
+		t.Fatal(err)
 	}
 }

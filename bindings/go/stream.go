@@ -17,6 +17,9 @@ package fsdp
 //   return fsdp_grad_accumulate(u, i, (const void*)src, dt, n, (void*)s);
 // }
 // static fsdp_status_t fsdp_go_step(fsdp_ctx_t* c, uintptr_t s) { return fsdp_step(c, (void*)s); }
+// static fsdp_status_t fsdp_go_clip_grad_norm(fsdp_ctx_t* c, uintptr_t s, double m, double* n) {
+//   return fsdp_clip_grad_norm(c, (void*)s, m, n);
+// }
 // static fsdp_status_t fsdp_go_step_begin(fsdp_ctx_t* c, uintptr_t s, int* u, float* g) { return fsdp_step_begin(c, (void*)s, u, g); }
 // static fsdp_status_t fsdp_go_step_end(fsdp_ctx_t* c, uintptr_t s) { return fsdp_step_end(c, (void*)s); }
 import "C"
@@ -83,6 +86,26 @@ func (u *Unit) GradAccumulateOn(i int, src uintptr, dtype Dtype, s Stream) error
 // StepOn is Step after the work queued on s so far.
 func (c *Context) StepOn(s Stream) error {
 	return c.simple("fsdp_step", func() C.fsdp_status_t { return C.fsdp_go_step(c.ptr, s.c()) })
+}
+
+// ClipGradNorm is torch.nn.utils.clip_grad_norm_ for libfsdp's own optimizer
+// (fsdp_clip_grad_norm, collective): after the step's last backward, before
+// Step. It returns the global L2 norm of the grads over all ranks (a host
+// wait), and the coming Step alone scales the grads by
+// maxNorm / (norm + 1e-6) where that is below 1. maxNorm must be finite and
+// > 0; with optimizer=host it is ErrInvalidState. The max_grad_norm option
+// does the same inside Step without the wait.
+func (c *Context) ClipGradNorm(maxNorm float64) (float64, error) {
+	return c.ClipGradNormOn(DefaultStream, maxNorm)
+}
+
+// ClipGradNormOn is ClipGradNorm after the work queued on s so far.
+func (c *Context) ClipGradNormOn(s Stream, maxNorm float64) (float64, error) {
+	var n C.double
+	err := c.simple("fsdp_clip_grad_norm", func() C.fsdp_status_t {
+		return C.fsdp_go_clip_grad_norm(c.ptr, s.c(), C.double(maxNorm), &n)
+	})
+	return float64(n), err
 }
 
 // StepBegin (optimizer=host, collective) does what Step does before its

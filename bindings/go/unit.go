@@ -39,7 +39,25 @@ type Unit struct {
 // RegisterUnit (collective) registers a unit of params; every rank must
 // register the same units in the same order (else ErrMismatch).
 func (c *Context) RegisterUnit(name string, params []Param) (*Unit, error) {
-	if err := c.live("fsdp_unit_register"); err != nil {
+	return c.register("fsdp_unit_register", name, params, nil)
+}
+
+// RegisterUnitTrainable is RegisterUnit with each param's trainable flag from
+// the start (fsdp_unit_register_trainable): a param registered false is
+// frozen and never gets grad or optimizer memory (a frozen base of a
+// fine-tuning run); a unit whose params are all false is frozen as a whole.
+// len(trainable) must be len(params); the flags are part of what the ranks
+// must agree on.
+func (c *Context) RegisterUnitTrainable(name string, params []Param, trainable []bool) (*Unit, error) {
+	if len(trainable) != len(params) {
+		return nil, newError("fsdp_unit_register_trainable", StatusInvalidArgument,
+			fmt.Sprintf("%d trainable flags for %d params", len(trainable), len(params)))
+	}
+	return c.register("fsdp_unit_register_trainable", name, params, trainable)
+}
+
+func (c *Context) register(op, name string, params []Param, trainable []bool) (*Unit, error) {
+	if err := c.live(op); err != nil {
 		return nil, err
 	}
 	dt, err := c.ParamDtype()
@@ -61,9 +79,18 @@ func (c *Context) RegisterUnit(name string, params []Param) (*Unit, error) {
 	dims = append(dims, 0)
 	cname := C.CString(name)
 	defer C.free(unsafe.Pointer(cname))
+	flags := make([]C.int32_t, n+1)
+	for i, t := range trainable {
+		if t {
+			flags[i] = 1
+		}
+	}
 	var p *C.fsdp_unit_t
-	if err := call("fsdp_unit_register", func() C.fsdp_status_t {
-		return C.fsdp_unit_register(c.ptr, cname, C.size_t(n), &names[0], &ndims[0], &dims[0], &p)
+	if err := call(op, func() C.fsdp_status_t {
+		if trainable == nil {
+			return C.fsdp_unit_register(c.ptr, cname, C.size_t(n), &names[0], &ndims[0], &dims[0], &p)
+		}
+		return C.fsdp_unit_register_trainable(c.ptr, cname, C.size_t(n), &names[0], &ndims[0], &dims[0], &flags[0], &p)
 	}); err != nil {
 		return nil, err
 	}
