@@ -8,7 +8,8 @@
 // gather equals the test's own model of it (each rank's slice of each block
 // of the fp32 master quantized in blocks, dequantized, rounded to
 // param_dtype), for every strategy, worlds 1-4, fp32 and bf16, offload, a
-// frozen param, prefetch, the late host stream; the all-gathers move exactly
+// frozen param, the late host stream (one unit: prefetch is not exercised
+// here); the all-gathers move exactly
 // the packed bytes; the master, grads and optimizer stay full precision (a
 // step's update is the unquantized run's, bit for bit).
 #include <gtest/gtest.h>
