@@ -578,6 +578,11 @@ typedef struct fsdp_comm_stats_s {
    * are that stream's ordering and are not counted. Threads sharing a GPU
    * also meet in each collective's barrier (not counted either). */
   uint64_t host_waits;
+  /* All-to-alls: the quantized gradient reduction (reduce_dtype=int8 or
+   * fp8_e4m3), whose packed grads they move instead of a reduce-scatter;
+   * bytes as a reduce-scatter's: every rank's part of the send buffer. */
+  uint64_t all_to_all_calls;
+  uint64_t all_to_all_nbytes;
 } fsdp_comm_stats_t;
 
 FSDP_API fsdp_status_t fsdp_comm_stats(const fsdp_ctx_t* ctx, fsdp_comm_stats_t* stats);

@@ -144,6 +144,42 @@ TEST(LocalCommDevicePath, AllGatherReadsPeersAfterTheirWritesAndBeforeTheirReuse
   }
 }
 
+// all_to_all: rank r's part p reaches rank p's slot r, read after the
+// sender's write and before its next one; the same on the host path.
+TEST(LocalCommDevicePath, AllToAllDeliversEachPartToItsRankInRankOrder) {
+  constexpr size_t kN = 500;  // floats per part
+  auto part_value = [](int from, int to, size_t i) { return value(from, i) + 100.0f * static_cast<float>(to); };
+  std::vector<std::vector<float>> got(kWorld), got_host(kWorld);
+  run_device_ranks([&](int rank, LocalComm& comm, StreamPlane& plane) {
+    float* send = plane.alloc(kN * kWorld);
+    float* recv = plane.alloc(kN * kWorld);
+    plane.later([=] {
+      for (int to = 0; to < kWorld; ++to)
+        for (size_t i = 0; i < kN; ++i) send[static_cast<size_t>(to) * kN + i] = part_value(rank, to, i);
+    });
+    comm.all_to_all(send, recv, kN * sizeof(float), "exchange");
+    plane.later([=] { std::fill(send, send + kN * kWorld, -1.0f); });
+    plane.stream().synchronize(kTimeoutS);
+    got[static_cast<size_t>(rank)].assign(recv, recv + kN * kWorld);
+    std::vector<float> hsend(kN * kWorld), hrecv(kN * kWorld, -2.0f);
+    for (int to = 0; to < kWorld; ++to)
+      for (size_t i = 0; i < kN; ++i) hsend[static_cast<size_t>(to) * kN + i] = part_value(rank, to, i);
+    comm.all_to_all(hsend.data(), hrecv.data(), kN * sizeof(float), "exchange on the host");
+    got_host[static_cast<size_t>(rank)] = hrecv;
+  });
+  for (int rank = 0; rank < kWorld; ++rank) {
+    for (int from = 0; from < kWorld; ++from) {
+      for (size_t i = 0; i < kN; ++i) {
+        const size_t at = static_cast<size_t>(from) * kN + i;
+        ASSERT_EQ(got[static_cast<size_t>(rank)][at], part_value(from, rank, i))
+            << "rank " << rank << " element " << i << " from rank " << from;
+        ASSERT_EQ(got_host[static_cast<size_t>(rank)][at], part_value(from, rank, i))
+            << "host path: rank " << rank << " element " << i << " from rank " << from;
+      }
+    }
+  }
+}
+
 // reduce_scatter_clear: every rank's range is the sum over ranks, and every
 // send buffer reads as zeros afterwards, cleared by the peers' streams; a
 // write the rank queues after the call lands after those clears.

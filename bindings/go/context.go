@@ -361,6 +361,7 @@ type CommStats struct {
 	BroadcastCalls, BroadcastBytes         uint64
 	ControlCalls                           uint64 // norms, flags, consensus checks, barriers
 	HostWaits                              uint64 // calls that blocked the calling thread on queued work (0 for a steady-state step)
+	AllToAllCalls, AllToAllBytes           uint64 // the quantized grad reduction (reduce_dtype=int8 or fp8_e4m3)
 }
 
 // CommStats returns this rank's collective counters.
@@ -376,6 +377,7 @@ func (c *Context) CommStats() (CommStats, error) {
 		AllReduceCalls: uint64(s.all_reduce_calls), AllReduceBytes: uint64(s.all_reduce_nbytes),
 		BroadcastCalls: uint64(s.broadcast_calls), BroadcastBytes: uint64(s.broadcast_nbytes),
 		ControlCalls: uint64(s.control_calls), HostWaits: uint64(s.host_waits),
+		AllToAllCalls: uint64(s.all_to_all_calls), AllToAllBytes: uint64(s.all_to_all_nbytes),
 	}, nil
 }
 

@@ -1,5 +1,5 @@
-// kernels/cuda/quant.cu - the quantized all-gather's kernels over the
-// functions of kernels/quant.h: the CPU's bits (tests/test_cuda.cpp).
+// kernels/cuda/quant.cu - the quantized all-gather's and reduction's kernels over
+// the functions of kernels/quant.h: the CPU's bits (tests/test_cuda.cpp).
 #include <algorithm>
 #include <type_traits>
 
@@ -61,7 +61,34 @@ __global__ void __launch_bounds__(kThreads) dequantize_kernel(T* out, const uint
   }
 }
 
+// One thread per value: the slices' dequantized values added in slice order
+// (dequantize_sum_block's order and roundings), scaled once.
+__global__ void __launch_bounds__(kThreads) dequantize_sum_kernel(float* out, const uint8_t* packed, size_t n_slices,
+                                                                   size_t n, size_t block, QType t, float scale) {
+  const size_t stride = quant_packed_bytes(n, block), scales = quant_scales_offset(n);
+  for (size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    float acc = 0.0f;
+    for (size_t s = 0; s < n_slices; ++s) {
+      const uint8_t* slice = packed + s * stride;
+      const float v = kernels::dequantize(slice[i], reinterpret_cast<const float*>(slice + scales)[i / block], t);
+      acc = s == 0 ? v : acc + v;
+    }
+    out[i] = acc * scale;
+  }
+}
+
 }  // namespace
+
+cudaError_t dequantize_sum(float* out, const void* packed, size_t n_slices, size_t n, size_t block, QType t,
+                           float scale, cudaStream_t s) {
+  if (n == 0 || n_slices == 0) return cudaSuccess;
+  if (block == 0) return cudaErrorInvalidValue;
+  const auto grid = static_cast<unsigned>(std::min(kMaxBlocks, (n + kThreads - 1) / kThreads));
+  dequantize_sum_kernel<<<grid, kThreads, 0, s>>>(out, static_cast<const uint8_t*>(packed), n_slices, n, block, t,
+                                                  scale);
+  return cudaGetLastError();
+}
 
 cudaError_t quantize(void* packed, const void* x, fsdp_dtype_t x_dtype, size_t n, size_t block, QType t,
                      cudaStream_t s) {

@@ -498,6 +498,8 @@ fsdp_status_t fsdp_comm_stats(const fsdp_ctx_t* ctx, fsdp_comm_stats_t* stats) {
       full.broadcast_nbytes = bytes(Collective::kBroadcast);
       full.control_calls = calls(Collective::kControl);
       full.host_waits = ctx_of(ctx)->runtime().host_waits.load(std::memory_order_relaxed);
+      full.all_to_all_calls = calls(Collective::kAllToAll);
+      full.all_to_all_nbytes = bytes(Collective::kAllToAll);
     });
   });
 }

@@ -37,6 +37,10 @@ class Communicator {
   // with no zeroing pass of its own.
   virtual void reduce_scatter_clear(void* send, void* recv, size_t numel_per_rank, DType dtype, RedOp op,
                                     const std::string& label) = 0;
+  // recv[j * nbytes_per_rank ...] = rank j's send[rank * nbytes_per_rank ...]:
+  // each rank sends a part to every rank (its own included) and receives one
+  // from each, in rank order. send and recv do not overlap.
+  virtual void all_to_all(const void* send, void* recv, size_t nbytes_per_rank, const std::string& label) = 0;
   // recv (numel) = op over ranks of send; recv may equal send.
   virtual void all_reduce(const void* send, void* recv, size_t numel, DType dtype, RedOp op,
                           const std::string& label) = 0;

@@ -20,6 +20,11 @@ void CountingComm::reduce_scatter_clear(void* send, void* recv, size_t numel_per
   counters_->add(Collective::kReduceScatter, uint64_t(numel_per_rank) * dtype_size(dtype) * uint64_t(world_size()));
 }
 
+void CountingComm::all_to_all(const void* send, void* recv, size_t nbytes_per_rank, const std::string& label) {
+  inner_->all_to_all(send, recv, nbytes_per_rank, label);
+  counters_->add(Collective::kAllToAll, uint64_t(nbytes_per_rank) * uint64_t(world_size()));
+}
+
 void CountingComm::all_reduce(const void* send, void* recv, size_t numel, DType dtype, RedOp op,
                               const std::string& label) {
   inner_->all_reduce(send, recv, numel, dtype, op, label);

@@ -15,12 +15,12 @@
 
 namespace fsdp::comm {
 
-enum class Collective { kAllGather, kReduceScatter, kAllReduce, kBroadcast, kControl, kCount };
+enum class Collective { kAllGather, kReduceScatter, kAllReduce, kBroadcast, kControl, kAllToAll, kCount };
 
 // What a rank's collectives moved. Bytes are the collective's data as the
 // caller sees it, independent of the algorithm: an all_gather's result (every
 // rank's part), a reduce_scatter's input (every rank's part), an all_reduce's
-// buffer, a broadcast's buffer. kControl counts the small double reductions
+// buffer, a broadcast's buffer, an all_to_all's send buffer (every rank's part). kControl counts the small double reductions
 // (norms, flags, consensus checks) and barriers: calls only.
 struct CommCounters {
   std::array<std::atomic<uint64_t>, static_cast<size_t>(Collective::kCount)> calls{};
@@ -46,6 +46,7 @@ class CountingComm final : public Communicator {
                       const std::string& label) override;
   void reduce_scatter_clear(void* send, void* recv, size_t numel_per_rank, DType dtype, RedOp op,
                             const std::string& label) override;
+  void all_to_all(const void* send, void* recv, size_t nbytes_per_rank, const std::string& label) override;
   void all_reduce(const void* send, void* recv, size_t numel, DType dtype, RedOp op,
                   const std::string& label) override;
   void all_reduce_f64(double* values, size_t n, RedOp op, const std::string& label) override;

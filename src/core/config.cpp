@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <functional>
+#include <iterator>
 #include <sstream>
 
 #include "../base/error.h"
@@ -192,16 +193,36 @@ const std::vector<Entry>& table() {
       {"reduce_dtype",
        {},
        [](Options& o, const std::string& v) {
-         if (lower(trim(v)) == "auto") {
-           o.reduce_dtype_auto = true;
+         const std::string w = lower(trim(v));
+         if (w == "int8" || w == "fp8_e4m3" || w == "fp8") {
+           o.reduce_quantized = true;
+           o.reduce_qtype = w == "int8" ? kernels::QType::kInt8 : kernels::QType::kFp8E4m3;
+           o.reduce_dtype_set = DType::kFp32;  // what the quantized reduction leaves
+           o.reduce_dtype_auto = false;
            return;
          }
-         o.reduce_dtype_set = parse_dtype("reduce_dtype", v);
-         o.reduce_dtype_auto = false;
+         if (w == "auto") {
+           o.reduce_dtype_auto = true;
+         } else {
+           static const char* const kNames[] = {"fp32", "float32", "f32", "bf16", "bfloat16", "fp16", "float16", "half", "f16"};
+           if (std::find(std::begin(kNames), std::end(kNames), w) == std::end(kNames)) {
+             bad_value("reduce_dtype", v, "auto, fp32, bf16, fp16, int8, fp8_e4m3");
+           }
+           o.reduce_dtype_set = parse_dtype("reduce_dtype", v);
+           o.reduce_dtype_auto = false;
+         }
+         o.reduce_quantized = false;
        },
        [](const Options& o) {
+         if (o.reduce_quantized) return std::string(o.reduce_qtype == kernels::QType::kInt8 ? "int8" : "fp8_e4m3");
          return o.reduce_dtype_auto ? std::string("auto") : std::string(dtype_name(o.reduce_dtype_set));
        }},
+      {"reduce_block",
+       {},
+       [](Options& o, const std::string& v) {
+         o.reduce_block = static_cast<size_t>(parse_int("reduce_block", v, 16, 65536));
+       },
+       [](const Options& o) { return std::to_string(o.reduce_block); }},
       {"reduce_op",
        {},
        [](Options& o, const std::string& v) { o.reduce_op = parse_choice("reduce_op", v, kReduceOps); },

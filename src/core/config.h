@@ -102,6 +102,15 @@ struct Options {
   bool gather_quantized = false;
   kernels::QType gather_qtype = kernels::QType::kInt8;
   size_t gather_block = 256;
+  // Quantized grad reduction (reduce_dtype=int8|fp8_e4m3): the reduce-scatter
+  // of a sharded strategy becomes quantize (each rank's part for every rank,
+  // in blocks of reduce_block values) -> all-to-all -> dequantize and sum in
+  // fp32 in rank order (kernels/quant.h). What it leaves is fp32: while it is
+  // on, reduce_dtype() is fp32 (the HYBRID replicas' all-reduce, offload's
+  // copy and the accumulation into the grad shard see fp32).
+  bool reduce_quantized = false;
+  kernels::QType reduce_qtype = kernels::QType::kInt8;
+  size_t reduce_block = 256;
   BackwardPrefetch backward_prefetch = BackwardPrefetch::kPre;  // PyTorch's default
   int limit_all_gathers = 2;
   LossScaleMode loss_scale_mode = LossScaleMode::kAuto;  // auto: dynamic for fp16, off otherwise

@@ -25,7 +25,8 @@ std::string describe(const Options& o) {
   os.imbue(std::locale::classic());  // ranks on hosts with other locales must write the same text
   os.precision(17);
   os << "sharding=" << sharding_name(o.sharding) << "\nparam_dtype=" << dtype_name(o.param_dtype)
-     << "\nreduce_dtype=" << dtype_name(o.reduce_dtype()) << "\nreduce_op=" << static_cast<int>(o.reduce_op)
+     << "\nreduce_dtype=" << dtype_name(o.reduce_dtype()) << ","
+     << (o.reduce_quantized ? static_cast<int>(o.reduce_qtype) : -1) << "," << o.reduce_block << "\nreduce_op=" << static_cast<int>(o.reduce_op)
      << "\noptimizer=" << static_cast<int>(o.optimizer) << "\nlr=" << o.lr << "\nbeta1=" << o.beta1
      << "\nbeta2=" << o.beta2 << "\neps=" << o.eps << "\nweight_decay=" << o.weight_decay << "\nmomentum=" << o.momentum
      << "\nnesterov=" << o.nesterov << "\nmax_grad_norm=" << o.max_grad_norm << "\nalign_bytes=" << o.align_bytes
@@ -77,6 +78,13 @@ Context::Context(const Options& opts, std::unique_ptr<comm::Communicator> world)
          "fsdp_ctx_create: keep_param_dtype_shard=0 with offload=cpu: the param_dtype shard on the host is what "
          "each gather copies to the device, half the bytes of the fp32 master; casting at the gather instead "
          "would double that traffic to save host memory, so libfsdp keeps it (use keep_param_dtype_shard=1)");
+  }
+  if (opts.reduce_quantized && opts.sharding == Sharding::kNoShard && rt_.world > 1) {
+    fail(FSDP_ERR_UNSUPPORTED,
+         "fsdp_ctx_create: reduce_dtype=" + std::string(opts.reduce_qtype == kernels::QType::kInt8 ? "int8" : "fp8_e4m3") +
+             " quantizes the reduce-scatter of a sharded strategy (each rank sums the quantized parts of its own "
+             "shard); NO_SHARD all-reduces whole grads, which it does not quantize: use a sharded strategy, or "
+             "reduce_dtype=bf16 to halve NO_SHARD's bytes");
   }
   rt_.dev = dev_.get();
   rt_.state_dev = dev_.get();

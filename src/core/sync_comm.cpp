@@ -34,6 +34,9 @@ void SyncComm::reduce_scatter_clear(void* send, void* recv, size_t numel_per_ran
                                     const std::string& label) {
   run(label, [&] { inner_.reduce_scatter_clear(send, recv, numel_per_rank, dtype, op, label); });
 }
+void SyncComm::all_to_all(const void* send, void* recv, size_t nbytes_per_rank, const std::string& label) {
+  run(label, [&] { inner_.all_to_all(send, recv, nbytes_per_rank, label); });
+}
 void SyncComm::all_reduce(const void* send, void* recv, size_t numel, DType dtype, comm::RedOp op,
                           const std::string& label) {
   run(label, [&] { inner_.all_reduce(send, recv, numel, dtype, op, label); });

@@ -77,7 +77,9 @@ Unit::Unit(Runtime& rt, size_t index, std::string name, std::vector<ParamSpec> p
   }
   if (!rt_.gathers()) state_ = UnitState::kGathered;  // the shard is the full params
   gather_label_ = label("all_gather");
-  reduce_label_ = label(rt_.sharded() ? "reduce_scatter" : "all_reduce");
+  reduce_label_ = label(!rt_.sharded()               ? "all_reduce"
+                        : rt_.opts.reduce_quantized ? "all_to_all (quantized reduce_scatter)"
+                                                    : "reduce_scatter");
   replica_label_ = reduce_label_ + " (across replicas)";
   make_task_labels();
 }
@@ -88,11 +90,15 @@ void Unit::make_task_labels() {
   size_t padded = layout_.trainable_padded_numel();  // what a reduction moves
   std::string gathered_bytes = " " + std::to_string(s * pes * static_cast<size_t>(rt_.shard_world())) + " B";
   size_t reduced = rt_.sharded() ? layout_.trainable_shard_numel() : padded;
+  size_t reduce_bytes = padded * res;
+  if (rt_.sharded() && rt_.opts.reduce_quantized) {
+    reduce_bytes = kernels::quant_packed_bytes(reduced, rt_.opts.reduce_block) * static_cast<size_t>(rt_.shard_world());
+  }
   tasks_.gather = device::make_label(gather_label_ + gathered_bytes);
   tasks_.gather_cast = device::make_label(gather_label_ + " (cast from fp32)" + gathered_bytes);
   tasks_.copy_in = device::make_label(label("host to device copy") + " " + std::to_string(s * pes) + " B");
   tasks_.copy_out_grads = device::make_label(label("device to host copy") + " " + std::to_string(padded * pes) + " B");
-  tasks_.reduce = device::make_label(reduce_label_ + " " + std::to_string(padded * res) + " B");
+  tasks_.reduce = device::make_label(reduce_label_ + " " + std::to_string(reduce_bytes) + " B");
   tasks_.copy_out_reduced =
       device::make_label(label("device to host copy") + " " + std::to_string(reduced * res) + " B");
   tasks_.host_accumulate = device::make_label(label("accumulate on the host"));
@@ -308,7 +314,8 @@ EventPtr Unit::submit_reduction(device::Stream& s, EventPtr written) {
   // it as it is; only a device -> host copy of the grads themselves
   // (offload=cpu, NO_SHARD, no cast) cannot, and the slot is zeroed when
   // taken again.
-  bool clears = !(offload && !rt_.sharded() && rd == pd);
+  // The quantized reduction only reads them (a slot zeroed when taken again).
+  bool clears = !(offload && !rt_.sharded() && rd == pd) && !(rt_.sharded() && rt_.opts.reduce_quantized);
   // With offload=cpu the reduced grad leaves the comm task in reduced_ (a
   // scratch buffer, or the grad slot itself) and a copy-stream task brings it
   // to the host grad shard; otherwise the comm task accumulates it on the
@@ -353,16 +360,21 @@ void Unit::reduce_task(void* grads) {
   size_t padded = layout_.trainable_padded_numel();
   size_t shard = trainable_shard_numel();
   auto op = rt.opts.reduce_op == ReduceOp::kAvg ? comm::RedOp::kAvg : comm::RedOp::kSum;
+  const bool quantized = rt.sharded() && rt.opts.reduce_quantized;  // packs from the grads as they are
   Buffer converted;
   void* src = grads;
-  if (rd != pd) {
+  if (rd != pd && !quantized) {
     converted = Buffer(rt.dev, &rt.mem, MemCategory::kScratch, rd, padded, /*zeroed=*/false);
     rt.dev->cast_clear(converted.data(), rd, grads, pd, padded);
     src = converted.data();
   }
   Buffer out;
   void* out_data = src;  // NO_SHARD: the all-reduce runs in place
-  if (rt.sharded()) {
+  if (quantized) {
+    out = reduce_scatter_quantized(*rt.shard_comm, grads, op);
+    out_data = out.data();
+    if (rt.replica_comm != nullptr) rt.replica_comm->all_reduce(out_data, out_data, shard, rd, op, replica_label_);
+  } else if (rt.sharded()) {
     out = Buffer(rt.dev, &rt.mem, MemCategory::kScratch, rd, shard, /*zeroed=*/false);
     out_data = out.data();
     if (rd != pd) {
@@ -385,6 +397,30 @@ void Unit::reduce_task(void* grads) {
   } else {
     rt.dev->accumulate(sharded_grad(), out_data, rd, 1.0f, n_reduced, grad_sq_slot());
   }
+}
+
+Buffer Unit::reduce_scatter_quantized(comm::Communicator& c, const void* grads, comm::RedOp op) const {
+  const size_t w = static_cast<size_t>(c.world_size()), n = trainable_shard_numel(), block = rt_.opts.reduce_block;
+  const kernels::QType qt = rt_.opts.reduce_qtype;
+  const DType pd = rt_.opts.param_dtype;
+  const size_t part = kernels::quant_packed_bytes(n, block);  // a multiple of 4 bytes
+  const size_t words = part / sizeof(float) * w;
+  Buffer send(rt_.dev, &rt_.mem, MemCategory::kScratch, DType::kFp32, words, /*zeroed=*/false);
+  Buffer recv(rt_.dev, &rt_.mem, MemCategory::kScratch, DType::kFp32, words, /*zeroed=*/false);
+  // Part r of the trainable block (rank r's shard) packed for rank r.
+  for (size_t r = 0; r < w; ++r) {
+    rt_.dev->quantize(static_cast<char*>(send.data()) + r * part,
+                      static_cast<const char*>(grads) + r * n * dtype_size(pd), pd, n, block, qt);
+  }
+  c.all_to_all(send.data(), recv.data(), part, reduce_label_);
+  Buffer out(rt_.dev, &rt_.mem, MemCategory::kScratch, DType::kFp32, n, /*zeroed=*/false);
+  const float scale = op == comm::RedOp::kAvg ? 1.0f / static_cast<float>(w) : 1.0f;
+  rt_.dev->dequantize_sum(out.as<float>(), recv.data(), w, n, block, qt, scale);
+  if (rt_.opts.debug_poison) {
+    rt_.dev->fill_nan(send.data(), send.nbytes());
+    rt_.dev->fill_nan(recv.data(), recv.nbytes());
+  }
+  return out;
 }
 
 EventPtr Unit::on_host_after(const EventPtr& copied, device::Stream::Task work) {

@@ -223,6 +223,12 @@ class Unit {
   EventPtr accumulate_alone(device::Stream& s);
   // The comm-stream task of a reduction of the grads in `grads`.
   void reduce_task(void* grads);
+  // The quantized reduce-scatter (reduce_dtype=int8|fp8_e4m3) of the
+  // trainable block of `grads` over `c`: each rank's part for every rank
+  // packed (kernels/quant.h), the parts exchanged by an all-to-all, and this
+  // rank's received parts dequantized and summed in rank order in fp32
+  // (scaled by 1/world for an average). Returns the fp32 shard (scratch).
+  Buffer reduce_scatter_quantized(comm::Communicator& c, const void* grads, comm::RedOp op) const;
   // Elements of the reduced grads: the shard, or the padded params (NO_SHARD).
   size_t reduced_numel() const;
   // Whether this backward may hand out the grad shard itself as the grad buffer.

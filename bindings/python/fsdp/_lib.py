@@ -20,7 +20,8 @@ class MemoryStatsC(ctypes.Structure):
 class CommStatsC(ctypes.Structure):
     _fields_ = [("struct_size", c_size_t)] + [(n, ctypes.c_uint64) for n in (
         "all_gather_calls", "all_gather_nbytes", "reduce_scatter_calls", "reduce_scatter_nbytes",
-        "all_reduce_calls", "all_reduce_nbytes", "broadcast_calls", "broadcast_nbytes", "control_calls", "host_waits")]
+        "all_reduce_calls", "all_reduce_nbytes", "broadcast_calls", "broadcast_nbytes", "control_calls", "host_waits",
+        "all_to_all_calls", "all_to_all_nbytes")]
 
 
 # name: (restype, argtypes); restype None means fsdp_status_t (c_int).

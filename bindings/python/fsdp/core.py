@@ -209,6 +209,8 @@ class CommStats:
     broadcast_nbytes: int
     control_calls: int
     host_waits: int
+    all_to_all_calls: int  # the quantized grad reduction (reduce_dtype=int8 or fp8_e4m3)
+    all_to_all_nbytes: int
 
 
 class Context(_Handle):

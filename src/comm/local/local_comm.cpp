@@ -194,6 +194,19 @@ void LocalComm::reduce_scatter_clear(void* send, void* recv, size_t numel_per_ra
   });
 }
 
+void LocalComm::all_to_all(const void* send, void* recv, size_t nbytes_per_rank, const std::string& label) {
+  CollectiveDesc d{"all_to_all", nbytes_per_rank, -1, -1, -1, &label};
+  run(d, send, recv, [&] {
+    int world = world_size();
+    const size_t mine = static_cast<size_t>(rank_) * nbytes_per_rank;
+    for (int k = 0; k < world; ++k) {  // starting at our own rank, as all_gather
+      int r = (rank_ + k) % world;
+      move(static_cast<char*>(recv) + static_cast<size_t>(r) * nbytes_per_rank,
+           static_cast<const char*>(group_->slot(r).send) + mine, nbytes_per_rank);
+    }
+  });
+}
+
 void LocalComm::all_reduce(const void* send, void* recv, size_t numel, DType dtype, RedOp op,
                            const std::string& label) {
   CollectiveDesc d{"all_reduce", numel, static_cast<int>(dtype), static_cast<int>(op), -1, &label};

@@ -442,6 +442,21 @@ void MpiComm::all_gather(const void* send, void* recv, size_t nbytes_per_rank, c
   });
 }
 
+void MpiComm::all_to_all(const void* send, void* recv, size_t nbytes_per_rank, const std::string& label) {
+  collective("all_to_all", nbytes_per_rank, -1, -1, -1, label, [&] {
+    if (world_ == 1) {
+      std::memcpy(recv, send, nbytes_per_rank);
+      return;
+    }
+    MPI_Request req = MPI_REQUEST_NULL;
+    {
+      auto guard = mpi::lock();
+      MPI_Ialltoall(send, as_count(nbytes_per_rank), MPI_BYTE, recv, as_count(nbytes_per_rank), MPI_BYTE, comm_, &req);
+    }
+    wait_native(req);
+  });
+}
+
 void MpiComm::reduce_scatter(const void* send, void* recv, size_t numel_per_rank, DType dtype, RedOp op,
                              const std::string& label) {
   reduce_scatter_impl(send, recv, numel_per_rank, dtype, op, label, false);

@@ -39,6 +39,7 @@ class MpiComm final : public Communicator {
                       const std::string& label) override;
   void reduce_scatter_clear(void* send, void* recv, size_t numel_per_rank, DType dtype, RedOp op,
                             const std::string& label) override;
+  void all_to_all(const void* send, void* recv, size_t nbytes_per_rank, const std::string& label) override;
   void all_reduce(const void* send, void* recv, size_t numel, DType dtype, RedOp op, const std::string& label) override;
   void all_reduce_f64(double* values, size_t n, RedOp op, const std::string& label) override;
   void broadcast(void* buf, size_t nbytes, int root, const std::string& label) override;

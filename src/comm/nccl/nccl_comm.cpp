@@ -478,6 +478,31 @@ void NcclComm::all_gather(const void* send, void* recv, size_t nbytes_per_rank, 
          });
 }
 
+void NcclComm::all_to_all(const void* send, void* recv, size_t nbytes_per_rank, const std::string& label) {
+  uint64_t seq = begin();
+  const size_t world = world_ranks_.size();
+  // One send and one receive per peer, grouped into one operation.
+  auto exchange = [&](const void* in, void* out, ncclComm_t c, cudaStream_t s) {
+    ncclResult_t r = nccl().GroupStart();
+    for (size_t p = 0; p < world && r == ncclSuccess; ++p) {
+      r = nccl().Send(static_cast<const char*>(in) + p * nbytes_per_rank, nbytes_per_rank, ncclUint8,
+                      static_cast<int>(p), c, s);
+      if (r == ncclSuccess) {
+        r = nccl().Recv(static_cast<char*>(out) + p * nbytes_per_rank, nbytes_per_rank, ncclUint8,
+                        static_cast<int>(p), c, s);
+      }
+    }
+    ncclResult_t end = nccl().GroupEnd();
+    return r != ncclSuccess ? r : end;
+  };
+  if (plane_ != nullptr && plane_->owns(recv)) {
+    collective("all_to_all", label, seq, stream(),
+               [&](ncclComm_t c, cudaStream_t s) { return exchange(send, recv, c, s); });
+    return;
+  }
+  staged(send, recv, nbytes_per_rank * world, nbytes_per_rank * world, "all_to_all", label, seq, exchange);
+}
+
 void NcclComm::reduce_scatter(const void* send, void* recv, size_t numel_per_rank, DType dtype, RedOp op,
                               const std::string& label) {
   uint64_t seq = begin();

@@ -69,6 +69,7 @@ class NcclComm final : public Communicator {
   // NCCL cannot write its input: the clear is a memset queued after it.
   void reduce_scatter_clear(void* send, void* recv, size_t numel_per_rank, DType dtype, RedOp op,
                             const std::string& label) override;
+  void all_to_all(const void* send, void* recv, size_t nbytes_per_rank, const std::string& label) override;
   void all_reduce(const void* send, void* recv, size_t numel, DType dtype, RedOp op, const std::string& label) override;
   void all_reduce_f64(double* values, size_t n, RedOp op, const std::string& label) override;
   // Device memory: ncclAllReduce on the plane's stream (NCCL's order of the

@@ -48,6 +48,10 @@ Loaded load() {
   bind(lib, "ncclReduceScatter", &a.ReduceScatter, &missing);
   bind(lib, "ncclAllReduce", &a.AllReduce, &missing);
   bind(lib, "ncclBroadcast", &a.Broadcast, &missing);
+  bind(lib, "ncclSend", &a.Send, &missing);
+  bind(lib, "ncclRecv", &a.Recv, &missing);
+  bind(lib, "ncclGroupStart", &a.GroupStart, &missing);
+  bind(lib, "ncclGroupEnd", &a.GroupEnd, &missing);
   bind(lib, "ncclGetErrorString", &a.GetErrorString, &missing);
   bind(lib, "ncclGetLastError", &a.GetLastError, &missing);
   if (!missing.empty()) {

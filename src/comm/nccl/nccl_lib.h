@@ -22,6 +22,10 @@ struct NcclApi {
   decltype(&::ncclReduceScatter) ReduceScatter;
   decltype(&::ncclAllReduce) AllReduce;
   decltype(&::ncclBroadcast) Broadcast;
+  decltype(&::ncclSend) Send;
+  decltype(&::ncclRecv) Recv;
+  decltype(&::ncclGroupStart) GroupStart;
+  decltype(&::ncclGroupEnd) GroupEnd;
   decltype(&::ncclGetErrorString) GetErrorString;
   decltype(&::ncclGetLastError) GetLastError;
 };

@@ -390,6 +390,14 @@ void CpuDevice::dequantize(void* out, DType out_dtype, const void* packed, size_
   });
 }
 
+void CpuDevice::dequantize_sum(float* out, const void* packed, size_t n_slices, size_t n, size_t block,
+                               kernels::QType t, float scale) {
+  const auto* in = static_cast<const uint8_t*>(packed);
+  pool_.parallel_for(kernels::quant_blocks(n, block), std::max<size_t>(1, 16 * kGrain / block), [&](size_t b, size_t e) {
+    for (size_t k = b; k < e; ++k) kernels::dequantize_sum_block(in, n_slices, n, block, k, t, scale, out);
+  });
+}
+
 void CpuDevice::accumulate(float* acc, const void* src, DType src_dtype, float scale, size_t numel, double* acc_sq) {
   accumulate_pass<false>(acc, src, src_dtype, scale, numel, acc_sq);
 }
