@@ -217,8 +217,9 @@ TEST(CudaKernels, AddMatchesTheCpuBitwiseForEveryDtypePair) {
   EXPECT_FALSE(gpu.readable(nullptr));
 }
 
-// The quantized all-gather's passes (kernels/quant.h): the GPU packs and
-// unpacks the CPU's bytes, including NaN, infinite, zero and short blocks.
+// The quantized all-gather's and reduction's passes (kernels/quant.h): the
+// GPU packs, unpacks and sums as the CPU, including NaN, infinite, zero and
+// short blocks.
 TEST(CudaKernels, QuantizeAndDequantizeMatchTheCpuBitwise) {
   SKIP_WITHOUT_GPU();
   CudaDevice gpu(0);
@@ -247,6 +248,17 @@ TEST(CudaKernels, QuantizeAndDequantizeMatchTheCpuBitwise) {
           DeviceArray d_out(gpu, nullptr, out.size());
           gpu.dequantize(d_out.ptr, out_t, d_q.ptr, slices, n, block, t);
           EXPECT_EQ(first_difference(out, d_out.read<uint8_t>()), -1) << "into " << fsdp::dtype_name(out_t);
+        }
+        // The quantized reduction's end: the slices' sum, scaled (average of 2).
+        std::vector<float> sum(n, 0.0f);
+        cpu.dequantize_sum(sum.data(), want.data(), slices, n, block, t, 0.5f);
+        DeviceArray d_sum(gpu, nullptr, n * sizeof(float));
+        gpu.dequantize_sum(d_sum.as<float>(), d_q.ptr, slices, n, block, t, 0.5f);
+        const std::vector<float> got_sum = d_sum.read<float>();
+        for (size_t i = 0; i < n; ++i) {  // NaN's payload is the hardware's own
+          ASSERT_TRUE(std::memcmp(&sum[i], &got_sum[i], sizeof(float)) == 0 ||
+                      (std::isnan(sum[i]) && std::isnan(got_sum[i])))
+              << "dequantize_sum element " << i << ": " << sum[i] << " vs " << got_sum[i];
         }
       }
     }
