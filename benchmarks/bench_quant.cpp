@@ -1,9 +1,11 @@
-// benchmarks/bench_quant.cpp - the quantized all-gather's two passes on the
-// CPU device (kernels/quant.h through CpuDevice::quantize / dequantize), as a
-// fraction of the memory bandwidth a plain copy reaches on the same threads in
-// the same run. quantize reads fp32 and writes one byte per value plus a scale
-// per block; dequantize reads those and writes param_dtype. Prints one JSON
-// object per line.
+// benchmarks/bench_quant.cpp - the quantized all-gather's and the quantized
+// reduction's passes on the CPU device (kernels/quant.h through CpuDevice::
+// quantize / dequantize / dequantize_sum), as a fraction of the memory
+// bandwidth a plain copy reaches on the same threads in the same run.
+// quantize reads fp32 (the master) or bf16 (the grads) and writes one byte
+// per value plus a scale per block; dequantize reads those and writes
+// param_dtype; dequantize_sum reads 4 ranks' packed parts and writes their
+// fp32 sum. Prints one JSON object per line.
 //
 //   bench_quant [numel [reps [threads,...]]]   (defaults: 2^24, 5, "1,2")
 #include <cstdio>
@@ -72,6 +74,17 @@ int main(int argc, char** argv) {
       const double ds = fsdp::bench::best_seconds(
           reps, [&] { dev.dequantize(out.data(), DType::kBf16, q.data(), 1, n, kBlock, t); });
       report(("dequantize_" + tn + "_to_bf16").c_str(), threads, n, ds, double(packed) + 2.0 * double(n), copy_gbs);
+      // The reduction's ends: bf16 grads packed; 4 ranks' parts of n/4 summed.
+      const double gs = fsdp::bench::best_seconds(
+          reps, [&] { dev.quantize(q.data(), out.data(), DType::kBf16, n, kBlock, t); });
+      report(("quantize_bf16_to_" + tn).c_str(), threads, n, gs, 2.0 * double(n) + double(packed), copy_gbs);
+      const size_t part = n / 4, part_bytes = k::quant_packed_bytes(part, kBlock);
+      std::vector<uint8_t> parts(4 * part_bytes);
+      for (size_t r = 0; r < 4; ++r) dev.quantize(parts.data() + r * part_bytes, x.data() + r * part, DType::kFp32, part, kBlock, t);
+      const double ss = fsdp::bench::best_seconds(
+          reps, [&] { dev.dequantize_sum(copy_dst.data(), parts.data(), 4, part, kBlock, t, 0.25f); });
+      report(("dequantize_sum_4x" + tn + "_to_fp32").c_str(), threads, n, ss, 4.0 * double(part_bytes) + 4.0 * double(part),
+             copy_gbs);
     }
   }
   return 0;

@@ -543,6 +543,10 @@ typedef struct fsdp_memory_stats_s {
   /* Gather and grad slots that no unit holds now, kept for their next use
    * (part of total_nbytes and device_nbytes; docs/architecture.md, "Slots"). */
   size_t free_slots_nbytes;
+  /* secondary_shard: the slices of units' full params kept from forward's
+   * gather for backward's, inside the secondary group (part of total_nbytes). */
+  size_t secondary_params_nbytes;
+  size_t secondary_params_peak_nbytes;
 } fsdp_memory_stats_t;
 
 FSDP_API fsdp_status_t fsdp_memory_stats(const fsdp_ctx_t* ctx, fsdp_memory_stats_t* stats);
@@ -583,6 +587,14 @@ typedef struct fsdp_comm_stats_s {
    * bytes as a reduce-scatter's: every rank's part of the send buffer. */
   uint64_t all_to_all_calls;
   uint64_t all_to_all_nbytes;
+  /* Every collective's bytes above, split by the group of ranks it ran
+   * over: the world (FULL_SHARD's and SHARD_GRAD_OP's shard group is the
+   * world), HYBRID's shard groups and replica groups, and the secondary
+   * groups of secondary_shard (backward's gathers). */
+  uint64_t world_group_nbytes;
+  uint64_t shard_group_nbytes;
+  uint64_t replica_group_nbytes;
+  uint64_t secondary_group_nbytes;
 } fsdp_comm_stats_t;
 
 FSDP_API fsdp_status_t fsdp_comm_stats(const fsdp_ctx_t* ctx, fsdp_comm_stats_t* stats);

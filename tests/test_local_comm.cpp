@@ -325,3 +325,36 @@ TEST(LocalCommDevicePath, SumF64AddsInRankOrderAfterThePeersWritesAndBeforeTheir
     EXPECT_EQ(got[static_cast<size_t>(rank)], 1e16) << "rank " << rank << " (the ones first would give 1e16 + 2)";
   }
 }
+
+// A later communicator on the same group (a new context: its split numbers
+// start again) that splits differently gets groups of its own members, not
+// the earlier communicator's sub-group of the same split number.
+TEST(LocalCommSplit, ALaterCommunicatorsDifferentSplitGetsItsOwnGroups) {
+  auto group = std::make_shared<LocalGroup>(4);
+  std::vector<int> first(4), second(4);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 4; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        {
+          LocalComm comm(group, r, kTimeoutS);
+          first[static_cast<size_t>(r)] = comm.split(0, r, "one group of 4")->world_size();
+        }
+        LocalComm comm(group, r, kTimeoutS);
+        auto pairs = comm.split(r / 2, r, "groups of 2");
+        second[static_cast<size_t>(r)] = pairs->world_size();
+        int mine[1] = {r}, got[2] = {-1, -1};
+        pairs->all_gather(mine, got, sizeof mine, "members");
+        EXPECT_EQ(got[0], r / 2 * 2);
+        EXPECT_EQ(got[1], r / 2 * 2 + 1);
+      } catch (const std::exception& e) {
+        ADD_FAILURE() << "rank " << r << ": " << e.what();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < 4; ++r) {
+    EXPECT_EQ(first[static_cast<size_t>(r)], 4);
+    EXPECT_EQ(second[static_cast<size_t>(r)], 2) << "rank " << r << " got the earlier split's group";
+  }
+}

@@ -330,6 +330,7 @@ type MemoryStats struct {
 	UnshardedGrads, UnshardedGradsPeak                   uint64
 	Total, TotalPeak, Device, DevicePeak, Host, HostPeak uint64
 	FreeSlots                                            uint64 // gather and grad slots no unit holds now
+	SecondaryParams, SecondaryParamsPeak                 uint64 // secondary_shard's kept slices
 }
 
 // MemoryStats returns this rank's memory by category.
@@ -347,7 +348,8 @@ func (c *Context) MemoryStats() (MemoryStats, error) {
 		Total: uint64(s.total_nbytes), TotalPeak: uint64(s.total_peak_nbytes),
 		Device: uint64(s.device_nbytes), DevicePeak: uint64(s.device_peak_nbytes),
 		Host: uint64(s.host_nbytes), HostPeak: uint64(s.host_peak_nbytes),
-		FreeSlots: uint64(s.free_slots_nbytes),
+		FreeSlots:       uint64(s.free_slots_nbytes),
+		SecondaryParams: uint64(s.secondary_params_nbytes), SecondaryParamsPeak: uint64(s.secondary_params_peak_nbytes),
 	}, nil
 }
 
@@ -362,6 +364,8 @@ type CommStats struct {
 	ControlCalls                           uint64 // norms, flags, consensus checks, barriers
 	HostWaits                              uint64 // calls that blocked the calling thread on queued work (0 for a steady-state step)
 	AllToAllCalls, AllToAllBytes           uint64 // the quantized grad reduction (reduce_dtype=int8 or fp8_e4m3)
+	// The bytes above by the group of ranks they ran over.
+	WorldGroupBytes, ShardGroupBytes, ReplicaGroupBytes, SecondaryGroupBytes uint64
 }
 
 // CommStats returns this rank's collective counters.
@@ -378,6 +382,8 @@ func (c *Context) CommStats() (CommStats, error) {
 		BroadcastCalls: uint64(s.broadcast_calls), BroadcastBytes: uint64(s.broadcast_nbytes),
 		ControlCalls: uint64(s.control_calls), HostWaits: uint64(s.host_waits),
 		AllToAllCalls: uint64(s.all_to_all_calls), AllToAllBytes: uint64(s.all_to_all_nbytes),
+		WorldGroupBytes: uint64(s.world_group_nbytes), ShardGroupBytes: uint64(s.shard_group_nbytes),
+		ReplicaGroupBytes: uint64(s.replica_group_nbytes), SecondaryGroupBytes: uint64(s.secondary_group_nbytes),
 	}, nil
 }
 

@@ -469,6 +469,8 @@ fsdp_status_t fsdp_memory_stats(const fsdp_ctx_t* ctx, fsdp_memory_stats_t* stat
       full.host_nbytes = snap.pool[static_cast<size_t>(Pool::kHost)];
       full.host_peak_nbytes = snap.pool_peak[static_cast<size_t>(Pool::kHost)];
       full.free_slots_nbytes = cur(MemCategory::kFreeSlots);
+      full.secondary_params_nbytes = cur(MemCategory::kSecondaryParams);
+      full.secondary_params_peak_nbytes = peak(MemCategory::kSecondaryParams);
     });
   });
 }
@@ -500,6 +502,12 @@ fsdp_status_t fsdp_comm_stats(const fsdp_ctx_t* ctx, fsdp_comm_stats_t* stats) {
       full.host_waits = ctx_of(ctx)->runtime().host_waits.load(std::memory_order_relaxed);
       full.all_to_all_calls = calls(Collective::kAllToAll);
       full.all_to_all_nbytes = bytes(Collective::kAllToAll);
+      using fsdp::comm::CommGroup;
+      auto group = [&](CommGroup g) { return c.group_nbytes[static_cast<size_t>(g)].load(std::memory_order_relaxed); };
+      full.world_group_nbytes = group(CommGroup::kWorld);
+      full.shard_group_nbytes = group(CommGroup::kShard);
+      full.replica_group_nbytes = group(CommGroup::kReplica);
+      full.secondary_group_nbytes = group(CommGroup::kSecondary);
     });
   });
 }

@@ -217,6 +217,23 @@ const std::vector<Entry>& table() {
          if (o.reduce_quantized) return std::string(o.reduce_qtype == kernels::QType::kInt8 ? "int8" : "fp8_e4m3");
          return o.reduce_dtype_auto ? std::string("auto") : std::string(dtype_name(o.reduce_dtype_set));
        }},
+      {"secondary_shard",
+       {},
+       [](Options& o, const std::string& v) {
+         const std::string w = lower(trim(v));
+         if (w == "off" || w == "0" || w == "none") {
+           o.secondary_shard = 0;
+         } else if (w == "node") {
+           o.secondary_shard = -1;
+         } else {
+           o.secondary_shard = static_cast<int>(parse_int("secondary_shard", v, 1, 1 << 20, "off, node, or a group size: an integer"));
+         }
+       },
+       [](const Options& o) {
+         return o.secondary_shard == 0 ? std::string("off")
+                : o.secondary_shard < 0 ? std::string("node")
+                                        : std::to_string(o.secondary_shard);
+       }},
       {"reduce_block",
        {},
        [](Options& o, const std::string& v) {

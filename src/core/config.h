@@ -111,6 +111,12 @@ struct Options {
   bool reduce_quantized = false;
   kernels::QType reduce_qtype = kernels::QType::kInt8;
   size_t reduce_block = 256;
+  // A node-local secondary shard (ZeRO++'s hpZ): after a unit's forward
+  // gather each rank keeps its slice of the full params, sliced among the
+  // ranks of its secondary group, and backward's gather reads from that
+  // group only. 0: off; -1: the ranks of this host ("node"); n > 0: groups
+  // of n consecutive ranks of the shard group.
+  int secondary_shard = 0;
   BackwardPrefetch backward_prefetch = BackwardPrefetch::kPre;  // PyTorch's default
   int limit_all_gathers = 2;
   LossScaleMode loss_scale_mode = LossScaleMode::kAuto;  // auto: dynamic for fp16, off otherwise

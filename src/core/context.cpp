@@ -26,7 +26,7 @@ std::string describe(const Options& o) {
   os.precision(17);
   os << "sharding=" << sharding_name(o.sharding) << "\nparam_dtype=" << dtype_name(o.param_dtype)
      << "\nreduce_dtype=" << dtype_name(o.reduce_dtype()) << ","
-     << (o.reduce_quantized ? static_cast<int>(o.reduce_qtype) : -1) << "," << o.reduce_block << "\nreduce_op=" << static_cast<int>(o.reduce_op)
+     << (o.reduce_quantized ? static_cast<int>(o.reduce_qtype) : -1) << "," << o.reduce_block << "\nsecondary_shard=" << o.secondary_shard << "\nreduce_op=" << static_cast<int>(o.reduce_op)
      << "\noptimizer=" << static_cast<int>(o.optimizer) << "\nlr=" << o.lr << "\nbeta1=" << o.beta1
      << "\nbeta2=" << o.beta2 << "\neps=" << o.eps << "\nweight_decay=" << o.weight_decay << "\nmomentum=" << o.momentum
      << "\nnesterov=" << o.nesterov << "\nmax_grad_norm=" << o.max_grad_norm << "\nalign_bytes=" << o.align_bytes
@@ -117,6 +117,7 @@ Context::Context(const Options& opts, std::unique_ptr<comm::Communicator> world)
   rt_.grad_slots = grad_slots_.get();
   agree(*rt_.comm, "fsdp_ctx_create (config)", describe(rt_.opts));
   setup_groups();
+  setup_secondary();
   if (rt_.shard_size > 1 && !gathers_apart()) {
     // The gathers share the comm stream and the shard group's communicator
     // with the reductions, in the order the host issued them.
@@ -181,6 +182,10 @@ void Context::setup_groups() {
   // them); a replica group holds the same shard index of every shard group.
   shard_ = sync_world_->split(rt_.rank / g, rt_.rank, "split into shard groups");
   replica_ = sync_world_->split(rt_.rank % g, rt_.rank, "split into replica groups");
+  for (auto [c, tag] : {std::make_pair(shard_.get(), comm::CommGroup::kShard),
+                        std::make_pair(replica_.get(), comm::CommGroup::kReplica)}) {
+    if (auto* counted = dynamic_cast<comm::CountingComm*>(c)) counted->set_group(tag);
+  }
   sync_shard_ = std::make_unique<SyncComm>(*stream_, *shard_);
   rt_.shard_size = g;
   rt_.shard_index = rt_.rank % g;
@@ -189,14 +194,44 @@ void Context::setup_groups() {
   rt_.replica_comm = replica_->world_size() > 1 ? replica_.get() : nullptr;
 }
 
+void Context::setup_secondary() {
+  const Options& o = rt_.opts;
+  if (o.secondary_shard == 0) return;
+  if (!o.reshard_after_forward()) {
+    fail(FSDP_ERR_UNSUPPORTED, "fsdp_ctx_create: secondary_shard keeps a slice of each unit's params from forward's "
+                               "gather for backward's; " +
+                                   std::string(sharding_name(o.sharding)) +
+                                   " keeps the full params from forward to backward and gathers nothing in "
+                                   "backward (use FULL_SHARD or HYBRID_SHARD, or secondary_shard=off)");
+  }
+  if (rt_.shard_size == 1) return;  // nothing is gathered: nothing to keep
+  // The default (one host) may differ between hosts: agree before splitting.
+  int g = o.secondary_shard > 0 ? o.secondary_shard : std::min(world_->local_world_size(), rt_.shard_size);
+  agree(*rt_.comm, "fsdp_ctx_create (secondary_shard group size)",
+        "secondary_shard=" + std::to_string(g) + (o.secondary_shard > 0 ? "" : " (node: the ranks on this host)"));
+  if (g > rt_.shard_size || rt_.shard_size % g != 0) {
+    fail(FSDP_ERR_INVALID_ARGUMENT, "fsdp_ctx_create: secondary_shard needs a group size that divides the shard "
+                                    "group's " + std::to_string(rt_.shard_size) + " ranks, not " + std::to_string(g));
+  }
+  // Runs of g consecutive ranks of the shard group (a host, as launchers
+  // place them), split off the shard group's synchronous communicator.
+  SyncComm& group = o.hybrid() ? *sync_shard_ : *sync_world_;
+  secondary_ = group.split(rt_.shard_index / g, rt_.shard_index, "split into secondary groups");
+  if (auto* counted = dynamic_cast<comm::CountingComm*>(secondary_.get())) counted->set_group(comm::CommGroup::kSecondary);
+  rt_.secondary_comm = secondary_.get();
+  rt_.secondary_size = g;
+  rt_.secondary_index = rt_.shard_index % g;
+}
+
 void Context::abort_comms(const std::string& reason) {
-  for (comm::Communicator* c : {world_.get(), shard_.get(), replica_.get(), gather_comm_.get()}) {
+  for (comm::Communicator* c : {world_.get(), shard_.get(), replica_.get(), gather_comm_.get(), secondary_.get()}) {
     if (c != nullptr) c->abort(reason);
   }
 }
 
 fsdp_status_t Context::async_error() const {
-  for (const comm::Communicator* c : {world_.get(), shard_.get(), replica_.get(), gather_comm_.get()}) {
+  for (const comm::Communicator* c :
+       {world_.get(), shard_.get(), replica_.get(), gather_comm_.get(), secondary_.get()}) {
     if (c != nullptr && c->failure() != FSDP_OK) return c->failure();
   }
   // Work that failed on a stream: the engine's own, and the host's streams
@@ -363,7 +398,8 @@ void Context::settle_units() {
   // A collective that NCCL aborted completes its GPU event as if it had run:
   // the waits above pass, and what they waited for holds whatever the buffer
   // held. The communicators know; nothing may read those results.
-  for (const comm::Communicator* c : {world_.get(), shard_.get(), replica_.get(), gather_comm_.get()}) {
+  for (const comm::Communicator* c :
+       {world_.get(), shard_.get(), replica_.get(), gather_comm_.get(), secondary_.get()}) {
     if (c != nullptr && c->failure() != FSDP_OK) {
       fail(c->failure(), rt_.where() + ": a collective of this context failed earlier (fsdp_ctx_async_error " +
                              "reported it); its results are not used");
@@ -385,7 +421,8 @@ void Context::check_failures(const char* call) const {
     if (s != nullptr) s->rethrow_failure();
   }
   for (const device::Stream* s : rt_.async_callers) s->rethrow_failure();
-  for (const comm::Communicator* c : {world_.get(), shard_.get(), replica_.get(), gather_comm_.get()}) {
+  for (const comm::Communicator* c :
+       {world_.get(), shard_.get(), replica_.get(), gather_comm_.get(), secondary_.get()}) {
     if (c != nullptr && c->failure() != FSDP_OK) {
       fail(c->failure(), std::string(call) + " (" + rt_.where() +
                              "): a collective of this context failed earlier (fsdp_ctx_async_error reported it); "

@@ -136,6 +136,9 @@ class Context {
   void settle_units();
   // Shard and replica groups (HYBRID_SHARD) and the rank's place in them.
   void setup_groups();
+  // secondary_shard: checks the option against the strategy and splits the
+  // shard group into secondary groups (after setup_groups).
+  void setup_secondary();
   // Whether the gathers get a stream and a communicator of their own (gather_stream).
   bool gathers_apart();
   // Fails every collective of this context's communicators (never waits).
@@ -169,6 +172,7 @@ class Context {
   std::unique_ptr<comm::Communicator> replica_;  // HYBRID_SHARD only
   // The params' all-gathers, over the shard group (sharded over more than one rank).
   std::unique_ptr<comm::Communicator> gather_comm_;
+  std::unique_ptr<comm::Communicator> secondary_;  // secondary_shard only
   // After the devices (their slots free through them), before the units and
   // the streams (whose tasks use the slots), so that they go after those.
   std::unique_ptr<SlotPool> gather_slots_;

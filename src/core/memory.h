@@ -18,6 +18,7 @@ enum class MemCategory {
   kGatheredParams,
   kUnshardedGrads,
   kScratch,
+  kSecondaryParams,  // secondary_shard: the slices of gathered params kept for backward's gather
   kFreeSlots,  // gather and grad slots between users (core/slots.h): in the total only
   kCount
 };

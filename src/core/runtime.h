@@ -48,6 +48,12 @@ struct Runtime {
   // prefetched gather never queues behind a reduction (FSDP2's streams).
   device::Stream* gather_stream = nullptr;
   comm::Communicator* gather_comm = nullptr;
+  // secondary_shard: the secondary group's communicator (run on the gather
+  // stream, as the gathers), its size and this rank's index in it; null
+  // when off or where nothing is gathered.
+  comm::Communicator* secondary_comm = nullptr;
+  int secondary_size = 1;
+  int secondary_index = 0;
   // offload=cpu: host -> device copies of param shards before their gathers,
   // device -> host copies of reduced grad shards (and their accumulation).
   device::Stream* copy_in = nullptr;

@@ -81,6 +81,7 @@ Unit::Unit(Runtime& rt, size_t index, std::string name, std::vector<ParamSpec> p
                         : rt_.opts.reduce_quantized ? "all_to_all (quantized reduce_scatter)"
                                                     : "reduce_scatter");
   replica_label_ = reduce_label_ + " (across replicas)";
+  secondary_label_ = label("all_gather (secondary group)");
   make_task_labels();
 }
 
@@ -104,6 +105,8 @@ void Unit::make_task_labels() {
   tasks_.host_accumulate = device::make_label(label("accumulate on the host"));
   tasks_.accumulate = device::make_label(label("accumulate grads"));
   tasks_.add_grad = device::make_label(label("fsdp_grad_accumulate"));
+  tasks_.gather_secondary = device::make_label(secondary_label_ + gathered_bytes);
+  tasks_.drop_secondary = device::make_label(label("free the secondary slice"));
 }
 
 void Unit::set_state(UnitState s) {

@@ -91,6 +91,10 @@ class Unit {
   // per block, its slice packed (kernels/quant.h), the ranks' packed slices
   // gathered, and unpacked where gather_blocks would put the values.
   void pack_and_gather(comm::Communicator& c, const float* master, void* dst) const;
+  // secondary_shard: keeps this rank's slice of the gathered `full` params
+  // (a gather task's last step), and the gather from those slices.
+  void store_secondary(const void* full);
+  void issue_secondary_gather(bool prefetch);
   // The all-gather of `src` (this rank's shard, `es` bytes per element, on
   // the compute device) into the flat buffer `dst`: one collective per block
   // (only the trainable block's with `trainable_block`).
@@ -260,10 +264,10 @@ class Unit {
   bool grad_sq_known_ = true;    // the pass that accumulates into the grad shard writes its sum of squares
   // The collectives' labels, and the names of the tasks this unit queues,
   // built once: a transition builds no string.
-  std::string gather_label_, reduce_label_, replica_label_;
+  std::string gather_label_, reduce_label_, replica_label_, secondary_label_;
   struct TaskLabels {
     device::Label gather, gather_cast, copy_in, copy_out_grads, reduce, copy_out_reduced, host_accumulate, accumulate,
-        add_grad;
+        add_grad, gather_secondary, drop_secondary;
   } tasks_;
   EventPtr gather_event_;  // the gathered params are complete (while gathered)
   EventPtr reduce_event_;  // the last reduction queued for this unit
@@ -287,6 +291,15 @@ class Unit {
   // unit's last gather, which the next copy waits for.
   Buffer offload_stage_;
   EventPtr last_gather_;
+  // secondary_shard: this rank's slice of the full params (padded /
+  // secondary group size values of param_dtype, compute device), kept by a
+  // gather task for the unit's next gather (backward's), which reads the
+  // secondary group's slices and frees it. Touched by gather-stream tasks
+  // only. secondary_ready_ (host): the last gather issued keeps one, which
+  // the next gather uses; a change of the params (the step, set_values,
+  // loads, relayout) drops it (drop_stale_gathered).
+  Buffer secondary_;
+  bool secondary_ready_ = false;
 };
 
 }  // namespace fsdp::core

@@ -17,6 +17,14 @@ namespace fsdp::core {
 void Unit::issue_gather(bool prefetch) {
   if (!can_gather())
     fail(FSDP_ERR_INTERNAL, "issue_gather on unit " + base::quote(name_) + " in state " + unit_state_name(state_));
+  if (secondary_ready_) {
+    issue_secondary_gather(prefetch);
+    return;
+  }
+  // secondary_shard: the gather task also keeps this rank's secondary slice,
+  // which the unit's next gather (backward's) reads instead of the shards.
+  const bool keep = rt_.secondary_comm != nullptr;
+  secondary_ready_ = keep;
   size_t es = dtype_size(rt_.opts.param_dtype);
   // The stream that writes the slot waits for its last reader (offload alone:
   // the copy stream). Gathers run on a stream and over a communicator of
@@ -63,13 +71,14 @@ void Unit::issue_gather(bool prefetch) {
       gather_event_ = copied;
     } else {
       gather->wait(copied);
-      gather_event_ = gather->submit(tasks_.gather, [self, shard, dst, quantized] {
+      gather_event_ = gather->submit(tasks_.gather, [self, shard, dst, quantized, keep] {
         void* stage = self->offload_stage_.data();
         if (quantized) {
           self->pack_and_gather(*shard, static_cast<const float*>(stage), dst);
         } else {
           self->gather_blocks(*shard, stage, dst, dtype_size(self->rt_.opts.param_dtype), false, self->gather_label_);
         }
+        if (keep) self->store_secondary(dst);
         if (self->rt_.opts.debug_poison) self->rt_.dev->fill_nan(stage, self->offload_stage_.nbytes());
         self->offload_stage_.reset();
       });
@@ -82,8 +91,9 @@ void Unit::issue_gather(bool prefetch) {
   if (quantized) {
     // The master's slices packed into a stage on the gather stream, just
     // before the collective reads it (as the cast stage below).
-    gather_event_ = gather->submit(tasks_.gather, [self, shard, src, dst] {
+    gather_event_ = gather->submit(tasks_.gather, [self, shard, src, dst, keep] {
       self->pack_and_gather(*shard, static_cast<const float*>(src), dst);
+      if (keep) self->store_secondary(dst);
     });
     set_state(UnitState::kGathering);
     trace_memory();
@@ -95,7 +105,7 @@ void Unit::issue_gather(bool prefetch) {
     // it. The stage is taken inside the task: stream-ordered on the comm
     // stream, nothing for the host to allocate or keep alive.
     const float* master = master_.as<float>();
-    gather_event_ = gather->submit(tasks_.gather_cast, [shard, master, dst, self] {
+    gather_event_ = gather->submit(tasks_.gather_cast, [shard, master, dst, self, keep] {
       Runtime& rt = self->rt_;
       DType dt = rt.opts.param_dtype;
       size_t n = self->shard_numel();
@@ -103,14 +113,48 @@ void Unit::issue_gather(bool prefetch) {
       rt.dev->cast(stage.data(), dt, master, DType::kFp32, n);
       self->gather_blocks(*shard, stage.data(), dst, dtype_size(dt), false, self->gather_label_);
       if (rt.opts.debug_poison) rt.dev->fill_nan(stage.data(), stage.nbytes());
+      if (keep) self->store_secondary(dst);
     });
     set_state(UnitState::kGathering);
     trace_memory();
     return;
   }
-  gather_event_ = gather->submit(tasks_.gather, [shard, src, dst, es, self] {
+  gather_event_ = gather->submit(tasks_.gather, [shard, src, dst, es, self, keep] {
     self->gather_blocks(*shard, src, dst, es, false, self->gather_label_);
+    if (keep) self->store_secondary(dst);
   });
+  set_state(UnitState::kGathering);
+  trace_memory();
+}
+
+void Unit::store_secondary(const void* full) {
+  const DType dt = rt_.opts.param_dtype;
+  const size_t n = layout_.padded_numel() / static_cast<size_t>(rt_.secondary_size);
+  secondary_ = Buffer(rt_.dev, &rt_.mem, MemCategory::kSecondaryParams, dt, n, /*zeroed=*/false);
+  rt_.dev->copy(secondary_.data(),
+                static_cast<const char*>(full) + static_cast<size_t>(rt_.secondary_index) * n * dtype_size(dt),
+                n * dtype_size(dt));
+}
+
+void Unit::issue_secondary_gather(bool prefetch) {
+  // The secondary group's slices, in its rank order, are the full buffer:
+  // slice j is elements [j * n, (j + 1) * n) of it. On the gather stream,
+  // after the gather task that kept this rank's slice.
+  device::Stream* gather = rt_.gather_stream;
+  gathered_ = rt_.gather_slots->acquire(layout_.padded_numel(), *gather, /*zeroed=*/false);
+  void* dst = gathered_.data();
+  Unit* self = this;
+  if (rt_.trace.enabled()) {
+    rt_.trace.add(std::string(prefetch ? "prefetch " : "issue ") + secondary_label_, 'i', Track::kCaller);
+  }
+  gather_event_ = gather->submit(tasks_.gather_secondary, [self, dst] {
+    Runtime& rt = self->rt_;
+    rt.secondary_comm->all_gather(self->secondary_.data(), dst, self->secondary_.nbytes(), self->secondary_label_);
+    if (rt.opts.debug_poison) rt.dev->fill_nan(self->secondary_.data(), self->secondary_.nbytes());
+    self->secondary_.reset();  // stream-ordered: after the collective read it
+  });
+  if (rt_.offload()) last_gather_ = gather_event_;
+  secondary_ready_ = false;
   set_state(UnitState::kGathering);
   trace_memory();
 }
@@ -197,6 +241,11 @@ void Unit::free_gathered(const EventPtr& read) {
 }
 
 void Unit::drop_stale_gathered(device::Stream* order_after) {
+  if (secondary_ready_) {  // the kept slice is stale too: freed after the gather task that wrote it
+    secondary_ready_ = false;
+    Unit* self = this;
+    rt_.gather_stream->submit(tasks_.drop_secondary, [self] { self->secondary_.reset(); });
+  }
   if (!rt_.gathers() || state_ == UnitState::kSharded) return;
   EventPtr ev = std::move(gather_event_);
   // Free once the gather is over and, when the caller's stream read the slot

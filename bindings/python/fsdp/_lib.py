@@ -14,14 +14,16 @@ class MemoryStatsC(ctypes.Structure):
         "struct_size", "sharded_params_nbytes", "sharded_grads_nbytes", "optimizer_state_nbytes",
         "gathered_params_nbytes", "gathered_params_peak_nbytes", "unsharded_grads_nbytes",
         "unsharded_grads_peak_nbytes", "total_nbytes", "total_peak_nbytes", "device_nbytes",
-        "device_peak_nbytes", "host_nbytes", "host_peak_nbytes", "free_slots_nbytes")]
+        "device_peak_nbytes", "host_nbytes", "host_peak_nbytes", "free_slots_nbytes",
+        "secondary_params_nbytes", "secondary_params_peak_nbytes")]
 
 
 class CommStatsC(ctypes.Structure):
     _fields_ = [("struct_size", c_size_t)] + [(n, ctypes.c_uint64) for n in (
         "all_gather_calls", "all_gather_nbytes", "reduce_scatter_calls", "reduce_scatter_nbytes",
         "all_reduce_calls", "all_reduce_nbytes", "broadcast_calls", "broadcast_nbytes", "control_calls", "host_waits",
-        "all_to_all_calls", "all_to_all_nbytes")]
+        "all_to_all_calls", "all_to_all_nbytes", "world_group_nbytes", "shard_group_nbytes",
+        "replica_group_nbytes", "secondary_group_nbytes")]
 
 
 # name: (restype, argtypes); restype None means fsdp_status_t (c_int).

@@ -192,6 +192,8 @@ class MemoryStats:
     host_nbytes: int
     host_peak_nbytes: int
     free_slots_nbytes: int
+    secondary_params_nbytes: int  # secondary_shard's kept slices
+    secondary_params_peak_nbytes: int
 
 
 @dataclasses.dataclass
@@ -211,6 +213,10 @@ class CommStats:
     host_waits: int
     all_to_all_calls: int  # the quantized grad reduction (reduce_dtype=int8 or fp8_e4m3)
     all_to_all_nbytes: int
+    world_group_nbytes: int  # the bytes above by the group they ran over
+    shard_group_nbytes: int
+    replica_group_nbytes: int
+    secondary_group_nbytes: int
 
 
 class Context(_Handle):

@@ -26,7 +26,7 @@ std::shared_ptr<LocalGroup> LocalGroup::child(uint64_t split_id, int color, cons
   std::string reason;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    auto& slot = children_[{split_id, color}];
+    auto& slot = children_[{split_id, color, members}];
     if (!slot) slot = std::make_shared<LocalGroup>(members);
     g = slot;
     if (abort_children_) {

@@ -12,6 +12,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -88,7 +89,11 @@ class LocalGroup {
  private:
   int world_size_;
   std::vector<int> world_ranks_;
-  std::map<std::pair<uint64_t, int>, std::shared_ptr<LocalGroup>> children_;
+  // By (split number, color, members): a later context on this group (its
+  // split numbers start again) gets its own sub-group wherever its split
+  // differs from an earlier context's of the same number (hit by a
+  // secondary_shard split where the earlier context split off its gathers).
+  std::map<std::tuple<uint64_t, int, std::vector<int>>, std::shared_ptr<LocalGroup>> children_;
   std::mutex mu_;
   std::condition_variable cv_;
   std::vector<uint64_t> phase_;  // phases each rank has reached
