@@ -227,7 +227,7 @@ TEST(Config, BadValuesFailListingValidChoicesAndChangeNothing) {
   // clang-format off
   const std::vector<Bad> bad = {
       {"sharding", "HALF_SHARD", "FULL_SHARD"}, {"param_dtype", "fp64", "bf16"}, {"mp", "int8", "fp16"},
-      {"reduce_dtype", "fp8", "fp32"}, {"reduce_op", "max", "avg"}, {"optimizer", "lion", "adamw"},
+      {"reduce_dtype", "int4", "fp32"}, {"reduce_op", "max", "avg"}, {"optimizer", "lion", "adamw"},
       {"comm", "smoke_signals", "local"}, {"device", "abacus", "cpu"}, {"sync_module_states", "maybe", nullptr},
       {"nesterov", "perhaps", nullptr}, {"lr", "fast", nullptr}, {"weight_decay", "", nullptr},
       {"align_bytes", "48", nullptr}, {"align_bytes", "2", nullptr}, {"align_bytes", "8192", nullptr},
