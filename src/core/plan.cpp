@@ -1,0 +1,118 @@
+// src/core/plan.cpp - see plan.h. Each figure follows the code that makes
+// it: Unit's buffers (unit.cpp), Optimizer::state_names, the gathers of
+// unit_gather.cpp and the reductions of Unit::reduce_task, and the bytes
+// comm::CountingComm counts for each collective.
+#include "plan.h"
+
+#include <algorithm>
+#include <string>
+
+#include "../base/error.h"
+#include "../kernels/quant.h"
+
+namespace fsdp::core {
+namespace {
+
+size_t state_buffers(const Options& o) {
+  if (o.optimizer == OptimizerKind::kHost) return static_cast<size_t>(o.host_state);
+  if (o.optimizer != OptimizerKind::kSgd) return 2;  // exp_avg, exp_avg_sq
+  return o.momentum != 0.0 ? 1 : 0;
+}
+
+}  // namespace
+
+RankPlan plan_rank(const Options& o, int world, int local_world, const std::vector<PlanUnit>& units) {
+  RankPlan p;
+  const bool sharded = o.sharding != Sharding::kNoShard;
+  int s = sharded ? world : 1;
+  if (o.hybrid()) {
+    s = o.shard_group_size > 0 ? o.shard_group_size : local_world;
+    if (s > world || world % s != 0) {
+      fail(FSDP_ERR_INVALID_ARGUMENT, "plan: a shard group size of " + std::to_string(s) + " does not divide " +
+                                          std::to_string(world) + " ranks");
+    }
+  }
+  p.shard_size = s;
+  const bool gathers = (sharded && s > 1) || o.offload_cpu;  // Runtime::gathers
+  const bool collective_gathers = sharded && s > 1;
+  const int replicas = o.hybrid() ? world / s : 1;
+  const bool secondary = o.secondary_shard != 0 && o.reshard_after_forward() && s > 1;
+  if (secondary) {
+    const int g = o.secondary_shard > 0 ? o.secondary_shard : std::min(local_world, s);
+    if (g > s || s % g != 0) {
+      fail(FSDP_ERR_INVALID_ARGUMENT, "plan: a secondary group size of " + std::to_string(g) +
+                                          " does not divide the shard group's " + std::to_string(s) + " ranks");
+    }
+    p.secondary_size = g;
+  }
+  const PlanGroup shard_group = o.hybrid() ? PlanGroup::kShard : PlanGroup::kWorld;
+  const size_t pes = dtype_size(o.param_dtype), res = dtype_size(o.reduce_dtype());
+  const bool lowp = o.param_dtype != DType::kFp32 && (o.keeps_param_dtype_shard() || !gathers);
+  const size_t states = state_buffers(o);
+  auto add = [&p](PlanGroup g, uint64_t bytes) { p.group[static_cast<size_t>(g)] += bytes; };
+
+  for (const PlanUnit& u : units) {
+    std::vector<ParamSpec> params = u.params;
+    for (ParamSpec& ps : params) {
+      if (ps.numel != 0) continue;
+      ps.numel = 1;
+      for (int64_t d : ps.shape) ps.numel *= static_cast<size_t>(d);
+    }
+    const FlatLayout layout(params, o.align_bytes / sizeof(float), s, u.frozen);
+    const bool trainable =
+        u.frozen.empty() || std::find(u.frozen.begin(), u.frozen.end(), false) != u.frozen.end();
+    const size_t shard = layout.shard_numel(), ts = layout.trainable_shard_numel();
+    const size_t padded = layout.padded_numel();
+    p.sharded_params += shard * sizeof(float) + (lowp ? shard * pes : 0);
+    if (trainable) {
+      p.sharded_grads += ts * sizeof(float);
+      p.optimizer_state += ts * sizeof(float) * states;
+    }
+    if (gathers) p.largest_gathered = std::max<uint64_t>(p.largest_gathered, padded * pes);
+    if (world == 1) continue;  // nothing is communicated
+    // The gathers: one all-gather per block, each rank's slice of it.
+    if (collective_gathers) {
+      uint64_t gather = 0;
+      for (const ShardRange& r : layout.shard_ranges(0)) {
+        gather += (o.gather_quantized ? kernels::quant_packed_bytes(r.numel, o.gather_block) : r.numel * pes) *
+                  static_cast<uint64_t>(s);
+      }
+      p.all_gather += gather;  // forward's
+      add(shard_group, gather);
+      if (o.reshard_after_forward()) {  // backward's, from the secondary group's slices where kept
+        if (secondary) {
+          p.all_gather += padded * pes;
+          add(PlanGroup::kSecondary, padded * pes);
+          p.secondary_peak += padded / static_cast<size_t>(p.secondary_size) * pes;
+        } else {
+          p.all_gather += gather;
+          add(shard_group, gather);
+        }
+      }
+    }
+    if (!trainable) continue;
+    // The reduction of the trainable block.
+    if (!sharded) {
+      const uint64_t b = layout.trainable_padded_numel() * res;
+      p.all_reduce += b;
+      add(PlanGroup::kWorld, b);
+      continue;
+    }
+    if (o.reduce_quantized) {
+      const uint64_t b = kernels::quant_packed_bytes(ts, o.reduce_block) * static_cast<uint64_t>(s);
+      p.all_to_all += b;
+      add(shard_group, b);
+    } else {
+      const uint64_t b = ts * res * static_cast<uint64_t>(s);
+      p.reduce_scatter += b;
+      add(shard_group, b);
+    }
+    if (replicas > 1) {
+      p.all_reduce += ts * res;
+      add(PlanGroup::kReplica, ts * res);
+    }
+  }
+  return p;
+}
+
+}  // namespace fsdp::core
