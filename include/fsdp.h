@@ -598,6 +598,23 @@ typedef struct fsdp_comm_stats_s {
 } fsdp_comm_stats_t;
 
 FSDP_API fsdp_status_t fsdp_comm_stats(const fsdp_ctx_t* ctx, fsdp_comm_stats_t* stats);
+
+/* The planner (docs/scaling.md, "The planner"; the tool fsdp-plan): what a
+ * model costs on a cluster under each candidate configuration, before a run.
+ * `request` is JSON: {"model": {"safetensors": FILE or Hugging Face DIR,
+ * "unit_rule": "h.{i}."} or {"size": {"layers", "params_per_layer",
+ * "other_params"}} or {"units": [{"name", "params": [{"name", "shape",
+ * "frozen"}]}]}, "cluster": {"gpus", "gpus_per_node", "intra_node_GBps",
+ * "inter_node_GBps", "peak_tflops", "mfu", "memory_GiB"}, "tokens_per_gpu",
+ * "options": {config keys that every candidate shares}}. The answer, JSON
+ * with one row per candidate (its persistent and device bytes, its bytes
+ * per step per collective and per group, exactly as fsdp_memory_stats and
+ * fsdp_comm_stats would count them, and its estimated times), goes into
+ * `out` of `out_nbytes` bytes with its NUL; `out_len` (may be NULL) receives
+ * its length, also when the buffer is too small (then
+ * FSDP_ERR_INVALID_ARGUMENT). A request it cannot read is
+ * FSDP_ERR_INVALID_ARGUMENT naming what. Needs no context. */
+FSDP_API fsdp_status_t fsdp_plan(const char* request, char* out, size_t out_nbytes, size_t* out_len);
 /* Every counter restarts from zero on this rank (not collective). */
 FSDP_API fsdp_status_t fsdp_comm_stats_reset(fsdp_ctx_t* ctx);
 

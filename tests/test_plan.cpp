@@ -6,8 +6,13 @@
 // categories and fsdp_comm_stats' bytes of the step (per kind and per group)
 // must equal the plan's, exactly.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
+#include <cstdio>
+#include <cstdlib>
 #include <map>
+#include <nlohmann/json.hpp>
+#include <tuple>
 #include <string>
 #include <vector>
 
@@ -164,3 +169,152 @@ std::vector<Case> grid() {
 }  // namespace
 
 INSTANTIATE_TEST_SUITE_P(Grid, Plan, ::testing::ValuesIn(grid()), case_name);
+
+// ---- the planner's request (fsdp_plan) ----
+
+namespace {
+
+nlohmann::json plan_of(const std::string& request) {
+  size_t len = 0;
+  EXPECT_STATUS(FSDP_ERR_INVALID_ARGUMENT, fsdp_plan(request.c_str(), nullptr, 0, &len));  // too small: the length
+  std::string out(len + 1, '\0');
+  EXPECT_OK(fsdp_plan(request.c_str(), out.data(), out.size(), &len));
+  out.resize(len);
+  return nlohmann::json::parse(out);
+}
+
+nlohmann::json cluster_json() {
+  return {{"gpus", 4},  {"gpus_per_node", 2}, {"intra_node_GBps", 400}, {"inter_node_GBps", 50},
+          {"peak_tflops", 100}, {"mfu", 0.5}, {"memory_GiB", 1}};
+}
+
+}  // namespace
+
+TEST(PlanRequest, EachRowsBytesAreThePlansAndItsTimesTheLinksArithmetic) {
+  nlohmann::json units = nlohmann::json::array();
+  for (size_t u = 0; u < kUnits.size(); ++u) {
+    nlohmann::json params = nlohmann::json::array();
+    for (size_t i = 0; i < kUnits[u].size(); ++i) {
+      params.push_back({{"name", kUnits[u][i].name}, {"shape", kUnits[u][i].shape}, {"frozen", kTrainable[u][i] == 0}});
+    }
+    units.push_back({{"name", "unit" + std::to_string(u)}, {"params", params}});
+  }
+  const nlohmann::json req = {{"model", {{"units", units}}}, {"cluster", cluster_json()}, {"tokens_per_gpu", 1000}};
+  const nlohmann::json plan = plan_of(req.dump());
+  double params = 0;
+  std::vector<fsdp::core::PlanUnit> pus;
+  for (size_t u = 0; u < kUnits.size(); ++u) {
+    fsdp::core::PlanUnit pu;
+    for (size_t i = 0; i < kUnits[u].size(); ++i) {
+      pu.params.push_back({kUnits[u][i].name, kUnits[u][i].shape, 0});
+      pu.frozen.push_back(kTrainable[u][i] == 0);
+      params += double(numel_of(kUnits[u][i].shape));
+    }
+    pus.push_back(pu);
+  }
+  EXPECT_EQ(plan["params"].get<double>(), params);
+  const double compute = 6.0 * params * 1000 / (100e12 * 0.5);
+  EXPECT_DOUBLE_EQ(plan["compute_s"].get<double>(), compute);
+  ASSERT_GT(plan["rows"].size(), 8u);
+  int checked = 0;
+  for (const nlohmann::json& r : plan["rows"]) {
+    fsdp::core::Config conf;
+    conf.set("param_dtype", "bf16");
+    for (const auto& [k, v] : r.items()) {
+      if (v.is_string()) conf.set(k, v.get<std::string>());
+    }
+    const fsdp::core::RankPlan p = fsdp::core::plan_rank(conf.options(), 4, 2, pus);
+    EXPECT_EQ(r["step_bytes"]["all_gather"].get<uint64_t>(), p.all_gather);
+    EXPECT_EQ(r["step_bytes"]["all_to_all"].get<uint64_t>(), p.all_to_all);
+    EXPECT_EQ(r["persistent_bytes"].get<uint64_t>(), p.sharded_params + p.sharded_grads + p.optimizer_state);
+    if (r["sharding"] == "FULL_SHARD" && r["secondary_shard"] == "off") {
+      // The world's ring crosses nodes (4 GPUs, 2 per node): 3/4 of its bytes on the inter-node link.
+      const double wire = double(p.group[0]) * 3 / 4;
+      EXPECT_DOUBLE_EQ(r["wire_bytes_inter_node"].get<double>(), wire);
+      EXPECT_DOUBLE_EQ(r["comm_s"].get<double>(), wire / 50e9);
+      EXPECT_EQ(r["comm_hidden"].get<bool>(), wire / 50e9 <= compute);
+      ++checked;
+    }
+    if (r["sharding"] == "HYBRID_SHARD" && r["secondary_shard"] == "off" && r["offload"] == "none") {
+      // Shard groups of 2 inside a node, replicas of 2 across: an all-reduce's 2 * 1/2.
+      EXPECT_DOUBLE_EQ(r["wire_bytes_intra_node"].get<double>(), double(p.group[1]) / 2);
+      EXPECT_DOUBLE_EQ(r["wire_bytes_inter_node"].get<double>(), double(p.group[2]));
+      ++checked;
+    }
+  }
+  EXPECT_EQ(checked, 8 + 4);
+  const int best = plan["best"].get<int>();
+  ASSERT_GE(best, 0);
+  EXPECT_TRUE(plan["rows"][size_t(best)]["fits"].get<bool>());
+  for (const nlohmann::json& r : plan["rows"]) {
+    if (!r["fits"].get<bool>()) continue;
+    EXPECT_LE(std::max(plan["rows"][size_t(best)]["comm_s"].get<double>(), compute),
+              std::max(r["comm_s"].get<double>(), compute))
+        << "a fitting row with a shorter step than the best";
+  }
+}
+
+TEST(PlanRequest, ASafetensorsFilesHeadersMakeTheUnitsByTheRule) {
+  // A file with h.0.*, h.1.* and two tensors of no layer, F32 and BF16.
+  const std::string dir = ::testing::TempDir() + "/plan_st_" + std::to_string(::getpid());
+  ASSERT_EQ(std::system(("mkdir -p " + dir).c_str()), 0);
+  const std::vector<std::tuple<std::string, std::vector<int64_t>, size_t>> tensors = {
+      {"wte.weight", {10, 4}, 4}, {"h.0.w", {4, 4}, 4}, {"h.0.b", {4}, 4}, {"h.1.w", {4, 4}, 2}, {"ln_f.b", {4}, 2}};
+  nlohmann::json header = nlohmann::json::object();
+  size_t at = 0;
+  for (const auto& [name, shape, es] : tensors) {
+    size_t n = es;
+    for (int64_t d : shape) n *= size_t(d);
+    header[name] = {{"dtype", es == 4 ? "F32" : "BF16"}, {"shape", shape}, {"data_offsets", {at, at + n}}};
+    at += n;
+  }
+  const std::string text = header.dump();
+  std::string file(8, '\0');
+  for (int b = 0; b < 8; ++b) file[size_t(b)] = char((uint64_t(text.size()) >> (8 * b)) & 0xff);
+  file += text + std::string(at, '\0');
+  {
+    FILE* f = std::fopen((dir + "/model.safetensors").c_str(), "wb");
+    ASSERT_NE(f, nullptr);
+    ASSERT_EQ(std::fwrite(file.data(), 1, file.size(), f), file.size());
+    std::fclose(f);
+  }
+  const nlohmann::json req = {{"model", {{"safetensors", dir}, {"unit_rule", "h.{i}."}}},
+                              {"cluster", cluster_json()},
+                              {"tokens_per_gpu", 1000}};
+  const nlohmann::json plan = plan_of(req.dump());
+  EXPECT_EQ(plan["units"].get<size_t>(), 3u) << "rest, h.0., h.1.";
+  EXPECT_EQ(plan["params"].get<double>(), 40 + 16 + 4 + 16 + 4);
+}
+
+TEST(PlanRequest, ARequestItCannotReadIsRefusedNamingWhat) {
+  struct Bad {
+    std::string request, says;
+  };
+  const std::string cluster = cluster_json().dump();
+  const std::vector<Bad> bad = {
+      {"{", "not JSON"},
+      {"{\"model\": {\"size\": {\"layers\": 2, \"params_per_layer\": 10}}, \"cluster\": " + cluster + "}",
+       "needs \"tokens_per_gpu\""},
+      {"{\"model\": {\"size\": {\"layers\": 2, \"params_per_layer\": 10}}, \"cluster\": {\"gpus\": 4}, "
+       "\"tokens_per_gpu\": 1}",
+       "cluster needs \"gpus_per_node\""},
+      {"{\"model\": {\"size\": {\"layers\": 2}}, \"cluster\": " + cluster + ", \"tokens_per_gpu\": 1}",
+       "params_per_layer"},
+      {"{\"model\": {\"sizes\": 1}, \"cluster\": " + cluster + ", \"tokens_per_gpu\": 1}", "unknown key \"sizes\""},
+      {"{\"model\": {\"safetensors\": \"/nonexistent/dir\"}, \"cluster\": " + cluster + ", \"tokens_per_gpu\": 1}",
+       "/nonexistent/dir"},
+      {"{\"model\": {\"size\": {\"layers\": 2, \"params_per_layer\": 10}}, \"cluster\": " + cluster +
+           ", \"tokens_per_gpu\": -1}",
+       "tokens_per_gpu must be a positive number"},
+  };
+  for (const Bad& b : bad) {
+    SCOPED_TRACE(b.request);
+    char out[64] = "untouched";
+    size_t len = 7;
+    const fsdp_status_t s = fsdp_plan(b.request.c_str(), out, sizeof out, &len);
+    EXPECT_NE(s, FSDP_OK);
+    EXPECT_NE(last_error_str().find(b.says), std::string::npos) << last_error_str();
+    EXPECT_STREQ(out, "untouched");
+  }
+  EXPECT_STATUS(FSDP_ERR_INVALID_ARGUMENT, fsdp_plan(nullptr, nullptr, 0, nullptr));
+}

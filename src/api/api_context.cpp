@@ -8,6 +8,7 @@
 #include "../base/text.h"
 #include "../core/config.h"
 #include "../core/context.h"
+#include "../core/plan.h"
 #include "../core/world.h"
 #include "guard.h"
 
@@ -142,6 +143,13 @@ fsdp_status_t fsdp_config_set(fsdp_config_t* cfg, const char* key, const char* v
     require(key, "fsdp_config_set", "key");
     require(value, "fsdp_config_set", "value");
     cfg_of(cfg)->set(key, value);
+  });
+}
+
+fsdp_status_t fsdp_plan(const char* request, char* out, size_t out_nbytes, size_t* out_len) {
+  return guard([&] {
+    require(request, "fsdp_plan", "request");
+    copy_text(fsdp::core::plan_request(request), "fsdp_plan", "the plan", out, out_nbytes, out_len);
   });
 }
 

@@ -68,7 +68,10 @@ RankPlan plan_rank(const Options& o, int world, int local_world, const std::vect
       p.sharded_grads += ts * sizeof(float);
       p.optimizer_state += ts * sizeof(float) * states;
     }
-    if (gathers) p.largest_gathered = std::max<uint64_t>(p.largest_gathered, padded * pes);
+    if (gathers) {
+      p.largest_gathered = std::max<uint64_t>(p.largest_gathered, padded * pes);
+      p.all_gathered += padded * pes;
+    }
     if (world == 1) continue;  // nothing is communicated
     // The gathers: one all-gather per block, each rank's slice of it.
     if (collective_gathers) {

@@ -11,6 +11,7 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "../base/layout.h"
@@ -37,6 +38,7 @@ struct RankPlan {
   // Transient bytes: the largest unit's full params as gathered, and what
   // secondary_shard keeps at its peak (every unit's slice after forward).
   uint64_t largest_gathered = 0;
+  uint64_t all_gathered = 0;  // every unit's full params at once (what SHARD_GRAD_OP holds after forward)
   uint64_t secondary_peak = 0;
   // Bytes of one training step (a forward and a backward of every unit, the
   // grads reduced once), as fsdp_comm_stats counts them.
@@ -50,5 +52,10 @@ struct RankPlan {
 // Throws INVALID_ARGUMENT for a group size that does not divide, as
 // fsdp_ctx_create would.
 RankPlan plan_rank(const Options& o, int world, int local_world, const std::vector<PlanUnit>& units);
+
+// fsdp_plan: the JSON request (docs/scaling.md, "The planner") answered as
+// JSON, one row per candidate configuration. FSDP_ERR_INVALID_ARGUMENT for a
+// request it cannot read, naming what; the model's files' errors as theirs.
+std::string plan_request(const std::string& request);
 
 }  // namespace fsdp::core
