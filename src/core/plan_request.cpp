@@ -190,7 +190,7 @@ std::string plan_request(const std::string& request) {
     const double compute_s = 6.0 * params * tokens / (c.flops * c.mfu);
     json rows = json::array();
     int best = -1;
-    std::array<double, 4> best_key{};
+    std::array<double, 5> best_key{};
     for (const auto& cand : candidates(c, false)) {
       Config conf;
       for (const auto& [k, v] : base) conf.set(k, v);
@@ -242,8 +242,11 @@ std::string plan_request(const std::string& request) {
       rows.push_back(row);
       // Best: fits, then the shortest step (compute and comm overlapped),
       // then no offload (its host copies and host optimizer are not in these
-      // times), then the least communication, then the least device memory.
-      const std::array<double, 4> key = {step_s, o.offload_cpu ? 1.0 : 0.0, comm_s, device};
+      // times), then the fewest lossy options (quantized gathers or
+      // reductions buy nothing where the comm hides anyway), then the least
+      // communication, then the least device memory.
+      const double lossy = (o.gather_quantized ? 1.0 : 0.0) + (o.reduce_quantized ? 1.0 : 0.0);
+      const std::array<double, 5> key = {step_s, o.offload_cpu ? 1.0 : 0.0, lossy, comm_s, device};
       if (fits && (best < 0 || key < best_key)) {
         best = i;
         best_key = key;
