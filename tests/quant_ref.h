@@ -76,5 +76,4 @@ inline bool same_value(float a, float b) { return (std::isnan(a) && std::isnan(b
 inline const fsdp::kernels::QType kTypes[] = {fsdp::kernels::QType::kInt8, fsdp::kernels::QType::kFp8E4m3};
 inline const char* type_name(fsdp::kernels::QType t) { return t == fsdp::kernels::QType::kInt8 ? "int8" : "fp8_e4m3"; }
 
-
 }  // namespace fsdp_test

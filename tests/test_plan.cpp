@@ -12,8 +12,8 @@
 #include <cstdlib>
 #include <map>
 #include <nlohmann/json.hpp>
-#include <tuple>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "../src/core/config.h"
@@ -43,9 +43,10 @@ std::string case_name(const ::testing::TestParamInfo<Case>& info) {
 
 // Units of uneven sizes; unit 1 mixes a frozen param with trainable ones,
 // unit 3 is frozen whole.
-const std::vector<std::vector<ParamSpec>> kUnits = {
-    {{"a.w", {17, 9}}, {"a.b", {17}}}, {{"b.w", {33, 5}}, {"b.f", {7, 7}}, {"b.b", {3}}}, {{"c.w", {301}}},
-    {{"d.w", {12, 12}}}};
+const std::vector<std::vector<ParamSpec>> kUnits = {{{"a.w", {17, 9}}, {"a.b", {17}}},
+                                                    {{"b.w", {33, 5}}, {"b.f", {7, 7}}, {"b.b", {3}}},
+                                                    {{"c.w", {301}}},
+                                                    {{"d.w", {12, 12}}}};
 const std::vector<std::vector<int32_t>> kTrainable = {{1, 1}, {1, 0, 1}, {1}, {0}};
 
 }  // namespace
@@ -153,13 +154,19 @@ std::vector<Case> grid() {
   }
   cs.push_back({1, M{{"sharding", "FULL_SHARD"}, {"offload", "cpu"}, {"param_dtype", "bf16"}}});
   cs.push_back({3, M{{"sharding", "FULL_SHARD"}, {"param_dtype", "bf16"}, {"keep_param_dtype_shard", "1"}}});
-  cs.push_back({3, M{{"sharding", "FULL_SHARD"}, {"gather_dtype", "fp8_e4m3"}, {"gather_block", "64"},
-                     {"reduce_dtype", "fp8_e4m3"}, {"reduce_block", "32"}}});
+  cs.push_back({3, M{{"sharding", "FULL_SHARD"},
+                     {"gather_dtype", "fp8_e4m3"},
+                     {"gather_block", "64"},
+                     {"reduce_dtype", "fp8_e4m3"},
+                     {"reduce_block", "32"}}});
   cs.push_back({4, M{{"sharding", "FULL_SHARD"}, {"secondary_shard", "2"}, {"param_dtype", "bf16"}}});
   cs.push_back({8, M{{"sharding", "FULL_SHARD"}, {"secondary_shard", "4"}, {"gather_dtype", "int8"}}});
   cs.push_back({4, M{{"sharding", "HYBRID_SHARD"}, {"shard_group_size", "2"}}});
-  cs.push_back({8, M{{"sharding", "HYBRID_SHARD"}, {"shard_group_size", "4"}, {"param_dtype", "bf16"},
-                     {"reduce_dtype", "int8"}, {"secondary_shard", "2"}}});
+  cs.push_back({8, M{{"sharding", "HYBRID_SHARD"},
+                     {"shard_group_size", "4"},
+                     {"param_dtype", "bf16"},
+                     {"reduce_dtype", "int8"},
+                     {"secondary_shard", "2"}}});
   cs.push_back({6, M{{"sharding", "HYBRID_SHARD_ZERO2"}, {"shard_group_size", "3"}, {"optimizer", "sgd"}}});
   cs.push_back({4, M{{"sharding", "HYBRID_SHARD"}, {"shard_group_size", "1"}}});
   cs.push_back({2, M{{"sharding", "FULL_SHARD"}, {"optimizer", "host"}, {"host_state", "3"}}});
@@ -184,8 +191,8 @@ nlohmann::json plan_of(const std::string& request) {
 }
 
 nlohmann::json cluster_json() {
-  return {{"gpus", 4},  {"gpus_per_node", 2}, {"intra_node_GBps", 400}, {"inter_node_GBps", 50},
-          {"peak_tflops", 100}, {"mfu", 0.5}, {"memory_GiB", 1}};
+  return {{"gpus", 4},          {"gpus_per_node", 2}, {"intra_node_GBps", 400}, {"inter_node_GBps", 50},
+          {"peak_tflops", 100}, {"mfu", 0.5},         {"memory_GiB", 1}};
 }
 
 }  // namespace
@@ -249,10 +256,13 @@ TEST(PlanRequest, EachRowsBytesAreThePlansAndItsTimesTheLinksArithmetic) {
   const nlohmann::json& b = plan["rows"][size_t(best)];
   for (const nlohmann::json& r : plan["rows"]) {
     if (!r["fits"].get<bool>()) continue;
-    const double step = std::max(r["comm_s"].get<double>(), compute), best_step = std::max(b["comm_s"].get<double>(), compute);
+    const double step = std::max(r["comm_s"].get<double>(), compute),
+                 best_step = std::max(b["comm_s"].get<double>(), compute);
     EXPECT_LE(best_step, step) << "a fitting row with a shorter step than the best";
     if (step == best_step && r["offload"] == b["offload"]) {
-      auto lossy = [](const nlohmann::json& x) { return (x["gather_dtype"] != "param") + (x["reduce_dtype"] != "auto"); };
+      auto lossy = [](const nlohmann::json& x) {
+        return (x["gather_dtype"] != "param") + (x["reduce_dtype"] != "auto");
+      };
       EXPECT_LE(lossy(b), lossy(r)) << "the best quantizes where a row as fast does not";
     }
   }

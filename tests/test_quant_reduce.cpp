@@ -42,7 +42,8 @@ std::vector<uint8_t> pack_slices(fsdp::device::CpuDevice& cpu, const std::vector
                                  size_t block, k::QType t) {
   const size_t part = k::quant_packed_bytes(n, block);
   std::vector<uint8_t> packed(part * x.size());
-  for (size_t s = 0; s < x.size(); ++s) cpu.quantize(packed.data() + s * part, x[s].data(), fsdp::DType::kFp32, n, block, t);
+  for (size_t s = 0; s < x.size(); ++s)
+    cpu.quantize(packed.data() + s * part, x[s].data(), fsdp::DType::kFp32, n, block, t);
   return packed;
 }
 
@@ -284,20 +285,20 @@ TEST_P(QuantizedReduction, EachShardIsTheRankOrderSumOfTheDequantizedPartsAndThe
   });
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Strategies, QuantizedReduction,
-    ::testing::Values(Case{"FULL_SHARD", 1, FSDP_DTYPE_BF16, k::QType::kInt8},
-                      Case{"FULL_SHARD", 2, FSDP_DTYPE_FP32, k::QType::kInt8},
-                      Case{"FULL_SHARD", 2, FSDP_DTYPE_BF16, k::QType::kFp8E4m3},
-                      Case{"FULL_SHARD", 3, FSDP_DTYPE_BF16, k::QType::kInt8, false, true},
-                      Case{"FULL_SHARD", 3, FSDP_DTYPE_FP32, k::QType::kInt8, false, false, true},
-                      Case{"FULL_SHARD", 4, FSDP_DTYPE_FP32, k::QType::kFp8E4m3, false, true},
-                      Case{"SHARD_GRAD_OP", 2, FSDP_DTYPE_BF16, k::QType::kInt8},
-                      Case{"HYBRID_SHARD", 4, FSDP_DTYPE_FP32, k::QType::kInt8},
-                      Case{"HYBRID_SHARD_ZERO2", 4, FSDP_DTYPE_BF16, k::QType::kFp8E4m3, false, true, true},
-                      Case{"FULL_SHARD", 2, FSDP_DTYPE_BF16, k::QType::kInt8, true},
-                      Case{"FULL_SHARD", 3, FSDP_DTYPE_FP32, k::QType::kFp8E4m3, true, true}),
-    case_name);
+INSTANTIATE_TEST_SUITE_P(Strategies, QuantizedReduction,
+                         ::testing::Values(Case{"FULL_SHARD", 1, FSDP_DTYPE_BF16, k::QType::kInt8},
+                                           Case{"FULL_SHARD", 2, FSDP_DTYPE_FP32, k::QType::kInt8},
+                                           Case{"FULL_SHARD", 2, FSDP_DTYPE_BF16, k::QType::kFp8E4m3},
+                                           Case{"FULL_SHARD", 3, FSDP_DTYPE_BF16, k::QType::kInt8, false, true},
+                                           Case{"FULL_SHARD", 3, FSDP_DTYPE_FP32, k::QType::kInt8, false, false, true},
+                                           Case{"FULL_SHARD", 4, FSDP_DTYPE_FP32, k::QType::kFp8E4m3, false, true},
+                                           Case{"SHARD_GRAD_OP", 2, FSDP_DTYPE_BF16, k::QType::kInt8},
+                                           Case{"HYBRID_SHARD", 4, FSDP_DTYPE_FP32, k::QType::kInt8},
+                                           Case{"HYBRID_SHARD_ZERO2", 4, FSDP_DTYPE_BF16, k::QType::kFp8E4m3, false,
+                                                true, true},
+                                           Case{"FULL_SHARD", 2, FSDP_DTYPE_BF16, k::QType::kInt8, true},
+                                           Case{"FULL_SHARD", 3, FSDP_DTYPE_FP32, k::QType::kFp8E4m3, true, true}),
+                         case_name);
 
 TEST(QuantizedReductionRefusals, NoShardIsUnsupportedWithItsReasonAndBadValuesNameTheChoices) {
   run_ranks(2, [&](int rank, fsdp_local_group_t* group) {

@@ -66,9 +66,12 @@ struct RunResult {
 // One rank's training; `secondary` null: the option off.
 RunResult train(const Case& c, int rank, fsdp_local_group_t* group, const char* secondary) {
   RunResult out;
-  std::map<std::string, std::string> o = {{"sharding", c.sharding},   {"param_dtype", dtype_config_name(c.dtype)},
-                                          {"gather_dtype", c.gather_dtype}, {"optimizer", "sgd"},
-                                          {"lr", "0.25"},             {"loss_scale", "off"},
+  std::map<std::string, std::string> o = {{"sharding", c.sharding},
+                                          {"param_dtype", dtype_config_name(c.dtype)},
+                                          {"gather_dtype", c.gather_dtype},
+                                          {"optimizer", "sgd"},
+                                          {"lr", "0.25"},
+                                          {"loss_scale", "off"},
                                           {"timeout_s", "30"}};
   if (c.shard_group > 0) o["shard_group_size"] = std::to_string(c.shard_group);
   if (c.offload) o["offload"] = "cpu";
@@ -192,15 +195,15 @@ TEST_P(SecondaryShard, BackwardReadsForwardsParamsFromTheGroupAndTrainsBitwiseAs
       bwd += padded * dtype_nbytes(c.dtype);
       slices += padded / size_t(c.group) * dtype_nbytes(c.dtype);
     }
-    const uint64_t off_bwd = std::string(c.gather_dtype) == "param" ? bwd : fwd;  // without: backward gathers as forward
+    const uint64_t off_bwd =
+        std::string(c.gather_dtype) == "param" ? bwd : fwd;  // without: backward gathers as forward
     EXPECT_EQ(off.comm.all_gather_nbytes, kSteps * (fwd + off_bwd));
     EXPECT_EQ(on.comm.all_gather_nbytes, kSteps * (fwd + bwd));
     EXPECT_EQ(on.comm.secondary_group_nbytes, kSteps * bwd) << "backward's gathers, inside the secondary group";
     EXPECT_EQ(off.comm.secondary_group_nbytes, 0u);
     const uint64_t shard_side_on = hybrid ? on.comm.shard_group_nbytes : on.comm.world_group_nbytes;
     const uint64_t shard_side_off = hybrid ? off.comm.shard_group_nbytes : off.comm.world_group_nbytes;
-    EXPECT_EQ(shard_side_off - shard_side_on, kSteps * off_bwd)
-        << "backward's gathers left the shard group entirely";
+    EXPECT_EQ(shard_side_off - shard_side_on, kSteps * off_bwd) << "backward's gathers left the shard group entirely";
     EXPECT_EQ(on.comm.replica_group_nbytes, off.comm.replica_group_nbytes);
     EXPECT_EQ(on.comm.reduce_scatter_nbytes, off.comm.reduce_scatter_nbytes);
     // Every unit's slice is held between its forward and its backward: at the
@@ -213,16 +216,16 @@ TEST_P(SecondaryShard, BackwardReadsForwardsParamsFromTheGroupAndTrainsBitwiseAs
   });
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Strategies, SecondaryShard,
-    ::testing::Values(Case{"FULL_SHARD", 4, 0, "2", 2, FSDP_DTYPE_FP32},
-                      Case{"FULL_SHARD", 4, 0, "2", 2, FSDP_DTYPE_BF16, "int8"},
-                      Case{"FULL_SHARD", 4, 0, "node", 4, FSDP_DTYPE_BF16},  // threads: one host of 4
-                      Case{"FULL_SHARD", 2, 0, "1", 1, FSDP_DTYPE_FP32, "param", true},
-                      Case{"FULL_SHARD", 3, 0, "1", 1, FSDP_DTYPE_BF16, "fp8_e4m3"},
-                      Case{"HYBRID_SHARD", 4, 2, "1", 1, FSDP_DTYPE_BF16},
-                      Case{"HYBRID_SHARD", 4, 4, "2", 2, FSDP_DTYPE_FP32, "param", true}),
-    case_name);
+INSTANTIATE_TEST_SUITE_P(Strategies, SecondaryShard,
+                         ::testing::Values(Case{"FULL_SHARD", 4, 0, "2", 2, FSDP_DTYPE_FP32},
+                                           Case{"FULL_SHARD", 4, 0, "2", 2, FSDP_DTYPE_BF16, "int8"},
+                                           Case{"FULL_SHARD", 4, 0, "node", 4,
+                                                FSDP_DTYPE_BF16},  // threads: one host of 4
+                                           Case{"FULL_SHARD", 2, 0, "1", 1, FSDP_DTYPE_FP32, "param", true},
+                                           Case{"FULL_SHARD", 3, 0, "1", 1, FSDP_DTYPE_BF16, "fp8_e4m3"},
+                                           Case{"HYBRID_SHARD", 4, 2, "1", 1, FSDP_DTYPE_BF16},
+                                           Case{"HYBRID_SHARD", 4, 4, "2", 2, FSDP_DTYPE_FP32, "param", true}),
+                         case_name);
 
 TEST(SecondaryShardRefusals, StrategiesWithoutABackwardGatherAndGroupsThatDoNotDivideAreRefused) {
   for (const char* sharding : {"SHARD_GRAD_OP", "HYBRID_SHARD_ZERO2", "NO_SHARD"}) {
@@ -242,8 +245,7 @@ TEST(SecondaryShardRefusals, StrategiesWithoutABackwardGatherAndGroupsThatDoNotD
     ASSERT_TRUE(cfg);
     fsdp_ctx_t* raw = nullptr;
     EXPECT_STATUS(FSDP_ERR_INVALID_ARGUMENT, fsdp_ctx_create(cfg.get(), group, group ? rank : -1, &raw));
-    EXPECT_NE(last_error_str().find("divides the shard group's 4 ranks, not 3"), std::string::npos)
-        << last_error_str();
+    EXPECT_NE(last_error_str().find("divides the shard group's 4 ranks, not 3"), std::string::npos) << last_error_str();
   });
   ConfigPtr cfg = make_config({});
   EXPECT_STATUS(FSDP_ERR_INVALID_ARGUMENT, fsdp_config_set(cfg.get(), "secondary_shard", "nodes"));

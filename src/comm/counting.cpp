@@ -11,13 +11,15 @@ void CountingComm::all_gather(const void* send, void* recv, size_t nbytes_per_ra
 void CountingComm::reduce_scatter(const void* send, void* recv, size_t numel_per_rank, DType dtype, RedOp op,
                                   const std::string& label) {
   inner_->reduce_scatter(send, recv, numel_per_rank, dtype, op, label);
-  counters_->add(Collective::kReduceScatter, uint64_t(numel_per_rank) * dtype_size(dtype) * uint64_t(world_size()), group_);
+  counters_->add(Collective::kReduceScatter, uint64_t(numel_per_rank) * dtype_size(dtype) * uint64_t(world_size()),
+                 group_);
 }
 
 void CountingComm::reduce_scatter_clear(void* send, void* recv, size_t numel_per_rank, DType dtype, RedOp op,
                                         const std::string& label) {
   inner_->reduce_scatter_clear(send, recv, numel_per_rank, dtype, op, label);
-  counters_->add(Collective::kReduceScatter, uint64_t(numel_per_rank) * dtype_size(dtype) * uint64_t(world_size()), group_);
+  counters_->add(Collective::kReduceScatter, uint64_t(numel_per_rank) * dtype_size(dtype) * uint64_t(world_size()),
+                 group_);
 }
 
 void CountingComm::all_to_all(const void* send, void* recv, size_t nbytes_per_rank, const std::string& label) {

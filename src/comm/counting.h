@@ -22,8 +22,8 @@ enum class CommGroup { kWorld, kShard, kReplica, kSecondary, kCount };
 // What a rank's collectives moved. Bytes are the collective's data as the
 // caller sees it, independent of the algorithm: an all_gather's result (every
 // rank's part), a reduce_scatter's input (every rank's part), an all_reduce's
-// buffer, a broadcast's buffer, an all_to_all's send buffer (every rank's part). kControl counts the small double reductions
-// (norms, flags, consensus checks) and barriers: calls only.
+// buffer, a broadcast's buffer, an all_to_all's send buffer (every rank's part). kControl counts the small double
+// reductions (norms, flags, consensus checks) and barriers: calls only.
 struct CommCounters {
   std::array<std::atomic<uint64_t>, static_cast<size_t>(Collective::kCount)> calls{};
   std::array<std::atomic<uint64_t>, static_cast<size_t>(Collective::kCount)> nbytes{};

@@ -204,7 +204,8 @@ const std::vector<Entry>& table() {
          if (w == "auto") {
            o.reduce_dtype_auto = true;
          } else {
-           static const char* const kNames[] = {"fp32", "float32", "f32", "bf16", "bfloat16", "fp16", "float16", "half", "f16"};
+           static const char* const kNames[] = {"fp32", "float32", "f32",  "bf16", "bfloat16",
+                                                "fp16", "float16", "half", "f16"};
            if (std::find(std::begin(kNames), std::end(kNames), w) == std::end(kNames)) {
              bad_value("reduce_dtype", v, "auto, fp32, bf16, fp16, int8, fp8_e4m3");
            }
@@ -226,11 +227,12 @@ const std::vector<Entry>& table() {
          } else if (w == "node") {
            o.secondary_shard = -1;
          } else {
-           o.secondary_shard = static_cast<int>(parse_int("secondary_shard", v, 1, 1 << 20, "off, node, or a group size: an integer"));
+           o.secondary_shard =
+               static_cast<int>(parse_int("secondary_shard", v, 1, 1 << 20, "off, node, or a group size: an integer"));
          }
        },
        [](const Options& o) {
-         return o.secondary_shard == 0 ? std::string("off")
+         return o.secondary_shard == 0  ? std::string("off")
                 : o.secondary_shard < 0 ? std::string("node")
                                         : std::to_string(o.secondary_shard);
        }},
@@ -418,7 +420,9 @@ const std::vector<Entry>& table() {
        [](const Options& o) { return std::string(o.offload_cpu ? "cpu" : "none"); }},
       {"keep_param_dtype_shard",
        {},
-       [](Options& o, const std::string& v) { o.keep_param_dtype_shard = parse_auto_bool("keep_param_dtype_shard", v); },
+       [](Options& o, const std::string& v) {
+         o.keep_param_dtype_shard = parse_auto_bool("keep_param_dtype_shard", v);
+       },
        [](const Options& o) { return auto_bool_name(o.keep_param_dtype_shard); }},
       {"gather_stream",
        {},

@@ -26,19 +26,21 @@ std::string describe(const Options& o) {
   os.precision(17);
   os << "sharding=" << sharding_name(o.sharding) << "\nparam_dtype=" << dtype_name(o.param_dtype)
      << "\nreduce_dtype=" << dtype_name(o.reduce_dtype()) << ","
-     << (o.reduce_quantized ? static_cast<int>(o.reduce_qtype) : -1) << "," << o.reduce_block << "\nsecondary_shard=" << o.secondary_shard << "\nreduce_op=" << static_cast<int>(o.reduce_op)
+     << (o.reduce_quantized ? static_cast<int>(o.reduce_qtype) : -1) << "," << o.reduce_block
+     << "\nsecondary_shard=" << o.secondary_shard << "\nreduce_op=" << static_cast<int>(o.reduce_op)
      << "\noptimizer=" << static_cast<int>(o.optimizer) << "\nlr=" << o.lr << "\nbeta1=" << o.beta1
      << "\nbeta2=" << o.beta2 << "\neps=" << o.eps << "\nweight_decay=" << o.weight_decay << "\nmomentum=" << o.momentum
      << "\nnesterov=" << o.nesterov << "\nmax_grad_norm=" << o.max_grad_norm << "\nalign_bytes=" << o.align_bytes
-     << "\nkeep_param_dtype_shard=" << o.keeps_param_dtype_shard() << "\ngather_stream=" << auto_bool_name(o.gather_stream)
+     << "\nkeep_param_dtype_shard=" << o.keeps_param_dtype_shard()
+     << "\ngather_stream=" << auto_bool_name(o.gather_stream)
      << "\ngather_dtype=" << (o.gather_quantized ? static_cast<int>(o.gather_qtype) : -1) << "," << o.gather_block
-     << "\nforward_prefetch=" << o.forward_prefetch
-     << "\nbackward_prefetch=" << static_cast<int>(o.backward_prefetch) << "\nlimit_all_gathers=" << o.limit_all_gathers
-     << "\nloss_scale=" << static_cast<int>(o.loss_scale_mode) << "," << o.loss_scale_static << "," << o.loss_scale_init
-     << "," << o.loss_scale_growth << "," << o.loss_scale_backoff << "," << o.loss_scale_growth_interval
-     << "\nsync_module_states=" << o.sync_module_states << "\ncomm=" << static_cast<int>(o.comm)
-     << "\nmpi_algorithm=" << static_cast<int>(o.mpi_algorithm) << "\nshard_group_size=" << o.shard_group_size
-     << "\noffload=" << o.offload_cpu << "\ndevice=" << (o.on_cuda() ? "cuda" : "cpu") << "\nno_weight_decay=";
+     << "\nforward_prefetch=" << o.forward_prefetch << "\nbackward_prefetch=" << static_cast<int>(o.backward_prefetch)
+     << "\nlimit_all_gathers=" << o.limit_all_gathers << "\nloss_scale=" << static_cast<int>(o.loss_scale_mode) << ","
+     << o.loss_scale_static << "," << o.loss_scale_init << "," << o.loss_scale_growth << "," << o.loss_scale_backoff
+     << "," << o.loss_scale_growth_interval << "\nsync_module_states=" << o.sync_module_states
+     << "\ncomm=" << static_cast<int>(o.comm) << "\nmpi_algorithm=" << static_cast<int>(o.mpi_algorithm)
+     << "\nshard_group_size=" << o.shard_group_size << "\noffload=" << o.offload_cpu
+     << "\ndevice=" << (o.on_cuda() ? "cuda" : "cpu") << "\nno_weight_decay=";
   for (const auto& p : o.no_weight_decay) os << p << ",";
   return os.str();
 }
@@ -81,7 +83,8 @@ Context::Context(const Options& opts, std::unique_ptr<comm::Communicator> world)
   }
   if (opts.reduce_quantized && opts.sharding == Sharding::kNoShard && rt_.world > 1) {
     fail(FSDP_ERR_UNSUPPORTED,
-         "fsdp_ctx_create: reduce_dtype=" + std::string(opts.reduce_qtype == kernels::QType::kInt8 ? "int8" : "fp8_e4m3") +
+         "fsdp_ctx_create: reduce_dtype=" +
+             std::string(opts.reduce_qtype == kernels::QType::kInt8 ? "int8" : "fp8_e4m3") +
              " quantizes the reduce-scatter of a sharded strategy (each rank sums the quantized parts of its own "
              "shard); NO_SHARD all-reduces whole grads, which it does not quantize: use a sharded strategy, or "
              "reduce_dtype=bf16 to halve NO_SHARD's bytes");
@@ -198,11 +201,12 @@ void Context::setup_secondary() {
   const Options& o = rt_.opts;
   if (o.secondary_shard == 0) return;
   if (!o.reshard_after_forward()) {
-    fail(FSDP_ERR_UNSUPPORTED, "fsdp_ctx_create: secondary_shard keeps a slice of each unit's params from forward's "
-                               "gather for backward's; " +
-                                   std::string(sharding_name(o.sharding)) +
-                                   " keeps the full params from forward to backward and gathers nothing in "
-                                   "backward (use FULL_SHARD or HYBRID_SHARD, or secondary_shard=off)");
+    fail(FSDP_ERR_UNSUPPORTED,
+         "fsdp_ctx_create: secondary_shard keeps a slice of each unit's params from forward's "
+         "gather for backward's; " +
+             std::string(sharding_name(o.sharding)) +
+             " keeps the full params from forward to backward and gathers nothing in "
+             "backward (use FULL_SHARD or HYBRID_SHARD, or secondary_shard=off)");
   }
   if (rt_.shard_size == 1) return;  // nothing is gathered: nothing to keep
   // The default (one host) may differ between hosts: agree before splitting.
@@ -210,14 +214,17 @@ void Context::setup_secondary() {
   agree(*rt_.comm, "fsdp_ctx_create (secondary_shard group size)",
         "secondary_shard=" + std::to_string(g) + (o.secondary_shard > 0 ? "" : " (node: the ranks on this host)"));
   if (g > rt_.shard_size || rt_.shard_size % g != 0) {
-    fail(FSDP_ERR_INVALID_ARGUMENT, "fsdp_ctx_create: secondary_shard needs a group size that divides the shard "
-                                    "group's " + std::to_string(rt_.shard_size) + " ranks, not " + std::to_string(g));
+    fail(FSDP_ERR_INVALID_ARGUMENT,
+         "fsdp_ctx_create: secondary_shard needs a group size that divides the shard "
+         "group's " +
+             std::to_string(rt_.shard_size) + " ranks, not " + std::to_string(g));
   }
   // Runs of g consecutive ranks of the shard group (a host, as launchers
   // place them), split off the shard group's synchronous communicator.
   SyncComm& group = o.hybrid() ? *sync_shard_ : *sync_world_;
   secondary_ = group.split(rt_.shard_index / g, rt_.shard_index, "split into secondary groups");
-  if (auto* counted = dynamic_cast<comm::CountingComm*>(secondary_.get())) counted->set_group(comm::CommGroup::kSecondary);
+  if (auto* counted = dynamic_cast<comm::CountingComm*>(secondary_.get()))
+    counted->set_group(comm::CommGroup::kSecondary);
   rt_.secondary_comm = secondary_.get();
   rt_.secondary_size = g;
   rt_.secondary_index = rt_.shard_index % g;

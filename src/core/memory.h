@@ -19,7 +19,7 @@ enum class MemCategory {
   kUnshardedGrads,
   kScratch,
   kSecondaryParams,  // secondary_shard: the slices of gathered params kept for backward's gather
-  kFreeSlots,  // gather and grad slots between users (core/slots.h): in the total only
+  kFreeSlots,        // gather and grad slots between users (core/slots.h): in the total only
   kCount
 };
 

@@ -28,8 +28,8 @@ RankPlan plan_rank(const Options& o, int world, int local_world, const std::vect
   if (o.hybrid()) {
     s = o.shard_group_size > 0 ? o.shard_group_size : local_world;
     if (s > world || world % s != 0) {
-      fail(FSDP_ERR_INVALID_ARGUMENT, "plan: a shard group size of " + std::to_string(s) + " does not divide " +
-                                          std::to_string(world) + " ranks");
+      fail(FSDP_ERR_INVALID_ARGUMENT,
+           "plan: a shard group size of " + std::to_string(s) + " does not divide " + std::to_string(world) + " ranks");
     }
   }
   p.shard_size = s;
@@ -59,8 +59,7 @@ RankPlan plan_rank(const Options& o, int world, int local_world, const std::vect
       for (int64_t d : ps.shape) ps.numel *= static_cast<size_t>(d);
     }
     const FlatLayout layout(params, o.align_bytes / sizeof(float), s, u.frozen);
-    const bool trainable =
-        u.frozen.empty() || std::find(u.frozen.begin(), u.frozen.end(), false) != u.frozen.end();
+    const bool trainable = u.frozen.empty() || std::find(u.frozen.begin(), u.frozen.end(), false) != u.frozen.end();
     const size_t shard = layout.shard_numel(), ts = layout.trainable_shard_numel();
     const size_t padded = layout.padded_numel();
     p.sharded_params += shard * sizeof(float) + (lowp ? shard * pes : 0);

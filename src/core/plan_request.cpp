@@ -106,7 +106,8 @@ std::vector<PlanUnit> model_units(const json& m, std::vector<std::string>* names
     PlanUnit pu;
     names->push_back(u.value("name", "unit" + std::to_string(units.size())));
     for (const json& p : need(u, "params", "model.units[]")) {
-      pu.params.push_back({p.value("name", std::string()), need(p, "shape", "model.units[].params[]").get<std::vector<int64_t>>(), 0});
+      pu.params.push_back(
+          {p.value("name", std::string()), need(p, "shape", "model.units[].params[]").get<std::vector<int64_t>>(), 0});
       pu.frozen.push_back(p.value("frozen", false));
     }
     units.push_back(pu);
@@ -202,9 +203,8 @@ std::string plan_request(const std::string& request) {
       // limit_all_gathers; every unit where forward keeps them for backward),
       // a unit's grads, and what secondary_shard keeps.
       const uint64_t persistent = p.sharded_params + p.sharded_grads + p.optimizer_state;
-      const double gathered = o.reshard_after_forward()
-                                  ? double(p.largest_gathered) * std::max(1, o.limit_all_gathers)
-                                  : double(p.all_gathered);
+      const double gathered = o.reshard_after_forward() ? double(p.largest_gathered) * std::max(1, o.limit_all_gathers)
+                                                        : double(p.all_gathered);
       const double device =
           (o.offload_cpu ? 0.0 : double(persistent)) + gathered + double(p.largest_gathered) + double(p.secondary_peak);
       // Each group's bytes on the wire per GPU (a ring's (n-1)/n of the data,
@@ -227,11 +227,12 @@ std::string plan_request(const std::string& request) {
       row["device_bytes"] = device;
       row["host_bytes"] = o.offload_cpu ? persistent : 0;
       row["largest_gathered_bytes"] = p.largest_gathered;
+      row["peak_gathered_bytes"] = gathered;  // an estimate: the units in flight (above)
       row["secondary_bytes"] = p.secondary_peak;
-      row["step_bytes"] = {{"all_gather", p.all_gather},   {"reduce_scatter", p.reduce_scatter},
-                           {"all_reduce", p.all_reduce},   {"all_to_all", p.all_to_all},
-                           {"world", p.group[0]},          {"shard_group", p.group[1]},
-                           {"replica_group", p.group[2]},  {"secondary_group", p.group[3]}};
+      row["step_bytes"] = {{"all_gather", p.all_gather},  {"reduce_scatter", p.reduce_scatter},
+                           {"all_reduce", p.all_reduce},  {"all_to_all", p.all_to_all},
+                           {"world", p.group[0]},         {"shard_group", p.group[1]},
+                           {"replica_group", p.group[2]}, {"secondary_group", p.group[3]}};
       row["wire_bytes_intra_node"] = intra;
       row["wire_bytes_inter_node"] = inter;
       row["comm_s"] = comm_s;
@@ -252,9 +253,8 @@ std::string plan_request(const std::string& request) {
         best_key = key;
       }
     }
-    json out = {{"gpus", c.gpus}, {"gpus_per_node", c.per_node}, {"params", params},
-                {"units", units.size()}, {"tokens_per_gpu", tokens}, {"compute_s", compute_s},
-                {"rows", rows}, {"best", best}};
+    json out = {{"gpus", c.gpus},           {"gpus_per_node", c.per_node}, {"params", params}, {"units", units.size()},
+                {"tokens_per_gpu", tokens}, {"compute_s", compute_s},      {"rows", rows},     {"best", best}};
     return out.dump(1);
   } catch (const json::exception& e) {
     bad(std::string("the request does not have the expected types: ") + e.what());

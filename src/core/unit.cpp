@@ -77,7 +77,7 @@ Unit::Unit(Runtime& rt, size_t index, std::string name, std::vector<ParamSpec> p
   }
   if (!rt_.gathers()) state_ = UnitState::kGathered;  // the shard is the full params
   gather_label_ = label("all_gather");
-  reduce_label_ = label(!rt_.sharded()               ? "all_reduce"
+  reduce_label_ = label(!rt_.sharded()              ? "all_reduce"
                         : rt_.opts.reduce_quantized ? "all_to_all (quantized reduce_scatter)"
                                                     : "reduce_scatter");
   replica_label_ = reduce_label_ + " (across replicas)";

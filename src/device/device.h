@@ -173,8 +173,8 @@ class Device {
   // The quantized reduction's end (kernels::dequantize_sum_block): out[i] =
   // scale * the sum over the n_slices packed slices, in slice (rank) order
   // in fp32, of their dequantized values (n values each).
-  virtual void dequantize_sum(float* out, const void* packed, size_t n_slices, size_t n, size_t block,
-                              kernels::QType t, float scale) = 0;
+  virtual void dequantize_sum(float* out, const void* packed, size_t n_slices, size_t n, size_t block, kernels::QType t,
+                              float scale) = 0;
   // cast and accumulate that also set src[i] = 0 once read: the grads read as
   // zeros again after the pass that consumes them, with no memset pass of
   // their own (the next backward adds into them as they are).

@@ -48,9 +48,13 @@ std::string gib(double bytes) {
 int main(int argc, char** argv) {
   json req = {{"model", json::object()}, {"cluster", json::object()}, {"options", json::object()}};
   bool as_json = false;
-  const std::vector<std::pair<std::string, std::string>> cluster_flags = {
-      {"--gpus", "gpus"},   {"--gpus-per-node", "gpus_per_node"}, {"--intra", "intra_node_GBps"},
-      {"--inter", "inter_node_GBps"}, {"--tflops", "peak_tflops"}, {"--mfu", "mfu"}, {"--memory-gib", "memory_GiB"}};
+  const std::vector<std::pair<std::string, std::string>> cluster_flags = {{"--gpus", "gpus"},
+                                                                          {"--gpus-per-node", "gpus_per_node"},
+                                                                          {"--intra", "intra_node_GBps"},
+                                                                          {"--inter", "inter_node_GBps"},
+                                                                          {"--tflops", "peak_tflops"},
+                                                                          {"--mfu", "mfu"},
+                                                                          {"--memory-gib", "memory_GiB"}};
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--json") {
@@ -111,8 +115,8 @@ int main(int argc, char** argv) {
               plan["params"].get<double>(), plan["units"].get<size_t>(), plan["gpus"].get<int>(),
               plan["gpus_per_node"].get<int>(), plan["compute_s"].get<double>());
   std::printf("  %-3s %-14s %5s %-6s %-6s %-9s %-7s %10s %10s %4s %9s %9s %8s %6s\n", "#", "sharding", "group",
-              "gather", "reduce", "secondary", "offload", "state GiB", "device GiB", "fits", "inter GB",
-              "intra GB", "comm s", "hidden");
+              "gather", "reduce", "secondary", "offload", "state GiB", "device GiB", "fits", "inter GB", "intra GB",
+              "comm s", "hidden");
   const int best = plan["best"].get<int>();
   int i = 0;
   for (const json& r : plan["rows"]) {

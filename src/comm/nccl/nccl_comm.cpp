@@ -488,8 +488,8 @@ void NcclComm::all_to_all(const void* send, void* recv, size_t nbytes_per_rank, 
       r = nccl().Send(static_cast<const char*>(in) + p * nbytes_per_rank, nbytes_per_rank, ncclUint8,
                       static_cast<int>(p), c, s);
       if (r == ncclSuccess) {
-        r = nccl().Recv(static_cast<char*>(out) + p * nbytes_per_rank, nbytes_per_rank, ncclUint8,
-                        static_cast<int>(p), c, s);
+        r = nccl().Recv(static_cast<char*>(out) + p * nbytes_per_rank, nbytes_per_rank, ncclUint8, static_cast<int>(p),
+                        c, s);
       }
     }
     ncclResult_t end = nccl().GroupEnd();

@@ -395,26 +395,27 @@ void CpuDevice::dequantize_sum(float* out, const void* packed, size_t n_slices, 
   const auto* in = static_cast<const uint8_t*>(packed);
   const float* fp8 = e4m3_table();
   const size_t stride = kernels::quant_packed_bytes(n, block), scales = kernels::quant_scales_offset(n);
-  pool_.parallel_for(kernels::quant_blocks(n, block), std::max<size_t>(1, 16 * kGrain / block), [&](size_t b, size_t e) {
-    for (size_t k = b; k < e; ++k) {
-      if (t == kernels::QType::kInt8) {
-        kernels::dequantize_sum_block(in, n_slices, n, block, k, t, scale, out);
-        continue;
-      }
-      // dequantize_sum_block's fp8 arm, the decode looked up (the same bits).
-      const size_t i0 = k * block, i1 = std::min(n, i0 + block);
-      for (size_t sl = 0; sl < n_slices; ++sl) {
-        const uint8_t* slice = in + sl * stride;
-        const float sc = reinterpret_cast<const float*>(slice + scales)[k];
-        if (sl == 0) {
-          for (size_t i = i0; i < i1; ++i) out[i] = fp8[slice[i]] * sc;
-        } else {
-          for (size_t i = i0; i < i1; ++i) out[i] = out[i] + fp8[slice[i]] * sc;
-        }
-      }
-      for (size_t i = i0; i < i1; ++i) out[i] = out[i] * scale;
-    }
-  });
+  pool_.parallel_for(kernels::quant_blocks(n, block), std::max<size_t>(1, 16 * kGrain / block),
+                     [&](size_t b, size_t e) {
+                       for (size_t k = b; k < e; ++k) {
+                         if (t == kernels::QType::kInt8) {
+                           kernels::dequantize_sum_block(in, n_slices, n, block, k, t, scale, out);
+                           continue;
+                         }
+                         // dequantize_sum_block's fp8 arm, the decode looked up (the same bits).
+                         const size_t i0 = k * block, i1 = std::min(n, i0 + block);
+                         for (size_t sl = 0; sl < n_slices; ++sl) {
+                           const uint8_t* slice = in + sl * stride;
+                           const float sc = reinterpret_cast<const float*>(slice + scales)[k];
+                           if (sl == 0) {
+                             for (size_t i = i0; i < i1; ++i) out[i] = fp8[slice[i]] * sc;
+                           } else {
+                             for (size_t i = i0; i < i1; ++i) out[i] = out[i] + fp8[slice[i]] * sc;
+                           }
+                         }
+                         for (size_t i = i0; i < i1; ++i) out[i] = out[i] * scale;
+                       }
+                     });
 }
 
 void CpuDevice::accumulate(float* acc, const void* src, DType src_dtype, float scale, size_t numel, double* acc_sq) {
