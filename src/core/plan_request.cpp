@@ -121,10 +121,10 @@ struct Cluster {
 };
 
 // A candidate: the options that differ from the request's base options.
-std::vector<std::map<std::string, std::string>> candidates(const Cluster& c, bool reshard_only) {
+std::vector<std::map<std::string, std::string>> candidates(const Cluster& c) {
   std::vector<std::map<std::string, std::string>> out;
-  std::vector<std::map<std::string, std::string>> strategies = {{{"sharding", "FULL_SHARD"}}};
-  if (!reshard_only) strategies.push_back({{"sharding", "SHARD_GRAD_OP"}});
+  std::vector<std::map<std::string, std::string>> strategies = {{{"sharding", "FULL_SHARD"}},
+                                                                {{"sharding", "SHARD_GRAD_OP"}}};
   for (int g = c.per_node; g < c.gpus; g *= 2) {
     if (c.gpus % g == 0) strategies.push_back({{"sharding", "HYBRID_SHARD"}, {"shard_group_size", std::to_string(g)}});
   }
@@ -192,7 +192,7 @@ std::string plan_request(const std::string& request) {
     json rows = json::array();
     int best = -1;
     std::array<double, 5> best_key{};
-    for (const auto& cand : candidates(c, false)) {
+    for (const auto& cand : candidates(c)) {
       Config conf;
       for (const auto& [k, v] : base) conf.set(k, v);
       for (const auto& [k, v] : cand) conf.set(k, v);

@@ -1,4 +1,6 @@
-// src/comm/mpi/mpi_comm.cpp - see mpi_comm.h.
+// src/comm/mpi/mpi_comm.cpp - see mpi_comm.h: the check-in, the collectives on
+// MPI's own non-blocking ones or the point-to-point algorithms (mpi_ring.cpp),
+// split, and the world from the launcher.
 #include "mpi_comm.h"
 
 #include <algorithm>
@@ -20,9 +22,6 @@ namespace {
 
 constexpr int kTagCheck = 1;
 constexpr int kTagVerdict = 2;
-constexpr int kTagData = 3;
-// MPI counts are ints: larger transfers go in pieces of this many bytes.
-constexpr size_t kMaxPiece = size_t(1) << 30;
 // Below this many bytes a reduction takes MPI's own collective (auto): a ring
 // pays world - 1 latencies.
 constexpr size_t kRingMinBytes = size_t(64) << 10;
@@ -58,7 +57,6 @@ uint64_t fnv1a(const std::string& s) {
   return h;
 }
 
-int as_count(size_t n) { return static_cast<int>(n); }  // callers keep n <= kMaxPiece
 
 using base::FineTimerSlack;
 
@@ -195,7 +193,10 @@ bool MpiComm::uses_ring(const char* kind, size_t nbytes) const {
     default:
       // Measured on one host (benchmarks/bench_mpi_collectives): Open MPI's
       // all-gather is as fast as a ring, its reduce-scatter several times slower.
-      if (std::strcmp(kind, "all_gather") == 0) return nbytes / static_cast<size_t>(world_) > kMaxPiece;
+      // Its all-to-all is left to it too (the pairwise exchange is what it runs).
+      if (std::strcmp(kind, "all_gather") == 0 || std::strcmp(kind, "all_to_all") == 0) {
+        return nbytes / static_cast<size_t>(world_) > kMaxPiece;
+      }
       return nbytes >= kRingMinBytes;
   }
 }
@@ -333,8 +334,16 @@ void MpiComm::check_in(const Desc& mine_in) {
   }
 }
 
-void MpiComm::wait_data(std::vector<MPI_Request>& reqs, int peer) {
+void MpiComm::wait_data(std::vector<MPI_Request>& reqs, int peer, const std::vector<int>* peers) {
   if (poll(reqs, base::deadline_after(timeout_s_))) return;
+  if (peers != nullptr) {  // the first transfer still pending names its peer
+    for (size_t i = 0; i < reqs.size(); ++i) {
+      if (reqs[i] != MPI_REQUEST_NULL) {
+        peer = (*peers)[i];
+        break;
+      }
+    }
+  }
   abandon(reqs);
   fail(FSDP_ERR_TIMEOUT, what_ + ": timed out after " + seconds(timeout_s_) + " s waiting for data from " +
                              rank_name(peer) + " (seen from " + rank_name(rank_) +
@@ -363,65 +372,6 @@ void MpiComm::native_sum(void* out, size_t numel, DType dtype, float scale,
   reduce_sum(out, ins, 1, numel, dtype, scale);
 }
 
-void MpiComm::ring_exchange(const void* send, size_t send_nbytes, void* recv, size_t recv_nbytes) {
-  int next = (rank_ + 1) % world_;
-  int prev = (rank_ + world_ - 1) % world_;
-  std::vector<MPI_Request> reqs;
-  {
-    auto guard = mpi::lock();
-    for (size_t off = 0; off < recv_nbytes; off += kMaxPiece) {
-      reqs.push_back(MPI_REQUEST_NULL);
-      MPI_Irecv(static_cast<char*>(recv) + off, as_count(std::min(kMaxPiece, recv_nbytes - off)), MPI_BYTE, prev,
-                kTagData, comm_, &reqs.back());
-    }
-    for (size_t off = 0; off < send_nbytes; off += kMaxPiece) {
-      reqs.push_back(MPI_REQUEST_NULL);
-      MPI_Isend(static_cast<const char*>(send) + off, as_count(std::min(kMaxPiece, send_nbytes - off)), MPI_BYTE, next,
-                kTagData, comm_, &reqs.back());
-    }
-  }
-  wait_data(reqs, prev);
-}
-
-void MpiComm::ring_reduce_scatter(const void* send, void* out, const std::vector<size_t>& first, DType dtype,
-                                  float scale, bool clear) {
-  const size_t es = dtype_size(dtype);
-  const auto len = [&](int c) { return first[static_cast<size_t>(c) + 1] - first[static_cast<size_t>(c)]; };
-  const auto own = [&](int c) { return static_cast<const char*>(send) + first[static_cast<size_t>(c)] * es; };
-  size_t max_len = 0;
-  for (int c = 0; c < world_; ++c) max_len = std::max(max_len, len(c));
-  char* partial = scratch(0, max_len * es);
-  char* incoming = scratch(1, max_len * es);
-  // Step k sends the partial sum of chunk (r-1-k) and receives that of chunk
-  // (r-2-k), adding this rank's part; after world-1 steps chunk r is complete.
-  int c_send = (rank_ + world_ - 1) % world_;
-  for (int k = 0; k < world_ - 1; ++k) {
-    int c_recv = (rank_ + 2 * world_ - 2 - k) % world_;
-    ring_exchange(k == 0 ? own(c_send) : partial, len(c_send) * es, incoming, len(c_recv) * es);
-    if (clear && k == 0) std::memset(const_cast<char*>(own(c_send)), 0, len(c_send) * es);  // sent: MPI is done with it
-    const void* ins[2] = {incoming, own(c_recv)};
-    bool last = k == world_ - 2;
-    // The output may be this rank's own input (all_reduce in place): only
-    // write there when it does not overlap what is read.
-    bool direct = last && (static_cast<const char*>(out) + len(c_recv) * es <= own(c_recv) ||
-                           static_cast<const char*>(out) >= own(c_recv) + len(c_recv) * es);
-    reduce_sum(direct ? out : partial, ins, 2, len(c_recv), dtype, last ? scale : 1.0f);
-    if (clear) std::memset(const_cast<char*>(own(c_recv)), 0, len(c_recv) * es);  // just read, still in cache
-    if (last && !direct) std::memcpy(out, partial, len(c_recv) * es);
-    c_send = c_recv;
-  }
-}
-
-void MpiComm::ring_all_gather(void* buf, const std::vector<size_t>& first) {
-  char* b = static_cast<char*>(buf);
-  for (int k = 0; k < world_ - 1; ++k) {
-    size_t c_send = static_cast<size_t>((rank_ + world_ - k) % world_);
-    size_t c_recv = static_cast<size_t>((rank_ + 2 * world_ - k - 1) % world_);
-    ring_exchange(b + first[c_send], first[c_send + 1] - first[c_send], b + first[c_recv],
-                  first[c_recv + 1] - first[c_recv]);
-  }
-}
-
 void MpiComm::all_gather(const void* send, void* recv, size_t nbytes_per_rank, const std::string& label) {
   collective("all_gather", nbytes_per_rank, -1, -1, -1, label, [&] {
     char* mine = static_cast<char*>(recv) + static_cast<size_t>(rank_) * nbytes_per_rank;
@@ -444,8 +394,8 @@ void MpiComm::all_gather(const void* send, void* recv, size_t nbytes_per_rank, c
 
 void MpiComm::all_to_all(const void* send, void* recv, size_t nbytes_per_rank, const std::string& label) {
   collective("all_to_all", nbytes_per_rank, -1, -1, -1, label, [&] {
-    if (world_ == 1) {
-      std::memcpy(recv, send, nbytes_per_rank);
+    if (world_ == 1 || uses_ring("all_to_all", nbytes_per_rank * static_cast<size_t>(world_))) {
+      pairwise_all_to_all(send, recv, nbytes_per_rank);
       return;
     }
     MPI_Request req = MPI_REQUEST_NULL;

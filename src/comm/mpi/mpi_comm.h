@@ -66,8 +66,17 @@ class MpiComm final : public Communicator {
   // sleeps between polls after a short spin; else it polls at full speed.
   bool poll(std::vector<MPI_Request>& reqs, Clock::time_point deadline, std::shared_ptr<void> buffers = nullptr,
             bool for_peers = false);
-  // Waits for a data transfer of the current collective, or fails naming `peer`.
-  void wait_data(std::vector<MPI_Request>& reqs, int peer);
+  // Waits for a data transfer of the current collective, or fails naming
+  // `peer` (with `peers`, the peer of each request: the first still pending).
+  void wait_data(std::vector<MPI_Request>& reqs, int peer, const std::vector<int>* peers = nullptr);
+  // The point-to-point algorithms (mpi_ring.cpp). Data messages' tag, and
+  // the largest piece one carries: MPI counts are ints.
+  static constexpr int kTagData = 3;
+  static constexpr size_t kMaxPiece = size_t(1) << 30;
+  static int as_count(size_t n) { return static_cast<int>(n); }  // callers keep n <= kMaxPiece
+  // Each rank's part `nbytes` of `send` to its rank, point to point (parts
+  // past MPI's int counts, and mpi_algorithm=ring).
+  void pairwise_all_to_all(const void* send, void* recv, size_t nbytes);
   // Sends `send_nbytes` to the next rank and receives `recv_nbytes` from the
   // previous one (in pieces MPI's int counts can carry).
   void ring_exchange(const void* send, size_t send_nbytes, void* recv, size_t recv_nbytes);
