@@ -518,6 +518,54 @@ FSDP_API fsdp_status_t fsdp_load_pretrained(fsdp_ctx_t* ctx, const char* path, c
  * one full unit. Optimizer state is not written. No unit may be in use. */
 FSDP_API fsdp_status_t fsdp_export(fsdp_ctx_t* ctx, const char* dir, const char* options);
 
+/* ---- checkpoints that do not stall the step ------------------------------ */
+/* docs/checkpoints.md, "Async saves and snapshots in memory". */
+
+/* Collective. fsdp_save(ctx, dir, "sharded") without the wait for the file
+ * system: at the call, the rank's state (fp32 params, optimizer state, step,
+ * learning rate, loss scale; every fsdp_step queued before the call, none
+ * after) is copied into host memory (pinned on a GPU; kept for the next
+ * save and counted as host scratch), and a background thread writes the
+ * same sharded checkpoint as fsdp_save and commits it the same crash-safe
+ * way (staging directory, atomic exchange, fsync): `dir` holds the old
+ * checkpoint or the new one, never a mix. Training may go on meanwhile. A
+ * second fsdp_save_async, fsdp_save, fsdp_load, fsdp_load_partial or
+ * fsdp_restore first waits for this one; if it failed and no call reported
+ * that yet, that call fails with its error (naming the rank and file, the
+ * same on every rank) and does nothing else. No unit may be in use. */
+FSDP_API fsdp_status_t fsdp_save_async(fsdp_ctx_t* ctx, const char* dir);
+/* Local. Waits for the last fsdp_save_async's background write and commit;
+ * FSDP_OK, or its error (once: a later wait returns FSDP_OK). FSDP_OK at
+ * once when none is pending. Destroying the context waits as well (and logs
+ * an error no call reported). */
+FSDP_API fsdp_status_t fsdp_save_wait(fsdp_ctx_t* ctx);
+
+/* Collective. Copies the rank's state (what fsdp_save writes) into a
+ * snapshot under `path`, a directory that every process of the job on this
+ * node sees, best on a memory file system (/dev/shm/<job>): per rank,
+ * path/rank<R>/ holds two slots, each a sharded checkpoint of the rank's
+ * shard, and a marker naming the slots that are whole and their steps. The
+ * copy goes into the slot that is not the newest, and the marker is replaced
+ * (rename) only once it is whole, so a process killed mid-copy leaves the
+ * previous snapshot restorable. Not crash-safe across a reboot or power loss
+ * on a memory file system (it is a copy in RAM). No unit may be in use. */
+FSDP_API fsdp_status_t fsdp_snapshot(fsdp_ctx_t* ctx, const char* path);
+typedef enum fsdp_restore_source {
+  FSDP_RESTORED_NOTHING = 0,    /* neither: the state is as it was */
+  FSDP_RESTORED_SNAPSHOT = 1,   /* from fsdp_snapshot's memory copy */
+  FSDP_RESTORED_CHECKPOINT = 2  /* from the checkpoint at checkpoint_dir */
+} fsdp_restore_source_t;
+/* Collective, for a process of the same job (same world size, same rank)
+ * started after another stopped: restores the newest step that every rank's
+ * snapshot under `path` holds whole (params, optimizer state, step, learning
+ * rate, loss scale, as fsdp_load does), or, when there is none (a rank's
+ * snapshot missing, deleted or of another step, or it failed its checksums),
+ * loads the checkpoint at `checkpoint_dir`; with neither it changes nothing.
+ * `path` or `checkpoint_dir` may be NULL or "" (not looked at). *source
+ * (if not NULL) receives what was restored; rank 0 logs it and why. A
+ * checkpoint that exists but does not load is an error (fsdp_load's). */
+FSDP_API fsdp_status_t fsdp_restore(fsdp_ctx_t* ctx, const char* path, const char* checkpoint_dir, int* source);
+
 /* ---- observe ------------------------------------------------------------- */
 
 /* Bytes this rank holds, by category. Set struct_size = sizeof(the struct) before

@@ -238,6 +238,22 @@ inline void write_meta_consistently(const std::string& dir, const std::string& t
   write_file(dir + "/fsdp_checkpoint.json.crc32", crc);
 }
 
+// Where tensor `name`'s data starts in safetensors file `path`.
+inline uint64_t data_offset(const std::string& path, const std::string& name) {
+  std::string bytes = read_file(path);
+  uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = (n << 8) | uint8_t(bytes.at(size_t(i)));
+  auto h = nlohmann::json::parse(bytes.substr(8, n));
+  return 8 + n + h[name]["data_offsets"][0].get<uint64_t>();
+}
+
+// Damages one byte of a file.
+inline void flip_byte(const std::string& path, uint64_t at) {
+  std::string b = read_file(path);
+  b.at(at) ^= 0x10;
+  write_file(path, b);
+}
+
 inline void copy_dir(const std::string& from, const std::string& to) {
   std::filesystem::remove_all(to);
   std::filesystem::copy(from, to, std::filesystem::copy_options::recursive);

@@ -300,20 +300,6 @@ TEST(Checkpoint, FullModelReadsBackWithAnIndependentReader) {
 // ---- damage --------------------------------------------------------------------------
 
 // Byte offset of tensor `name`'s data in a safetensors file (independent parse).
-uint64_t data_offset(const std::string& path, const std::string& name) {
-  std::string bytes = read_file(path);
-  uint64_t n = 0;
-  for (int i = 7; i >= 0; --i) n = (n << 8) | uint8_t(bytes.at(size_t(i)));
-  auto h = nlohmann::json::parse(bytes.substr(8, n));
-  return 8 + n + h[name]["data_offsets"][0].get<uint64_t>();
-}
-
-void flip_byte(const std::string& path, uint64_t at) {
-  std::string b = read_file(path);
-  b.at(at) ^= 0x10;
-  write_file(path, b);
-}
-
 struct Damage {
   std::string name;
   std::function<void(const std::string& dir)> apply;

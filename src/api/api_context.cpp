@@ -263,6 +263,40 @@ fsdp_status_t fsdp_save(fsdp_ctx_t* ctx, const char* dir, const char* kind) {
   });
 }
 
+fsdp_status_t fsdp_save_async(fsdp_ctx_t* ctx, const char* dir) {
+  return guard([&] {
+    require(ctx, "fsdp_save_async", "ctx");
+    require(dir, "fsdp_save_async", "dir");
+    ctx_of(ctx)->check_live("fsdp_save_async");
+    ctx_of(ctx)->save_async(dir);
+  });
+}
+
+fsdp_status_t fsdp_save_wait(fsdp_ctx_t* ctx) {
+  return guard([&] {
+    require(ctx, "fsdp_save_wait", "ctx");
+    ctx_of(ctx)->save_wait();
+  });
+}
+
+fsdp_status_t fsdp_snapshot(fsdp_ctx_t* ctx, const char* path) {
+  return guard([&] {
+    require(ctx, "fsdp_snapshot", "ctx");
+    require(path, "fsdp_snapshot", "path");
+    ctx_of(ctx)->check_live("fsdp_snapshot");
+    ctx_of(ctx)->snapshot(path);
+  });
+}
+
+fsdp_status_t fsdp_restore(fsdp_ctx_t* ctx, const char* path, const char* checkpoint_dir, int* source) {
+  return guard([&] {
+    require(ctx, "fsdp_restore", "ctx");
+    ctx_of(ctx)->check_live("fsdp_restore");
+    int got = ctx_of(ctx)->restore(path == nullptr ? "" : path, checkpoint_dir == nullptr ? "" : checkpoint_dir);
+    if (source != nullptr) *source = got;
+  });
+}
+
 fsdp_status_t fsdp_load(fsdp_ctx_t* ctx, const char* dir) {
   return guard([&] {
     require(ctx, "fsdp_load", "ctx");

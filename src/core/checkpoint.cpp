@@ -22,72 +22,11 @@
 #include "../ckpt/pretrained.h"
 #include "../ckpt/reader.h"
 #include "../ckpt/safetensors.h"
+#include "ckpt_stage.h"
 #include "consensus.h"
 #include "context.h"
 
 namespace fsdp::core {
-namespace {
-
-constexpr size_t kStageBytes = 8u << 20;
-
-// Host memory that a device's memory is staged through for files: the
-// device's own host memory (pinned on a GPU, which copies to and from it at
-// full speed), taken on first use and grown as asked.
-class HostStage {
- public:
-  // Counted in `tracker` (scratch, host pool) where one is given.
-  explicit HostStage(const device::Device& dev, MemoryTracker* tracker = nullptr)
-      : mem_(dev.host_memory()), tracker_(tracker) {}
-  ~HostStage() { release(); }
-  HostStage(const HostStage&) = delete;
-  HostStage& operator=(const HostStage&) = delete;
-  // At least `nbytes` (the contents are not kept when it grows).
-  void* get(size_t nbytes) {
-    if (nbytes > nbytes_) {
-      release();
-      data_ = mem_.alloc(nbytes);
-      if (data_ == nullptr) {
-        fail(FSDP_ERR_OUT_OF_MEMORY, "checkpoint: could not allocate " + std::to_string(nbytes) +
-                                         " bytes of host memory to stage device memory through");
-      }
-      nbytes_ = nbytes;
-      if (tracker_ != nullptr) tracker_->add(MemCategory::kScratch, device::Pool::kHost, nbytes_);
-    }
-    return data_;
-  }
-
- private:
-  void release() {
-    if (data_ == nullptr) return;
-    mem_.free(data_);
-    if (tracker_ != nullptr) tracker_->sub(MemCategory::kScratch, device::Pool::kHost, nbytes_);
-    data_ = nullptr;
-    nbytes_ = 0;
-  }
-  device::HostMemory mem_;
-  MemoryTracker* tracker_;
-  void* data_ = nullptr;
-  size_t nbytes_ = 0;
-};
-
-// Streams `nbytes` of `dev` memory into the writer (staged through `stage`
-// in pieces when the device's memory is not host-visible).
-
-void write_from(ckpt::Writer& w, device::Device* dev, HostStage& stage, const void* src, size_t nbytes) {
-  if (dev->host_visible()) {
-    w.write(src, nbytes);
-    return;
-  }
-  size_t piece = std::min(nbytes, kStageBytes);
-  char* buf = static_cast<char*>(stage.get(piece));
-  for (size_t off = 0; off < nbytes; off += piece) {
-    size_t k = std::min(piece, nbytes - off);
-    dev->copy_to_host(buf, static_cast<const char*>(src) + off, k);
-    w.write(buf, k);
-  }
-}
-
-}  // namespace
 
 ckpt::Meta Context::checkpoint_meta(const std::string& kind) const {
   const Options& o = rt_.opts;
@@ -133,26 +72,33 @@ ckpt::Meta Context::checkpoint_meta(const std::string& kind) const {
   return m;
 }
 
-std::vector<ckpt::FileRecord> Context::write_shard_file(const std::string& staged, const ckpt::Meta& meta) {
-  // One file per shard of the shard group: replicas (HYBRID_SHARD's other
-  // groups, NO_SHARD's other ranks) hold the same shards and write nothing.
-  if (rt_.rank >= rt_.shard_world()) return {};
+std::vector<Context::StateSegment> Context::shard_segments() const {
+  std::vector<StateSegment> segs;
+  for (size_t k = 0; k < units_.size(); ++k) {
+    segs.push_back({units_[k]->master(), units_[k]->shard_numel() * sizeof(float)});
+    if (!units_[k]->trainable()) continue;  // frozen: no optimizer state
+    for (size_t i = 0; i < optimizer_.state_names().size(); ++i) {  // the trainable block's slice
+      segs.push_back({optimizer_.state(k, i).data(), units_[k]->trainable_shard_numel() * sizeof(float)});
+    }
+  }
+  return segs;
+}
+
+ckpt::FileRecord Context::write_shard_file(const std::string& staged, const ckpt::Meta& meta,
+                                           const std::vector<StateSegment>& segs, device::Device* dev) {
   if (ckpt::inject_io_error(rt_.rank)) {
     fail(FSDP_ERR_IO, "cannot write " +
                           base::quote_path(ckpt::join(staged, ckpt::shard_file(rt_.shard_rank(), meta.shard_world))) +
                           ": injected by FSDP_CKPT_FAULT");
   }
   std::unique_ptr<ckpt::Writer> w = ckpt::create_shard_file(staged, meta, rt_.shard_rank());
-  HostStage stage(*rt_.state_dev, &rt_.mem);
-  for (size_t k = 0; k < units_.size(); ++k) {
-    write_from(*w, rt_.state_dev, stage, units_[k]->master(), units_[k]->shard_numel() * sizeof(float));
-    if (!units_[k]->trainable()) continue;  // frozen: no optimizer state
-    for (size_t i = 0; i < meta.optimizer.state.size(); ++i) {  // the trainable block's slice
-      write_from(*w, rt_.state_dev, stage, optimizer_.state(k, i).data(),
-                 units_[k]->trainable_shard_numel() * sizeof(float));
-    }
+  if (dev == nullptr) {
+    for (const StateSegment& s : segs) w->write(s.data, s.nbytes);
+  } else {
+    HostStage stage(*dev, &rt_.mem);
+    for (const StateSegment& s : segs) write_from(*w, dev, stage, s.data, s.nbytes);
   }
-  return {w->finish()};
+  return w->finish();
 }
 
 std::vector<ckpt::FileRecord> Context::write_full_files(const std::string& staged, const ckpt::Meta& meta,
@@ -209,6 +155,7 @@ std::vector<ckpt::FileRecord> Context::write_full_files(const std::string& stage
 
 void Context::save(const std::string& dir, const std::string& kind) {
   check_no_unit_in_use("fsdp_save");
+  settle_async("fsdp_save");
   agree(*rt_.comm, "fsdp_save", "kind=" + kind + "\ndir=" + dir);
   if (kind != "sharded" && kind != "full") {
     fail(FSDP_ERR_INVALID_ARGUMENT, "fsdp_save: kind must be \"sharded\" or \"full\", not " + base::quote(kind));
@@ -220,24 +167,40 @@ void Context::save(const std::string& dir, const std::string& kind) {
   if (kind == "full") full = ckpt::full_entries(meta, "fsdp_save");
   TraceScope scope(rt_.trace, "save");
   const std::string what = "fsdp_save to " + base::quote_path(dir);
-  std::string staged = ckpt::staging_dir(dir);
-  bool root = rt_.rank == 0;
-  Outcome prep = capture([&] {
-    if (!root) return;
-    std::string note = ckpt::prepare_staging(dir, "fsdp_save");
-    if (!note.empty()) base::log(FSDP_LOG_WARN, rt_.rank, "fsdp_save: " + note);
-  });
-  check_outcomes(*rt_.comm, what + " (preparing " + staged + ")", prep.status, prep.message);
+  const std::string staged = prepare_save(dir, what, "fsdp_save");
 
   std::vector<ckpt::FileRecord> mine;
   Outcome wrote = capture([&] {
-    mine = kind == "sharded" ? write_shard_file(staged, meta) : write_full_files(staged, meta, std::move(full));
+    // One file per shard of the shard group: replicas (HYBRID_SHARD's other
+    // groups, NO_SHARD's other ranks) hold the same shards and write nothing.
+    if (kind == "full") {
+      mine = write_full_files(staged, meta, std::move(full));
+    } else if (rt_.rank < rt_.shard_world()) {
+      mine = {write_shard_file(staged, meta, shard_segments(), rt_.state_dev)};
+    }
   });
-  Outcome commit;
+  finish_save(*rt_.comm, what, dir, std::move(meta), wrote, mine);
+}
+
+std::string Context::prepare_save(const std::string& dir, const std::string& what, const char* call) {
+  const std::string staged = ckpt::staging_dir(dir);
+  Outcome prep = capture([&] {
+    if (rt_.rank != 0) return;
+    std::string note = ckpt::prepare_staging(dir, call);
+    if (!note.empty()) base::log(FSDP_LOG_WARN, rt_.rank, std::string(call) + ": " + note);
+  });
+  check_outcomes(*rt_.comm, what + " (preparing " + staged + ")", prep.status, prep.message);
+  return staged;
+}
+
+void Context::finish_save(comm::Communicator& comm, const std::string& what, const std::string& dir, ckpt::Meta meta,
+                          const Outcome& wrote, const std::vector<ckpt::FileRecord>& mine) const {
+  const std::string staged = ckpt::staging_dir(dir);
+  const bool root = rt_.rank == 0;
   try {
-    check_outcomes(*rt_.comm, what, wrote.status, wrote.message);
-    std::vector<std::string> recs = gather_strings(*rt_.comm, ckpt::files_to_json(mine), what + " (file records)");
-    commit = capture([&] {
+    check_outcomes(comm, what, wrote.status, wrote.message);
+    std::vector<std::string> recs = gather_strings(comm, ckpt::files_to_json(mine), what + " (file records)");
+    Outcome commit = capture([&] {
       if (!root) return;
       for (const std::string& r : recs) {
         for (ckpt::FileRecord& f : ckpt::files_from_json(r)) meta.files.push_back(std::move(f));
@@ -247,7 +210,7 @@ void Context::save(const std::string& dir, const std::string& kind) {
       if (!warning.empty())
         base::log(FSDP_LOG_WARN, rt_.rank, "fsdp_save to " + base::quote_path(dir) + " succeeded, but " + warning);
     });
-    check_outcomes(*rt_.comm, what + " (commit)", commit.status, commit.message);
+    check_outcomes(comm, what + " (commit)", commit.status, commit.message);
   } catch (const Error&) {
     // The previous checkpoint at `dir` is untouched; the partial one goes.
     if (root) {
@@ -418,12 +381,14 @@ std::vector<long> state_fresh_at(const ckpt::Meta& meta, const std::vector<ckpt:
 
 }  // namespace
 
-void Context::load(const std::string& dir, bool strict) {
+void Context::load(const std::string& dir, bool strict, const std::string& label) {
   const char* call = strict ? "fsdp_load" : "fsdp_load_partial";
   check_no_unit_in_use(call);
-  agree(*rt_.comm, call, "dir=" + dir);
+  settle_async(call);
+  if (label.empty()) agree(*rt_.comm, call, "dir=" + dir);
   TraceScope scope(rt_.trace, "load");
-  const std::string what = std::string(call) + " from " + base::quote_path(dir);
+  // The label of its collectives, the same on every rank.
+  const std::string what = label.empty() ? std::string(call) + " from " + base::quote_path(dir) : label;
   // Gathered params would be stale after the load; queued reductions write
   // the grads that the load resets.
   settle_units();

@@ -13,6 +13,7 @@
 #include "../base/text.h"
 #include "../device/cpu/cpu_device.h"
 #include "../device/factory.h"
+#include "async_save.h"
 #include "consensus.h"
 #include "device_plane.h"
 

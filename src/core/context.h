@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "../base/error.h"
 #include "../ckpt/files.h"
 #include "../comm/communicator.h"
 #include "../comm/counting.h"
@@ -22,6 +23,8 @@ struct ParamRef;  // ckpt/reader.h
 }  // namespace fsdp::ckpt
 
 namespace fsdp::core {
+
+struct AsyncSave;  // async_save.h
 
 class Context {
  public:
@@ -89,7 +92,18 @@ class Context {
   // strict=false: the params the checkpoint lacks keep their values and
   // state, the ones it has that are not registered are ignored; what was
   // left out is in load_report() (after every load that succeeded).
-  void load(const std::string& dir, bool strict = true);
+  // With a `label` (what its collectives and errors are called), each rank
+  // loads its own directory (fsdp_restore's snapshot, one per rank).
+  void load(const std::string& dir, bool strict = true, const std::string& label = "");
+  // checkpoint_async.cpp. Collective: fsdp_save_async (a sharded save from
+  // a copy of the state, written in the background). Local: fsdp_save_wait
+  // (throws the background save's error, once).
+  void save_async(const std::string& dir);
+  void save_wait();
+  // Collective: fsdp_snapshot, and fsdp_restore (returns what it restored:
+  // an fsdp_restore_source_t).
+  void snapshot(const std::string& path);
+  int restore(const std::string& path, const std::string& checkpoint_dir);
   const std::string& load_report() const { return load_report_; }
   // fsdp_load_pretrained: params from safetensors files written by anything
   // (by name through `options`: ckpt/pretrained.h), optimizer state fresh.
@@ -146,7 +160,26 @@ class Context {
   // checkpoint.cpp: the metadata of this context's state, and the files this
   // rank writes into the staging directory.
   ckpt::Meta checkpoint_meta(const std::string& kind) const;
-  std::vector<ckpt::FileRecord> write_shard_file(const std::string& staged, const ckpt::Meta& meta);
+  // The shard file's contents in writing order: each unit's master shard,
+  // then its optimizer states' slices (state-device memory).
+  struct StateSegment {
+    const void* data;
+    size_t nbytes;
+  };
+  std::vector<StateSegment> shard_segments() const;
+  // Writes this rank's shard file (of its shard_rank) from `segs`, memory of
+  // `dev` (the host's when null).
+  ckpt::FileRecord write_shard_file(const std::string& staged, const ckpt::Meta& meta,
+                                    const std::vector<StateSegment>& segs, device::Device* dev);
+  // A save's collective start (rank 0 readies the staging directory; returns
+  // it) and end (every rank's outcome of writing, the file records, rank 0's
+  // metadata and commit, over `comm`; on failure the staging directory goes).
+  std::string prepare_save(const std::string& dir, const std::string& what, const char* call);
+  void finish_save(comm::Communicator& comm, const std::string& what, const std::string& dir, ckpt::Meta meta,
+                   const Outcome& wrote, const std::vector<ckpt::FileRecord>& mine) const;
+  // Waits for a background save (fsdp_save_async); throws its error if no
+  // call reported it yet. Checkpoint calls run this first.
+  void settle_async(const char* call);
   std::vector<ckpt::FileRecord> write_full_files(const std::string& staged, const ckpt::Meta& meta,
                                                  ckpt::FullEntries entries);
   // Where each registered param comes from in a checkpoint: the same units in
@@ -189,6 +222,9 @@ class Context {
   std::unique_ptr<device::Stream> gather_stream_;  // with gather_comm_
   std::unique_ptr<SyncComm> sync_world_;
   std::unique_ptr<SyncComm> sync_shard_;
+  // Last: destroyed first, it waits for its background save (which uses the
+  // state above only through its own copy and communicator).
+  std::unique_ptr<AsyncSave> async_;
 };
 
 }  // namespace fsdp::core

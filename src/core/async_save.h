@@ -1,0 +1,73 @@
+// src/core/async_save.h - AsyncSave: what fsdp_save_async keeps between
+// calls: the host copy of the rank's state that the background save writes
+// from (pinned on a GPU, kept and reused by the next save), the thread that
+// writes it, the communicator that thread agrees on the commit over (split
+// from the world, so that it never interleaves with training's collectives),
+// and the outcome until a call reports it. Private to src/core.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "../base/error.h"
+#include "../base/log.h"
+#include "../comm/communicator.h"
+#include "../device/device.h"
+#include "memory.h"
+
+namespace fsdp::core {
+
+struct AsyncSave {
+  AsyncSave(device::HostMemory host, MemoryTracker* counted_in, int of_rank)
+      : mem(host), tracker(counted_in), rank(of_rank) {}
+  ~AsyncSave() {
+    join();
+    if (!outcome.ok()) {
+      base::log(FSDP_LOG_WARN, rank,
+                "the context was destroyed before fsdp_save_wait reported that " + what + " failed: " + outcome.message);
+    }
+    release();
+  }
+  AsyncSave(const AsyncSave&) = delete;
+  AsyncSave& operator=(const AsyncSave&) = delete;
+
+  void join() {
+    if (thread.joinable()) thread.join();
+  }
+  // At least `nbytes` of host memory for the copy (contents not kept when it grows).
+  char* copy_buffer(size_t nbytes) {
+    if (nbytes > cap) {
+      release();
+      buf = static_cast<char*>(mem.alloc(nbytes));
+      if (buf == nullptr) {
+        fail(FSDP_ERR_OUT_OF_MEMORY, "fsdp_save_async: could not allocate " + std::to_string(nbytes) +
+                                         " bytes of host memory for the copy of the state");
+      }
+      cap = nbytes;
+      tracker->add(MemCategory::kScratch, device::Pool::kHost, cap);
+    }
+    return buf;
+  }
+
+  device::HostMemory mem;
+  MemoryTracker* tracker;
+  int rank;
+  std::unique_ptr<comm::Communicator> comm;  // the background thread's
+  std::thread thread;
+  std::string what;  // "fsdp_save_async to DIR" of the last save
+  Outcome outcome;   // of the last save, once joined; reset when reported
+
+ private:
+  void release() {
+    if (buf == nullptr) return;
+    mem.free(buf);
+    tracker->sub(MemCategory::kScratch, device::Pool::kHost, cap);
+    buf = nullptr;
+    cap = 0;
+  }
+  char* buf = nullptr;
+  size_t cap = 0;
+};
+
+}  // namespace fsdp::core

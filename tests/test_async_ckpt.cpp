@@ -1,0 +1,435 @@
+// Proves fsdp_save_async / fsdp_save_wait and fsdp_snapshot / fsdp_restore:
+// the async save writes the same shard files as fsdp_save of the state at
+// its call while training goes on; its errors reach every rank at the wait
+// or at the next checkpoint call; a snapshot restores bitwise and resumes
+// training exactly as the uninterrupted run; a restore falls back to the disk
+// checkpoint when a rank's snapshot is gone or of another step; and
+// SIGKILLs at random points of the snapshot copy and of the background write
+// never leave a state that loads as something other than the step it claims.
+// The reference of every claim is the same training run uninterrupted, in
+// this process (tests/ckpt_util.h), gathered after each step.
+#include <signal.h>
+#include <sys/wait.h>
+
+#include <chrono>
+#include <random>
+#include <thread>
+
+#include "ckpt_util.h"
+
+using namespace fsdp_test;
+
+namespace {
+
+const Net kNet = Net::make(3, 10);
+
+std::map<std::string, std::string> options_for(const std::string& sharding, int world) {
+  auto o = base_options(sharding);
+  if (sharding == "HYBRID_SHARD") o["shard_group_size"] = std::to_string(world / 2);
+  return o;
+}
+
+// The uninterrupted run's gathered state after steps 0..n (index = steps done).
+std::vector<State> reference_states(const Net& net, int world, const std::string& sharding, uint64_t seed, int n) {
+  std::vector<State> ref(static_cast<size_t>(n) + 1);
+  run_ranks(world, [&](int rank, fsdp_local_group_t* group) {
+    Job job;
+    open_job(job, net, options_for(sharding, world), rank, group);
+    ASSERT_NO_FATAL_FAILURE(set_state(job, make_init(net, seed)));
+    for (int s = 0; s <= n; ++s) {
+      if (s > 0) {
+        ASSERT_NO_FATAL_FAILURE(train(job, net, s - 1, s, world, rank));
+      }
+      State st = gather(job, net);
+      if (rank == 0) ref[size_t(s)] = st;
+    }
+  });
+  return ref;
+}
+
+uint64_t step_of(Job& job) {
+  uint64_t step = 0;
+  EXPECT_OK(fsdp_ctx_step(job.ctx.get(), &step));
+  return step;
+}
+
+struct Case {
+  int world;
+  std::string sharding;
+};
+
+std::string case_name(const ::testing::TestParamInfo<Case>& i) {
+  return "world" + std::to_string(i.param.world) + "_" + i.param.sharding;
+}
+
+std::vector<Case> cases() {
+  return {{1, "FULL_SHARD"}, {2, "FULL_SHARD"}, {3, "SHARD_GRAD_OP"}, {4, "FULL_SHARD"}, {4, "HYBRID_SHARD"}};
+}
+
+class AsyncSave : public ::testing::TestWithParam<Case> {};
+
+// The background save holds the state at the call, though training goes on
+// at once; its shard files are byte for byte fsdp_save's of that state, and
+// a fresh context loads it bitwise and trains on exactly as the saver did.
+TEST_P(AsyncSave, WritesTheStateAtTheCallWhileTrainingGoesOn) {
+  const Case c = GetParam();
+  const auto ref = reference_states(kNet, c.world, c.sharding, 3, 6);
+  TempDir tmp;
+  const std::string async_dir = tmp / "async", sync_dir = tmp / "sync";
+  run_ranks(c.world, [&](int rank, fsdp_local_group_t* group) {
+    {
+      Job job;
+      open_job(job, kNet, options_for(c.sharding, c.world), rank, group);
+      ASSERT_NO_FATAL_FAILURE(set_state(job, make_init(kNet, 3)));
+      ASSERT_NO_FATAL_FAILURE(train(job, kNet, 0, 3, c.world, rank));
+      ASSERT_OK(fsdp_save_async(job.ctx.get(), async_dir.c_str()));
+      ASSERT_NO_FATAL_FAILURE(train(job, kNet, 3, 5, c.world, rank));  // while it writes
+      ASSERT_OK(fsdp_save_wait(job.ctx.get()));
+      ASSERT_OK(fsdp_save_wait(job.ctx.get()));  // nothing pending: OK at once
+      EXPECT_TRUE(bitwise_equal(gather(job, kNet), ref[5]));
+    }
+    {  // the same state saved synchronously, for the files' bytes
+      Job job;
+      open_job(job, kNet, options_for(c.sharding, c.world), rank, group);
+      ASSERT_NO_FATAL_FAILURE(set_state(job, make_init(kNet, 3)));
+      ASSERT_NO_FATAL_FAILURE(train(job, kNet, 0, 3, c.world, rank));
+      ASSERT_OK(fsdp_save(job.ctx.get(), sync_dir.c_str(), "sharded"));
+    }
+    Job loader;
+    open_job(loader, kNet, options_for(c.sharding, c.world), rank, group);
+    ASSERT_OK(fsdp_load(loader.ctx.get(), async_dir.c_str()));
+    EXPECT_EQ(step_of(loader), 3u);
+    EXPECT_TRUE(bitwise_equal(gather(loader, kNet), ref[3]));
+    ASSERT_NO_FATAL_FAILURE(train(loader, kNet, 3, 6, c.world, rank));
+    EXPECT_TRUE(bitwise_equal(gather(loader, kNet), ref[6]));
+  });
+  size_t shard_files = 0;
+  for (const auto& e : std::filesystem::directory_iterator(sync_dir)) {
+    const std::string name = e.path().filename();
+    if (name.rfind("shard-", 0) != 0) continue;
+    ++shard_files;
+    EXPECT_EQ(read_file(async_dir + "/" + name), read_file(e.path())) << name;
+  }
+  EXPECT_GT(shard_files, 0u);
+  EXPECT_EQ(nlohmann::json::parse(read_file(async_dir + "/fsdp_checkpoint.json")),
+            nlohmann::json::parse(read_file(sync_dir + "/fsdp_checkpoint.json")));
+}
+
+// A second async save waits for the first; each commits whole, the last wins.
+TEST_P(AsyncSave, ASecondSaveWaitsForTheFirst) {
+  const Case c = GetParam();
+  const auto ref = reference_states(kNet, c.world, c.sharding, 4, 4);
+  TempDir tmp;
+  const std::string a = tmp / "a", b = tmp / "b";
+  run_ranks(c.world, [&](int rank, fsdp_local_group_t* group) {
+    {
+      Job job;
+      open_job(job, kNet, options_for(c.sharding, c.world), rank, group);
+      ASSERT_NO_FATAL_FAILURE(set_state(job, make_init(kNet, 4)));
+      ASSERT_NO_FATAL_FAILURE(train(job, kNet, 0, 1, c.world, rank));
+      ASSERT_OK(fsdp_save_async(job.ctx.get(), a.c_str()));
+      ASSERT_NO_FATAL_FAILURE(train(job, kNet, 1, 2, c.world, rank));
+      ASSERT_OK(fsdp_save_async(job.ctx.get(), a.c_str()));  // the same directory: replaced whole
+      ASSERT_OK(fsdp_save_async(job.ctx.get(), b.c_str()));
+      ASSERT_NO_FATAL_FAILURE(train(job, kNet, 2, 4, c.world, rank));
+      // No wait: destroying the context finishes the save.
+    }
+    for (const auto& [dir, step] : {std::pair<std::string, int>{a, 2}, {b, 2}}) {
+      Job loader;
+      open_job(loader, kNet, options_for(c.sharding, c.world), rank, group);
+      ASSERT_OK(fsdp_load(loader.ctx.get(), dir.c_str()));
+      EXPECT_EQ(step_of(loader), uint64_t(step));
+      EXPECT_TRUE(bitwise_equal(gather(loader, kNet), ref[size_t(step)]));
+    }
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Checkpoint, AsyncSave, ::testing::ValuesIn(cases()), case_name);
+
+// A write that fails on one rank fails every rank's wait with that rank's
+// error (naming the file); the wait reports it once; the previous checkpoint
+// stays. Unwaited, the next checkpoint call reports it instead and does
+// nothing else; the one after works.
+TEST(AsyncSaveErrors, ReachEveryRankAtTheWaitOrTheNextCall) {
+  TempDir tmp;
+  const std::string dir = tmp / "ck";
+  const auto ref = reference_states(kNet, 3, "FULL_SHARD", 5, 2);
+  Meeting env(3), env2(3);
+  run_ranks(3, [&](int rank, fsdp_local_group_t* group) {
+    {
+      Job job;
+      open_job(job, kNet, base_options("FULL_SHARD"), rank, group);
+      ASSERT_NO_FATAL_FAILURE(set_state(job, make_init(kNet, 5)));
+      ASSERT_NO_FATAL_FAILURE(train(job, kNet, 0, 1, 3, rank));
+      ASSERT_OK(fsdp_save(job.ctx.get(), dir.c_str(), "sharded"));
+      ASSERT_NO_FATAL_FAILURE(train(job, kNet, 1, 2, 3, rank));
+      env.meet(rank, [] { setenv("FSDP_CKPT_FAULT", "io_error_rank=2", 1); });
+      ASSERT_OK(fsdp_save_async(job.ctx.get(), dir.c_str()));  // the copy is taken; the write fails later
+      EXPECT_EQ(fsdp_save_wait(job.ctx.get()), FSDP_ERR_IO);
+      std::string msg = last_error_str();
+      EXPECT_NE(msg.find("rank 2"), std::string::npos) << msg;
+      EXPECT_NE(msg.find("shard-00002-of-00003.safetensors"), std::string::npos) << msg;
+      EXPECT_OK(fsdp_save_wait(job.ctx.get()));  // reported once
+      ASSERT_OK(fsdp_save_async(job.ctx.get(), dir.c_str()));
+      fsdp_status_t st = fsdp_save(job.ctx.get(), (tmp / "other").c_str(), "sharded");
+      msg = last_error_str();
+      EXPECT_EQ(st, FSDP_ERR_IO) << msg;
+      EXPECT_NE(msg.find("fsdp_save: the earlier fsdp_save_async"), std::string::npos) << msg;
+      EXPECT_FALSE(std::filesystem::exists(tmp / "other")) << "the call that reported the error wrote anyway";
+      env2.meet(rank, [] { unsetenv("FSDP_CKPT_FAULT"); });
+      ASSERT_OK(fsdp_save(job.ctx.get(), (tmp / "other").c_str(), "sharded"));  // the one after works
+    }
+    Job loader;
+    open_job(loader, kNet, base_options("FULL_SHARD"), rank, group);
+    ASSERT_OK(fsdp_load(loader.ctx.get(), dir.c_str()));
+    EXPECT_EQ(step_of(loader), 1u) << "the failed saves replaced the previous checkpoint";
+    EXPECT_TRUE(bitwise_equal(gather(loader, kNet), ref[1]));
+    ASSERT_OK(fsdp_load(loader.ctx.get(), (tmp / "other").c_str()));
+    EXPECT_EQ(step_of(loader), 2u);
+    EXPECT_TRUE(bitwise_equal(gather(loader, kNet), ref[2]));
+  });
+}
+
+TEST(AsyncSaveErrors, BadArgumentsAreRefused) {
+  run_ranks(2, [&](int rank, fsdp_local_group_t* group) {
+    Job job;
+    open_job(job, kNet, base_options("FULL_SHARD"), rank, group);
+    EXPECT_EQ(fsdp_save_async(job.ctx.get(), nullptr), FSDP_ERR_INVALID_ARGUMENT);
+    EXPECT_EQ(fsdp_save_async(nullptr, "x"), FSDP_ERR_INVALID_ARGUMENT);
+    EXPECT_EQ(fsdp_save_wait(nullptr), FSDP_ERR_INVALID_ARGUMENT);
+    EXPECT_EQ(fsdp_snapshot(job.ctx.get(), nullptr), FSDP_ERR_INVALID_ARGUMENT);
+    EXPECT_EQ(fsdp_save_async(job.ctx.get(), ""), FSDP_ERR_INVALID_ARGUMENT);
+    EXPECT_EQ(fsdp_snapshot(job.ctx.get(), ""), FSDP_ERR_INVALID_ARGUMENT);
+    EXPECT_OK(fsdp_save_wait(job.ctx.get()));
+    ASSERT_OK(fsdp_forward_begin(job.units[0], job.host.stream()));
+    fsdp_status_t st = fsdp_save_async(job.ctx.get(), "/nonexistent/never");
+    EXPECT_EQ(st, FSDP_ERR_INVALID_STATE) << last_error_str();
+    st = fsdp_snapshot(job.ctx.get(), "/nonexistent/never");
+    EXPECT_EQ(st, FSDP_ERR_INVALID_STATE) << last_error_str();
+    ASSERT_OK(fsdp_forward_end(job.units[0], job.host.stream()));
+    // Ranks that disagree on the directory fail together.
+    TempDir tmp;
+    st = fsdp_save_async(job.ctx.get(), (tmp / ("r" + std::to_string(rank))).c_str());
+    EXPECT_EQ(st, FSDP_ERR_MISMATCH) << last_error_str();
+  });
+}
+
+// ---- snapshots ------------------------------------------------------------------------
+
+class Snapshot : public ::testing::TestWithParam<Case> {};
+
+// Two snapshots (steps 3 and 5, one per slot), then a step more; fresh
+// contexts restore step 5 bitwise and train on exactly as the run did. With
+// one rank's snapshot deleted they fall back to the disk checkpoint (step 3),
+// and with neither they keep their state.
+TEST_P(Snapshot, RestoresTheNewestCommonStepOrFallsBack) {
+  const Case c = GetParam();
+  const auto ref = reference_states(kNet, c.world, c.sharding, 6, 7);
+  TempDir tmp;
+  const std::string shm = tmp / "shm", ck = tmp / "ck";
+  Meeting lose(c.world);
+  run_ranks(c.world, [&](int rank, fsdp_local_group_t* group) {
+    {
+      Job job;
+      open_job(job, kNet, options_for(c.sharding, c.world), rank, group);
+      ASSERT_NO_FATAL_FAILURE(set_state(job, make_init(kNet, 6)));
+      ASSERT_NO_FATAL_FAILURE(train(job, kNet, 0, 3, c.world, rank));
+      ASSERT_OK(fsdp_snapshot(job.ctx.get(), shm.c_str()));
+      ASSERT_OK(fsdp_save(job.ctx.get(), ck.c_str(), "sharded"));
+      ASSERT_NO_FATAL_FAILURE(train(job, kNet, 3, 5, c.world, rank));
+      ASSERT_OK(fsdp_snapshot(job.ctx.get(), shm.c_str()));
+      ASSERT_NO_FATAL_FAILURE(train(job, kNet, 5, 6, c.world, rank));
+    }
+    {
+      Job job;
+      open_job(job, kNet, options_for(c.sharding, c.world), rank, group);
+      int source = -1;
+      ASSERT_OK(fsdp_restore(job.ctx.get(), shm.c_str(), ck.c_str(), &source));
+      EXPECT_EQ(source, FSDP_RESTORED_SNAPSHOT);
+      EXPECT_EQ(step_of(job), 5u);
+      EXPECT_TRUE(bitwise_equal(gather(job, kNet), ref[5]));
+      ASSERT_NO_FATAL_FAILURE(train(job, kNet, 5, 7, c.world, rank));
+      EXPECT_TRUE(bitwise_equal(gather(job, kNet), ref[7]));
+    }
+    lose.meet(rank, [&] { std::filesystem::remove_all(shm + "/rank" + std::to_string(c.world - 1)); });
+    {
+      Job job;
+      open_job(job, kNet, options_for(c.sharding, c.world), rank, group);
+      int source = -1;
+      ASSERT_OK(fsdp_restore(job.ctx.get(), shm.c_str(), ck.c_str(), &source));
+      EXPECT_EQ(source, FSDP_RESTORED_CHECKPOINT);
+      EXPECT_EQ(step_of(job), 3u);
+      EXPECT_TRUE(bitwise_equal(gather(job, kNet), ref[3]));
+    }
+    {
+      Job job;
+      open_job(job, kNet, options_for(c.sharding, c.world), rank, group);
+      ASSERT_NO_FATAL_FAILURE(set_state(job, make_init(kNet, 6)));
+      int source = -1;
+      ASSERT_OK(fsdp_restore(job.ctx.get(), shm.c_str(), (tmp / "none").c_str(), &source));
+      EXPECT_EQ(source, FSDP_RESTORED_NOTHING);
+      EXPECT_EQ(step_of(job), 0u);
+      EXPECT_TRUE(bitwise_equal(gather(job, kNet), ref[0]));
+    }
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Checkpoint, Snapshot, ::testing::ValuesIn(cases()), case_name);
+
+// A rank whose newest snapshot is of another step (its process died during
+// that copy): the ranks restore the newest step they all hold, from the
+// other slot. A damaged slot fails its checksums: the restore falls back.
+TEST(SnapshotEdges, RanksRestoreTheNewestStepTheyAllHoldAndRefuseDamage) {
+  const auto ref = reference_states(kNet, 2, "FULL_SHARD", 7, 4);
+  TempDir tmp;
+  const std::string shm = tmp / "shm";
+  Meeting m(2), m2(2);
+  run_ranks(2, [&](int rank, fsdp_local_group_t* group) {
+    {
+      Job job;
+      open_job(job, kNet, base_options("FULL_SHARD"), rank, group);
+      ASSERT_NO_FATAL_FAILURE(set_state(job, make_init(kNet, 7)));
+      ASSERT_NO_FATAL_FAILURE(train(job, kNet, 0, 2, 2, rank));
+      ASSERT_OK(fsdp_snapshot(job.ctx.get(), shm.c_str()));
+      ASSERT_NO_FATAL_FAILURE(train(job, kNet, 2, 4, 2, rank));
+      ASSERT_OK(fsdp_snapshot(job.ctx.get(), shm.c_str()));
+    }
+    // Rank 1's marker as a process that died copying step 4 leaves it: the
+    // slot of step 2 alone.
+    m.meet(rank, [&] {
+      const std::string f = shm + "/rank1/snapshot.json";
+      nlohmann::json j = nlohmann::json::parse(read_file(f));
+      nlohmann::json keep = nlohmann::json::array();
+      for (const auto& s : j["slots"])
+        if (s["step"] == 2) keep.push_back(s);
+      j["slots"] = keep;
+      write_file(f, j.dump());
+    });
+    {
+      Job job;
+      open_job(job, kNet, base_options("FULL_SHARD"), rank, group);
+      int source = -1;
+      ASSERT_OK(fsdp_restore(job.ctx.get(), shm.c_str(), nullptr, &source));
+      EXPECT_EQ(source, FSDP_RESTORED_SNAPSHOT);
+      EXPECT_EQ(step_of(job), 2u);
+      EXPECT_TRUE(bitwise_equal(gather(job, kNet), ref[2]));
+    }
+    m2.meet(rank, [&] {
+      for (const auto& e : std::filesystem::recursive_directory_iterator(shm + "/rank0")) {
+        const std::string p = e.path();
+        if (p.find(".safetensors") != std::string::npos) flip_byte(p, data_offset(p, "units.0.param") + 4);
+      }
+    });
+    {
+      Job job;
+      open_job(job, kNet, base_options("FULL_SHARD"), rank, group);
+      ASSERT_NO_FATAL_FAILURE(set_state(job, make_init(kNet, 7)));
+      int source = -1;
+      ASSERT_OK(fsdp_restore(job.ctx.get(), shm.c_str(), "", &source));
+      EXPECT_EQ(source, FSDP_RESTORED_NOTHING);
+      EXPECT_TRUE(bitwise_equal(gather(job, kNet), ref[0])) << "a damaged snapshot changed the state";
+    }
+  });
+}
+
+// ---- kills -----------------------------------------------------------------------------
+
+// A bigger net, so that the copies and writes take most of the child's time.
+const Net kKillNet = Net::make(3, 160);
+constexpr int kKillWorld = 4;
+constexpr int kKillSteps = 40;
+
+// In a forked process: trains step after step, after each one a snapshot
+// (or an async save) of it, until killed.
+[[noreturn]] void train_and_checkpoint(const std::string& where, bool snapshot, uint64_t seed) {
+  run_ranks(kKillWorld, [&](int rank, fsdp_local_group_t* group) {
+    Job job;
+    open_job(job, kKillNet, base_options("FULL_SHARD"), rank, group);
+    ASSERT_NO_FATAL_FAILURE(set_state(job, make_init(kKillNet, seed)));
+    for (int s = 0; s < kKillSteps; ++s) {
+      ASSERT_NO_FATAL_FAILURE(train(job, kKillNet, s, s + 1, kKillWorld, rank));
+      ASSERT_OK(snapshot ? fsdp_snapshot(job.ctx.get(), where.c_str()) : fsdp_save_async(job.ctx.get(), where.c_str()));
+    }
+    ASSERT_OK(fsdp_save_wait(job.ctx.get()));
+  });
+  _exit(0);
+}
+
+// `kills` times: a child trains and checkpoints and gets SIGKILL after a
+// random delay; whatever it left is then restored (or loaded) by a fresh
+// world here and must be, bitwise, the reference state of the step it says.
+void kill_and_check(bool snapshot, int kills) {
+  const uint64_t seed = 9;
+  const auto ref = reference_states(kKillNet, kKillWorld, "FULL_SHARD", seed, kKillSteps);
+  TempDir tmp;
+  const std::string where = tmp / (snapshot ? "shm" : "ck");
+  std::mt19937 rng(snapshot ? 1 : 2);
+  int restored = 0, completed = 0, mid_copy = 0;
+  for (int i = 0; i < kills; ++i) {
+    const pid_t pid = fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) train_and_checkpoint(where, snapshot, seed);
+    std::this_thread::sleep_for(std::chrono::microseconds(std::uniform_int_distribution<int>(2000, 120000)(rng)));
+    kill(pid, SIGKILL);
+    int status = 0;
+    ASSERT_EQ(waitpid(pid, &status, 0), pid);
+    if (WIFEXITED(status)) ++completed;
+    // Evidence of where the kill landed: a background write's staging
+    // directory left behind; a snapshot slot that no marker names (being
+    // rewritten). And what must then restore: every rank has a marker.
+    bool all_markers = true, in_copy = false;
+    for (int r = 0; r < kKillWorld; ++r) {
+      const std::string rank_dir = where + "/rank" + std::to_string(r);
+      if (!std::filesystem::exists(rank_dir + "/snapshot.json")) {
+        all_markers = false;
+        continue;
+      }
+      const std::string marker = read_file(rank_dir + "/snapshot.json");
+      for (int slot = 0; slot < 2; ++slot) {
+        const bool named = marker.find("\"slot\":" + std::to_string(slot)) != std::string::npos;
+        if (!named && std::filesystem::exists(rank_dir + "/slot" + std::to_string(slot))) in_copy = true;
+      }
+    }
+    if (std::filesystem::exists(tmp / ".ck.fsdp-staging")) in_copy = true;
+    mid_copy += in_copy ? 1 : 0;
+    run_ranks(kKillWorld, [&](int rank, fsdp_local_group_t* group) {
+      Job job;
+      open_job(job, kKillNet, base_options("FULL_SHARD"), rank, group);
+      int source = FSDP_RESTORED_NOTHING;
+      if (snapshot) {
+        ASSERT_OK(fsdp_restore(job.ctx.get(), where.c_str(), nullptr, &source));
+      } else if (std::filesystem::exists(where)) {
+        ASSERT_OK(fsdp_load(job.ctx.get(), where.c_str()));
+        source = FSDP_RESTORED_CHECKPOINT;
+      }
+      if (snapshot && all_markers) {
+        EXPECT_EQ(source, FSDP_RESTORED_SNAPSHOT) << "kill " << i;
+      }
+      if (source == FSDP_RESTORED_NOTHING) return;
+      const uint64_t step = step_of(job);
+      ASSERT_LE(step, uint64_t(kKillSteps));
+      ASSERT_GE(step, 1u);
+      EXPECT_TRUE(bitwise_equal(gather(job, kKillNet), ref[step])) << "kill " << i << ": step " << step;
+      if (rank == 0) ++restored;
+    });
+    if (::testing::Test::HasFailure()) return;
+  }
+  std::printf("%d kills: %d left a state that restored bitwise, %d of them in the middle of a copy, %d runs ended "
+              "before their kill\n",
+              kills, restored, mid_copy, completed);
+  EXPECT_GT(restored, kills / 2) << "most kills should land after a first checkpoint";
+  EXPECT_GT(mid_copy, 0) << "no kill landed in the middle of a copy: the test proved nothing";
+}
+
+int kill_count() {
+  const char* env = std::getenv("FSDP_TEST_KILLS");
+  return env != nullptr ? std::atoi(env) : 60;
+}
+
+TEST(Kills, DuringSnapshotCopiesNeverLeaveAWrongOrMixedState) { kill_and_check(/*snapshot=*/true, kill_count()); }
+
+TEST(Kills, DuringBackgroundWritesNeverLeaveAWrongOrMixedState) {
+  kill_and_check(/*snapshot=*/false, kill_count());
+}
+
+}  // namespace
