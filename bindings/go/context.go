@@ -426,6 +426,86 @@ func (c *Context) Load(dir string) error {
 	})
 }
 
+// SaveAsync (collective) is Save(dir, "sharded") without the wait for the
+// file system (fsdp_save_async): the state at the call (every step queued
+// before it) is copied into host memory, and a background thread writes and
+// commits the checkpoint as crash-safely as Save (dir holds the old checkpoint
+// or the new one). Training may go on meanwhile. The next SaveAsync, Save,
+// Load, LoadPartial or Restore first waits for it and, if it failed with no
+// call reporting it yet, returns its error and does nothing else.
+func (c *Context) SaveAsync(dir string) error {
+	if err := c.live("fsdp_save_async"); err != nil {
+		return err
+	}
+	return withCString(dir, func(d *C.char) error {
+		return call("fsdp_save_async", func() C.fsdp_status_t { return C.fsdp_save_async(c.ptr, d) })
+	})
+}
+
+// SaveWait (local) waits for the last SaveAsync to be written and committed
+// and returns its error, once (a later wait returns nil); nil at once when
+// none is pending. Close waits as well.
+func (c *Context) SaveWait() error {
+	return c.simple("fsdp_save_wait", func() C.fsdp_status_t { return C.fsdp_save_wait(c.ptr) })
+}
+
+// Snapshot (collective) copies the rank's state (what Save writes) into a
+// snapshot under path, a directory every process of the job on this node
+// sees, best on a memory file system (/dev/shm/<job>): path/rank<R>/ holds
+// two slots and a marker, so a process killed mid-copy leaves the previous
+// snapshot restorable. Not crash-safe across a reboot (fsdp_snapshot).
+func (c *Context) Snapshot(path string) error {
+	if err := c.live("fsdp_snapshot"); err != nil {
+		return err
+	}
+	return withCString(path, func(p *C.char) error {
+		return call("fsdp_snapshot", func() C.fsdp_status_t { return C.fsdp_snapshot(c.ptr, p) })
+	})
+}
+
+// RestoreSource says what Restore restored (fsdp_restore_source_t).
+type RestoreSource int
+
+// The sources of fsdp.h.
+const (
+	RestoredNothing    RestoreSource = C.FSDP_RESTORED_NOTHING    // neither: the state is as it was
+	RestoredSnapshot   RestoreSource = C.FSDP_RESTORED_SNAPSHOT   // Snapshot's copy
+	RestoredCheckpoint RestoreSource = C.FSDP_RESTORED_CHECKPOINT // the checkpoint at checkpointDir
+)
+
+func (s RestoreSource) String() string {
+	switch s {
+	case RestoredNothing:
+		return "nothing"
+	case RestoredSnapshot:
+		return "snapshot"
+	case RestoredCheckpoint:
+		return "checkpoint"
+	}
+	return fmt.Sprintf("RestoreSource(%d)", int(s))
+}
+
+// Restore (collective), in a job restarted at the same world size, restores
+// the newest step that every rank's snapshot under path holds whole (params,
+// optimizer state, step, learning rate, loss scale), else loads the
+// checkpoint at checkpointDir, else changes nothing; "" skips either. A
+// checkpoint that exists but does not load is an error (Load's).
+func (c *Context) Restore(path, checkpointDir string) (RestoreSource, error) {
+	if err := c.live("fsdp_restore"); err != nil {
+		return RestoredNothing, err
+	}
+	var source C.int
+	err := withCString(path, func(p *C.char) error {
+		return withCString(checkpointDir, func(d *C.char) error {
+			return call("fsdp_restore", func() C.fsdp_status_t { return C.fsdp_restore(c.ptr, p, d, &source) })
+		})
+	})
+	if err != nil {
+		return RestoredNothing, err
+	}
+	return RestoreSource(source), nil
+}
+
 // LoadPartial (collective) is Load, not strict: the registered params the
 // checkpoint has get its values and optimizer state, the others keep theirs,
 // and the checkpoint's params that are not registered are ignored; it

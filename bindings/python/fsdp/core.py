@@ -18,6 +18,7 @@ _DTYPES = {0: ("fp32", np.float32, ctypes.c_float), 1: ("bf16", np.uint16, ctype
            2: ("fp16", np.float16, ctypes.c_uint16)}
 _ARRAY_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # DeviceArray dtype names
 _REDUCE_OPS = {"sum": 0, "avg": 1, "max": 2, "min": 3}  # fsdp_reduce_op_t
+_RESTORE_SOURCES = {0: "nothing", 1: "snapshot", 2: "checkpoint"}  # fsdp_restore_source_t
 
 
 def bf16_to_f32(bits):
@@ -449,6 +450,38 @@ class Context(_Handle):
         else:
             check(LIB.fsdp_load_partial(self._handle(), os.fsencode(dir)), "fsdp_load_partial")
         return self.load_report()
+
+    def save_async(self, dir):
+        """Collective (fsdp_save_async): save(dir, "sharded") without waiting for the file system. The state
+        at the call (every step queued before it) is copied into host memory and a background thread writes
+        and commits the checkpoint, as crash-safe as save(): `dir` holds the old one or the new one. Training
+        may go on meanwhile. The next save_async, save, load or restore first waits for this one and, if it
+        failed unreported, raises its error instead of doing anything else; save_wait() waits now."""
+        check(LIB.fsdp_save_async(self._handle(), os.fsencode(dir)), "fsdp_save_async")
+
+    def save_wait(self):
+        """Local (fsdp_save_wait): waits for the last save_async to be written and committed; raises its
+        error (once: a later wait returns quietly). Returns at once when none is pending. close() waits too."""
+        check(LIB.fsdp_save_wait(self._handle()), "fsdp_save_wait")
+
+    def snapshot(self, path):
+        """Collective (fsdp_snapshot): copies the rank's state (what save() writes) into a snapshot under
+        `path`, a directory every process of the job on this node sees, best a memory file system
+        (/dev/shm/<job>): path/rank<R>/ holds two slots and a marker, and the previous snapshot stays
+        restorable until the new one is whole. Not crash-safe across a reboot. restore() reads it back."""
+        check(LIB.fsdp_snapshot(self._handle(), os.fsencode(path)), "fsdp_snapshot")
+
+    def restore(self, path=None, checkpoint_dir=None):
+        """Collective (fsdp_restore), for a restarted job of the same world size: restores the newest step
+        that every rank's snapshot under `path` holds whole (params, optimizer state, step, lr, loss scale),
+        else loads the checkpoint at `checkpoint_dir`, else changes nothing. None (or "") skips either.
+        Returns what was restored: "snapshot", "checkpoint" or "nothing". A checkpoint that exists but does
+        not load raises (load()'s error)."""
+        source = ctypes.c_int(0)
+        check(LIB.fsdp_restore(self._handle(), None if path is None else os.fsencode(path),
+                               None if checkpoint_dir is None else os.fsencode(checkpoint_dir),
+                               ctypes.byref(source)), "fsdp_restore")
+        return _RESTORE_SOURCES.get(source.value, f"unknown ({source.value})")
 
     @staticmethod
     def _name_options(strip_prefix, add_prefix, rename, transpose, **more):

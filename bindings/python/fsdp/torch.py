@@ -493,6 +493,29 @@ class ShardedModule:
         if self.ctx.rank == 0 and config is not None and hasattr(config, "save_pretrained"):
             config.save_pretrained(dir)
 
+    # Checkpoints that do not stall the step (Context.save_async/save_wait/snapshot/restore, docs/checkpoints.md).
+    # They hold libfsdp's state: the fp32 params and libfsdp's own optimizer state, step, lr and loss scale;
+    # with optimizer='torch' the torch optimizer's state is not in them (save it with torch).
+    def save_async(self, dir):
+        """Collective: a sharded checkpoint of the state now, written in the background (fsdp_save_async);
+        training goes on meanwhile. sharded.ctx.load(dir) (or restore(checkpoint_dir=dir)) reads it."""
+        self._check_outside_writes()
+        self.ctx.save_async(dir)
+
+    def save_wait(self):
+        """Local: waits for the last save_async to be committed; raises its error (fsdp_save_wait)."""
+        self.ctx.save_wait()
+
+    def snapshot(self, path):
+        """Collective: copies the state into a per-rank snapshot under `path` (/dev/shm/<job>; fsdp_snapshot)."""
+        self._check_outside_writes()
+        self.ctx.snapshot(path)
+
+    def restore(self, path=None, checkpoint_dir=None):
+        """Collective, between steps: the newest snapshot every rank holds under `path`, else the checkpoint
+        at `checkpoint_dir`, else nothing (fsdp_restore); returns "snapshot", "checkpoint" or "nothing"."""
+        return self.ctx.restore(path, checkpoint_dir)
+
     def state_dict(self):
         """Collective: model.state_dict(), every param gathered in fp32 (tied params under each of their
         names, one tensor), buffers as the model holds them; what model.load_state_dict and transformers'

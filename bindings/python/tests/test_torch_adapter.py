@@ -469,6 +469,71 @@ def test_units_by_predicate_and_list_group_the_same_params():
     assert [n for n, _ in names[1:]] == ["blocks.0", "blocks.1", "blocks.2"]
 
 
+def _ckpt_run(world, steps, at=None, seed=0, first=None):
+    """fsdp.torch on `world` thread ranks from make_net(seed), `steps` steps: first(sh) (its result returned)
+    runs before them, at(sh, step) after each. (first's result on rank 0, rank 0's state_dict before the
+    first step and after each)."""
+    init = make_net(seed)
+    x, y = make_data()
+
+    def rank_fn(rank, group):
+        model = copy.deepcopy(init)
+        with ft.shard(model, units=Block, group=group, rank=rank, **HYPER) as sh:
+            rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+            got = first(sh) if first is not None else None
+            sds = [sh.state_dict()]
+            for step in range(1, steps + 1):
+                mse(model, x[rows], y[rows]).backward()
+                sh.step()
+                if at is not None:
+                    at(sh, step)
+                sds.append(sh.state_dict())
+            return got, sds
+
+    return fsdp.run_ranks(world, rank_fn)[0]
+
+
+def _same(a, b, what):
+    assert set(a) == set(b), what
+    for k in b:
+        assert torch.equal(a[k], b[k]), f"{what}: {k} differs"
+
+
+def test_snapshot_restore_and_save_async_give_the_state_at_the_call(tmp_path):
+    """sharded.snapshot and save_async at step 3 of 5 leave the run as the reference (the same run without
+    them, computed here) and give step 3's state_dict back to a fresh sharded model of another init
+    (restore; ctx.load of save_async's checkpoint), whose next steps are the reference's: the optimizer
+    state and step came back too. With neither, restore changes nothing."""
+    shm, ck = str(tmp_path / "shm"), str(tmp_path / "ck")
+    _, ref = _ckpt_run(2, 5)
+    assert not torch.equal(ref[3]["inp.weight"], ref[5]["inp.weight"])
+
+    def at(sh, step):
+        if step == 3:
+            sh.snapshot(shm)
+            sh.save_async(ck)
+        elif step == 5:
+            sh.save_wait()
+
+    for k, sd in enumerate(_ckpt_run(2, 5, at)[1]):
+        _same(sd, ref[k], f"the run with snapshot and save_async, step {k}")
+
+    for path, checkpoint_dir, want in ((shm, ck, "snapshot"), (shm, None, "snapshot"), (None, ck, "checkpoint")):
+        source, sds = _ckpt_run(2, 2, seed=7, first=lambda sh: sh.restore(path, checkpoint_dir))
+        assert source == want, (path, checkpoint_dir)
+        for k in range(3):
+            _same(sds[k], ref[3 + k], f"{k} steps after restoring from the {want}")
+    _, own = _ckpt_run(2, 0, seed=7)
+    source, sds = _ckpt_run(2, 0, seed=7, first=lambda sh: sh.restore(None, str(tmp_path / "none")))
+    assert source == "nothing"
+    _same(sds[0], own[0], "nothing restored: the fresh model's own values")
+    assert not torch.equal(own[0]["inp.weight"], ref[3]["inp.weight"])
+
+    _, sds = _ckpt_run(2, 1, seed=7, first=lambda sh: sh.ctx.load(ck))
+    _same(sds[0], ref[3], "save_async's checkpoint through ctx.load")
+    _same(sds[1], ref[4], "a step after ctx.load")
+
+
 JOB = """
 import json, sys, copy, torch
 sys.path.insert(0, sys.argv[2])
