@@ -207,10 +207,15 @@ TEST(AsyncSaveErrors, BadArgumentsAreRefused) {
     st = fsdp_snapshot(job.ctx.get(), "/nonexistent/never");
     EXPECT_EQ(st, FSDP_ERR_INVALID_STATE) << last_error_str();
     ASSERT_OK(fsdp_forward_end(job.units[0], job.host.stream()));
-    // Ranks that disagree on the directory fail together.
+    // Ranks that disagree on the directory fail together, at the wait (the
+    // call returns after its copy), and write nothing.
     TempDir tmp;
-    st = fsdp_save_async(job.ctx.get(), (tmp / ("r" + std::to_string(rank))).c_str());
+    const std::string mine = tmp / ("r" + std::to_string(rank));
+    ASSERT_OK(fsdp_save_async(job.ctx.get(), mine.c_str()));
+    st = fsdp_save_wait(job.ctx.get());
     EXPECT_EQ(st, FSDP_ERR_MISMATCH) << last_error_str();
+    EXPECT_NE(last_error_str().find("fsdp_save_async"), std::string::npos) << last_error_str();
+    EXPECT_FALSE(std::filesystem::exists(mine));
   });
 }
 
@@ -329,6 +334,74 @@ TEST(SnapshotEdges, RanksRestoreTheNewestStepTheyAllHoldAndRefuseDamage) {
       EXPECT_EQ(source, FSDP_RESTORED_NOTHING);
       EXPECT_TRUE(bitwise_equal(gather(job, kNet), ref[0])) << "a damaged snapshot changed the state";
     }
+  });
+}
+
+// ---- ranks as processes ---------------------------------------------------------------
+
+// Runs as 4 threads, and as the 4 processes of an mpirun job (CTest
+// mpi_np4_async_ckpt, which names a directory every process sees in
+// FSDP_TEST_CKPT_DIR). Each rank checks its own results against the same run
+// uninterrupted, which every rank gathers itself: nothing is exchanged.
+TEST(AsyncCkptWorld4, SaveAsyncSnapshotAndRestoreWithRanksAsThreadsOrProcesses) {
+  TempDir tmp;
+  const char* env = std::getenv("FSDP_TEST_CKPT_DIR");
+  const std::string base = env != nullptr ? std::string(env) + "/async_np4" : tmp.path();
+  if (launcher_rank() == 0 && env != nullptr) {
+    std::filesystem::remove_all(base);
+    std::filesystem::create_directories(base);
+  }
+  const std::string async_dir = base + "/async", shm = base + "/shm";
+  run_ranks(4, [&](int rank, fsdp_local_group_t* group) {
+    State s3, s5, s6;
+    {  // the reference (a rank has one live context at a time)
+      Job job;
+      open_job(job, kNet, base_options("FULL_SHARD"), rank, group);
+      ASSERT_NO_FATAL_FAILURE(set_state(job, make_init(kNet, 21)));
+      ASSERT_NO_FATAL_FAILURE(train(job, kNet, 0, 3, 4, rank));
+      s3 = gather(job, kNet);
+      ASSERT_NO_FATAL_FAILURE(train(job, kNet, 3, 5, 4, rank));
+      s5 = gather(job, kNet);
+      ASSERT_NO_FATAL_FAILURE(train(job, kNet, 5, 6, 4, rank));
+      s6 = gather(job, kNet);
+    }
+    {
+      Job job;
+      open_job(job, kNet, base_options("FULL_SHARD"), rank, group);
+      ASSERT_NO_FATAL_FAILURE(set_state(job, make_init(kNet, 21)));
+      ASSERT_NO_FATAL_FAILURE(train(job, kNet, 0, 3, 4, rank));
+      ASSERT_OK(fsdp_save_async(job.ctx.get(), async_dir.c_str()));
+      ASSERT_OK(fsdp_snapshot(job.ctx.get(), shm.c_str()));
+      ASSERT_NO_FATAL_FAILURE(train(job, kNet, 3, 5, 4, rank));
+      ASSERT_OK(fsdp_snapshot(job.ctx.get(), shm.c_str()));
+      ASSERT_OK(fsdp_save_wait(job.ctx.get()));
+    }
+    {
+      Job job;
+      open_job(job, kNet, base_options("SHARD_GRAD_OP"), rank, group);
+      ASSERT_OK(fsdp_load(job.ctx.get(), async_dir.c_str()));
+      EXPECT_TRUE(bitwise_equal(gather(job, kNet), s3));
+    }
+    {
+      Job job;
+      open_job(job, kNet, base_options("FULL_SHARD"), rank, group);
+      int source = -1;
+      ASSERT_OK(fsdp_restore(job.ctx.get(), shm.c_str(), async_dir.c_str(), &source));
+      EXPECT_EQ(source, FSDP_RESTORED_SNAPSHOT);
+      EXPECT_TRUE(bitwise_equal(gather(job, kNet), s5));
+      ASSERT_NO_FATAL_FAILURE(train(job, kNet, 5, 6, 4, rank));
+      EXPECT_TRUE(bitwise_equal(gather(job, kNet), s6));
+    }
+    // Rank 3's snapshot lost (its node's memory): every rank falls back to
+    // the disk checkpoint. Deleted before rank 0's next context, whose
+    // creation the others wait for.
+    if (rank == 0) std::filesystem::remove_all(shm + "/rank3");
+    Job job;
+    open_job(job, kNet, base_options("FULL_SHARD"), rank, group);
+    int source = -1;
+    ASSERT_OK(fsdp_restore(job.ctx.get(), shm.c_str(), async_dir.c_str(), &source));
+    EXPECT_EQ(source, FSDP_RESTORED_CHECKPOINT);
+    EXPECT_TRUE(bitwise_equal(gather(job, kNet), s3));
   });
 }
 

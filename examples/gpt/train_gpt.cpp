@@ -40,6 +40,7 @@
 #include "fsdp.h"
 #include "gpt_fsdp.h"
 #include "gpt_model.h"
+#include "snapshots.h"
 
 namespace {
 
@@ -62,6 +63,11 @@ struct Options {
   std::string base;        // --base: the safetensors of the base model (a --export)
   bool recompute = false, check = false;
   bool graph = false;  // --graph: the GPU GPT's step captured in a CUDA graph
+  // --snapshot-every N: fsdp_snapshot into snapshot_dir every N steps, and a
+  // run started again resumes from it (fsdp_restore; else from --ckpt);
+  // --save-every N: fsdp_save_async into --ckpt every N steps.
+  int snapshot_every = 0, save_every = 0;
+  std::string snapshot_dir;
   bool ranks_given = false;
   int bf16_shard = -1;  // keep_param_dtype_shard: -1 libfsdp's default, 0, 1
   uint64_t seed = 1234;
@@ -89,6 +95,11 @@ struct PhaseResult {
   std::vector<double> peak_rss;
   std::vector<Memory> memory;  // per rank, at the end
   size_t activation_bytes = 0;
+  gpt::Stalls snapshots, async_saves;  // rank 0's
+  int64_t resumed_step = -1;           // restored from a snapshot (or --ckpt) at this step
+  double resumed_at_s = 0;             // ... this long after the process started
+  std::string resumed_from;
+  double state_bytes = 0;  // a rank's shard file (what a snapshot copies)
 };
 
 struct Phase {
@@ -96,6 +107,8 @@ struct Phase {
   int64_t first_step = 0, last_step = 0;  // trains steps first_step+1 .. last_step
   std::string resume, save, trace, export_dir;
   std::string base;  // the base's safetensors (fsdp_load_pretrained), loaded before training
+  std::string snapshot, fallback;  // --snapshot-every's directory and the checkpoint a restore falls back to
+  int snapshot_every = 0, save_every = 0;
   bool lora = false;  // the adapters of --lora on the frozen base
   bool want_params = false, report = true;  // report: validation loss and progress lines
 };
@@ -194,6 +207,8 @@ class Rank {
     model_ = gpt::make_trainer(ctx_, device, o_.shape, local_, o_.recompute, o_.seed, lora, o_.graph);
     if (!sh.phase.resume.empty()) CHECK(fsdp_load(ctx_, sh.phase.resume.c_str()));
     if (!sh.phase.base.empty()) load_base(sh.phase.base, lora.on());
+    first_step_ = sh.phase.first_step;
+    if (!sh.phase.snapshot.empty()) restore();
     const int t = o_.shape.context;
     window_.resize(static_cast<size_t>(local_) * (t + 1));
     inputs_.resize(static_cast<size_t>(local_) * t);
@@ -201,6 +216,29 @@ class Rank {
   }
   ~Rank() {
     if (ctx_) fsdp_ctx_destroy(ctx_);
+  }
+
+  // A run started again: the newest snapshot every rank holds, else the
+  // checkpoint in --ckpt, else the start.
+  void restore() {
+    const Phase& ph = sh_.phase;
+    int source = FSDP_RESTORED_NOTHING;
+    CHECK(fsdp_restore(ctx_, ph.snapshot.c_str(), ph.fallback.c_str(), &source));
+    if (source == FSDP_RESTORED_NOTHING) return;
+    uint64_t step = 0;
+    CHECK(fsdp_ctx_step(ctx_, &step));
+    first_step_ = static_cast<int64_t>(step);
+    if (first_step_ >= ph.last_step) {
+      fail("the run resumed at step " + std::to_string(first_step_) + " from " +
+           (source == FSDP_RESTORED_SNAPSHOT ? ph.snapshot : ph.fallback) + ", which is not before its last step (" +
+           std::to_string(ph.last_step) + "): nothing left to train (remove it, or raise --steps)");
+    }
+    if (rank_ == 0) {
+      sh_.result->resumed_step = first_step_;
+      sh_.result->resumed_at_s = gpt::process_age_seconds();
+      sh_.result->resumed_from = source == FSDP_RESTORED_SNAPSHOT ? "the snapshot in " + ph.snapshot
+                                                                  : "the checkpoint in " + ph.fallback;
+    }
   }
 
   void run() {
@@ -212,14 +250,18 @@ class Rank {
       const double v = val_loss();
       if (root) {
         res.val_at_start = v;
-        std::printf("step %5lld  val %.4f  (%s)\n", static_cast<long long>(ph.first_step), v,
-                    ph.resume.empty() ? "initial params" : "the loaded params");
+        if (res.resumed_step >= 0) {
+          std::printf("resumed at step %lld from %s, %.2f s after the process started\n",
+                      static_cast<long long>(res.resumed_step), res.resumed_from.c_str(), res.resumed_at_s);
+        }
+        std::printf("step %5lld  val %.4f  (%s)\n", static_cast<long long>(first_step_), v,
+                    ph.resume.empty() && res.resumed_step < 0 ? "initial params" : "the loaded params");
         std::fflush(stdout);
       }
     }
     double interval_s = 0, interval_loss = 0;
     int interval_steps = 0;
-    for (int64_t step = ph.first_step + 1; step <= ph.last_step; ++step) {
+    for (int64_t step = first_step_ + 1; step <= ph.last_step; ++step) {
       if (!ph.trace.empty() && step == ph.last_step - 1) CHECK(fsdp_trace_begin(ctx_));
       const auto t0 = Clock::now();
       const double lib0 = model_->library_seconds();
@@ -236,6 +278,15 @@ class Rank {
       interval_s += dt;
       interval_loss += loss;
       ++interval_steps;
+      if (ph.snapshot_every > 0 && step % ph.snapshot_every == 0) {
+        gpt::Stalls& log = res.snapshots;
+        auto call = [&] { CHECK(fsdp_snapshot(ctx_, ph.snapshot.c_str())); };
+        root ? log.time(call) : call();
+      }
+      if (ph.save_every > 0 && step % ph.save_every == 0) {
+        auto call = [&] { CHECK(fsdp_save_async(ctx_, ph.fallback.c_str())); };
+        root ? res.async_saves.time(call) : call();
+      }
       const bool line = ph.report && ((step - ph.first_step) % o_.print_every == 0 || step == ph.last_step);
       if (line) {
         double norm = 0;
@@ -253,7 +304,14 @@ class Rank {
       }
     }
     if (!ph.trace.empty()) CHECK(fsdp_trace_write(ctx_, (ph.trace + ".rank" + std::to_string(rank_)).c_str()));
+    CHECK(fsdp_save_wait(ctx_));
     if (!ph.save.empty()) CHECK(fsdp_save(ctx_, ph.save.c_str(), "sharded"));
+    if (root && ph.save_every > 0) res.state_bytes = gpt::shard_bytes(ph.fallback);
+    if (!ph.snapshot.empty()) {  // done: a run started again starts afresh
+      const std::string mine = ph.snapshot + "/rank" + std::to_string(rank_);
+      if (root) res.state_bytes = gpt::shard_bytes(mine);
+      std::filesystem::remove_all(mine);
+    }
     if (!ph.export_dir.empty()) CHECK(fsdp_export(ctx_, ph.export_dir.c_str(), nullptr));
     std::vector<Memory> mem = all_memory(ctx_, rank_, world_);
     std::vector<double> rss(static_cast<size_t>(world_), 0.0);
@@ -347,6 +405,7 @@ class Rank {
   const Options& o_;
   fsdp_ctx_t* ctx_ = nullptr;
   int rank_ = 0, world_ = 1, local_ = 1;
+  int64_t first_step_ = 0;  // the phase's, or the step a restore resumed at
   std::unique_ptr<gpt::Trainer> model_;
   std::vector<uint8_t> window_, inputs_, targets_;
 };
@@ -515,6 +574,10 @@ void usage(const char* argv0) {
                "  --bf16-shard       keep_param_dtype_shard=1\n"
                "  --text FILE        the corpus (examples/gpt/data/alice29.txt)\n"
                "  --ckpt DIR         where the checkpoint goes (a temporary directory, removed at the end)\n"
+               "  --snapshot-every N fsdp_snapshot every N steps into --snapshot-dir DIR (/dev/shm/libfsdp-gpt-UID);\n"
+               "                     run again after a kill, it resumes from the snapshot (else from --ckpt DIR);\n"
+               "                     a run that ends removes it\n"
+               "  --save-every N     fsdp_save_async into --ckpt DIR every N steps (the step goes on meanwhile)\n"
                "  --trace FILE       the timeline of the first phase's last 2 steps (Chrome trace JSON)\n"
                "  --plot DIR         metrics.json and trace.json into DIR, then PNGs via examples/gpt/plot.py\n"
                "                     (matplotlib; $PYTHON, else python3, runs it)\n"
@@ -613,6 +676,12 @@ Options parse(int argc, char** argv) {
       o.plot = v;
     else if (k == "--save")
       o.save = v;
+    else if (k == "--snapshot-every")
+      o.snapshot_every = num();
+    else if (k == "--snapshot-dir")
+      o.snapshot_dir = v;
+    else if (k == "--save-every")
+      o.save_every = num();
     else if (k == "--resume")
       o.resume = v;
     else if (k == "--bench-json")
@@ -637,6 +706,9 @@ Options parse(int argc, char** argv) {
   if (o.resume_ranks > 0 && (o.switch_step < 1 || o.switch_step >= o.steps))
     fail("--switch-step must be in [1, --steps)");
   if (o.dtype != "bf16" && o.dtype != "fp32") fail("--dtype must be bf16 or fp32");
+  if (o.snapshot_every < 0 || o.save_every < 0) fail("--snapshot-every and --save-every take a number of steps");
+  if (o.save_every > 0 && o.ckpt.empty()) fail("--save-every N saves into --ckpt DIR: give --ckpt too");
+  if (o.snapshot_dir.empty()) o.snapshot_dir = "/dev/shm/libfsdp-gpt-" + std::to_string(getuid());
   if (o.lora < 0 || o.lora > 4096) fail("--lora takes a rank in [1, 4096]");
   if (o.lora > 0) {
     if (o.lora_alpha < 0) o.lora_alpha = o.lora;
@@ -784,6 +856,31 @@ int main_lora(const Options& o, const gpt::Corpus& corpus, double unigram) {
   return 0;
 }
 
+// --snapshot-every / --save-every for a phase: its snapshots, its async
+// saves, and what a run started again resumes from.
+void set_snapshots(const Options& o, Phase& ph) {
+  if (o.snapshot_every > 0) ph.snapshot = o.snapshot_dir;
+  ph.snapshot_every = o.snapshot_every;
+  ph.save_every = o.save_every;
+  ph.fallback = o.ckpt;
+}
+
+// How long the snapshots and async saves held the loop, beside a memcpy of
+// the bytes they copy.
+void print_stalls(const PhaseResult& r) {
+  if (r.snapshots.calls == 0 && r.async_saves.calls == 0) return;
+  const double copy_s = r.state_bytes > 0 ? gpt::memcpy_seconds(static_cast<size_t>(r.state_bytes)) : 0;
+  for (const auto& [name, log] : {std::pair<const char*, const gpt::Stalls&>{"fsdp_snapshot", r.snapshots},
+                                  {"fsdp_save_async", r.async_saves}}) {
+    if (log.calls == 0) continue;
+    const double mean = log.total_s / log.calls;
+    std::printf("%s: %d calls, the step held %.2f ms on average (max %.2f ms) for %.1f MiB per rank", name,
+                log.calls, 1e3 * mean, 1e3 * log.max_s, r.state_bytes / 1048576.0);
+    if (copy_s > 0) std::printf("; a memcpy of those bytes: %.2f ms (%.1fx)", 1e3 * copy_s, mean / copy_s);
+    std::printf("\n");
+  }
+}
+
 int main_launched(const Options& o, const gpt::Corpus& corpus) {  // one rank of an mpirun job
   Phase ph;
   ph.world = 0;
@@ -791,6 +888,7 @@ int main_launched(const Options& o, const gpt::Corpus& corpus) {  // one rank of
   ph.last_step = ph.first_step + o.steps;
   ph.resume = o.resume;
   ph.save = o.save;
+  set_snapshots(o, ph);
   ph.export_dir = o.export_dir;
   ph.base = o.base;
   ph.lora = o.lora > 0;
@@ -805,6 +903,7 @@ int main_launched(const Options& o, const gpt::Corpus& corpus) {  // one rank of
   run_phase(o, corpus, ph, ph.last_step, res);
   if (launcher_rank() != 0) return 0;
   print_memory_table("memory", res);
+  print_stalls(res);
   if (o.check && !(res.step_losses.back() < 0.8 * res.step_losses.front()))
     fail("check: the loss did not fall (" + std::to_string(res.step_losses.front()) + " -> " +
          std::to_string(res.step_losses.back()) + ")");
@@ -865,6 +964,7 @@ int main(int argc, char** argv) {
     pa.world = o.ranks;
     pa.last_step = first_end;
     pa.save = ckpt;
+    set_snapshots(o, pa);
     pa.trace = o.trace.empty() && o.plot.empty() ? "" : (o.trace.empty() ? o.plot + "/trace.json" : o.trace);
     pa.want_params = !two_phases && o.sample_chars > 0;
     if (!two_phases) pa.export_dir = o.export_dir;
@@ -875,6 +975,7 @@ int main(int argc, char** argv) {
     if (!o.trace.empty() && !o.plot.empty())
       std::filesystem::copy_file(o.trace, o.plot + "/trace.json", std::filesystem::copy_options::overwrite_existing);
     print_memory_table("first phase", a);
+    print_stalls(a);
     std::printf("\nsaved a sharded checkpoint of step %lld to %s\n", static_cast<long long>(first_end), ckpt.c_str());
     const PhaseResult* last = &a;
     if (two_phases) {

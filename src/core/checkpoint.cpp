@@ -167,7 +167,7 @@ void Context::save(const std::string& dir, const std::string& kind) {
   if (kind == "full") full = ckpt::full_entries(meta, "fsdp_save");
   TraceScope scope(rt_.trace, "save");
   const std::string what = "fsdp_save to " + base::quote_path(dir);
-  const std::string staged = prepare_save(dir, what, "fsdp_save");
+  const std::string staged = prepare_save(*rt_.comm, dir, what, "fsdp_save");
 
   std::vector<ckpt::FileRecord> mine;
   Outcome wrote = capture([&] {
@@ -182,14 +182,15 @@ void Context::save(const std::string& dir, const std::string& kind) {
   finish_save(*rt_.comm, what, dir, std::move(meta), wrote, mine);
 }
 
-std::string Context::prepare_save(const std::string& dir, const std::string& what, const char* call) {
+std::string Context::prepare_save(comm::Communicator& comm, const std::string& dir, const std::string& what,
+                                  const char* call) const {
   const std::string staged = ckpt::staging_dir(dir);
   Outcome prep = capture([&] {
     if (rt_.rank != 0) return;
     std::string note = ckpt::prepare_staging(dir, call);
     if (!note.empty()) base::log(FSDP_LOG_WARN, rt_.rank, std::string(call) + ": " + note);
   });
-  check_outcomes(*rt_.comm, what + " (preparing " + staged + ")", prep.status, prep.message);
+  check_outcomes(comm, what + " (preparing " + staged + ")", prep.status, prep.message);
   return staged;
 }
 

@@ -42,22 +42,22 @@ void Context::save_wait() {
 void Context::save_async(const std::string& dir) {
   const char* call = "fsdp_save_async";
   check_no_unit_in_use(call);
-  settle_async(call);  // a second async save waits for the first
-  agree(*rt_.comm, call, "dir=" + dir);
   if (dir.empty()) fail(FSDP_ERR_INVALID_ARGUMENT, "fsdp_save_async: dir is empty");
+  settle_async(call);  // a second async save waits for the first
   TraceScope scope(rt_.trace, "save_async");
   const std::string what = "fsdp_save_async to " + base::quote_path(dir);
-  // Every step queued before the call is in the copy, none after it.
-  settle_units();
-  if (!async_) {
+  if (!async_) {  // the first call: a communicator for the background (collective)
     auto a = std::make_unique<AsyncSave>(rt_.state_dev->host_memory(), &rt_.mem, rt_.rank);
     a->comm = rt_.comm->split(0, rt_.rank, "fsdp_save_async");
     async_ = std::move(a);
   }
-  const std::string staged = prepare_save(dir, what, call);
+  // Every step queued before the call is in the copy, none after it. The
+  // stall ends with the copy: agreeing on `dir`, readying the staging
+  // directory, writing and committing all happen in the background, and
+  // what fails there (a rank's other `dir` too) reaches every rank at the wait.
+  settle_units();
   ckpt::Meta meta = checkpoint_meta("sharded");
-  // The copy: this rank's shard file's contents, one after another.
-  std::vector<StateSegment> copy;
+  std::vector<StateSegment> copy;  // this rank's shard file's contents, one after another
   if (rt_.rank < rt_.shard_world()) {
     const std::vector<StateSegment> segs = shard_segments();
     size_t total = 0;
@@ -70,14 +70,24 @@ void Context::save_async(const std::string& dir) {
     }
   }
   async_->what = what;
-  async_->thread = std::thread([this, dir, what, staged, meta = std::move(meta), copy = std::move(copy)]() mutable {
+  async_->thread = std::thread([this, call, dir, what, meta = std::move(meta), copy = std::move(copy)]() mutable {
+    comm::Communicator& comm = *async_->comm;
+    std::string staged;
+    Outcome started = capture([&] {
+      agree(comm, call, "dir=" + dir);
+      staged = prepare_save(comm, dir, what, call);
+    });
+    if (!started.ok()) {
+      async_->outcome = started;
+      return;
+    }
     std::vector<ckpt::FileRecord> mine;
     Outcome wrote = capture([&] {
       if (!copy.empty()) mine = {write_shard_file(staged, meta, copy, nullptr)};
     });
     // Named on its own rank too: the wait may be far from the call.
     if (!wrote.ok()) wrote.message = "rank " + std::to_string(rt_.rank) + ": " + wrote.message;
-    async_->outcome = capture([&] { finish_save(*async_->comm, what, dir, std::move(meta), wrote, mine); });
+    async_->outcome = capture([&] { finish_save(comm, what, dir, std::move(meta), wrote, mine); });
   });
 }
 

@@ -174,7 +174,8 @@ class Context {
   // A save's collective start (rank 0 readies the staging directory; returns
   // it) and end (every rank's outcome of writing, the file records, rank 0's
   // metadata and commit, over `comm`; on failure the staging directory goes).
-  std::string prepare_save(const std::string& dir, const std::string& what, const char* call);
+  std::string prepare_save(comm::Communicator& comm, const std::string& dir, const std::string& what,
+                           const char* call) const;
   void finish_save(comm::Communicator& comm, const std::string& what, const std::string& dir, ckpt::Meta meta,
                    const Outcome& wrote, const std::vector<ckpt::FileRecord>& mine) const;
   // Waits for a background save (fsdp_save_async); throws its error if no
