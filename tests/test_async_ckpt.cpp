@@ -13,6 +13,7 @@
 
 #include <chrono>
 #include <random>
+#include <set>
 #include <thread>
 
 #include "ckpt_util.h"
@@ -288,7 +289,8 @@ TEST(SnapshotEdges, RanksRestoreTheNewestStepTheyAllHoldAndRefuseDamage) {
   const auto ref = reference_states(kNet, 2, "FULL_SHARD", 7, 4);
   TempDir tmp;
   const std::string shm = tmp / "shm";
-  Meeting m(2), m2(2);
+  Meeting m(2), m2(2), m3(2), m4(2);
+  std::string saved_marker;
   run_ranks(2, [&](int rank, fsdp_local_group_t* group) {
     {
       Job job;
@@ -319,6 +321,26 @@ TEST(SnapshotEdges, RanksRestoreTheNewestStepTheyAllHoldAndRefuseDamage) {
       EXPECT_EQ(step_of(job), 2u);
       EXPECT_TRUE(bitwise_equal(gather(job, kNet), ref[2]));
     }
+    // The same steps, but rank 1's of another run (as a new run over an old
+    // one's snapshots leaves them): no step of one run in common.
+    m3.meet(rank, [&] {
+      const std::string f = shm + "/rank1/snapshot.json";
+      const std::string kept = read_file(f);
+      nlohmann::json j = nlohmann::json::parse(kept);
+      for (auto& s : j["slots"]) s["run"] = "0123456789abcdef";
+      write_file(f, j.dump());
+      saved_marker = kept;
+    });
+    {
+      Job job;
+      open_job(job, kNet, base_options("FULL_SHARD"), rank, group);
+      ASSERT_NO_FATAL_FAILURE(set_state(job, make_init(kNet, 7)));
+      int source = -1;
+      ASSERT_OK(fsdp_restore(job.ctx.get(), shm.c_str(), nullptr, &source));
+      EXPECT_EQ(source, FSDP_RESTORED_NOTHING) << "steps of two runs restored as one";
+      EXPECT_TRUE(bitwise_equal(gather(job, kNet), ref[0]));
+    }
+    m4.meet(rank, [&] { write_file(shm + "/rank1/snapshot.json", saved_marker); });
     m2.meet(rank, [&] {
       for (const auto& e : std::filesystem::recursive_directory_iterator(shm + "/rank0")) {
         const std::string p = e.path();
@@ -413,13 +435,23 @@ constexpr int kKillWorld = 4;
 constexpr int kKillSteps = 40;
 
 // In a forked process: trains step after step, after each one a snapshot
-// (or an async save) of it, until killed.
-[[noreturn]] void train_and_checkpoint(const std::string& where, bool snapshot, uint64_t seed) {
+// (or an async save) of it, until killed. `resume`: first restores what an
+// earlier child left and trains on from there (as a restarted job does);
+// else starts afresh over it (a new run, whose snapshots must never mix with
+// the old run's).
+[[noreturn]] void train_and_checkpoint(const std::string& where, bool snapshot, bool resume, uint64_t seed) {
   run_ranks(kKillWorld, [&](int rank, fsdp_local_group_t* group) {
     Job job;
     open_job(job, kKillNet, base_options("FULL_SHARD"), rank, group);
     ASSERT_NO_FATAL_FAILURE(set_state(job, make_init(kKillNet, seed)));
-    for (int s = 0; s < kKillSteps; ++s) {
+    int first = 0;
+    if (resume) {
+      int source = 0;
+      ASSERT_OK(snapshot ? fsdp_restore(job.ctx.get(), where.c_str(), nullptr, &source)
+                         : fsdp_restore(job.ctx.get(), nullptr, where.c_str(), &source));
+      first = static_cast<int>(step_of(job));
+    }
+    for (int s = first; s < kKillSteps; ++s) {
       ASSERT_NO_FATAL_FAILURE(train(job, kKillNet, s, s + 1, kKillWorld, rank));
       ASSERT_OK(snapshot ? fsdp_snapshot(job.ctx.get(), where.c_str()) : fsdp_save_async(job.ctx.get(), where.c_str()));
     }
@@ -428,12 +460,39 @@ constexpr int kKillSteps = 40;
   _exit(0);
 }
 
+// The (run, step) pairs whose slot every rank's marker names, read here from
+// the markers' JSON (the test's own reading of the format).
+std::set<std::pair<std::string, int64_t>> common_snapshot_steps(const std::string& where) {
+  std::set<std::pair<std::string, int64_t>> common;
+  for (int r = 0; r < kKillWorld; ++r) {
+    const std::string f = where + "/rank" + std::to_string(r) + "/snapshot.json";
+    std::set<std::pair<std::string, int64_t>> mine;
+    if (std::filesystem::exists(f)) {
+      const nlohmann::json marker = nlohmann::json::parse(read_file(f));
+      for (const auto& slot : marker.at("slots"))
+        mine.insert({slot.at("run").get<std::string>(), slot.at("step").get<int64_t>()});
+    }
+    if (r == 0) {
+      common = mine;
+    } else {
+      std::set<std::pair<std::string, int64_t>> both;
+      for (const auto& k : mine)
+        if (common.count(k) != 0) both.insert(k);
+      common = both;
+    }
+  }
+  return common;
+}
+
 // `kills` times: a child trains and checkpoints and gets SIGKILL after a
 // random delay; whatever it left is then restored (or loaded) by a fresh
 // world here and must be, bitwise, the reference state of the step it says.
 void kill_and_check(bool snapshot, int kills) {
-  const uint64_t seed = 9;
-  const auto ref = reference_states(kKillNet, kKillWorld, "FULL_SHARD", seed, kKillSteps);
+  // Fresh runs start from one of two inits, so that a state mixed from two
+  // runs' snapshots of the same step matches neither run's reference.
+  const uint64_t seeds[2] = {9, 10};
+  const std::vector<State> refs[2] = {reference_states(kKillNet, kKillWorld, "FULL_SHARD", seeds[0], kKillSteps),
+                                      reference_states(kKillNet, kKillWorld, "FULL_SHARD", seeds[1], kKillSteps)};
   TempDir tmp;
   const std::string where = tmp / (snapshot ? "shm" : "ck");
   std::mt19937 rng(snapshot ? 1 : 2);
@@ -441,7 +500,9 @@ void kill_and_check(bool snapshot, int kills) {
   for (int i = 0; i < kills; ++i) {
     const pid_t pid = fork();
     ASSERT_GE(pid, 0);
-    if (pid == 0) train_and_checkpoint(where, snapshot, seed);
+    // Two of three children resume what the last one left; the third starts
+    // a new run over it, from the other init than the one before.
+    if (pid == 0) train_and_checkpoint(where, snapshot, /*resume=*/i % 3 != 0, seeds[(i / 3) % 2]);
     std::this_thread::sleep_for(std::chrono::microseconds(std::uniform_int_distribution<int>(2000, 120000)(rng)));
     kill(pid, SIGKILL);
     int status = 0;
@@ -450,13 +511,11 @@ void kill_and_check(bool snapshot, int kills) {
     // Evidence of where the kill landed: a background write's staging
     // directory left behind; a snapshot slot that no marker names (being
     // rewritten). And what must then restore: every rank has a marker.
-    bool all_markers = true, in_copy = false;
+    bool in_copy = false;
+    const auto common = common_snapshot_steps(where);
     for (int r = 0; r < kKillWorld; ++r) {
       const std::string rank_dir = where + "/rank" + std::to_string(r);
-      if (!std::filesystem::exists(rank_dir + "/snapshot.json")) {
-        all_markers = false;
-        continue;
-      }
+      if (!std::filesystem::exists(rank_dir + "/snapshot.json")) continue;
       const std::string marker = read_file(rank_dir + "/snapshot.json");
       for (int slot = 0; slot < 2; ++slot) {
         const bool named = marker.find("\"slot\":" + std::to_string(slot)) != std::string::npos;
@@ -475,14 +534,22 @@ void kill_and_check(bool snapshot, int kills) {
         ASSERT_OK(fsdp_load(job.ctx.get(), where.c_str()));
         source = FSDP_RESTORED_CHECKPOINT;
       }
-      if (snapshot && all_markers) {
-        EXPECT_EQ(source, FSDP_RESTORED_SNAPSHOT) << "kill " << i;
+      if (snapshot) {  // a step of one run that every rank holds, and only then
+        EXPECT_EQ(source, common.empty() ? FSDP_RESTORED_NOTHING : FSDP_RESTORED_SNAPSHOT)
+            << "kill " << i << "; rank 0's marker: " << read_file(where + "/rank0/snapshot.json");
       }
       if (source == FSDP_RESTORED_NOTHING) return;
       const uint64_t step = step_of(job);
+      if (snapshot) {
+        int64_t newest = -1;
+        for (const auto& k : common) newest = std::max(newest, k.second);
+        EXPECT_EQ(int64_t(step), newest) << "kill " << i << ": not the newest common step";
+      }
       ASSERT_LE(step, uint64_t(kKillSteps));
       ASSERT_GE(step, 1u);
-      EXPECT_TRUE(bitwise_equal(gather(job, kKillNet), ref[step])) << "kill " << i << ": step " << step;
+      const State got = gather(job, kKillNet);
+      EXPECT_TRUE(bitwise_equal(got, refs[0][step]) || bitwise_equal(got, refs[1][step]))
+          << "kill " << i << ": step " << step << " is neither run's state at that step";
       if (rank == 0) ++restored;
     });
     if (::testing::Test::HasFailure()) return;

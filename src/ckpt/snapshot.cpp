@@ -14,7 +14,7 @@ namespace {
 
 constexpr const char* kMarkerFile = "snapshot.json";
 constexpr const char* kFormat = "libfsdp-snapshot";
-constexpr int kVersion = 1;
+constexpr int kVersion = 2;
 
 std::string read_text(const std::string& path) {
   File f = File::open_read(path);
@@ -47,8 +47,9 @@ bool read_snapshot_marker(const std::string& path, int rank, SnapshotMarker* out
     m.rank = j.at("rank").get<int>();
     m.world = j.at("world").get<int>();
     for (const auto& s : j.at("slots")) {
-      SnapshotSlot slot{s.at("slot").get<int>(), s.at("step").get<int64_t>()};
-      if ((slot.slot != 0 && slot.slot != 1) || slot.step < 0) {
+      SnapshotSlot slot{s.at("slot").get<int>(), s.at("step").get<int64_t>(), s.at("run").get<std::string>()};
+      if ((slot.slot != 0 && slot.slot != 1) || slot.step < 0 || slot.run.empty() ||
+          slot.run.find_first_of(" :") != std::string::npos) {
         *why = base::quote_path(file) + " names a slot out of range";
         return false;
       }
@@ -71,7 +72,7 @@ void write_snapshot_marker(const std::string& path, const SnapshotMarker& m) {
   j["rank"] = m.rank;
   j["world"] = m.world;
   j["slots"] = nlohmann::json::array();
-  for (const SnapshotSlot& s : m.slots) j["slots"].push_back({{"slot", s.slot}, {"step", s.step}});
+  for (const SnapshotSlot& s : m.slots) j["slots"].push_back({{"slot", s.slot}, {"step", s.step}, {"run", s.run}});
   const std::string text = j.dump() + "\n";
   const std::string dir = snapshot_rank_dir(path, m.rank);
   const std::string file = join(dir, kMarkerFile), tmp = file + ".new";

@@ -16,8 +16,12 @@
 namespace fsdp::ckpt {
 
 struct SnapshotSlot {
-  int slot = 0;       // 0 or 1
-  int64_t step = 0;   // the optimizer step the slot's checkpoint holds
+  int slot = 0;      // 0 or 1
+  int64_t step = 0;  // the optimizer step the slot's checkpoint holds
+  // The training run that wrote it (random, the same on every rank, kept by
+  // a run restored from it): a step restores only from slots of one run,
+  // never step 7 of one run on some ranks and of another on the others.
+  std::string run;
 };
 
 struct SnapshotMarker {

@@ -6,7 +6,10 @@
 // and the outcome until a call reports it. Private to src/core.
 #pragma once
 
+#include <condition_variable>
+#include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 
@@ -27,13 +30,33 @@ struct AsyncSave {
       base::log(FSDP_LOG_WARN, rank,
                 "the context was destroyed before fsdp_save_wait reported that " + what + " failed: " + outcome.message);
     }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    if (worker_.joinable()) worker_.join();
     release();
   }
   AsyncSave(const AsyncSave&) = delete;
   AsyncSave& operator=(const AsyncSave&) = delete;
 
+  // Runs `job` on the worker thread (started at the first job and kept: a
+  // save's call does not pay for a thread's start). One job at a time: the
+  // caller joins the previous one first.
+  void start(std::function<void()> job) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      job_ = std::move(job);
+      busy_ = true;
+    }
+    if (!worker_.joinable()) worker_ = std::thread([this] { work(); });
+    cv_.notify_all();
+  }
+  // Waits for the job (what it wrote, `outcome`, is then visible here).
   void join() {
-    if (thread.joinable()) thread.join();
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return !busy_; });
   }
   // At least `nbytes` of host memory for the copy (contents not kept when it grows).
   char* copy_buffer(size_t nbytes) {
@@ -54,11 +77,24 @@ struct AsyncSave {
   MemoryTracker* tracker;
   int rank;
   std::unique_ptr<comm::Communicator> comm;  // the background thread's
-  std::thread thread;
   std::string what;  // "fsdp_save_async to DIR" of the last save
   Outcome outcome;   // of the last save, once joined; reset when reported
 
  private:
+  void work() {
+    std::unique_lock<std::mutex> lock(mu_);
+    for (;;) {
+      cv_.wait(lock, [&] { return stop_ || job_; });
+      if (!job_) return;  // stopped, nothing left
+      std::function<void()> job = std::move(job_);
+      job_ = nullptr;
+      lock.unlock();
+      job();
+      lock.lock();
+      busy_ = false;
+      cv_.notify_all();
+    }
+  }
   void release() {
     if (buf == nullptr) return;
     mem.free(buf);
@@ -68,6 +104,11 @@ struct AsyncSave {
   }
   char* buf = nullptr;
   size_t cap = 0;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::function<void()> job_;
+  bool busy_ = false, stop_ = false;
+  std::thread worker_;
 };
 
 }  // namespace fsdp::core

@@ -7,7 +7,10 @@
 // and load through Context::load, so their guarantees (checksums, all or
 // nothing) are that format's.
 #include <algorithm>
+#include <cstring>
+#include <cstdio>
 #include <iterator>
+#include <random>
 #include <set>
 #include <sstream>
 #include <utility>
@@ -63,14 +66,21 @@ void Context::save_async(const std::string& dir) {
     size_t total = 0;
     for (const StateSegment& s : segs) total += s.nbytes;
     char* buf = async_->copy_buffer(total);
+    // Host memory: one memcpy per segment on this thread (the pool's
+    // dispatch per segment cost more than the copy at the demo's sizes).
+    const bool host = rt_.state_dev->host_visible();
     for (const StateSegment& s : segs) {
-      rt_.state_dev->copy_to_host(buf, s.data, s.nbytes);
+      if (host) {
+        std::memcpy(buf, s.data, s.nbytes);
+      } else {
+        rt_.state_dev->copy_to_host(buf, s.data, s.nbytes);
+      }
       copy.push_back({buf, s.nbytes});
       buf += s.nbytes;
     }
   }
   async_->what = what;
-  async_->thread = std::thread([this, call, dir, what, meta = std::move(meta), copy = std::move(copy)]() mutable {
+  async_->start([this, call, dir, what, meta = std::move(meta), copy = std::move(copy)]() mutable {
     comm::Communicator& comm = *async_->comm;
     std::string staged;
     Outcome started = capture([&] {
@@ -124,6 +134,14 @@ void Context::snapshot(const std::string& path) {
   TraceScope scope(rt_.trace, "snapshot");
   const std::string what = "fsdp_snapshot to " + base::quote_path(path);
   settle_units();
+  if (snapshot_run_.empty()) {
+    // This context's first snapshot, not restored from one: a new run, whose
+    // id (rank 0's) every rank learns; slots of other runs are not kept.
+    std::random_device rd;
+    char id[17];
+    std::snprintf(id, sizeof id, "%08x%08x", rd(), rd());
+    snapshot_run_ = gather_strings(*rt_.comm, id, what + " (run id)")[0];
+  }
   ckpt::Meta meta = checkpoint_meta("sharded");
   const int64_t step = meta.optimizer.step;
   // Each rank writes its own shard (replicas too: every rank restores
@@ -137,8 +155,12 @@ void Context::snapshot(const std::string& path) {
     ckpt::make_dirs(ckpt::snapshot_rank_dir(path, rt_.rank));
     std::string why;
     std::vector<ckpt::SnapshotSlot> had = whole_slots(path, rt_.rank, rt_.world, &why);
-    if (!had.empty()) slot = 1 - had.front().slot;
+    std::vector<ckpt::SnapshotSlot> ours;
     for (const ckpt::SnapshotSlot& s : had) {
+      if (s.run == snapshot_run_) ours.push_back(s);
+    }
+    if (!ours.empty()) slot = 1 - ours.front().slot;
+    for (const ckpt::SnapshotSlot& s : ours) {
       if (s.slot != slot) marker.slots.push_back(s);
     }
     if (had.size() != marker.slots.size()) ckpt::write_snapshot_marker(path, marker);
@@ -155,7 +177,7 @@ void Context::snapshot(const std::string& path) {
       for (ckpt::FileRecord& f : ckpt::files_from_json(r)) meta.files.push_back(std::move(f));
     }
     ckpt::write_meta(slot_dir, meta);
-    marker.slots.insert(marker.slots.begin(), ckpt::SnapshotSlot{slot, step});
+    marker.slots.insert(marker.slots.begin(), ckpt::SnapshotSlot{slot, step, snapshot_run_});
     ckpt::write_snapshot_marker(path, marker);
   });
   check_outcomes(*rt_.comm, what + " (commit)", commit.status, commit.message);
@@ -168,38 +190,42 @@ int Context::restore(const std::string& path, const std::string& checkpoint_dir)
   agree(*rt_.comm, call, "path=" + path + "\ncheckpoint_dir=" + checkpoint_dir);
   TraceScope scope(rt_.trace, "restore");
   const bool root = rt_.rank == 0;
-  // The newest step that every rank's snapshot holds whole.
+  // The newest step that every rank's snapshot holds whole, of one run.
   std::string why;
   std::vector<ckpt::SnapshotSlot> mine;
   if (!path.empty()) mine = whole_slots(path, rt_.rank, rt_.world, &why);
   std::string text;
-  for (const ckpt::SnapshotSlot& s : mine) text += std::to_string(s.step) + " ";
+  for (const ckpt::SnapshotSlot& s : mine) text += s.run + ":" + std::to_string(s.step) + " ";
   if (mine.empty()) text = "-" + (path.empty() ? std::string("no snapshot path given") : why);
   std::vector<std::string> all = gather_strings(*rt_.comm, text, "fsdp_restore (snapshot steps)");
-  std::set<int64_t> common;
+  using Key = std::pair<int64_t, std::string>;  // (step, run): the newest step last
+  std::set<Key> common;
   std::string reason;
   for (size_t r = 0; r < all.size(); ++r) {
-    std::set<int64_t> steps;
+    std::set<Key> keys;
     if (all[r][0] == '-') {
       if (reason.empty()) reason = all[r].substr(1);
     } else {
       std::istringstream in(all[r]);
-      for (int64_t s = 0; in >> s;) steps.insert(s);
+      for (std::string w; in >> w;) {
+        const size_t colon = w.find(':');
+        keys.insert({std::stoll(w.substr(colon + 1)), w.substr(0, colon)});
+      }
     }
     if (r == 0) {
-      common = steps;
+      common = keys;
     } else {
-      std::set<int64_t> both;
-      std::set_intersection(common.begin(), common.end(), steps.begin(), steps.end(),
+      std::set<Key> both;
+      std::set_intersection(common.begin(), common.end(), keys.begin(), keys.end(),
                             std::inserter(both, both.begin()));
       common = std::move(both);
     }
   }
   if (!common.empty()) {
-    const int64_t step = *common.rbegin();
+    const auto [step, run] = *common.rbegin();
     int slot = 0;
     for (const ckpt::SnapshotSlot& s : mine) {
-      if (s.step == step) slot = s.slot;
+      if (s.step == step && s.run == run) slot = s.slot;
     }
     const std::string dir = ckpt::snapshot_slot_dir(path, rt_.rank, slot);
     Outcome loaded = capture([&] {
@@ -207,6 +233,7 @@ int Context::restore(const std::string& path, const std::string& checkpoint_dir)
                                      base::quote_path(path));
     });
     if (loaded.ok()) {
+      snapshot_run_ = run;  // this context's snapshots continue that run
       if (root) {
         base::log(FSDP_LOG_INFO, rt_.rank,
                   "fsdp_restore: restored step " + std::to_string(step) + " from the snapshot at " +
@@ -217,7 +244,7 @@ int Context::restore(const std::string& path, const std::string& checkpoint_dir)
     // Every rank got the same outcome (the load is all or nothing).
     reason = "the snapshot of step " + std::to_string(step) + " did not load: " + loaded.message;
   } else if (reason.empty()) {
-    reason = "the ranks' snapshots hold no step in common";
+    reason = "the ranks' snapshots hold no step of one run in common";
   }
   // The disk checkpoint, as rank 0 sees it.
   const bool have = !checkpoint_dir.empty() && ckpt::path_exists(ckpt::join(checkpoint_dir, ckpt::kMetaFile));
@@ -232,7 +259,7 @@ int Context::restore(const std::string& path, const std::string& checkpoint_dir)
   }
   load(checkpoint_dir);
   if (root) {
-    base::log(FSDP_LOG_WARN, rt_.rank,
+    base::log(path.empty() ? FSDP_LOG_INFO : FSDP_LOG_WARN, rt_.rank,
               "fsdp_restore: restored step " + std::to_string(optimizer_.step_count()) + " from the checkpoint at " +
                   base::quote_path(checkpoint_dir) + ", not from a snapshot: " + reason);
   }

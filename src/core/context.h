@@ -197,6 +197,7 @@ class Context {
   void check_no_pending_grads(const char* call) const;
   void set_load_report(const std::string& what, std::string left_out);
   std::string load_report_;  // what the last load left out (load_report())
+  std::string snapshot_run_;  // the run id of this context's snapshots (fsdp_snapshot, fsdp_restore)
   Runtime rt_;
   std::unique_ptr<device::Device> dev_;
   std::unique_ptr<device::Device> host_;  // offload=cpu only
