@@ -36,19 +36,30 @@ inline double process_age_seconds() {
 }
 
 // The calls of one kind (fsdp_snapshot, fsdp_save_async): how long each
-// held the training loop.
+// held the training loop: the first call apart (it sets up what the later
+// ones reuse), then the median and the most of the others (on a loaded
+// machine one call in several takes a scheduling delay).
 struct Stalls {
   int calls = 0;
-  double total_s = 0, max_s = 0;
+  double first_s = 0;
+  std::vector<double> rest_s;
   template <typename F>
   void time(F&& call) {
     const auto t0 = std::chrono::steady_clock::now();
     call();
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    ++calls;
-    total_s += s;
-    max_s = std::max(max_s, s);
+    if (calls++ == 0) {
+      first_s = s;
+    } else {
+      rest_s.push_back(s);
+    }
   }
+  double median_s() const {
+    std::vector<double> v = rest_s;
+    std::sort(v.begin(), v.end());
+    return v.empty() ? 0 : (v[(v.size() - 1) / 2] + v[v.size() / 2]) / 2;
+  }
+  double max_s() const { return rest_s.empty() ? 0 : *std::max_element(rest_s.begin(), rest_s.end()); }
 };
 
 // The bytes of the shard files under `dir` (a snapshot's rank directory).

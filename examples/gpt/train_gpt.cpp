@@ -100,6 +100,7 @@ struct PhaseResult {
   double resumed_at_s = 0;             // ... this long after the process started
   std::string resumed_from;
   double state_bytes = 0;  // a rank's shard file (what a snapshot copies)
+  double copy_s = 0;       // a memcpy of those bytes on every rank at once
 };
 
 struct Phase {
@@ -306,11 +307,17 @@ class Rank {
     if (!ph.trace.empty()) CHECK(fsdp_trace_write(ctx_, (ph.trace + ".rank" + std::to_string(rank_)).c_str()));
     CHECK(fsdp_save_wait(ctx_));
     if (!ph.save.empty()) CHECK(fsdp_save(ctx_, ph.save.c_str(), "sharded"));
-    if (root && ph.save_every > 0) res.state_bytes = gpt::shard_bytes(ph.fallback);
+    if (ph.save_every > 0 || !ph.snapshot.empty()) {
+      // The limit of a copy of the state: a memcpy of its bytes by every
+      // rank at once (the slowest rank's).
+      double bytes = root ? gpt::shard_bytes(ph.snapshot.empty() ? ph.fallback : ph.snapshot + "/rank0") : 0;
+      CHECK(fsdp_metrics_reduce(ctx_, &bytes, 1, FSDP_REDUCE_SUM));
+      double copy_s = gpt::memcpy_seconds(static_cast<size_t>(bytes));
+      CHECK(fsdp_metrics_reduce(ctx_, &copy_s, 1, FSDP_REDUCE_MAX));
+      if (root) res.state_bytes = bytes, res.copy_s = copy_s;
+    }
     if (!ph.snapshot.empty()) {  // done: a run started again starts afresh
-      const std::string mine = ph.snapshot + "/rank" + std::to_string(rank_);
-      if (root) res.state_bytes = gpt::shard_bytes(mine);
-      std::filesystem::remove_all(mine);
+      std::filesystem::remove_all(ph.snapshot + "/rank" + std::to_string(rank_));
     }
     if (!ph.export_dir.empty()) CHECK(fsdp_export(ctx_, ph.export_dir.c_str(), nullptr));
     std::vector<Memory> mem = all_memory(ctx_, rank_, world_);
@@ -869,14 +876,20 @@ void set_snapshots(const Options& o, Phase& ph) {
 // the bytes they copy.
 void print_stalls(const PhaseResult& r) {
   if (r.snapshots.calls == 0 && r.async_saves.calls == 0) return;
-  const double copy_s = r.state_bytes > 0 ? gpt::memcpy_seconds(static_cast<size_t>(r.state_bytes)) : 0;
+  const double copy_s = r.copy_s;
   for (const auto& [name, log] : {std::pair<const char*, const gpt::Stalls&>{"fsdp_snapshot", r.snapshots},
                                   {"fsdp_save_async", r.async_saves}}) {
     if (log.calls == 0) continue;
-    const double mean = log.total_s / log.calls;
-    std::printf("%s: %d calls, the step held %.2f ms on average (max %.2f ms) for %.1f MiB per rank", name,
-                log.calls, 1e3 * mean, 1e3 * log.max_s, r.state_bytes / 1048576.0);
-    if (copy_s > 0) std::printf("; a memcpy of those bytes: %.2f ms (%.1fx)", 1e3 * copy_s, mean / copy_s);
+    std::printf("%s: %d calls for %.1f MiB per rank; the step held %.2f ms at the first", name, log.calls,
+                r.state_bytes / 1048576.0, 1e3 * log.first_s);
+    if (log.calls > 1) {
+      const double median = log.median_s();
+      std::printf(", then %.2f ms (median; max %.2f ms)", 1e3 * median, 1e3 * log.max_s());
+      if (copy_s > 0) {
+        std::printf("; a memcpy of those bytes on every rank at once: %.2f ms (%.1fx)", 1e3 * copy_s,
+                    median / copy_s);
+      }
+    }
     std::printf("\n");
   }
 }
