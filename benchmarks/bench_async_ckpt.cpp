@@ -133,9 +133,8 @@ int main(int argc, char** argv) {
   on_ranks([&](int r) { check(fsdp_save_wait(ctx[size_t(r)]), "fsdp_save_wait"); });
   double async_s = 1e30, wait_s = 1e30;
   for (int i = 0; i < reps; ++i) {
-    async_s = std::min(async_s, on_ranks([&](int r) {
-      check(fsdp_save_async(ctx[size_t(r)], ckpt.c_str()), "fsdp_save_async");
-    }));
+    async_s = std::min(
+        async_s, on_ranks([&](int r) { check(fsdp_save_async(ctx[size_t(r)], ckpt.c_str()), "fsdp_save_async"); }));
     wait_s = std::min(wait_s, on_ranks([&](int r) { check(fsdp_save_wait(ctx[size_t(r)]), "fsdp_save_wait"); }));
   }
   const double snapshot_s = best([&](int r) { check(fsdp_snapshot(ctx[size_t(r)], shm.c_str()), "fsdp_snapshot"); });
@@ -151,7 +150,8 @@ int main(int argc, char** argv) {
   double cold_load_s = 1e30;
   for (int i = 0; i < reps; ++i) {
     evict(disk);
-    cold_load_s = std::min(cold_load_s, on_ranks([&](int r) { check(fsdp_load(ctx[size_t(r)], disk.c_str()), "fsdp_load"); }));
+    cold_load_s =
+        std::min(cold_load_s, on_ranks([&](int r) { check(fsdp_load(ctx[size_t(r)], disk.c_str()), "fsdp_load"); }));
   }
   on_ranks([&](int r) { fsdp_ctx_destroy(ctx[size_t(r)]); });
   fsdp_local_group_destroy(group);
@@ -176,7 +176,6 @@ int main(int argc, char** argv) {
   line("save_sync_stall", sync_s, "memcpy_seconds", memcpy_s);
   line("snapshot_stall", snapshot_s, "memcpy_seconds", memcpy_s);
   line("restore_from_snapshot", restore_s, "load_from_disk_seconds", load_s);
-  line("restore_from_snapshot_vs_cold_disk", restore_s, "load_from_disk_evicted_from_page_cache_seconds",
-       cold_load_s);
+  line("restore_from_snapshot_vs_cold_disk", restore_s, "load_from_disk_evicted_from_page_cache_seconds", cold_load_s);
   return 0;
 }

@@ -551,9 +551,9 @@ FSDP_API fsdp_status_t fsdp_save_wait(fsdp_ctx_t* ctx);
  * on a memory file system (it is a copy in RAM). No unit may be in use. */
 FSDP_API fsdp_status_t fsdp_snapshot(fsdp_ctx_t* ctx, const char* path);
 typedef enum fsdp_restore_source {
-  FSDP_RESTORED_NOTHING = 0,    /* neither: the state is as it was */
-  FSDP_RESTORED_SNAPSHOT = 1,   /* from fsdp_snapshot's memory copy */
-  FSDP_RESTORED_CHECKPOINT = 2  /* from the checkpoint at checkpoint_dir */
+  FSDP_RESTORED_NOTHING = 0,   /* neither: the state is as it was */
+  FSDP_RESTORED_SNAPSHOT = 1,  /* from fsdp_snapshot's memory copy */
+  FSDP_RESTORED_CHECKPOINT = 2 /* from the checkpoint at checkpoint_dir */
 } fsdp_restore_source_t;
 /* Collective, for a process of the same job (same world size, same rank)
  * started after another stopped: restores the newest step that every rank's

@@ -554,9 +554,10 @@ void kill_and_check(bool snapshot, int kills) {
     });
     if (::testing::Test::HasFailure()) return;
   }
-  std::printf("%d kills: %d left a state that restored bitwise, %d of them in the middle of a copy, %d runs ended "
-              "before their kill\n",
-              kills, restored, mid_copy, completed);
+  std::printf(
+      "%d kills: %d left a state that restored bitwise, %d of them in the middle of a copy, %d runs ended "
+      "before their kill\n",
+      kills, restored, mid_copy, completed);
   EXPECT_GT(restored, kills / 2) << "most kills should land after a first checkpoint";
   EXPECT_GT(mid_copy, 0) << "no kill landed in the middle of a copy: the test proved nothing";
 }
@@ -568,8 +569,6 @@ int kill_count() {
 
 TEST(Kills, DuringSnapshotCopiesNeverLeaveAWrongOrMixedState) { kill_and_check(/*snapshot=*/true, kill_count()); }
 
-TEST(Kills, DuringBackgroundWritesNeverLeaveAWrongOrMixedState) {
-  kill_and_check(/*snapshot=*/false, kill_count());
-}
+TEST(Kills, DuringBackgroundWritesNeverLeaveAWrongOrMixedState) { kill_and_check(/*snapshot=*/false, kill_count()); }
 
 }  // namespace

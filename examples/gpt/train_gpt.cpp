@@ -237,8 +237,8 @@ class Rank {
     if (rank_ == 0) {
       sh_.result->resumed_step = first_step_;
       sh_.result->resumed_at_s = gpt::process_age_seconds();
-      sh_.result->resumed_from = source == FSDP_RESTORED_SNAPSHOT ? "the snapshot in " + ph.snapshot
-                                                                  : "the checkpoint in " + ph.fallback;
+      sh_.result->resumed_from =
+          source == FSDP_RESTORED_SNAPSHOT ? "the snapshot in " + ph.snapshot : "the checkpoint in " + ph.fallback;
     }
   }
 
@@ -564,39 +564,40 @@ Json memory_json(const std::vector<Memory>& mem) {
 }
 
 void usage(const char* argv0) {
-  std::fprintf(stderr,
-               "usage: %s [options]\n"
-               "  --ranks N          thread-ranks of the first phase (4)\n"
-               "  --resume-ranks M   thread-ranks that load its checkpoint and train on (2; 0: no second phase)\n"
-               "  --steps S          optimizer steps in all (600); --switch-step K: the first phase ends at K (480)\n"
-               "  --layers L --width C --heads H --context T   the GPT's shape (4, 128, 4, 128)\n"
-               "  --batch B          sequences per step over all ranks (16)\n"
-               "  --dtype bf16|fp32  param_dtype (bf16); --sharding S (FULL_SHARD); --lr X (3e-3)\n"
-               "  --device cpu|cuda[:N]  where the ranks compute (cpu; cuda: the GPU GPT, bf16, one GPU shared by\n"
-               "                     the thread-ranks, or one GPU per process under torchrun/mpirun)\n"
-               "  --recompute        drop each block's activations after forward, recompute them in backward\n"
-               "  --graph            (--device cuda, --ranks 1 --resume-ranks 1) capture the step once in a CUDA\n"
-               "                     graph and replay it (libfsdp's step stays on the device)\n"
-               "  --no-bf16-shard    keep_param_dtype_shard=0: no persistent bf16 shard, cast at each gather\n"
-               "  --bf16-shard       keep_param_dtype_shard=1\n"
-               "  --text FILE        the corpus (examples/gpt/data/alice29.txt)\n"
-               "  --ckpt DIR         where the checkpoint goes (a temporary directory, removed at the end)\n"
-               "  --snapshot-every N fsdp_snapshot every N steps into --snapshot-dir DIR (/dev/shm/libfsdp-gpt-UID);\n"
-               "                     run again after a kill, it resumes from the snapshot (else from --ckpt DIR);\n"
-               "                     a run that ends removes it\n"
-               "  --save-every N     fsdp_save_async into --ckpt DIR every N steps (the step goes on meanwhile)\n"
-               "  --trace FILE       the timeline of the first phase's last 2 steps (Chrome trace JSON)\n"
-               "  --plot DIR         metrics.json and trace.json into DIR, then PNGs via examples/gpt/plot.py\n"
-               "                     (matplotlib; $PYTHON, else python3, runs it)\n"
-               "  --print-every N (40) --eval-batches N (4) --sample N (300 bytes of text at the end)\n"
-               "  --check            a small, short run that fails unless it learns and resumes exactly\n"
-               "  --save DIR / --resume DIR   (under mpirun: one phase) write / load a sharded checkpoint\n"
-               "  --export DIR       at the end, the params as safetensors into DIR (new or empty): the base of --lora\n"
-               "  --lora R --base DIR   LoRA fine-tuning: DIR's model (an --export) frozen, rank-R adapters on every\n"
-               "                     block's qkv, proj, fc and fc2 trained for --steps (--lora-alpha X: scale X/R,\n"
-               "                     default 1); then one step of full fine-tuning for its memory, printed beside\n"
-               "  --bench-json FILE  timing run on random bytes: 2 warm-up steps, then --steps timed; writes JSON\n",
-               argv0);
+  std::fprintf(
+      stderr,
+      "usage: %s [options]\n"
+      "  --ranks N          thread-ranks of the first phase (4)\n"
+      "  --resume-ranks M   thread-ranks that load its checkpoint and train on (2; 0: no second phase)\n"
+      "  --steps S          optimizer steps in all (600); --switch-step K: the first phase ends at K (480)\n"
+      "  --layers L --width C --heads H --context T   the GPT's shape (4, 128, 4, 128)\n"
+      "  --batch B          sequences per step over all ranks (16)\n"
+      "  --dtype bf16|fp32  param_dtype (bf16); --sharding S (FULL_SHARD); --lr X (3e-3)\n"
+      "  --device cpu|cuda[:N]  where the ranks compute (cpu; cuda: the GPU GPT, bf16, one GPU shared by\n"
+      "                     the thread-ranks, or one GPU per process under torchrun/mpirun)\n"
+      "  --recompute        drop each block's activations after forward, recompute them in backward\n"
+      "  --graph            (--device cuda, --ranks 1 --resume-ranks 1) capture the step once in a CUDA\n"
+      "                     graph and replay it (libfsdp's step stays on the device)\n"
+      "  --no-bf16-shard    keep_param_dtype_shard=0: no persistent bf16 shard, cast at each gather\n"
+      "  --bf16-shard       keep_param_dtype_shard=1\n"
+      "  --text FILE        the corpus (examples/gpt/data/alice29.txt)\n"
+      "  --ckpt DIR         where the checkpoint goes (a temporary directory, removed at the end)\n"
+      "  --snapshot-every N fsdp_snapshot every N steps into --snapshot-dir DIR (/dev/shm/libfsdp-gpt-UID);\n"
+      "                     run again after a kill, it resumes from the snapshot (else from --ckpt DIR);\n"
+      "                     a run that ends removes it\n"
+      "  --save-every N     fsdp_save_async into --ckpt DIR every N steps (the step goes on meanwhile)\n"
+      "  --trace FILE       the timeline of the first phase's last 2 steps (Chrome trace JSON)\n"
+      "  --plot DIR         metrics.json and trace.json into DIR, then PNGs via examples/gpt/plot.py\n"
+      "                     (matplotlib; $PYTHON, else python3, runs it)\n"
+      "  --print-every N (40) --eval-batches N (4) --sample N (300 bytes of text at the end)\n"
+      "  --check            a small, short run that fails unless it learns and resumes exactly\n"
+      "  --save DIR / --resume DIR   (under mpirun: one phase) write / load a sharded checkpoint\n"
+      "  --export DIR       at the end, the params as safetensors into DIR (new or empty): the base of --lora\n"
+      "  --lora R --base DIR   LoRA fine-tuning: DIR's model (an --export) frozen, rank-R adapters on every\n"
+      "                     block's qkv, proj, fc and fc2 trained for --steps (--lora-alpha X: scale X/R,\n"
+      "                     default 1); then one step of full fine-tuning for its memory, printed beside\n"
+      "  --bench-json FILE  timing run on random bytes: 2 warm-up steps, then --steps timed; writes JSON\n",
+      argv0);
 }
 
 Options parse(int argc, char** argv) {
@@ -877,8 +878,8 @@ void set_snapshots(const Options& o, Phase& ph) {
 void print_stalls(const PhaseResult& r) {
   if (r.snapshots.calls == 0 && r.async_saves.calls == 0) return;
   const double copy_s = r.copy_s;
-  for (const auto& [name, log] : {std::pair<const char*, const gpt::Stalls&>{"fsdp_snapshot", r.snapshots},
-                                  {"fsdp_save_async", r.async_saves}}) {
+  for (const auto& [name, log] :
+       {std::pair<const char*, const gpt::Stalls&>{"fsdp_snapshot", r.snapshots}, {"fsdp_save_async", r.async_saves}}) {
     if (log.calls == 0) continue;
     std::printf("%s: %d calls for %.1f MiB per rank; the step held %.2f ms at the first", name, log.calls,
                 r.state_bytes / 1048576.0, 1e3 * log.first_s);
@@ -886,8 +887,7 @@ void print_stalls(const PhaseResult& r) {
       const double median = log.median_s();
       std::printf(", then %.2f ms (median; max %.2f ms)", 1e3 * median, 1e3 * log.max_s());
       if (copy_s > 0) {
-        std::printf("; a memcpy of those bytes on every rank at once: %.2f ms (%.1fx)", 1e3 * copy_s,
-                    median / copy_s);
+        std::printf("; a memcpy of those bytes on every rank at once: %.2f ms (%.1fx)", 1e3 * copy_s, median / copy_s);
       }
     }
     std::printf("\n");

@@ -27,8 +27,9 @@ struct AsyncSave {
   ~AsyncSave() {
     join();
     if (!outcome.ok()) {
-      base::log(FSDP_LOG_WARN, rank,
-                "the context was destroyed before fsdp_save_wait reported that " + what + " failed: " + outcome.message);
+      base::log(
+          FSDP_LOG_WARN, rank,
+          "the context was destroyed before fsdp_save_wait reported that " + what + " failed: " + outcome.message);
     }
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -77,8 +78,8 @@ struct AsyncSave {
   MemoryTracker* tracker;
   int rank;
   std::unique_ptr<comm::Communicator> comm;  // the background thread's
-  std::string what;  // "fsdp_save_async to DIR" of the last save
-  Outcome outcome;   // of the last save, once joined; reset when reported
+  std::string what;                          // "fsdp_save_async to DIR" of the last save
+  Outcome outcome;                           // of the last save, once joined; reset when reported
 
  private:
   void work() {

@@ -76,7 +76,7 @@ std::vector<Context::StateSegment> Context::shard_segments() const {
   std::vector<StateSegment> segs;
   for (size_t k = 0; k < units_.size(); ++k) {
     segs.push_back({units_[k]->master(), units_[k]->shard_numel() * sizeof(float)});
-    if (!units_[k]->trainable()) continue;  // frozen: no optimizer state
+    if (!units_[k]->trainable()) continue;                          // frozen: no optimizer state
     for (size_t i = 0; i < optimizer_.state_names().size(); ++i) {  // the trainable block's slice
       segs.push_back({optimizer_.state(k, i).data(), units_[k]->trainable_shard_numel() * sizeof(float)});
     }

@@ -7,8 +7,8 @@
 // and load through Context::load, so their guarantees (checksums, all or
 // nothing) are that format's.
 #include <algorithm>
-#include <cstring>
 #include <cstdio>
+#include <cstring>
 #include <iterator>
 #include <random>
 #include <set>
@@ -216,8 +216,7 @@ int Context::restore(const std::string& path, const std::string& checkpoint_dir)
       common = keys;
     } else {
       std::set<Key> both;
-      std::set_intersection(common.begin(), common.end(), keys.begin(), keys.end(),
-                            std::inserter(both, both.begin()));
+      std::set_intersection(common.begin(), common.end(), keys.begin(), keys.end(), std::inserter(both, both.begin()));
       common = std::move(both);
     }
   }
@@ -229,15 +228,15 @@ int Context::restore(const std::string& path, const std::string& checkpoint_dir)
     }
     const std::string dir = ckpt::snapshot_slot_dir(path, rt_.rank, slot);
     Outcome loaded = capture([&] {
-      load(dir, /*strict=*/true, "fsdp_restore of step " + std::to_string(step) + " from the snapshot at " +
-                                     base::quote_path(path));
+      load(dir, /*strict=*/true,
+           "fsdp_restore of step " + std::to_string(step) + " from the snapshot at " + base::quote_path(path));
     });
     if (loaded.ok()) {
       snapshot_run_ = run;  // this context's snapshots continue that run
       if (root) {
-        base::log(FSDP_LOG_INFO, rt_.rank,
-                  "fsdp_restore: restored step " + std::to_string(step) + " from the snapshot at " +
-                      base::quote_path(path));
+        base::log(
+            FSDP_LOG_INFO, rt_.rank,
+            "fsdp_restore: restored step " + std::to_string(step) + " from the snapshot at " + base::quote_path(path));
       }
       return FSDP_RESTORED_SNAPSHOT;
     }

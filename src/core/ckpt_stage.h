@@ -73,5 +73,4 @@ inline void write_from(ckpt::Writer& w, device::Device* dev, HostStage& stage, c
   }
 }
 
-
 }  // namespace fsdp::core
