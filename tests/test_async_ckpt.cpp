@@ -427,6 +427,65 @@ TEST(AsyncCkptWorld4, SaveAsyncSnapshotAndRestoreWithRanksAsThreadsOrProcesses) 
   });
 }
 
+// ---- one rank of an mpirun job killed (tests/run_mpi_snapshot_kill.py) -----------------
+
+// Phase 1, as the 2 processes of an mpirun job only: both snapshot after
+// every step; rank 1's process dies (FSDP_CKPT_FAULT=crash_after_files=5,
+// _Exit: no clean-up) after writing its shard of the third snapshot, before
+// that slot's metadata and its marker; rank 0 times out waiting for it.
+TEST(AsyncCkptProcesses, SnapshotsUntilRankOneDies) {
+  const char* env = std::getenv("FSDP_TEST_CKPT_DIR");
+  if (launcher_world() != 2 || env == nullptr) GTEST_SKIP() << "run by tests/run_mpi_snapshot_kill.py";
+  const std::string shm = std::string(env) + "/shm";
+  run_ranks(2, [&](int rank, fsdp_local_group_t* group) {
+    Job job;
+    auto o = base_options("FULL_SHARD");
+    o["timeout_s"] = "5";
+    open_job(job, kNet, o, rank, group);
+    ASSERT_NO_FATAL_FAILURE(set_state(job, make_init(kNet, 31)));
+    if (rank == 1) setenv("FSDP_CKPT_FAULT", "crash_after_files=5", 1);
+    for (int s = 0; s < 3; ++s) {
+      ASSERT_NO_FATAL_FAILURE(train(job, kNet, s, s + 1, 2, rank));
+      fsdp_status_t st = fsdp_snapshot(job.ctx.get(), shm.c_str());
+      if (s < 2) ASSERT_OK(st);
+      if (s == 2) {
+        EXPECT_NE(st, FSDP_OK) << "rank 0's third snapshot succeeded without rank 1";
+        std::printf("rank %d: the third snapshot failed: %s\n", rank, last_error_str().c_str());
+      }
+    }
+  });
+}
+
+// Phase 2, a new mpirun job of 2 processes: both restore the newest step
+// they both hold whole (2: rank 1 died writing 3), bitwise the uninterrupted
+// run's, and train on exactly as it does.
+TEST(AsyncCkptProcesses, RestoresAfterRankOneDied) {
+  const char* env = std::getenv("FSDP_TEST_CKPT_DIR");
+  if (launcher_world() != 2 || env == nullptr) GTEST_SKIP() << "run by tests/run_mpi_snapshot_kill.py";
+  const std::string shm = std::string(env) + "/shm";
+  run_ranks(2, [&](int rank, fsdp_local_group_t* group) {
+    State s2, s4;
+    {
+      Job job;
+      open_job(job, kNet, base_options("FULL_SHARD"), rank, group);
+      ASSERT_NO_FATAL_FAILURE(set_state(job, make_init(kNet, 31)));
+      ASSERT_NO_FATAL_FAILURE(train(job, kNet, 0, 2, 2, rank));
+      s2 = gather(job, kNet);
+      ASSERT_NO_FATAL_FAILURE(train(job, kNet, 2, 4, 2, rank));
+      s4 = gather(job, kNet);
+    }
+    Job job;
+    open_job(job, kNet, base_options("FULL_SHARD"), rank, group);
+    int source = -1;
+    ASSERT_OK(fsdp_restore(job.ctx.get(), shm.c_str(), nullptr, &source));
+    EXPECT_EQ(source, FSDP_RESTORED_SNAPSHOT);
+    EXPECT_EQ(step_of(job), 2u);
+    EXPECT_TRUE(bitwise_equal(gather(job, kNet), s2));
+    ASSERT_NO_FATAL_FAILURE(train(job, kNet, 2, 4, 2, rank));
+    EXPECT_TRUE(bitwise_equal(gather(job, kNet), s4));
+  });
+}
+
 // ---- kills -----------------------------------------------------------------------------
 
 // A bigger net, so that the copies and writes take most of the child's time.
