@@ -55,6 +55,15 @@ LaunchEnv read_launch_env() {
   return read_vars("PMI_RANK/PMI_SIZE", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS");
 }
 
+std::string new_comm_id() {
+#ifdef FSDP_HAVE_NCCL
+  return new_nccl_id_hex();
+#else
+  fail(FSDP_ERR_UNSUPPORTED,
+       "fsdp_comm_id_create: the id is NCCL's, and this library has no NCCL communicator (see fsdp_build_info())");
+#endif
+}
+
 bool have_mpi() {
 #ifdef FSDP_HAVE_MPI
   return true;

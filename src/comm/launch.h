@@ -36,6 +36,10 @@ LaunchEnv read_launch_env();
 std::unique_ptr<Communicator> make_world_comm(const Options& opts, std::shared_ptr<LocalGroup> group, bool group_given,
                                               int rank);
 
+// A new id for comm=nccl ranks that a host connects itself (fsdp_comm_id_create):
+// NCCL's unique id as hex text. UNSUPPORTED in a build without NCCL.
+std::string new_comm_id();
+
 // Whether this build has the mpi communicator; the nccl one.
 bool have_mpi();
 bool have_nccl();

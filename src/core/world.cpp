@@ -4,9 +4,6 @@
 #include "../base/error.h"
 #include "../comm/launch.h"
 #include "../comm/local/local_group.h"
-#ifdef FSDP_HAVE_NCCL
-#include "../comm/nccl/nccl_comm.h"
-#endif
 
 namespace fsdp::core {
 
@@ -18,14 +15,7 @@ void abort_local_group(comm::LocalGroup& group, const std::string& reason) {
   group.abort(FSDP_ERR_COMM, "the local group was aborted by the application: " + reason, true);
 }
 
-std::string new_comm_id() {
-#ifdef FSDP_HAVE_NCCL
-  return comm::new_nccl_id_hex();
-#else
-  fail(FSDP_ERR_UNSUPPORTED,
-       "fsdp_comm_id_create: the id is NCCL's, and this library has no NCCL communicator (see fsdp_build_info())");
-#endif
-}
+std::string new_comm_id() { return comm::new_comm_id(); }
 
 std::unique_ptr<comm::Communicator> make_world(const Options& opts, std::shared_ptr<comm::LocalGroup> group, int rank) {
   bool given = group != nullptr;
