@@ -4,8 +4,10 @@
 #include <cstdlib>
 
 #include "../base/error.h"
+#include "../base/log.h"
 #include "../base/text.h"
 #include "local/local_comm.h"
+#include "slurm.h"
 #ifdef FSDP_HAVE_MPI
 #include "mpi/mpi_comm.h"
 #endif
@@ -52,7 +54,9 @@ LaunchEnv read_launch_env() {
   LaunchEnv e = read_vars("OMPI_COMM_WORLD_*", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
                           "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE");
   if (e.present()) return e;
-  return read_vars("PMI_RANK/PMI_SIZE", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS");
+  e = read_vars("PMI_RANK/PMI_SIZE", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS");
+  if (e.present()) return e;
+  return read_slurm_env();  // srun (--mpi=pmix|pmi2 or none)
 }
 
 std::string new_comm_id() {
@@ -123,6 +127,12 @@ std::unique_ptr<Communicator> make_world_comm(const Options& opts, std::shared_p
                                        "run independent single-rank jobs on purpose");
       }
       kind = CommKind::kMpi;
+      if (env.source == "SLURM_*" && env.rank == 0) {
+        base::log(FSDP_LOG_INFO, 0,
+                  "launched by srun: rank 0 of " + std::to_string(env.world) + " tasks (SLURM_PROCID, " +
+                      "SLURM_STEP_NUM_TASKS), " + std::to_string(env.local_world) +
+                      " on this node (SLURM_STEP_TASKS_PER_NODE); comm=auto takes mpi (srun --mpi=pmix|pmi2)");
+      }
     } else {
       kind = CommKind::kLocal;
     }

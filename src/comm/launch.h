@@ -23,9 +23,10 @@ struct LaunchEnv {
   bool present() const { return !source.empty(); }
 };
 
-// Reads OMPI_COMM_WORLD_{RANK,SIZE,LOCAL_RANK,LOCAL_SIZE} (Open MPI) or
-// PMI_RANK/PMI_SIZE with MPI_LOCALRANKID/MPI_LOCALNRANKS (MPICH). Throws
-// INVALID_ARGUMENT naming the variable when a value is malformed.
+// Reads OMPI_COMM_WORLD_{RANK,SIZE,LOCAL_RANK,LOCAL_SIZE} (Open MPI),
+// PMI_RANK/PMI_SIZE with MPI_LOCALRANKID/MPI_LOCALNRANKS (MPICH), or an srun
+// task's SLURM_* variables (slurm.h), in that order. Throws INVALID_ARGUMENT
+// naming the variable when a value is malformed.
 LaunchEnv read_launch_env();
 
 // The world communicator for a new context. `group` (may be null) and `rank`

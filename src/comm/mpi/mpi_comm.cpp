@@ -546,8 +546,12 @@ std::unique_ptr<Communicator> make_mpi_world(const Options& opts, int expected_r
     fail(FSDP_ERR_COMM, "fsdp_ctx_create: the launcher made this process rank " + std::to_string(env.rank) + " of " +
                             std::to_string(env.world) + " (" + env.source + "), but MPI_COMM_WORLD says rank " +
                             std::to_string(rank) + " of " + std::to_string(world) +
-                            ": the program uses a different MPI than the mpirun that started it (for example an "
-                            "MPICH build under Open MPI's mpirun)");
+                            (env.source == "SLURM_*"
+                                 ? ": srun started the tasks without connecting their MPI; launch with srun "
+                                   "--mpi=pmix (or --mpi=pmi2, whichever `srun --mpi=list` offers and the MPI "
+                                   "was built with)"
+                                 : ": the program uses a different MPI than the mpirun that started it (for "
+                                   "example an MPICH build under Open MPI's mpirun)"));
   }
   if (expected_rank != -1 && expected_rank != rank) {
     fail(FSDP_ERR_INVALID_ARGUMENT, "fsdp_ctx_create: rank " + std::to_string(expected_rank) +

@@ -10,6 +10,7 @@
 #include "../../base/spin.h"
 #include "../../base/text.h"
 #include "../launch.h"
+#include "../slurm.h"
 #include "../tcp_exchange.h"
 #include "nccl_check.h"
 #include "nccl_comm.h"
@@ -199,6 +200,24 @@ std::unique_ptr<Communicator> make_nccl_world(const Options& opts, int rank) {
       blob.assign(id.internal, sizeof id.internal);
     }
     blob = tcp_exchange_blob({t.addr, t.port, rank, world, opts.timeout_s}, blob);
+    if (blob.size() != sizeof id.internal) fail(FSDP_ERR_COMM, "bootstrap: rank 0 sent an id of the wrong size");
+    std::copy(blob.begin(), blob.end(), id.internal);
+  } else if (LaunchEnv sl = read_launch_env(); sl.present() && sl.source == "SLURM_*") {
+    // (a') srun: as torchrun, at the first host of the step's node list and
+    // a port from the job and step ids (slurm.h), no MPI needed.
+    check_rank_arg(rank, sl.rank, "SLURM_PROCID");
+    rank = sl.rank;
+    world = sl.world;
+    local_world = sl.local_world > 0 ? sl.local_world : 1;
+    std::string host;
+    int port = -1;
+    slurm_rendezvous(&host, &port);
+    std::string blob;
+    if (rank == 0) {
+      id = new_id();
+      blob.assign(id.internal, sizeof id.internal);
+    }
+    if (world > 1) blob = tcp_exchange_blob({host, port, rank, world, opts.timeout_s}, blob);
     if (blob.size() != sizeof id.internal) fail(FSDP_ERR_COMM, "bootstrap: rank 0 sent an id of the wrong size");
     std::copy(blob.begin(), blob.end(), id.internal);
   } else if (LaunchEnv m = read_launch_env(); m.present()) {
