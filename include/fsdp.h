@@ -118,6 +118,18 @@ FSDP_API fsdp_status_t fsdp_config_get(const fsdp_config_t* cfg, const char* key
  * alone. On a bad value nothing is changed. */
 FSDP_API fsdp_status_t fsdp_config_from_env(fsdp_config_t* cfg);
 
+/* ---- processes a launcher starts ----------------------------------------- */
+
+/* Local. Where a launcher put this process, as comm=auto and comm=mpi read
+ * it: mpirun (OMPI_COMM_WORLD_*), MPICH (PMI_RANK, PMI_SIZE), or Slurm's srun
+ * (SLURM_PROCID, SLURM_STEP_NUM_TASKS, SLURM_LOCALID and this node's count
+ * in SLURM_STEP_TASKS_PER_NODE; only inside a job step: a batch script is
+ * not one), in that order. *rank and *world are -1 when no launcher started
+ * this process; *local_rank and *local_world -1 when it does not say. Any
+ * pointer may be NULL. A malformed variable is FSDP_ERR_INVALID_ARGUMENT
+ * naming it. (torchrun's RANK and WORLD_SIZE are comm=nccl's and not read here.) */
+FSDP_API fsdp_status_t fsdp_launcher(int* rank, int* world, int* local_rank, int* local_world);
+
 /* ---- processes a host starts itself (comm=nccl) ------------------------- */
 
 /* Bytes fsdp_comm_id_create writes: 256 hex digits and a NUL. */

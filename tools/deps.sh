@@ -76,6 +76,11 @@ command -v mpicc >/dev/null || missing+=(libopenmpi-dev)
 pkg-config --exists openblas 2>/dev/null || missing+=(libopenblas-dev)
 # The ABI check (tools/check_abi.sh, docs/abi.md): libabigail's abidw and abidiff.
 command -v abidiff >/dev/null || missing+=(abigail-tools)
+# srun as a launcher, on a Slurm the test starts for one node (tests/run_slurm.py).
+command -v slurmctld >/dev/null || missing+=(slurmctld)
+command -v slurmd >/dev/null || missing+=(slurmd)
+command -v srun >/dev/null || missing+=(slurm-client)
+command -v munged >/dev/null || [ -x /usr/sbin/munged ] || missing+=(munge)
 if [ ${#missing[@]} -gt 0 ]; then
   echo "installing: ${missing[*]}"
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"

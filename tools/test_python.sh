@@ -46,6 +46,18 @@ cd "$root"
 echo "== examples/python/train_mlp.py --ranks 4 --steps 20 --check"
 "$py" examples/python/train_mlp.py --ranks 4 --steps 20 --check
 
+# srun as a launcher: a one-node Slurm started here runs `srun -n 4` of the C and Python examples, which
+# must train as a world of 4 with mpirun -np 4's losses (tests/run_slurm.py; 77: skipped, with its reason).
+echo "== srun -n 4 of the examples on a Slurm started here (tests/run_slurm.py)"
+rc=0
+"$py" tests/run_slurm.py "$root/build/default/examples/c/train_mlp" examples/python/train_mlp.py \
+  "$root/build/slurm_test" "$py" || rc=$?
+if [[ $rc -eq 77 ]]; then
+  echo "   SKIPPED (reason above)"
+elif [[ $rc -ne 0 ]]; then
+  exit "$rc"
+fi
+
 echo "== the framework adapters (${present[*]})"
 fw="${FSDP_FRAMEWORKS_VENV:-$HOME/.cache/libfsdp/frameworks-venv}"
 req="$root/bindings/python/tests/requirements-frameworks.txt"

@@ -346,11 +346,15 @@ static int run(const options_t* opt, int world, double* losses, double* mem) {
 
 static double mib(size_t n) { return (double)n / (1024.0 * 1024.0); }
 
-/* The size of the mpirun job this process belongs to (0: not started by one). */
+/* The size of the job a launcher (mpirun, srun) started this process in (0:
+ * not started by one), and this process's rank in it. */
 static int launcher_world(void) {
-  const char* v = getenv("OMPI_COMM_WORLD_SIZE");
-  if (v == NULL) v = getenv("PMI_SIZE");
-  return v == NULL ? 0 : atoi(v);
+  int world = -1;
+  return fsdp_launcher(NULL, &world, NULL, NULL) == FSDP_OK && world > 0 ? world : 0;
+}
+static int launcher_rank(void) {
+  int rank = -1;
+  return fsdp_launcher(&rank, NULL, NULL, NULL) == FSDP_OK && rank > 0 ? rank : 0;
 }
 
 static void print_loss_legend(void) {
@@ -384,11 +388,10 @@ static int loss_fell(const options_t* opt, const double* losses) {
 static int run_launched(const options_t* opt, int world) {
   double* losses = calloc((size_t)opt->steps, sizeof(double));
   double* mem = calloc((size_t)world * N_MEM, sizeof(double));
-  const char* r_env = getenv("OMPI_COMM_WORLD_RANK") ? getenv("OMPI_COMM_WORLD_RANK") : getenv("PMI_RANK");
-  int rank = r_env ? atoi(r_env) : 0, s, r, rc = 0;
+  int rank = launcher_rank(), s, r, rc = 0;
   if (run(opt, 0, losses, mem)) return 1;
   if (rank == 0) {
-    printf("%s\nMLP %d-%d-%d-%d-%d, %d units, global batch %d over %d processes (mpirun), %s, param_dtype %s, AdamW\n",
+    printf("%s\nMLP %d-%d-%d-%d-%d, %d units, global batch %d over %d processes (mpirun or srun), %s, param_dtype %s, AdamW\n",
            fsdp_build_info(), kDims[0], kDims[1], kDims[2], kDims[3], kDims[4], N_LAYERS, GLOBAL_BATCH, world,
            g_sharding, g_dtype);
     if (opt->resume) printf("resumed from %s at step %ld\n", opt->resume, g_first_step);

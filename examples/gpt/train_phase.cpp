@@ -364,15 +364,20 @@ int64_t checkpoint_step(const std::string& dir) {
   return Json::parse(in).at("optimizer").at("step").get<int64_t>();
 }
 
+// mpirun's, MPICH's or srun's (fsdp_launcher), else torchrun's.
 int launcher_world() {
-  for (const char* k : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "WORLD_SIZE"})
-    if (const char* v = std::getenv(k)) return std::atoi(v);
-  return 0;
+  int world = -1;
+  CHECK(fsdp_launcher(nullptr, &world, nullptr, nullptr));
+  if (world > 0) return world;
+  const char* v = std::getenv("WORLD_SIZE");
+  return v != nullptr ? std::atoi(v) : 0;
 }
 int launcher_rank() {
-  for (const char* k : {"OMPI_COMM_WORLD_RANK", "PMI_RANK", "RANK"})
-    if (const char* v = std::getenv(k)) return std::atoi(v);
-  return 0;
+  int rank = -1;
+  CHECK(fsdp_launcher(&rank, nullptr, nullptr, nullptr));
+  if (rank >= 0) return rank;
+  const char* v = std::getenv("RANK");
+  return v != nullptr ? std::atoi(v) : 0;
 }
 
 }  // namespace train

@@ -117,7 +117,7 @@ def main():
 
             rows = BATCH // ctx.world_size
             xs, ts = x[ctx.rank * rows:(ctx.rank + 1) * rows], t[ctx.rank * rows:(ctx.rank + 1) * rows]
-            how = "processes (mpirun)" if args.launcher else "thread-ranks"
+            how = "processes (mpirun or srun)" if args.launcher else "thread-ranks"
             say(fsdp.build_info())
             say(f"MLP {DIMS}, {len(units)} units, global batch {BATCH} over {ctx.world_size} {how}, "
                 f"{w.sharding}, param_dtype {ctx.param_dtype}, AdamW")

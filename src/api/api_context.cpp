@@ -170,6 +170,17 @@ fsdp_status_t fsdp_config_from_env(fsdp_config_t* cfg) {
   });
 }
 
+fsdp_status_t fsdp_launcher(int* rank, int* world, int* local_rank, int* local_world) {
+  return guard([&] {
+    int r = -1, w = -1, lr = -1, lw = -1;
+    fsdp::core::launcher_env(&r, &w, &lr, &lw);
+    if (rank != nullptr) *rank = r;
+    if (world != nullptr) *world = w;
+    if (local_rank != nullptr) *local_rank = lr;
+    if (local_world != nullptr) *local_world = lw;
+  });
+}
+
 fsdp_status_t fsdp_comm_id_create(char* out, size_t out_nbytes) {
   return guard([&] {
     require(out, "fsdp_comm_id_create", "out");

@@ -6,6 +6,7 @@
 #include <cctype>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <iterator>
 #include <sstream>
@@ -197,6 +198,13 @@ const std::vector<Entry>& table() {
              // The launcher's local rank picks the GPU, as torchrun's users expect.
              const char* local = std::getenv("LOCAL_RANK");
              if (local == nullptr) local = std::getenv("OMPI_COMM_WORLD_LOCAL_RANK");
+             if (local == nullptr && std::getenv("SLURM_STEP_ID") != nullptr) {
+               // srun: its task's place on the node, unless Slurm bound the
+               // task to one GPU (--gpus-per-task=1: it then sees only that one).
+               const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
+               const bool one = visible != nullptr && *visible != '\0' && std::strchr(visible, ',') == nullptr;
+               local = one ? "0" : std::getenv("SLURM_LOCALID");
+             }
              o.cuda_ordinal = local != nullptr ? static_cast<int>(parse_int("LOCAL_RANK", local, 0, 1023)) : 0;
            }
            return;

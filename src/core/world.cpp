@@ -17,6 +17,14 @@ void abort_local_group(comm::LocalGroup& group, const std::string& reason) {
 
 std::string new_comm_id() { return comm::new_comm_id(); }
 
+void launcher_env(int* rank, int* world, int* local_rank, int* local_world) {
+  const comm::LaunchEnv e = comm::read_launch_env();
+  *rank = e.rank;
+  *world = e.world;
+  *local_rank = e.present() ? e.local_rank : -1;
+  *local_world = e.present() ? e.local_world : -1;
+}
+
 std::unique_ptr<comm::Communicator> make_world(const Options& opts, std::shared_ptr<comm::LocalGroup> group, int rank) {
   bool given = group != nullptr;
   if (!given) group = make_local_group(1);

@@ -22,6 +22,9 @@ void abort_local_group(comm::LocalGroup& group, const std::string& reason);
 // A new id for comm=nccl ranks that a host connects itself
 // (fsdp_comm_id_create): hex text. UNSUPPORTED in a build without NCCL.
 std::string new_comm_id();
+// fsdp_launcher: rank, world, local rank and local world a launcher gave
+// this process (-1 where none).
+void launcher_env(int* rank, int* world, int* local_rank, int* local_world);
 // The world communicator for fsdp_ctx_create's arguments: `group` (null for a
 // world of one, or comm=mpi) and `rank`.
 std::unique_ptr<comm::Communicator> make_world(const Options& opts, std::shared_ptr<comm::LocalGroup> group, int rank);

@@ -34,6 +34,7 @@ _PROTOTYPES = {
     "fsdp_log_set_callback": (None, [LOG_FN, c_void_p]),
     "fsdp_version": (c_int, []),
     "fsdp_build_info": (c_char_p, []),
+    "fsdp_launcher": (None, [P(c_int), P(c_int), P(c_int), P(c_int)]),
     "fsdp_comm_id_create": (None, [c_char_p, c_size_t]),
     "fsdp_config_create": (None, [P(c_void_p)]),
     "fsdp_config_destroy": (type(None), [c_void_p]),

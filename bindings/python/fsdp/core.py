@@ -17,12 +17,13 @@ from .unit import Unit
 
 
 def launcher_world():
-    """(rank, size) from an mpirun launcher's environment, or None when not started by one."""
-    size = os.environ.get("OMPI_COMM_WORLD_SIZE") or os.environ.get("PMI_SIZE")
-    if not size:
+    """(rank, size) that a launcher gave this process (mpirun, MPICH, Slurm's srun: fsdp_launcher), or None
+    when not started by one."""
+    rank, size = ctypes.c_int(-1), ctypes.c_int(-1)
+    check(LIB.fsdp_launcher(ctypes.byref(rank), ctypes.byref(size), None, None), "fsdp_launcher")
+    if size.value < 1:
         return None
-    rank = os.environ.get("OMPI_COMM_WORLD_RANK") or os.environ.get("PMI_RANK") or "0"
-    return int(rank), int(size)
+    return rank.value, size.value
 
 
 class _Handle:

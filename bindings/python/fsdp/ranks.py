@@ -11,7 +11,7 @@ def run_ranks(n, fn):
     CommError (naming the failed rank and its exception) instead of waiting out timeout_s; all
     threads are joined and the first exception, the failed rank's own, is re-raised.
 
-    Under mpirun (OMPI_COMM_WORLD_SIZE / PMI_SIZE set) this process is one rank: fn(launcher rank,
+    Under mpirun or srun (fsdp_launcher: OMPI_COMM_WORLD_*, PMI_*, SLURM_*) this process is one rank: fn(launcher rank,
     None) is called once, and a Context created with group None takes its rank from the launcher.
 
     Thread ranks share everything process-wide: torch's global RNG (ranks that build a model at once draw
