@@ -178,8 +178,8 @@ class Sandbox:
     def __init__(self, tmp):
         self.tmp = tmp
         self.root = os.path.join(tmp, "repo")
-        for rel in ("tools/gpu-check.sh", "tools/gpu_check_lib.sh", "tools/gpu_check_summary.py",
-                    "examples/cuda/launch_local.sh"):
+        for rel in ("tools/gpu-check.sh", "tools/gpu_check_lib.sh", "tools/gpu_check_build.sh",
+                    "tools/gpu_check_summary.py", "examples/cuda/launch_local.sh"):
             dst = os.path.join(self.root, rel)
             os.makedirs(os.path.dirname(dst), exist_ok=True)
             shutil.copy2(os.path.join(ROOT, rel), dst)
