@@ -641,9 +641,10 @@ void kill_and_check(bool snapshot, int kills) {
   EXPECT_GT(mid_copy, 0) << "no kill landed in the middle of a copy: the test proved nothing";
 }
 
-// 60 each (120 in all) in the default preset; the sanitizer presets and the
-// late host stream's variant, which check the same paths for memory errors,
-// races and the stream's timing rather than for more kills, take 20.
+// 60 each (120 in all) in the default preset; the late host stream's
+// variant 20 and the sanitizer presets 10 (FSDP_TEST_KILLS in
+// CMakePresets.json): they check the same paths for the stream's timing,
+// memory errors and races rather than for more kills.
 int kill_count() {
   const char* env = std::getenv("FSDP_TEST_KILLS");
   if (env != nullptr) return std::atoi(env);
