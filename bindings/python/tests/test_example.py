@@ -66,7 +66,7 @@ def test_mpirun_rank0_prints_everything_in_order():
     mpi = run("--steps", 3, launcher=("mpirun", "--oversubscribe", "-np", "2")).stdout
 
     def shape(text):
-        return [re.sub(r"\d+\.\d+", "N", line) for line in text.replace("processes (mpirun)", "thread-ranks").splitlines()]
+        return [re.sub(r"\d+\.\d+", "N", line) for line in text.replace("processes (mpirun or srun)", "thread-ranks").splitlines()]
 
     assert shape(mpi) == shape(threads), mpi
     mem = [line.split()[1] for line in mpi.splitlines() if line.startswith("rank ")]
