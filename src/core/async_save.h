@@ -12,6 +12,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <utility>
 
 #include "../base/error.h"
 #include "../base/log.h"
@@ -58,6 +59,11 @@ struct AsyncSave {
   void join() {
     std::unique_lock<std::mutex> lock(mu_);
     cv_.wait(lock, [&] { return !busy_; });
+  }
+  // Waits for the job and hands over its outcome (reported once: reset here).
+  Outcome take_outcome() {
+    join();
+    return std::exchange(outcome, Outcome{});
   }
   // At least `nbytes` of host memory for the copy (contents not kept when it grows).
   char* copy_buffer(size_t nbytes) {

@@ -21,6 +21,7 @@
 #include "../ckpt/reader.h"
 #include "../ckpt/snapshot.h"
 #include "async_save.h"
+#include "ckpt_stage.h"
 #include "consensus.h"
 #include "context.h"
 #include "trace.h"
@@ -29,16 +30,13 @@ namespace fsdp::core {
 
 void Context::settle_async(const char* call) {
   if (!async_) return;
-  async_->join();
-  if (async_->outcome.ok()) return;
-  Outcome o = std::exchange(async_->outcome, Outcome{});
-  fail(o.status, std::string(call) + ": the earlier " + async_->what + " failed: " + o.message);
+  Outcome o = async_->take_outcome();
+  if (!o.ok()) fail(o.status, std::string(call) + ": the earlier " + async_->what + " failed: " + o.message);
 }
 
 void Context::save_wait() {
   if (!async_) return;
-  async_->join();
-  Outcome o = std::exchange(async_->outcome, Outcome{});
+  Outcome o = async_->take_outcome();
   if (!o.ok()) fail(o.status, o.message);
 }
 
@@ -173,9 +171,7 @@ void Context::snapshot(const std::string& path) {
   check_outcomes(*rt_.comm, what, wrote.status, wrote.message);
   std::vector<std::string> recs = gather_strings(*rt_.comm, ckpt::files_to_json(mine), what + " (file records)");
   Outcome commit = capture([&] {
-    for (const std::string& r : recs) {
-      for (ckpt::FileRecord& f : ckpt::files_from_json(r)) meta.files.push_back(std::move(f));
-    }
+    add_file_records(recs, &meta);
     ckpt::write_meta(slot_dir, meta);
     marker.slots.insert(marker.slots.begin(), ckpt::SnapshotSlot{slot, step, snapshot_run_});
     ckpt::write_snapshot_marker(path, marker);

@@ -182,6 +182,12 @@ void Context::save(const std::string& dir, const std::string& kind) {
   finish_save(*rt_.comm, what, dir, std::move(meta), wrote, mine);
 }
 
+void add_file_records(const std::vector<std::string>& records, ckpt::Meta* meta) {
+  for (const std::string& r : records) {
+    for (ckpt::FileRecord& f : ckpt::files_from_json(r)) meta->files.push_back(std::move(f));
+  }
+}
+
 std::string Context::prepare_save(comm::Communicator& comm, const std::string& dir, const std::string& what,
                                   const char* call) const {
   const std::string staged = ckpt::staging_dir(dir);
@@ -203,9 +209,7 @@ void Context::finish_save(comm::Communicator& comm, const std::string& what, con
     std::vector<std::string> recs = gather_strings(comm, ckpt::files_to_json(mine), what + " (file records)");
     Outcome commit = capture([&] {
       if (!root) return;
-      for (const std::string& r : recs) {
-        for (ckpt::FileRecord& f : ckpt::files_from_json(r)) meta.files.push_back(std::move(f));
-      }
+      add_file_records(recs, &meta);
       ckpt::write_meta(staged, meta);
       std::string warning = ckpt::commit_dir(staged, dir);
       if (!warning.empty())

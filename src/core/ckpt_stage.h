@@ -6,8 +6,10 @@
 
 #include <algorithm>
 #include <string>
+#include <vector>
 
 #include "../base/error.h"
+#include "../ckpt/meta.h"
 #include "../ckpt/safetensors.h"
 #include "../device/device.h"
 #include "memory.h"
@@ -72,5 +74,9 @@ inline void write_from(ckpt::Writer& w, device::Device* dev, HostStage& stage, c
     w.write(buf, k);
   }
 }
+
+// The ranks' file records (gather_strings of files_to_json) into the
+// metadata's file list, in rank order (checkpoint_save.cpp).
+void add_file_records(const std::vector<std::string>& records, ckpt::Meta* meta);
 
 }  // namespace fsdp::core
