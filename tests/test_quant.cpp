@@ -125,6 +125,105 @@ TEST(QuantKernels, TheCpuDevicePacksAndUnpacksAsTheReferenceInEveryDtype) {
   }
 }
 
+namespace {
+
+// The packed bytes of a slice as the format defines them: scale = absmax /
+// qmax in fp32 (NaN with a NaN or an infinity in the block), each code the
+// nearest to value / scale (int8 by nearbyint, E4M3 by search), zeros where
+// the scale is 0 or NaN.
+std::vector<uint8_t> ref_packed(const std::vector<float>& x, size_t block, k::QType t) {
+  const size_t n = x.size();
+  std::vector<uint8_t> out(k::quant_packed_bytes(n, block), 0);
+  for (size_t b = 0, kb = 0; b < n; b += block, ++kb) {
+    const size_t e = std::min(n, b + block);
+    float amax = 0.0f;
+    bool finite = true;
+    for (size_t i = b; i < e; ++i) finite = finite && std::isfinite(x[i]), amax = std::max(amax, std::fabs(x[i]));
+    const float scale = finite ? amax / qmax_of(t) : NAN;
+    std::memcpy(out.data() + k::quant_scales_offset(n) + kb * 4, &scale, 4);
+    if (!(scale > 0.0f)) continue;
+    for (size_t i = b; i < e; ++i) {
+      const float v = x[i] / scale;
+      out[i] = t == k::QType::kInt8
+                   ? static_cast<uint8_t>(static_cast<int8_t>(std::min(127.0, std::max(-127.0, std::nearbyint(double(v))))))
+                   : static_cast<uint8_t>(e4m3_nearest(v));
+    }
+  }
+  return out;
+}
+
+// Values placed on the half-steps between codes and a few ulps either side:
+// the cases where a code computed any way but by the quotient itself (the
+// CPU device's AVX-512 loops multiply by the scale's reciprocal and must
+// notice) would round the other way.
+std::vector<float> values_at_ties(size_t n, size_t block, k::QType t, fsdp_dtype_t dt, uint64_t seed) {
+  Rng rng(seed);
+  std::vector<float> x(n);
+  for (size_t b = 0; b < n; b += block) {
+    const size_t e = std::min(n, b + block);
+    // Half the blocks with a power-of-two scale (exact ties in every dtype),
+    // half with a random one (ties to within an ulp of the quotient).
+    const bool exact = (b / block) % 2 == 0;
+    const float amax = exact ? qmax_of(t) * std::ldexp(1.0f, -8) : rng.uniform(0.01f, 4.0f);
+    const float scale = amax / qmax_of(t);
+    x[b] = amax;
+    for (size_t i = b + 1; i < e; ++i) {
+      float mid;
+      if (t == k::QType::kInt8) {
+        mid = float(int(rng.next() % 253) - 126) + 0.5f;
+      } else {
+        const int c = int(rng.next() % 126);  // 0..125: midpoints below 448
+        mid = float((e4m3_value(c) + e4m3_value(c + 1)) / 2) * ((rng.next() & 1) ? -1.0f : 1.0f);
+      }
+      float v = mid * scale;
+      for (int u = int(rng.next() % 5) - 2; u != 0; u += u > 0 ? -1 : 1) v = std::nextafter(v, u > 0 ? INFINITY : -INFINITY);
+      x[i] = std::fabs(round_to(dt, v)) <= amax ? round_to(dt, v) : 0.0f;
+    }
+    x[b] = round_to(dt, x[b]);
+  }
+  return x;
+}
+
+}  // namespace
+
+TEST(QuantKernels, TheCpuDevicePacksTheFormatsCodesOnAndNextToEveryTieInEveryInputDtype) {
+  fsdp::device::CpuDevice cpu(2, fsdp::device::Pool::kDevice);
+  for (k::QType t : kTypes) {
+    for (fsdp_dtype_t dt : {FSDP_DTYPE_FP32, FSDP_DTYPE_BF16, FSDP_DTYPE_FP16}) {
+      for (size_t block : {size_t(16), size_t(20), size_t(48), size_t(256)}) {
+        SCOPED_TRACE(std::string(type_name(t)) + " from " + dtype_config_name(dt) + " block " + std::to_string(block));
+        const size_t n = block * 40 + 7;  // a short last block
+        std::vector<float> x = values_at_ties(n, block, t, dt, block * 7 + size_t(dt));
+        // The edges' blocks: zeros, a NaN, an infinity, a subnormal scale.
+        for (size_t i = 0; i < block; ++i) x[block + i] = 0.0f;
+        x[2 * block + 1] = NAN;
+        x[3 * block + 2] = -INFINITY;
+        for (size_t i = 0; i < block; ++i) x[4 * block + i] = round_to(dt, std::ldexp(float(i % 5), -140));
+        std::vector<uint8_t> in(n * dtype_nbytes(dt));
+        for (size_t i = 0; i < n; ++i) {
+          if (dt == FSDP_DTYPE_FP32) std::memcpy(in.data() + 4 * i, &x[i], 4);
+          else {
+            const uint16_t h = dt == FSDP_DTYPE_BF16 ? f32_to_bf16(x[i]) : f32_to_fp16(x[i]);
+            std::memcpy(in.data() + 2 * i, &h, 2);
+          }
+        }
+        std::vector<uint8_t> got(k::quant_packed_bytes(n, block), 0xee);
+        cpu.quantize(got.data(), in.data(), static_cast<fsdp::DType>(dt), n, block, t);
+        const std::vector<uint8_t> want = ref_packed(x, block, t);
+        for (size_t i = 0; i < n; ++i) {
+          ASSERT_EQ(int(got[i]), int(want[i])) << "value " << i << " = " << x[i] << " (block " << i / block << ")";
+        }
+        for (size_t kb = 0; kb < k::quant_blocks(n, block); ++kb) {
+          float gs, ws;
+          std::memcpy(&gs, got.data() + k::quant_scales_offset(n) + 4 * kb, 4);
+          std::memcpy(&ws, want.data() + k::quant_scales_offset(n) + 4 * kb, 4);
+          ASSERT_TRUE(same_value(gs, ws)) << "scale of block " << kb;
+        }
+      }
+    }
+  }
+}
+
 // ---- the engine ----
 
 namespace {

@@ -15,6 +15,7 @@
 #include "../../base/error.h"
 #include "../../base/reduce.h"
 #include "../../base/simd.h"
+#include "quant_avx512.h"
 
 namespace fsdp::device {
 namespace {
@@ -374,19 +375,29 @@ FSDP_SIMD_CLONES void dequantize_loop(const uint8_t* in, size_t n, size_t block,
 
 void CpuDevice::quantize(void* packed, const void* x, DType x_dtype, size_t n, size_t block, kernels::QType t) {
   auto* out = static_cast<uint8_t*>(packed);
+  const bool simd = avx512::quant_available();
   with_dtype(x_dtype, const_cast<void*>(x), [&](auto* in) {
     // Chunks of whole quantization blocks.
     pool_.parallel_for(kernels::quant_blocks(n, block), std::max<size_t>(1, 16 * kGrain / block),
-                       [&](size_t b, size_t e) { quantize_loop(in, n, block, t, out, b, e); });
+                       [&](size_t b, size_t e) {
+                         if (!simd || !avx512::quantize(in, x_dtype, n, block, t, out, b, e)) {
+                           quantize_loop(in, n, block, t, out, b, e);
+                         }
+                       });
   });
 }
 
 void CpuDevice::dequantize(void* out, DType out_dtype, const void* packed, size_t n_slices, size_t n, size_t block,
                            kernels::QType t) {
   const auto* in = static_cast<const uint8_t*>(packed);
+  const bool simd = avx512::quant_available();
   with_dtype(out_dtype, out, [&](auto* o) {
     pool_.parallel_for(n_slices * kernels::quant_blocks(n, block), std::max<size_t>(1, 16 * kGrain / block),
-                       [&](size_t b, size_t e) { dequantize_loop(in, n, block, t, o, b, e); });
+                       [&](size_t b, size_t e) {
+                         if (!simd || !avx512::dequantize(in, n, block, t, o, out_dtype, b, e)) {
+                           dequantize_loop(in, n, block, t, o, b, e);
+                         }
+                       });
   });
 }
 
@@ -395,8 +406,13 @@ void CpuDevice::dequantize_sum(float* out, const void* packed, size_t n_slices, 
   const auto* in = static_cast<const uint8_t*>(packed);
   const float* fp8 = e4m3_table();
   const size_t stride = kernels::quant_packed_bytes(n, block), scales = kernels::quant_scales_offset(n);
+  const bool simd = avx512::quant_available();
   pool_.parallel_for(kernels::quant_blocks(n, block), std::max<size_t>(1, 16 * kGrain / block),
                      [&](size_t b, size_t e) {
+                       if (simd) {
+                         avx512::dequantize_sum(in, n_slices, n, block, t, scale, out, b, e);
+                         return;
+                       }
                        for (size_t k = b; k < e; ++k) {
                          if (t == kernels::QType::kInt8) {
                            kernels::dequantize_sum_block(in, n_slices, n, block, k, t, scale, out);

@@ -1,0 +1,290 @@
+// src/device/cpu/quant_avx512.cpp - see quant_avx512.h. Each function is
+// compiled for AVX-512 by attribute (the rest of the library keeps its
+// baseline target) and only called after quant_available() said yes.
+// Contraction is off for this file (-ffp-contract=off, src/CMakeLists.txt):
+// GCC writes these intrinsics as vector arithmetic, which it would otherwise
+// fuse into FMAs with other bits. (Not FSDP_NO_CONTRACT: GCC's optimize
+// attribute here left every constant broadcast inside the loops.)
+#include "quant_avx512.h"
+
+#include <cstdlib>
+#include <cstring>
+
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define FSDP_HAVE_AVX512_LOOPS 1
+#include <immintrin.h>
+// GCC 12 reports the intrinsics' own _mm512_undefined_* placeholders as
+// maybe-uninitialized once they are inlined here (a known false positive).
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+
+namespace fsdp::device::avx512 {
+
+#if FSDP_HAVE_AVX512_LOOPS
+
+namespace {
+
+namespace k = kernels;
+
+#define FSDP_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
+#define FSDP_AVX512_INLINE FSDP_AVX512 inline __attribute__((always_inline))
+
+// The codes' pass prefetches this far ahead of the values it reads.
+constexpr size_t kAheadBytes = 4096;
+// A product closer than this to a half-step is recomputed by division.
+constexpr float kTieMargin = 0x1p-14f;
+
+FSDP_AVX512_INLINE __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+FSDP_AVX512_INLINE __m512 load16(const k::bf16_t* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+FSDP_AVX512_INLINE __m512 load16(const k::fp16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+FSDP_AVX512_INLINE void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+// kernels::f32_to_bf16_bits, 16 at a time.
+FSDP_AVX512_INLINE void store16(k::bf16_t* p, __m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __mmask16 nan =
+      _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i rounded =
+      _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
+  const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x0040));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, quiet)));
+}
+// kernels::f32_to_fp16_bits: the conversion instruction rounds to nearest
+// even with subnormals and infinities as IEEE says, and keeps a NaN's sign and
+// top mantissa bits with the quiet bit set, as the functor does.
+FSDP_AVX512_INLINE void store16(k::fp16_t* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+FSDP_AVX512_INLINE void prefetch_ahead(const void* p) {
+  _mm_prefetch(static_cast<const char*>(p) + kAheadBytes, _MM_HINT_T0);
+}
+
+// kernels::block_scale's largest magnitude (as bits) of x[b, b + len).
+template <typename T>
+FSDP_AVX512_INLINE uint32_t absmax_bits(const T* x, size_t b, size_t len) {
+  const __m512i mask = _mm512_set1_epi32(0x7fffffff);
+  __m512i m = _mm512_setzero_si512();
+  for (size_t i = b; i < b + len; i += 16) m = _mm512_max_epu32(m, _mm512_and_si512(_mm512_castps_si512(load16(x + i)), mask));
+  return _mm512_reduce_max_epu32(m);
+}
+// bf16: 32 magnitudes per vector, in their own 16 bits.
+template <>
+FSDP_AVX512_INLINE uint32_t absmax_bits(const k::bf16_t* x, size_t b, size_t len) {
+  if (len % 32 != 0) {
+    const __m512i mask = _mm512_set1_epi32(0x7fffffff);
+    __m512i m = _mm512_setzero_si512();
+    for (size_t i = b; i < b + len; i += 16) m = _mm512_max_epu32(m, _mm512_and_si512(_mm512_castps_si512(load16(x + i)), mask));
+    return _mm512_reduce_max_epu32(m);
+  }
+  const __m512i mask = _mm512_set1_epi16(0x7fff);
+  __m512i m = _mm512_setzero_si512();
+  for (size_t i = b; i < b + len; i += 32) m = _mm512_max_epu16(m, _mm512_and_si512(_mm512_loadu_si512(x + i), mask));
+  const __m512i wide = _mm512_max_epu32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(m)),
+                                        _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(m, 1)));
+  return _mm512_reduce_max_epu32(wide) << 16;
+}
+
+// int8 codes of m (already x * (1 / scale)); `near` collects the lanes within
+// the margin of a half-step.
+FSDP_AVX512_INLINE __m128i int8_codes(__m512 m, __mmask16& near) {
+  const __m512 q = _mm512_roundscale_ps(m, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  near |= _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_sub_ps(m, q)), _mm512_set1_ps(0.5f - kTieMargin), _CMP_GT_OQ);
+  __m512i c = _mm512_cvtps_epi32(q);
+  c = _mm512_max_epi32(_mm512_min_epi32(c, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
+  return _mm512_cvtepi32_epi8(c);
+}
+
+// kernels::f32_to_e4m3_bits of m, 16 at a time, for finite m (a block that
+// reaches here has no NaN or infinity and |m| <= 448 * (1 + 2^-22)). From
+// 2^-6 up, E4M3's codes are the fp32 bits' exponent and top 3 mantissa bits
+// less 120 << 3, so the magnitude rounds in the integer bits (ties to even
+// at bit 20; a carry moves into the exponent as it should); below 2^-6 the
+// codes 0..8 count steps of 2^-9. Both are checked against the half-steps:
+// the 20 dropped bits within 2^6 of 2^19, or |m| * 2^9 within the margin.
+FSDP_AVX512_INLINE __m128i e4m3_codes(__m512 m, __mmask16& near) {
+  const __m512i u = _mm512_castps_si512(m);
+  const __m512i a = _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff));
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(a, 20), _mm512_set1_epi32(1));
+  const __m512i up = _mm512_add_epi32(_mm512_add_epi32(a, _mm512_set1_epi32(0x7ffff)), lsb);
+  const __m512i normal = _mm512_min_epi32(_mm512_sub_epi32(_mm512_srli_epi32(up, 20), _mm512_set1_epi32(120 << 3)),
+                                          _mm512_set1_epi32(0x7e));  // saturate at 448
+  const __m512i dropped = _mm512_and_si512(a, _mm512_set1_epi32(0xfffff));
+  const __mmask16 near_normal = _mm512_cmplt_epu32_mask(
+      _mm512_sub_epi32(dropped, _mm512_set1_epi32(0x80000 - 64)), _mm512_set1_epi32(128));
+  const __m512 y = _mm512_mul_ps(_mm512_castsi512_ps(a), _mm512_set1_ps(512.0f));
+  const __m512 ry = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __mmask16 near_sub =
+      _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_sub_ps(y, ry)), _mm512_set1_ps(0.5f - kTieMargin), _CMP_GT_OQ);
+  const __mmask16 is_normal = _mm512_cmpge_epu32_mask(a, _mm512_set1_epi32(0x3c800000));  // 2^-6
+  near |= (is_normal & near_normal) | (~is_normal & near_sub);
+  const __m512i mag = _mm512_mask_blend_epi32(is_normal, _mm512_cvtps_epi32(ry), normal);
+  const __m512i sign = _mm512_and_si512(_mm512_srli_epi32(u, 24), _mm512_set1_epi32(0x80));
+  return _mm512_cvtepi32_epi8(_mm512_or_si512(sign, mag));
+}
+
+FSDP_AVX512_INLINE __m128i codes(__m512 m, k::QType t, __mmask16& near) {
+  return t == k::QType::kInt8 ? int8_codes(m, near) : e4m3_codes(m, near);
+}
+
+// kernels::e4m3_bits_to_f32 of 16 codes.
+FSDP_AVX512_INLINE __m512 e4m3_values(__m128i bytes) {
+  const __m512i b = _mm512_cvtepu8_epi32(bytes);
+  const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24);
+  const __m512i mag = _mm512_and_si512(b, _mm512_set1_epi32(0x7f));
+  const __m512i e = _mm512_srli_epi32(mag, 3);
+  const __m512i m = _mm512_and_si512(mag, _mm512_set1_epi32(7));
+  const __m512i normal = _mm512_add_epi32(_mm512_slli_epi32(mag, 20), _mm512_set1_epi32(120 << 23));
+  const __m512i sub = _mm512_castps_si512(_mm512_mul_ps(_mm512_cvtepi32_ps(m), _mm512_set1_ps(0.001953125f)));
+  __m512i bits = _mm512_mask_blend_epi32(_mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512()), normal, sub);
+  bits = _mm512_mask_blend_epi32(_mm512_cmpeq_epi32_mask(mag, _mm512_set1_epi32(0x7f)), bits,
+                                 _mm512_set1_epi32(0x7fc00000));
+  return _mm512_castsi512_ps(_mm512_or_si512(sign, bits));
+}
+
+FSDP_AVX512_INLINE __m512 values(__m128i bytes, k::QType t) {
+  return t == k::QType::kInt8 ? _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)) : e4m3_values(bytes);
+}
+
+FSDP_AVX512_INLINE __m128i load_bytes(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+
+template <typename T>
+FSDP_AVX512 void quantize_loop(const T* x, size_t n, size_t block, k::QType t, uint8_t* out, size_t kb, size_t ke) {
+  float* scales = reinterpret_cast<float*>(out + k::quant_scales_offset(n));
+  for (size_t kk = kb; kk < ke; ++kk) {
+    const size_t b = kk * block;
+    if (b + block > n || block % 16 != 0) {
+      k::quantize_block(x, n, block, kk, t, out);
+      continue;
+    }
+    const uint32_t most = absmax_bits(x, b, block);
+    const float scale = most < 0x7f800000u ? k::f32_from_bits(most) / k::qmax(t) : k::f32_from_bits(0x7fc00000u);
+    if (!(scale >= 0x1p-126f)) {  // 0, NaN or subnormal: the functor's rules
+      k::quantize_block(x, n, block, kk, t, out);
+      continue;
+    }
+    scales[kk] = scale;
+    const __m512 r = _mm512_set1_ps(1.0f / scale);
+    for (size_t i = b; i < b + block; i += 16) {
+      prefetch_ahead(x + i);
+      const __m512 v = load16(x + i);
+      __mmask16 near = 0;
+      __m128i c = codes(_mm512_mul_ps(v, r), t, near);
+      // Near a half-step: the functor's quotient itself (near is not read again).
+      if (near != 0) c = codes(_mm512_div_ps(v, _mm512_set1_ps(scale)), t, near);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), c);
+    }
+  }
+}
+
+template <typename T>
+FSDP_AVX512 void dequantize_loop(const uint8_t* packed, size_t n, size_t block, k::QType t, T* out, size_t kb,
+                                 size_t ke) {
+  const size_t blocks = k::quant_blocks(n, block), stride = k::quant_packed_bytes(n, block);
+  for (size_t j = kb; j < ke; ++j) {
+    const size_t s = j / blocks, kk = j % blocks, b = kk * block;
+    const uint8_t* slice = packed + s * stride;
+    if (b + block > n || block % 16 != 0) {
+      k::dequantize_block(slice, n, block, kk, t, out + s * n);
+      continue;
+    }
+    const __m512 scale = _mm512_set1_ps(reinterpret_cast<const float*>(slice + k::quant_scales_offset(n))[kk]);
+    T* o = out + s * n;
+    for (size_t i = b; i < b + block; i += 16) {
+      if (i % 64 == 0) prefetch_ahead(slice + i);
+      store16(o + i, _mm512_mul_ps(values(load_bytes(slice + i), t), scale));
+    }
+  }
+}
+
+}  // namespace
+
+bool quant_available() {
+  static const bool on = [] {
+    const char* env = std::getenv("FSDP_CPU_SIMD");
+    if (env != nullptr && std::strcmp(env, "generic") == 0) return false;
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  }();
+  return on;
+}
+
+bool quantize(const void* x, DType x_dtype, size_t n, size_t block, kernels::QType t, uint8_t* out, size_t kb,
+              size_t ke) {
+  switch (x_dtype) {
+    case DType::kFp32:
+      quantize_loop(static_cast<const float*>(x), n, block, t, out, kb, ke);
+      return true;
+    case DType::kBf16:
+      quantize_loop(static_cast<const k::bf16_t*>(x), n, block, t, out, kb, ke);
+      return true;
+    case DType::kFp16:
+      quantize_loop(static_cast<const k::fp16_t*>(x), n, block, t, out, kb, ke);
+      return true;
+  }
+  return false;
+}
+
+bool dequantize(const uint8_t* packed, size_t n, size_t block, kernels::QType t, void* out, DType out_dtype,
+                size_t kb, size_t ke) {
+  switch (out_dtype) {
+    case DType::kFp32:
+      dequantize_loop(packed, n, block, t, static_cast<float*>(out), kb, ke);
+      return true;
+    case DType::kBf16:
+      dequantize_loop(packed, n, block, t, static_cast<k::bf16_t*>(out), kb, ke);
+      return true;
+    case DType::kFp16:
+      dequantize_loop(packed, n, block, t, static_cast<k::fp16_t*>(out), kb, ke);
+      return true;
+  }
+  return false;
+}
+
+FSDP_AVX512 void dequantize_sum(const uint8_t* packed, size_t n_slices, size_t n, size_t block, kernels::QType t,
+                                float scale, float* out, size_t kb, size_t ke) {
+  const size_t stride = k::quant_packed_bytes(n, block), scales = k::quant_scales_offset(n);
+  const __m512 sc_all = _mm512_set1_ps(scale);
+  for (size_t kk = kb; kk < ke; ++kk) {
+    const size_t b = kk * block;
+    if (b + block > n || block % 16 != 0 || n_slices == 0) {
+      k::dequantize_sum_block(packed, n_slices, n, block, kk, t, scale, out);
+      continue;
+    }
+    for (size_t i = b; i < b + block; i += 16) {
+      // kernels::dequantize_sum_block's order per value: the first slice, then
+      // each next one added, then the scale.
+      __m512 acc = _mm512_setzero_ps();
+      for (size_t s = 0; s < n_slices; ++s) {
+        const uint8_t* slice = packed + s * stride;
+        if (i % 64 == 0) prefetch_ahead(slice + i);
+        const __m512 sc = _mm512_set1_ps(reinterpret_cast<const float*>(slice + scales)[kk]);
+        const __m512 v = _mm512_mul_ps(values(load_bytes(slice + i), t), sc);
+        acc = s == 0 ? v : _mm512_add_ps(acc, v);
+      }
+      _mm512_storeu_ps(out + i, _mm512_mul_ps(acc, sc_all));
+    }
+  }
+}
+
+#else  // no AVX-512 loops in this build (not x86-64 GCC)
+
+bool quant_available() { return false; }
+bool quantize(const void*, DType, size_t, size_t, kernels::QType, uint8_t*, size_t, size_t) { return false; }
+bool dequantize(const uint8_t*, size_t, size_t, kernels::QType, void*, DType, size_t, size_t) { return false; }
+void dequantize_sum(const uint8_t* packed, size_t n_slices, size_t n, size_t block, kernels::QType t, float scale,
+                    float* out, size_t kb, size_t ke) {
+  for (size_t kk = kb; kk < ke; ++kk) kernels::dequantize_sum_block(packed, n_slices, n, block, kk, t, scale, out);
+}
+
+#endif
+
+}  // namespace fsdp::device::avx512

@@ -1,0 +1,55 @@
+// src/device/cpu/quant_avx512.h - AVX-512 loops for the quantized gather's
+// and the quantized reduction's passes (kernels/quant.h), which the CPU
+// device runs where the CPU has AVX-512 (F, BW, VL, DQ) and that give the
+// functors' bits. GCC's vectoriser leaves these passes at 0.3-0.6 of the
+// copy bandwidth (a division per value, an absmax pass before the codes, the
+// fp8 encode and decode mostly scalar); see docs/benchmarks.md for the
+// figures before and after.
+//
+// Two things make them fast and keep the bits:
+// - The codes come from x * (1 / scale) instead of x / scale. The product is
+//   within 1.5 ulp of the true quotient, the quotient's rounding within 0.5
+//   ulp; for |x / scale| <= qmax (which the absmax guarantees) the two fp32
+//   values are less than 2^-15 apart in units of the code's step (int8: 1;
+//   fp8: the E4M3 quantum), so they round to the same code unless the product
+//   lies within 2^-14 of a half-step. A block with such a value, or whose
+//   scale is not a normal fp32 number (0, NaN, subnormal: 1 / scale could
+//   overflow), is coded by the functor itself. tests/test_quant.cpp feeds
+//   values placed on and next to every tie.
+// - A block's values are read twice (absmax, then codes): each 16 values of
+//   the codes' pass prefetch the line 4 KiB ahead, so that memory keeps
+//   streaming while the core computes (0.65 -> 0.9 of copy on one thread).
+//
+// Each call covers the quantization blocks [kb, ke) of kernels/quant.h's
+// layout; blocks that are not whole or whose size is not a multiple of 16
+// go through the functors.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "../../../kernels/common.h"
+#include "../../../kernels/quant.h"
+#include "../../base/dtype.h"
+
+namespace fsdp::device::avx512 {
+
+// True when this CPU runs the loops below (checked once). FSDP_CPU_SIMD=generic
+// in the environment turns them off (the functors' loops run instead).
+bool quant_available();
+
+// Returns false (having done nothing) for an input or output type it does not
+// take (then the caller runs the generic loop): inputs fp32, bf16, fp16.
+bool quantize(const void* x, DType x_dtype, size_t n, size_t block, kernels::QType t, uint8_t* out, size_t kb,
+              size_t ke);
+
+// Dequantizes the blocks [kb, ke) of n_slices packed slices laid one after
+// another (j / blocks is the slice) into out (fp32, bf16 or fp16).
+bool dequantize(const uint8_t* packed, size_t n, size_t block, kernels::QType t, void* out, DType out_dtype,
+                size_t kb, size_t ke);
+
+// kernels::dequantize_sum_block over the blocks [kb, ke).
+void dequantize_sum(const uint8_t* packed, size_t n_slices, size_t n, size_t block, kernels::QType t, float scale,
+                    float* out, size_t kb, size_t ke);
+
+}  // namespace fsdp::device::avx512
