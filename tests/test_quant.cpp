@@ -186,7 +186,7 @@ std::vector<float> values_at_ties(size_t n, size_t block, k::QType t, fsdp_dtype
 
 }  // namespace
 
-TEST(QuantKernels, TheCpuDevicePacksTheFormatsCodesOnAndNextToEveryTieInEveryInputDtype) {
+TEST(QuantKernels, TheCpuDevicePacksTheFormatsCodesOnAndNextToEveryTieAndUnpacksThemInEveryDtype) {
   fsdp::device::CpuDevice cpu(2, fsdp::device::Pool::kDevice);
   for (k::QType t : kTypes) {
     for (fsdp_dtype_t dt : {FSDP_DTYPE_FP32, FSDP_DTYPE_BF16, FSDP_DTYPE_FP16}) {
@@ -199,6 +199,9 @@ TEST(QuantKernels, TheCpuDevicePacksTheFormatsCodesOnAndNextToEveryTieInEveryInp
         x[2 * block + 1] = NAN;
         x[3 * block + 2] = -INFINITY;
         for (size_t i = 0; i < block; ++i) x[4 * block + i] = round_to(dt, std::ldexp(float(i % 5), -140));
+        // A normal scale below 2^-117: products that are fp32 subnormals.
+        for (size_t i = 0; i < block; ++i)
+          x[5 * block + i] = round_to(dt, i == 0 ? std::ldexp(1.0f, -110) : std::ldexp(float(i % 7) - 3.0f, -128));
         std::vector<uint8_t> in(n * dtype_nbytes(dt));
         for (size_t i = 0; i < n; ++i) {
           if (dt == FSDP_DTYPE_FP32) std::memcpy(in.data() + 4 * i, &x[i], 4);
@@ -218,6 +221,16 @@ TEST(QuantKernels, TheCpuDevicePacksTheFormatsCodesOnAndNextToEveryTieInEveryInp
           std::memcpy(&gs, got.data() + k::quant_scales_offset(n) + 4 * kb, 4);
           std::memcpy(&ws, want.data() + k::quant_scales_offset(n) + 4 * kb, 4);
           ASSERT_TRUE(same_value(gs, ws)) << "scale of block " << kb;
+        }
+        // And back, into every dtype: the reference's value rounded once.
+        const std::vector<float> back = ref_round_trip(x.data(), n, block, t);
+        for (fsdp_dtype_t odt : {FSDP_DTYPE_FP32, FSDP_DTYPE_BF16, FSDP_DTYPE_FP16}) {
+          std::vector<uint8_t> out(n * dtype_nbytes(odt), 0xee);
+          cpu.dequantize(out.data(), static_cast<fsdp::DType>(odt), got.data(), 1, n, block, t);
+          for (size_t i = 0; i < n; ++i) {
+            ASSERT_TRUE(same_value(load_elem(out.data(), i, odt), round_to(odt, back[i])))
+                << "into " << dtype_config_name(odt) << ": value " << i << " (block " << i / block << ")";
+          }
         }
       }
     }

@@ -70,25 +70,28 @@ TEST(QuantReduceKernels, DequantizeSumAddsTheRanksDequantizedPartsInRankOrder) {
   for (k::QType t : kTypes) {
     for (size_t slices : {size_t(1), size_t(2), size_t(3), size_t(5)}) {
       for (size_t n : {size_t(1), size_t(100), size_t(1000)}) {
-        SCOPED_TRACE(std::string(type_name(t)) + " slices=" + std::to_string(slices) + " n=" + std::to_string(n));
-        const size_t block = 64;
-        std::vector<std::vector<float>> x(slices, std::vector<float>(n));
-        Rng rng(17 * n + slices);
-        for (size_t s = 0; s < slices; ++s) {
-          for (size_t i = 0; i < n; ++i) x[s][i] = rng.uniform(-1.f, 1.f) * std::ldexp(1.0f, int((i / 64 + s) % 7) - 3);
-        }
-        if (n >= 200 && slices >= 2) x[1][130] = NAN;  // block 2 of slice 1: the sum's block 2 is NaN
-        const std::vector<uint8_t> packed = pack_slices(cpu, x, n, block, t);
-        for (float scale : {1.0f, 1.0f / static_cast<float>(slices)}) {
-          std::vector<float> out(n, 7.0f);
-          cpu.dequantize_sum(out.data(), packed.data(), slices, n, block, t, scale);
-          const std::vector<float> want = ref_sum(x, n, block, t, scale);
-          for (size_t i = 0; i < n; ++i) {
-            ASSERT_TRUE(equal_value(out[i], want[i])) << "element " << i << ": " << out[i] << " vs " << want[i];
+        for (size_t block : {size_t(64), size_t(256)}) {  // 256: the CPU device's tiles of 128
+          SCOPED_TRACE(std::string(type_name(t)) + " slices=" + std::to_string(slices) + " n=" + std::to_string(n) +
+                       " block=" + std::to_string(block));
+          std::vector<std::vector<float>> x(slices, std::vector<float>(n));
+          Rng rng(17 * n + slices);
+          for (size_t s = 0; s < slices; ++s) {
+            for (size_t i = 0; i < n; ++i)
+              x[s][i] = rng.uniform(-1.f, 1.f) * std::ldexp(1.0f, int((i / 64 + s) % 7) - 3);
           }
-          if (n >= 200 && slices >= 2) {
-            for (size_t i = 128; i < 192; ++i) ASSERT_TRUE(std::isnan(out[i])) << "a NaN in one rank's block: " << i;
-            ASSERT_FALSE(std::isnan(out[127]));
+          if (n >= 200 && slices >= 2) x[1][130] = NAN;  // block 2 of slice 1: the sum's block 2 is NaN
+          const std::vector<uint8_t> packed = pack_slices(cpu, x, n, block, t);
+          for (float scale : {1.0f, 1.0f / static_cast<float>(slices)}) {
+            std::vector<float> out(n, 7.0f);
+            cpu.dequantize_sum(out.data(), packed.data(), slices, n, block, t, scale);
+            const std::vector<float> want = ref_sum(x, n, block, t, scale);
+            for (size_t i = 0; i < n; ++i) {
+              ASSERT_TRUE(equal_value(out[i], want[i])) << "element " << i << ": " << out[i] << " vs " << want[i];
+            }
+            if (n >= 200 && slices >= 2) {
+              for (size_t i = 128; i < 192; ++i) ASSERT_TRUE(std::isnan(out[i])) << "a NaN in one rank's block: " << i;
+              ASSERT_FALSE(std::isnan(out[block == 64 ? 127 : 256])) << "the next block is not";
+            }
           }
         }
       }

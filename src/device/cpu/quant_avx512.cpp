@@ -9,7 +9,7 @@
 
 #include <cstdlib>
 #include <cstring>
-
+#include <type_traits>
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define FSDP_HAVE_AVX512_LOOPS 1
@@ -51,10 +51,10 @@ FSDP_AVX512_INLINE void store16(k::bf16_t* p, __m512 v) {
   const __mmask16 nan =
       _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  const __m512i rounded =
-      _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
+  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
   const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x0040));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, quiet)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                      _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, quiet)));
 }
 // kernels::f32_to_fp16_bits: the conversion instruction rounds to nearest
 // even with subnormals and infinities as IEEE says, and keeps a NaN's sign and
@@ -72,7 +72,8 @@ template <typename T>
 FSDP_AVX512_INLINE uint32_t absmax_bits(const T* x, size_t b, size_t len) {
   const __m512i mask = _mm512_set1_epi32(0x7fffffff);
   __m512i m = _mm512_setzero_si512();
-  for (size_t i = b; i < b + len; i += 16) m = _mm512_max_epu32(m, _mm512_and_si512(_mm512_castps_si512(load16(x + i)), mask));
+  for (size_t i = b; i < b + len; i += 16)
+    m = _mm512_max_epu32(m, _mm512_and_si512(_mm512_castps_si512(load16(x + i)), mask));
   return _mm512_reduce_max_epu32(m);
 }
 // bf16: 32 magnitudes per vector, in their own 16 bits.
@@ -81,7 +82,8 @@ FSDP_AVX512_INLINE uint32_t absmax_bits(const k::bf16_t* x, size_t b, size_t len
   if (len % 32 != 0) {
     const __m512i mask = _mm512_set1_epi32(0x7fffffff);
     __m512i m = _mm512_setzero_si512();
-    for (size_t i = b; i < b + len; i += 16) m = _mm512_max_epu32(m, _mm512_and_si512(_mm512_castps_si512(load16(x + i)), mask));
+    for (size_t i = b; i < b + len; i += 16)
+      m = _mm512_max_epu32(m, _mm512_and_si512(_mm512_castps_si512(load16(x + i)), mask));
     return _mm512_reduce_max_epu32(m);
   }
   const __m512i mask = _mm512_set1_epi16(0x7fff);
@@ -93,60 +95,84 @@ FSDP_AVX512_INLINE uint32_t absmax_bits(const k::bf16_t* x, size_t b, size_t len
 }
 
 // int8 codes of m (already x * (1 / scale)); `near` collects the lanes within
-// the margin of a half-step.
+// the margin of a half-step. The conversion rounds to nearest even (MXCSR's
+// default, which nothing in libfsdp changes). No clamp to +-127: |m| is at
+// most 127 * (1 + 2^-22) (|x| <= absmax, scale = absmax / 127 rounded), so
+// its code is within +-127 already.
 FSDP_AVX512_INLINE __m128i int8_codes(__m512 m, __mmask16& near) {
-  const __m512 q = _mm512_roundscale_ps(m, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512i c = _mm512_cvtps_epi32(m);
+  const __m512 q = _mm512_cvtepi32_ps(c);
   near |= _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_sub_ps(m, q)), _mm512_set1_ps(0.5f - kTieMargin), _CMP_GT_OQ);
-  __m512i c = _mm512_cvtps_epi32(q);
-  c = _mm512_max_epi32(_mm512_min_epi32(c, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
   return _mm512_cvtepi32_epi8(c);
 }
 
 // kernels::f32_to_e4m3_bits of m, 16 at a time, for finite m (a block that
-// reaches here has no NaN or infinity and |m| <= 448 * (1 + 2^-22)). From
-// 2^-6 up, E4M3's codes are the fp32 bits' exponent and top 3 mantissa bits
-// less 120 << 3, so the magnitude rounds in the integer bits (ties to even
-// at bit 20; a carry moves into the exponent as it should); below 2^-6 the
-// codes 0..8 count steps of 2^-9. Both are checked against the half-steps:
-// the 20 dropped bits within 2^6 of 2^19, or |m| * 2^9 within the margin.
+// reaches here has no NaN or infinity and |m| <= 448 * (1 + 2^-22), whose
+// code is 448's: no saturation needed). From 2^-6 up, E4M3's codes are the
+// fp32 bits' exponent and top 3 mantissa bits less 120 << 3, so the
+// magnitude rounds in the integer bits, half up at bit 20 (a carry moves
+// into the exponent as it should): the same code as the functor's ties to
+// even wherever the 20 dropped bits are not within 2^6 of 2^19, and those
+// lanes are flagged. Below 2^-6 the codes 0..8 count steps of 2^-9, checked
+// against the half-steps like int8's.
+// The division's fallback (TiesToEven) rounds as the functor does: half a
+// step less one, plus the kept lowest bit.
+template <bool TiesToEven>
 FSDP_AVX512_INLINE __m128i e4m3_codes(__m512 m, __mmask16& near) {
-  const __m512i u = _mm512_castps_si512(m);
-  const __m512i a = _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff));
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(a, 20), _mm512_set1_epi32(1));
-  const __m512i up = _mm512_add_epi32(_mm512_add_epi32(a, _mm512_set1_epi32(0x7ffff)), lsb);
-  const __m512i normal = _mm512_min_epi32(_mm512_sub_epi32(_mm512_srli_epi32(up, 20), _mm512_set1_epi32(120 << 3)),
-                                          _mm512_set1_epi32(0x7e));  // saturate at 448
-  const __m512i dropped = _mm512_and_si512(a, _mm512_set1_epi32(0xfffff));
-  const __mmask16 near_normal = _mm512_cmplt_epu32_mask(
-      _mm512_sub_epi32(dropped, _mm512_set1_epi32(0x80000 - 64)), _mm512_set1_epi32(128));
-  const __m512 y = _mm512_mul_ps(_mm512_castsi512_ps(a), _mm512_set1_ps(512.0f));
-  const __m512 ry = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __mmask16 near_sub =
-      _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_sub_ps(y, ry)), _mm512_set1_ps(0.5f - kTieMargin), _CMP_GT_OQ);
+  const __m512i a = _mm512_and_si512(_mm512_castps_si512(m), _mm512_set1_epi32(0x7fffffff));
+  // + half a step, - the exponent's rebias (120 << 3 codes, at bit 20).
+  __m512i up = _mm512_add_epi32(a, _mm512_set1_epi32(0x80000 - (960 << 20)));
+  if (TiesToEven) {
+    const __m512i kept_lsb = _mm512_and_si512(_mm512_srli_epi32(a, 20), _mm512_set1_epi32(1));
+    up = _mm512_add_epi32(_mm512_sub_epi32(up, _mm512_set1_epi32(1)), kept_lsb);
+  }
   const __mmask16 is_normal = _mm512_cmpge_epu32_mask(a, _mm512_set1_epi32(0x3c800000));  // 2^-6
-  near |= (is_normal & near_normal) | (~is_normal & near_sub);
-  const __m512i mag = _mm512_mask_blend_epi32(is_normal, _mm512_cvtps_epi32(ry), normal);
-  const __m512i sign = _mm512_and_si512(_mm512_srli_epi32(u, 24), _mm512_set1_epi32(0x80));
-  return _mm512_cvtepi32_epi8(_mm512_or_si512(sign, mag));
+  near |= _mm512_mask_cmplt_epu32_mask(
+      is_normal, _mm512_and_si512(_mm512_add_epi32(up, _mm512_set1_epi32(64)), _mm512_set1_epi32(0xfffff)),
+      _mm512_set1_epi32(128));
+  __m512i mag = _mm512_srli_epi32(up, 20);
+  if (is_normal != 0xffff) {  // zeros and the few values below 2^-6
+    const __m512 y = _mm512_mul_ps(_mm512_castsi512_ps(a), _mm512_set1_ps(512.0f));
+    const __m512i c = _mm512_cvtps_epi32(y);
+    const __m512 ry = _mm512_cvtepi32_ps(c);
+    near |= _mm512_mask_cmp_ps_mask(static_cast<__mmask16>(~is_normal), _mm512_abs_ps(_mm512_sub_ps(y, ry)),
+                                    _mm512_set1_ps(0.5f - kTieMargin), _CMP_GT_OQ);
+    mag = _mm512_mask_blend_epi32(is_normal, c, mag);
+  }
+  const __m512i code =
+      _mm512_mask_or_epi32(mag, _mm512_movepi32_mask(_mm512_castps_si512(m)), mag, _mm512_set1_epi32(0x80));
+  return _mm512_cvtepi32_epi8(code);
 }
 
+template <bool TiesToEven = false>
 FSDP_AVX512_INLINE __m128i codes(__m512 m, k::QType t, __mmask16& near) {
-  return t == k::QType::kInt8 ? int8_codes(m, near) : e4m3_codes(m, near);
+  return t == k::QType::kInt8 ? int8_codes(m, near) : e4m3_codes<TiesToEven>(m, near);
 }
 
-// kernels::e4m3_bits_to_f32 of 16 codes.
+// kernels::e4m3_bits_to_f32 of 16 codes. Codes 8..126 (the normal values)
+// are their bits moved to fp32's sign, exponent and mantissa with the bias
+// changed (the sign-extended byte shifted left by 20 holds the sign at bit 31
+// and the magnitude at bits 20-26); the others (zero, subnormals, NaN) take
+// the functor's full arithmetic, only where a lane has one.
 FSDP_AVX512_INLINE __m512 e4m3_values(__m128i bytes) {
-  const __m512i b = _mm512_cvtepu8_epi32(bytes);
-  const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24);
-  const __m512i mag = _mm512_and_si512(b, _mm512_set1_epi32(0x7f));
-  const __m512i e = _mm512_srli_epi32(mag, 3);
-  const __m512i m = _mm512_and_si512(mag, _mm512_set1_epi32(7));
-  const __m512i normal = _mm512_add_epi32(_mm512_slli_epi32(mag, 20), _mm512_set1_epi32(120 << 23));
-  const __m512i sub = _mm512_castps_si512(_mm512_mul_ps(_mm512_cvtepi32_ps(m), _mm512_set1_ps(0.001953125f)));
-  __m512i bits = _mm512_mask_blend_epi32(_mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512()), normal, sub);
-  bits = _mm512_mask_blend_epi32(_mm512_cmpeq_epi32_mask(mag, _mm512_set1_epi32(0x7f)), bits,
-                                 _mm512_set1_epi32(0x7fc00000));
-  return _mm512_castsi512_ps(_mm512_or_si512(sign, bits));
+  const __m512i shifted = _mm512_slli_epi32(_mm512_cvtepi8_epi32(bytes), 20);
+  const __m512i mag20 = _mm512_and_si512(shifted, _mm512_set1_epi32(0x07f00000));
+  __m512i bits =
+      _mm512_add_epi32(_mm512_and_si512(shifted, _mm512_set1_epi32(int(0x87f00000u))), _mm512_set1_epi32(120 << 23));
+  // mag - 8 >= 119 (unsigned): mag < 8 or mag == 127.
+  const __mmask16 odd =
+      _mm512_cmpge_epu32_mask(_mm512_sub_epi32(mag20, _mm512_set1_epi32(8 << 20)), _mm512_set1_epi32(119 << 20));
+  if (odd != 0) {
+    const __m512i mag = _mm512_srli_epi32(mag20, 20);
+    const __m512i sign = _mm512_and_si512(shifted, _mm512_set1_epi32(int(0x80000000u)));
+    const __m512i m = _mm512_and_si512(mag, _mm512_set1_epi32(7));
+    const __m512i sub =
+        _mm512_or_si512(sign, _mm512_castps_si512(_mm512_mul_ps(_mm512_cvtepi32_ps(m), _mm512_set1_ps(0.001953125f))));
+    bits = _mm512_mask_blend_epi32(_mm512_cmplt_epu32_mask(mag, _mm512_set1_epi32(8)), bits, sub);
+    bits = _mm512_mask_blend_epi32(_mm512_cmpeq_epi32_mask(mag, _mm512_set1_epi32(0x7f)), bits,
+                                   _mm512_or_si512(sign, _mm512_set1_epi32(0x7fc00000)));
+  }
+  return _mm512_castsi512_ps(bits);
 }
 
 FSDP_AVX512_INLINE __m512 values(__m128i bytes, k::QType t) {
@@ -178,9 +204,35 @@ FSDP_AVX512 void quantize_loop(const T* x, size_t n, size_t block, k::QType t, u
       __mmask16 near = 0;
       __m128i c = codes(_mm512_mul_ps(v, r), t, near);
       // Near a half-step: the functor's quotient itself (near is not read again).
-      if (near != 0) c = codes(_mm512_div_ps(v, _mm512_set1_ps(scale)), t, near);
+      if (near != 0) c = codes<true>(_mm512_div_ps(v, _mm512_set1_ps(scale)), t, near);
       _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), c);
     }
+  }
+}
+
+// AVX512-BF16's conversion rounds as kernels::f32_to_bf16_bits does (to
+// nearest even; a NaN keeps its top bits with the quiet bit set) but reads an
+// fp32 subnormal as zero. With a block scale of at least 2^-117 every product
+// is zero or at least 2^-9 * 2^-117 = 2^-126, a normal number, so the
+// instruction gives the functor's bits; smaller scales (and NaN ones) take
+// store16's integer rounding.
+constexpr float kHwBf16MinScale = 0x1p-117f;
+
+bool bf16_instruction() {
+  static const bool on = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512bf16") != 0;
+  }();
+  return on;
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16"))) void dequantize_block_bf16_hw(
+    const uint8_t* slice, size_t b, size_t block, k::QType t, float sc, k::bf16_t* o) {
+  const __m512 scale = _mm512_set1_ps(sc);
+  for (size_t i = b; i < b + block; i += 16) {
+    if (i % 64 == 0) prefetch_ahead(slice + i);
+    const __m256bh h = _mm512_cvtneps_pbh(_mm512_mul_ps(values(load_bytes(slice + i), t), scale));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + i), reinterpret_cast<const __m256i&>(h));
   }
 }
 
@@ -195,8 +247,15 @@ FSDP_AVX512 void dequantize_loop(const uint8_t* packed, size_t n, size_t block, 
       k::dequantize_block(slice, n, block, kk, t, out + s * n);
       continue;
     }
-    const __m512 scale = _mm512_set1_ps(reinterpret_cast<const float*>(slice + k::quant_scales_offset(n))[kk]);
+    const float sc = reinterpret_cast<const float*>(slice + k::quant_scales_offset(n))[kk];
     T* o = out + s * n;
+    if constexpr (std::is_same_v<T, k::bf16_t>) {
+      if (sc >= kHwBf16MinScale && bf16_instruction()) {
+        dequantize_block_bf16_hw(slice, b, block, t, sc, o);
+        continue;
+      }
+    }
+    const __m512 scale = _mm512_set1_ps(sc);
     for (size_t i = b; i < b + block; i += 16) {
       if (i % 64 == 0) prefetch_ahead(slice + i);
       store16(o + i, _mm512_mul_ps(values(load_bytes(slice + i), t), scale));
@@ -233,8 +292,8 @@ bool quantize(const void* x, DType x_dtype, size_t n, size_t block, kernels::QTy
   return false;
 }
 
-bool dequantize(const uint8_t* packed, size_t n, size_t block, kernels::QType t, void* out, DType out_dtype,
-                size_t kb, size_t ke) {
+bool dequantize(const uint8_t* packed, size_t n, size_t block, kernels::QType t, void* out, DType out_dtype, size_t kb,
+                size_t ke) {
   switch (out_dtype) {
     case DType::kFp32:
       dequantize_loop(packed, n, block, t, static_cast<float*>(out), kb, ke);
@@ -249,28 +308,49 @@ bool dequantize(const uint8_t* packed, size_t n, size_t block, kernels::QType t,
   return false;
 }
 
+namespace {
+
+// kernels::dequantize_sum_block's order per value: the first slice, then each
+// next one added, then the scale. A tile of 128 values keeps its 8 sums in
+// registers while each slice's 128 codes are read in a row (4 KiB ahead
+// prefetched), so that many slices (one per rank of the group) are streams
+// the prefetchers follow rather than 16-byte visits to each in turn.
+template <k::QType T>
+FSDP_AVX512_INLINE void sum_tile(const uint8_t* packed, size_t n_slices, size_t stride, size_t scales, size_t kk,
+                                 size_t i0, __m512 sc_all, float* out) {
+  constexpr int kChunks = 8;
+  __m512 acc[kChunks];
+  for (size_t s = 0; s < n_slices; ++s) {
+    const uint8_t* slice = packed + s * stride;
+    prefetch_ahead(slice + i0);
+    prefetch_ahead(slice + i0 + 64);
+    const __m512 sc = _mm512_set1_ps(reinterpret_cast<const float*>(slice + scales)[kk]);
+    for (int c = 0; c < kChunks; ++c) {
+      const __m512 v = _mm512_mul_ps(values(load_bytes(slice + i0 + 16 * c), T), sc);
+      acc[c] = s == 0 ? v : _mm512_add_ps(acc[c], v);
+    }
+  }
+  for (int c = 0; c < kChunks; ++c) _mm512_storeu_ps(out + i0 + 16 * c, _mm512_mul_ps(acc[c], sc_all));
+}
+
+}  // namespace
+
 FSDP_AVX512 void dequantize_sum(const uint8_t* packed, size_t n_slices, size_t n, size_t block, kernels::QType t,
                                 float scale, float* out, size_t kb, size_t ke) {
   const size_t stride = k::quant_packed_bytes(n, block), scales = k::quant_scales_offset(n);
   const __m512 sc_all = _mm512_set1_ps(scale);
   for (size_t kk = kb; kk < ke; ++kk) {
     const size_t b = kk * block;
-    if (b + block > n || block % 16 != 0 || n_slices == 0) {
+    if (b + block > n || block % 128 != 0 || n_slices == 0) {
       k::dequantize_sum_block(packed, n_slices, n, block, kk, t, scale, out);
       continue;
     }
-    for (size_t i = b; i < b + block; i += 16) {
-      // kernels::dequantize_sum_block's order per value: the first slice, then
-      // each next one added, then the scale.
-      __m512 acc = _mm512_setzero_ps();
-      for (size_t s = 0; s < n_slices; ++s) {
-        const uint8_t* slice = packed + s * stride;
-        if (i % 64 == 0) prefetch_ahead(slice + i);
-        const __m512 sc = _mm512_set1_ps(reinterpret_cast<const float*>(slice + scales)[kk]);
-        const __m512 v = _mm512_mul_ps(values(load_bytes(slice + i), t), sc);
-        acc = s == 0 ? v : _mm512_add_ps(acc, v);
+    for (size_t i0 = b; i0 < b + block; i0 += 128) {
+      if (t == k::QType::kInt8) {
+        sum_tile<k::QType::kInt8>(packed, n_slices, stride, scales, kk, i0, sc_all, out);
+      } else {
+        sum_tile<k::QType::kFp8E4m3>(packed, n_slices, stride, scales, kk, i0, sc_all, out);
       }
-      _mm512_storeu_ps(out + i, _mm512_mul_ps(acc, sc_all));
     }
   }
 }

@@ -6,19 +6,27 @@
 // fp8 encode and decode mostly scalar); see docs/benchmarks.md for the
 // figures before and after.
 //
-// Two things make them fast and keep the bits:
+// What makes them fast while keeping the bits:
 // - The codes come from x * (1 / scale) instead of x / scale. The product is
 //   within 1.5 ulp of the true quotient, the quotient's rounding within 0.5
 //   ulp; for |x / scale| <= qmax (which the absmax guarantees) the two fp32
 //   values are less than 2^-15 apart in units of the code's step (int8: 1;
 //   fp8: the E4M3 quantum), so they round to the same code unless the product
-//   lies within 2^-14 of a half-step. A block with such a value, or whose
-//   scale is not a normal fp32 number (0, NaN, subnormal: 1 / scale could
-//   overflow), is coded by the functor itself. tests/test_quant.cpp feeds
-//   values placed on and next to every tie.
+//   lies within 2^-14 of a half-step. Those 16 values (about 1 vector in 500
+//   for model weights) are coded again from the quotient itself; a block
+//   whose scale is not a normal fp32 number (0, NaN, subnormal: 1 / scale
+//   could overflow) is coded by the functor. fp8 rounds in the integer bits
+//   of the product (half up, which differs from ties-to-even only at the
+//   flagged half-steps). tests/test_quant.cpp feeds values on and next to
+//   every tie.
 // - A block's values are read twice (absmax, then codes): each 16 values of
 //   the codes' pass prefetch the line 4 KiB ahead, so that memory keeps
 //   streaming while the core computes (0.65 -> 0.9 of copy on one thread).
+// - fp8 decodes by moving the code's bits into fp32's (normal codes), the
+//   rest only where a vector has one; bf16 outputs round with AVX512-BF16's
+//   instruction where the CPU has it and the block's products are normal
+//   fp32 numbers (the instruction reads subnormals as zero); the reduction's
+//   sums keep 128 values in registers while each rank's codes stream in.
 //
 // Each call covers the quantization blocks [kb, ke) of kernels/quant.h's
 // layout; blocks that are not whole or whose size is not a multiple of 16
@@ -45,8 +53,8 @@ bool quantize(const void* x, DType x_dtype, size_t n, size_t block, kernels::QTy
 
 // Dequantizes the blocks [kb, ke) of n_slices packed slices laid one after
 // another (j / blocks is the slice) into out (fp32, bf16 or fp16).
-bool dequantize(const uint8_t* packed, size_t n, size_t block, kernels::QType t, void* out, DType out_dtype,
-                size_t kb, size_t ke);
+bool dequantize(const uint8_t* packed, size_t n, size_t block, kernels::QType t, void* out, DType out_dtype, size_t kb,
+                size_t ke);
 
 // kernels::dequantize_sum_block over the blocks [kb, ke).
 void dequantize_sum(const uint8_t* packed, size_t n_slices, size_t n, size_t block, kernels::QType t, float scale,
