@@ -44,6 +44,19 @@ void report(const char* name, int threads, size_t n, double seconds, double byte
                           .c_str());
 }
 
+template <typename T>
+struct Buffer {
+  explicit Buffer(size_t count) : p(static_cast<T*>(std::aligned_alloc(64, (count * sizeof(T) + 63) / 64 * 64))) {
+    std::memset(static_cast<void*>(p), 0, count * sizeof(T));
+  }
+  ~Buffer() { std::free(p); }
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  T* data() { return p; }
+  T& operator[](size_t i) { return p[i]; }
+  T* p;
+};
+
 double seconds(const std::function<void()>& fn) {
   const auto t0 = std::chrono::steady_clock::now();
   fn();
@@ -67,7 +80,8 @@ int main(int argc, char** argv) {
   const size_t packed = k::quant_packed_bytes(n, kBlock);
   for (int threads : thread_counts) {
     fsdp::device::CpuDevice dev(threads, fsdp::device::Pool::kDevice);
-    std::vector<float> x(n);
+    // 64-byte aligned, as the engine's buffers are (the device's allocator).
+    Buffer<float> x(n);
     // Weights as a model holds them: about N(0, 0.02) (a sum of four uniform
     // draws of a fixed generator), each block's values of one distribution.
     uint64_t state = 0x9e3779b97f4a7c15ull;
@@ -76,9 +90,9 @@ int main(int argc, char** argv) {
       return static_cast<float>(state >> 40) * 0x1p-24f - 0.5f;
     };
     for (size_t i = 0; i < n; ++i) x[i] = 0.02f * 1.732f * (uniform() + uniform() + uniform() + uniform());
-    std::vector<uint8_t> q(packed);
-    std::vector<uint16_t> out(n);
-    std::vector<float> copy_dst(n);
+    Buffer<uint8_t> q(packed);
+    Buffer<uint16_t> out(n);
+    Buffer<float> copy_dst(n);
     // The limit: the device's own copy of the fp32 array (read 4, write 4
     // bytes per value), timed alternately with each pass (the best of each
     // over the same reps), so that both see the same state of a shared
@@ -93,7 +107,7 @@ int main(int argc, char** argv) {
       }
       report(name.c_str(), threads, n, pass_s, bytes, 8.0 * static_cast<double>(n) / copy_s / 1e9);
     };
-    std::vector<float> sum_out(n);
+    Buffer<float> sum_out(n);
     for (k::QType t : {k::QType::kInt8, k::QType::kFp8E4m3}) {
       const std::string tn = t == k::QType::kInt8 ? "int8" : "fp8_e4m3";
       run("quantize_fp32_to_" + tn, 4.0 * double(n) + double(packed),
@@ -104,7 +118,7 @@ int main(int argc, char** argv) {
       run("quantize_bf16_to_" + tn, 2.0 * double(n) + double(packed),
           [&] { dev.quantize(q.data(), out.data(), DType::kBf16, n, kBlock, t); });
       const size_t part = n / 4, part_bytes = k::quant_packed_bytes(part, kBlock);
-      std::vector<uint8_t> parts(4 * part_bytes);
+      Buffer<uint8_t> parts(4 * part_bytes);
       for (size_t r = 0; r < 4; ++r) dev.quantize(parts.data() + r * part_bytes, x.data() + r * part, DType::kFp32, part, kBlock, t);
       run("dequantize_sum_4x" + tn + "_to_fp32", 4.0 * double(part_bytes) + 4.0 * double(part),
           [&] { dev.dequantize_sum(sum_out.data(), parts.data(), 4, part, kBlock, t, 0.25f); });

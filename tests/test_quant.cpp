@@ -22,6 +22,7 @@
 
 #include "../kernels/quant.h"
 #include "../src/device/cpu/cpu_device.h"
+#include "../src/device/cpu/quant_avx512.h"
 #include "host_stream.h"
 #include "quant_ref.h"
 #include "rank_runner.h"
@@ -233,6 +234,76 @@ TEST(QuantKernels, TheCpuDevicePacksTheFormatsCodesOnAndNextToEveryTieAndUnpacks
           }
         }
       }
+    }
+  }
+}
+
+namespace {
+
+// Value i of a packed slice as the format defines it: its code's value times
+// its block's scale, in fp32.
+float ref_dequantized_of(const uint8_t* packed, size_t n, size_t block, size_t i, k::QType t) {
+  float scale;
+  std::memcpy(&scale, packed + k::quant_scales_offset(n) + 4 * (i / block), 4);
+  const float v = t == k::QType::kInt8 ? float(static_cast<int8_t>(packed[i])) : float(e4m3_value(packed[i]));
+  return v * scale;
+}
+
+}  // namespace
+
+// Outputs larger than the threads' caches are written with non-temporal
+// stores where aligned (quant_avx512.h): the same bytes as the ordinary
+// stores, on aligned and misaligned outputs alike.
+TEST(QuantKernels, TheAvx512LoopsStreamedStoresWriteWhatTheirOrdinaryStoresWrite) {
+  if (!fsdp::device::avx512::quant_available()) {
+    GTEST_SKIP() << "this CPU (or FSDP_CPU_SIMD=generic) runs the generic loops, which have no streamed stores";
+  }
+  const size_t n = 4096 + 16 * 7, block = 256, slices = 3;
+  Rng rng(5);
+  std::vector<float> x(n * slices);
+  for (size_t i = 0; i < x.size(); ++i) x[i] = rng.uniform(-2.f, 2.f) * std::ldexp(1.0f, int(i / 256 % 5) - 2);
+  for (k::QType t : kTypes) {
+    const size_t stride = k::quant_packed_bytes(n, block);
+    std::vector<uint8_t> packed(stride * slices);
+    for (size_t s = 0; s < slices; ++s) {
+      fsdp::device::avx512::quantize(x.data() + s * n, fsdp::DType::kFp32, n, block, t, packed.data() + s * stride, 0,
+                                     k::quant_blocks(n, block));
+    }
+    for (fsdp_dtype_t odt : {FSDP_DTYPE_FP32, FSDP_DTYPE_BF16, FSDP_DTYPE_FP16}) {
+      for (size_t offset : {size_t(0), size_t(16)}) {  // bytes: aligned, then not
+        SCOPED_TRACE(std::string(type_name(t)) + " into " + dtype_config_name(odt) + " offset " +
+                     std::to_string(offset));
+        const size_t bytes = n * slices * dtype_nbytes(odt);
+        std::vector<uint8_t> a(bytes + 128, 0x11), b(bytes + 128, 0x22);
+        uint8_t* pa = a.data() + (64 - reinterpret_cast<uintptr_t>(a.data()) % 64) % 64 + offset;
+        uint8_t* pb = b.data() + (64 - reinterpret_cast<uintptr_t>(b.data()) % 64) % 64 + offset;
+        const size_t blocks = slices * k::quant_blocks(n, block);
+        fsdp::device::avx512::dequantize(packed.data(), n, block, t, pa, static_cast<fsdp::DType>(odt), 0, blocks,
+                                         true);
+        fsdp::device::avx512::dequantize(packed.data(), n, block, t, pb, static_cast<fsdp::DType>(odt), 0, blocks,
+                                         false);
+        ASSERT_EQ(std::memcmp(pa, pb, bytes), 0);
+        const std::vector<float> want = ref_round_trip(x.data() + n, n, block, t);  // slice 1
+        for (size_t i = 0; i < n; ++i) {
+          ASSERT_TRUE(same_value(load_elem(pa, n + i, odt), round_to(odt, want[i]))) << "slice 1 value " << i;
+        }
+      }
+    }
+    for (size_t offset : {size_t(0), size_t(16)}) {
+      std::vector<float> a(n + 32, 1.0f), b(n + 32, 2.0f);
+      float* pa = a.data() + (16 - reinterpret_cast<uintptr_t>(a.data()) % 64 / 4) % 16 + offset / 4;
+      float* pb = b.data() + (16 - reinterpret_cast<uintptr_t>(b.data()) % 64 / 4) % 16 + offset / 4;
+      fsdp::device::avx512::dequantize_sum(packed.data(), slices, n, block, t, 0.5f, pa, 0, k::quant_blocks(n, block),
+                                           true);
+      fsdp::device::avx512::dequantize_sum(packed.data(), slices, n, block, t, 0.5f, pb, 0, k::quant_blocks(n, block),
+                                           false);
+      ASSERT_EQ(std::memcmp(pa, pb, n * sizeof(float)), 0) << type_name(t) << " sum, offset " << offset;
+      float first = 0.0f;  // value 0: the three slices' dequantized values summed in order, halved
+      for (size_t s = 0; s < slices; ++s) {
+        first = s == 0 ? ref_dequantized_of(packed.data() + s * stride, n, block, 0, t)
+                       : first + ref_dequantized_of(packed.data() + s * stride, n, block, 0, t);
+      }
+      ASSERT_TRUE(same_value(pa[0], first * 0.5f)) << type_name(t) << " sum, offset " << offset;
     }
   }
 }

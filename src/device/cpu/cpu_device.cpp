@@ -391,10 +391,12 @@ void CpuDevice::dequantize(void* out, DType out_dtype, const void* packed, size_
                            kernels::QType t) {
   const auto* in = static_cast<const uint8_t*>(packed);
   const bool simd = avx512::quant_available();
+  // Outputs larger than the threads' own caches are streamed (quant_avx512.h).
+  const bool stream = n_slices * n * dtype_size(out_dtype) > avx512::stream_store_bytes() * size_t(pool_.size());
   with_dtype(out_dtype, out, [&](auto* o) {
     pool_.parallel_for(n_slices * kernels::quant_blocks(n, block), std::max<size_t>(1, 16 * kGrain / block),
                        [&](size_t b, size_t e) {
-                         if (!simd || !avx512::dequantize(in, n, block, t, o, out_dtype, b, e)) {
+                         if (!simd || !avx512::dequantize(in, n, block, t, o, out_dtype, b, e, stream)) {
                            dequantize_loop(in, n, block, t, o, b, e);
                          }
                        });
@@ -407,10 +409,11 @@ void CpuDevice::dequantize_sum(float* out, const void* packed, size_t n_slices, 
   const float* fp8 = e4m3_table();
   const size_t stride = kernels::quant_packed_bytes(n, block), scales = kernels::quant_scales_offset(n);
   const bool simd = avx512::quant_available();
+  const bool stream = n * sizeof(float) > avx512::stream_store_bytes() * size_t(pool_.size());
   pool_.parallel_for(kernels::quant_blocks(n, block), std::max<size_t>(1, 16 * kGrain / block),
                      [&](size_t b, size_t e) {
                        if (simd) {
-                         avx512::dequantize_sum(in, n_slices, n, block, t, scale, out, b, e);
+                         avx512::dequantize_sum(in, n_slices, n, block, t, scale, out, b, e, stream);
                          return;
                        }
                        for (size_t k = b; k < e; ++k) {

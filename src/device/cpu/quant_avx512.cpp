@@ -11,6 +11,8 @@
 #include <cstring>
 #include <type_traits>
 
+#include <unistd.h>
+
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define FSDP_HAVE_AVX512_LOOPS 1
 #include <immintrin.h>
@@ -44,8 +46,26 @@ FSDP_AVX512_INLINE __m512 load16(const k::fp16_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
-FSDP_AVX512_INLINE void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+// Stores of 16 values; Stream: non-temporal (the caller checked alignment:
+// 64 bytes for fp32, 32 for 16-bit values).
+template <bool Stream>
+FSDP_AVX512_INLINE void store_bits(void* p, __m256i h) {
+  if (Stream) {
+    _mm256_stream_si256(static_cast<__m256i*>(p), h);
+  } else {
+    _mm256_storeu_si256(static_cast<__m256i*>(p), h);
+  }
+}
+template <bool Stream>
+FSDP_AVX512_INLINE void store16(float* p, __m512 v) {
+  if (Stream) {
+    _mm512_stream_ps(p, v);
+  } else {
+    _mm512_storeu_ps(p, v);
+  }
+}
 // kernels::f32_to_bf16_bits, 16 at a time.
+template <bool Stream>
 FSDP_AVX512_INLINE void store16(k::bf16_t* p, __m512 v) {
   const __m512i u = _mm512_castps_si512(v);
   const __mmask16 nan =
@@ -53,14 +73,14 @@ FSDP_AVX512_INLINE void store16(k::bf16_t* p, __m512 v) {
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
   const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
   const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x0040));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
-                      _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, quiet)));
+  store_bits<Stream>(p, _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, quiet)));
 }
 // kernels::f32_to_fp16_bits: the conversion instruction rounds to nearest
 // even with subnormals and infinities as IEEE says, and keeps a NaN's sign and
 // top mantissa bits with the quiet bit set, as the functor does.
+template <bool Stream>
 FSDP_AVX512_INLINE void store16(k::fp16_t* p, __m512 v) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  store_bits<Stream>(p, _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 
 FSDP_AVX512_INLINE void prefetch_ahead(const void* p) {
@@ -127,9 +147,9 @@ FSDP_AVX512_INLINE __m128i e4m3_codes(__m512 m, __mmask16& near) {
     up = _mm512_add_epi32(_mm512_sub_epi32(up, _mm512_set1_epi32(1)), kept_lsb);
   }
   const __mmask16 is_normal = _mm512_cmpge_epu32_mask(a, _mm512_set1_epi32(0x3c800000));  // 2^-6
-  near |= _mm512_mask_cmplt_epu32_mask(
-      is_normal, _mm512_and_si512(_mm512_add_epi32(up, _mm512_set1_epi32(64)), _mm512_set1_epi32(0xfffff)),
-      _mm512_set1_epi32(128));
+  // (up + 64) mod 2^20 < 128: no bit of 0xfff80 set.
+  near |=
+      _mm512_mask_testn_epi32_mask(is_normal, _mm512_add_epi32(up, _mm512_set1_epi32(64)), _mm512_set1_epi32(0xfff80));
   __m512i mag = _mm512_srli_epi32(up, 20);
   if (is_normal != 0xffff) {  // zeros and the few values below 2^-6
     const __m512 y = _mm512_mul_ps(_mm512_castsi512_ps(a), _mm512_set1_ps(512.0f));
@@ -226,19 +246,36 @@ bool bf16_instruction() {
   return on;
 }
 
+template <bool Stream>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16"))) void dequantize_block_bf16_hw(
     const uint8_t* slice, size_t b, size_t block, k::QType t, float sc, k::bf16_t* o) {
   const __m512 scale = _mm512_set1_ps(sc);
   for (size_t i = b; i < b + block; i += 16) {
     if (i % 64 == 0) prefetch_ahead(slice + i);
     const __m256bh h = _mm512_cvtneps_pbh(_mm512_mul_ps(values(load_bytes(slice + i), t), scale));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + i), reinterpret_cast<const __m256i&>(h));
+    store_bits<Stream>(o + i, reinterpret_cast<const __m256i&>(h));
+  }
+}
+
+template <bool Stream, typename T>
+FSDP_AVX512_INLINE void dequantize_whole_block(const uint8_t* slice, size_t b, size_t block, k::QType t, float sc,
+                                               T* o) {
+  if constexpr (std::is_same_v<T, k::bf16_t>) {
+    if (sc >= kHwBf16MinScale && bf16_instruction()) {
+      dequantize_block_bf16_hw<Stream>(slice, b, block, t, sc, o);
+      return;
+    }
+  }
+  const __m512 scale = _mm512_set1_ps(sc);
+  for (size_t i = b; i < b + block; i += 16) {
+    if (i % 64 == 0) prefetch_ahead(slice + i);
+    store16<Stream>(o + i, _mm512_mul_ps(values(load_bytes(slice + i), t), scale));
   }
 }
 
 template <typename T>
 FSDP_AVX512 void dequantize_loop(const uint8_t* packed, size_t n, size_t block, k::QType t, T* out, size_t kb,
-                                 size_t ke) {
+                                 size_t ke, bool stream) {
   const size_t blocks = k::quant_blocks(n, block), stride = k::quant_packed_bytes(n, block);
   for (size_t j = kb; j < ke; ++j) {
     const size_t s = j / blocks, kk = j % blocks, b = kk * block;
@@ -249,16 +286,10 @@ FSDP_AVX512 void dequantize_loop(const uint8_t* packed, size_t n, size_t block, 
     }
     const float sc = reinterpret_cast<const float*>(slice + k::quant_scales_offset(n))[kk];
     T* o = out + s * n;
-    if constexpr (std::is_same_v<T, k::bf16_t>) {
-      if (sc >= kHwBf16MinScale && bf16_instruction()) {
-        dequantize_block_bf16_hw(slice, b, block, t, sc, o);
-        continue;
-      }
-    }
-    const __m512 scale = _mm512_set1_ps(sc);
-    for (size_t i = b; i < b + block; i += 16) {
-      if (i % 64 == 0) prefetch_ahead(slice + i);
-      store16(o + i, _mm512_mul_ps(values(load_bytes(slice + i), t), scale));
+    if (stream && reinterpret_cast<uintptr_t>(o + b) % (16 * sizeof(T)) == 0) {
+      dequantize_whole_block<true>(slice, b, block, t, sc, o);
+    } else {
+      dequantize_whole_block<false>(slice, b, block, t, sc, o);
     }
   }
 }
@@ -293,19 +324,30 @@ bool quantize(const void* x, DType x_dtype, size_t n, size_t block, kernels::QTy
 }
 
 bool dequantize(const uint8_t* packed, size_t n, size_t block, kernels::QType t, void* out, DType out_dtype, size_t kb,
-                size_t ke) {
+                size_t ke, bool stream) {
   switch (out_dtype) {
     case DType::kFp32:
-      dequantize_loop(packed, n, block, t, static_cast<float*>(out), kb, ke);
-      return true;
+      dequantize_loop(packed, n, block, t, static_cast<float*>(out), kb, ke, stream);
+      break;
     case DType::kBf16:
-      dequantize_loop(packed, n, block, t, static_cast<k::bf16_t*>(out), kb, ke);
-      return true;
+      dequantize_loop(packed, n, block, t, static_cast<k::bf16_t*>(out), kb, ke, stream);
+      break;
     case DType::kFp16:
-      dequantize_loop(packed, n, block, t, static_cast<k::fp16_t*>(out), kb, ke);
-      return true;
+      dequantize_loop(packed, n, block, t, static_cast<k::fp16_t*>(out), kb, ke, stream);
+      break;
+    default:
+      return false;
   }
-  return false;
+  if (stream) _mm_sfence();  // the streamed stores ordered before what this thread does next
+  return true;
+}
+
+size_t stream_store_bytes() {
+  static const size_t bytes = [] {
+    const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
+    return l2 > 0 ? static_cast<size_t>(l2) : size_t(2) << 20;
+  }();
+  return bytes;
 }
 
 namespace {
@@ -315,7 +357,7 @@ namespace {
 // registers while each slice's 128 codes are read in a row (4 KiB ahead
 // prefetched), so that many slices (one per rank of the group) are streams
 // the prefetchers follow rather than 16-byte visits to each in turn.
-template <k::QType T>
+template <k::QType T, bool Stream>
 FSDP_AVX512_INLINE void sum_tile(const uint8_t* packed, size_t n_slices, size_t stride, size_t scales, size_t kk,
                                  size_t i0, __m512 sc_all, float* out) {
   constexpr int kChunks = 8;
@@ -330,13 +372,13 @@ FSDP_AVX512_INLINE void sum_tile(const uint8_t* packed, size_t n_slices, size_t 
       acc[c] = s == 0 ? v : _mm512_add_ps(acc[c], v);
     }
   }
-  for (int c = 0; c < kChunks; ++c) _mm512_storeu_ps(out + i0 + 16 * c, _mm512_mul_ps(acc[c], sc_all));
+  for (int c = 0; c < kChunks; ++c) store16<Stream>(out + i0 + 16 * c, _mm512_mul_ps(acc[c], sc_all));
 }
 
 }  // namespace
 
 FSDP_AVX512 void dequantize_sum(const uint8_t* packed, size_t n_slices, size_t n, size_t block, kernels::QType t,
-                                float scale, float* out, size_t kb, size_t ke) {
+                                float scale, float* out, size_t kb, size_t ke, bool stream) {
   const size_t stride = k::quant_packed_bytes(n, block), scales = k::quant_scales_offset(n);
   const __m512 sc_all = _mm512_set1_ps(scale);
   for (size_t kk = kb; kk < ke; ++kk) {
@@ -345,23 +387,28 @@ FSDP_AVX512 void dequantize_sum(const uint8_t* packed, size_t n_slices, size_t n
       k::dequantize_sum_block(packed, n_slices, n, block, kk, t, scale, out);
       continue;
     }
+    const bool nt = stream && reinterpret_cast<uintptr_t>(out + b) % 64 == 0;
     for (size_t i0 = b; i0 < b + block; i0 += 128) {
       if (t == k::QType::kInt8) {
-        sum_tile<k::QType::kInt8>(packed, n_slices, stride, scales, kk, i0, sc_all, out);
+        nt ? sum_tile<k::QType::kInt8, true>(packed, n_slices, stride, scales, kk, i0, sc_all, out)
+           : sum_tile<k::QType::kInt8, false>(packed, n_slices, stride, scales, kk, i0, sc_all, out);
       } else {
-        sum_tile<k::QType::kFp8E4m3>(packed, n_slices, stride, scales, kk, i0, sc_all, out);
+        nt ? sum_tile<k::QType::kFp8E4m3, true>(packed, n_slices, stride, scales, kk, i0, sc_all, out)
+           : sum_tile<k::QType::kFp8E4m3, false>(packed, n_slices, stride, scales, kk, i0, sc_all, out);
       }
     }
   }
+  if (stream) _mm_sfence();
 }
 
 #else  // no AVX-512 loops in this build (not x86-64 GCC)
 
 bool quant_available() { return false; }
 bool quantize(const void*, DType, size_t, size_t, kernels::QType, uint8_t*, size_t, size_t) { return false; }
-bool dequantize(const uint8_t*, size_t, size_t, kernels::QType, void*, DType, size_t, size_t) { return false; }
+bool dequantize(const uint8_t*, size_t, size_t, kernels::QType, void*, DType, size_t, size_t, bool) { return false; }
+size_t stream_store_bytes() { return size_t(2) << 20; }
 void dequantize_sum(const uint8_t* packed, size_t n_slices, size_t n, size_t block, kernels::QType t, float scale,
-                    float* out, size_t kb, size_t ke) {
+                    float* out, size_t kb, size_t ke, bool) {
   for (size_t kk = kb; kk < ke; ++kk) kernels::dequantize_sum_block(packed, n_slices, n, block, kk, t, scale, out);
 }
 
