@@ -571,9 +571,10 @@ void kill_and_check(bool snapshot, int kills) {
         std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - t0).count());
   }
   // Until `kills` children were killed (a child may finish its run first:
-  // a resumed one has fewer steps left).
+  // a resumed one has fewer steps left; a fresh one on a machine whose load
+  // fell since the calibration, and each such finish shortens the delays).
   int killed = 0;
-  for (int i = 0; killed < kills && i < 3 * kills; ++i) {
+  for (int i = 0; killed < kills && i < 5 * kills; ++i) {
     const pid_t pid = fork();
     ASSERT_GE(pid, 0);
     // Two of three children resume what the last one left; the third starts
@@ -584,7 +585,11 @@ void kill_and_check(bool snapshot, int kills) {
     kill(pid, SIGKILL);
     int status = 0;
     ASSERT_EQ(waitpid(pid, &status, 0), pid);
-    if (WIFEXITED(status)) ++completed;
+    if (WIFEXITED(status)) {
+      ++completed;
+      // A fresh run that beat its kill: runs are faster now than timed.
+      if (i % 3 == 0) run_us = std::max(run_us * 3 / 4, 1000L);
+    }
     if (WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL) ++killed;
     // Evidence of where the kill landed: a background write's staging
     // directory left behind; a snapshot slot that no marker names (being
