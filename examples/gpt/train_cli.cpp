@@ -16,6 +16,7 @@ void usage(const char* argv0) {
       "  --steps S          optimizer steps in all (600); --switch-step K: the first phase ends at K (480)\n"
       "  --layers L --width C --heads H --context T   the GPT's shape (4, 128, 4, 128)\n"
       "  --batch B          sequences per step over all ranks (16)\n"
+      "  --seed N           the init, the batches' order and the sample's draws (1234)\n"
       "  --dtype bf16|fp32  param_dtype (bf16); --sharding S (FULL_SHARD); --lr X (3e-3)\n"
       "  --device cpu|cuda[:N]  where the ranks compute (cpu; cuda: the GPU GPT, bf16, one GPU shared by\n"
       "                     the thread-ranks, or one GPU per process under torchrun/mpirun)\n"
@@ -142,6 +143,8 @@ Options parse(int argc, char** argv) {
       o.export_dir = v;
     else if (k == "--lora")
       o.lora = num();
+    else if (k == "--seed")
+      o.seed = static_cast<uint64_t>(num());
     else if (k == "--lora-alpha")
       o.lora_alpha = std::atof(v.c_str());
     else if (k == "--base")
