@@ -258,7 +258,8 @@ Params step_grads(const Model& m, const Params& p_round, const Data& d, const Re
 // layout: inside each shard group, rank j's part s of the trainable block
 // quantized in blocks and dequantized (quant_ref.h), the parts for shard s
 // added in rank order in fp32 and scaled by 1 / group size; across the
-// groups (HYBRID) the shards added in group order and scaled by 1 / groups.
+// groups (HYBRID) each shard cut into one part per group, part t of every
+// group's shard reduced the same way (1 / groups), then quantized once more.
 Params quantized_step_grads(const Model& m, const Params& p_round, const Data& d, const RefOptions& o) {
   const int rows = kBatch / o.world, sw = o.shard_world, groups = o.world / sw;
   std::vector<Params> per_rank;
@@ -282,30 +283,40 @@ Params quantized_step_grads(const Model& m, const Params& p_round, const Data& d
     std::vector<Tensor> flats;
     for (int r = 0; r < o.world; ++r) flats.push_back(flat_of(r));
     Tensor reduced(padded, 0.0f);
-    for (int s = 0; s < sw; ++s) {
-      Tensor acc;
-      for (int q = 0; q < groups; ++q) {
-        Tensor sum;
-        for (int j = 0; j < sw; ++j) {
-          const float* part = flats[size_t(q * sw + j)].data() + size_t(s) * n;
-          const Tensor dq = ref_round_trip(part, n, o.quant_block, qt);
-          if (j == 0) {
-            sum = dq;
-          } else {
-            for (size_t i = 0; i < n; ++i) sum[i] = sum[i] + dq[i];
-          }
-        }
-        for (float& v : sum) v = v * (1.0f / float(sw));
-        if (q == 0) {
-          acc = sum;
+    // Parts quantized, added in order, scaled once: x[k] holds part k's values.
+    auto sum_of_quantized = [&](const std::vector<const float*>& x, size_t len, float scale) {
+      Tensor sum;
+      for (size_t j = 0; j < x.size(); ++j) {
+        const Tensor dq = ref_round_trip(x[j], len, o.quant_block, qt);
+        if (j == 0) {
+          sum = dq;
         } else {
-          for (size_t i = 0; i < n; ++i) acc[i] = acc[i] + sum[i];
+          for (size_t i = 0; i < len; ++i) sum[i] = sum[i] + dq[i];
         }
       }
-      if (groups > 1) {
-        for (float& v : acc) v = v * (1.0f / float(groups));
+      for (float& v : sum) v = v * scale;
+      return sum;
+    };
+    const size_t per = (n + size_t(groups) - 1) / size_t(groups);  // HYBRID: each replica's part of a shard
+    for (int s = 0; s < sw; ++s) {
+      std::vector<Tensor> group_sums;
+      for (int q = 0; q < groups; ++q) {
+        std::vector<const float*> parts;
+        for (int j = 0; j < sw; ++j) parts.push_back(flats[size_t(q * sw + j)].data() + size_t(s) * n);
+        group_sums.push_back(sum_of_quantized(parts, n, 1.0f / float(sw)));
+        group_sums.back().resize(per * size_t(groups), 0.0f);
       }
-      std::copy(acc.begin(), acc.end(), reduced.begin() + long(size_t(s) * n));
+      Tensor acc = group_sums[0];
+      // Across the replicas (Unit::all_reduce_quantized): part t of every
+      // group's shard summed quantized, then quantized once more.
+      for (size_t t = 0; groups > 1 && t < size_t(groups); ++t) {
+        std::vector<const float*> parts;
+        for (const Tensor& g : group_sums) parts.push_back(g.data() + t * per);
+        const Tensor sum = sum_of_quantized(parts, per, 1.0f / float(groups));
+        const Tensor back = ref_round_trip(sum.data(), per, o.quant_block, qt);
+        std::copy(back.begin(), back.end(), acc.begin() + long(t * per));
+      }
+      std::copy(acc.begin(), acc.begin() + long(n), reduced.begin() + long(size_t(s) * n));
     }
     for (size_t i = 0; i < specs.size(); ++i) {
       const size_t off = layout.param_offset(i);

@@ -168,6 +168,7 @@ std::vector<Case> grid() {
                      {"reduce_dtype", "int8"},
                      {"secondary_shard", "2"}}});
   cs.push_back({6, M{{"sharding", "HYBRID_SHARD_ZERO2"}, {"shard_group_size", "3"}, {"optimizer", "sgd"}}});
+  cs.push_back({6, M{{"sharding", "HYBRID_SHARD_ZERO2"}, {"shard_group_size", "2"}, {"reduce_dtype", "fp8_e4m3"}}});
   cs.push_back({4, M{{"sharding", "HYBRID_SHARD"}, {"shard_group_size", "1"}}});
   cs.push_back({2, M{{"sharding", "FULL_SHARD"}, {"optimizer", "host"}, {"host_state", "3"}}});
   return cs;
@@ -243,9 +244,11 @@ TEST(PlanRequest, EachRowsBytesAreThePlansAndItsTimesTheLinksArithmetic) {
       ++checked;
     }
     if (r["sharding"] == "HYBRID_SHARD" && r["secondary_shard"] == "off" && r["offload"] == "none") {
-      // Shard groups of 2 inside a node, replicas of 2 across: an all-reduce's 2 * 1/2.
+      // Shard groups of 2 inside a node, replicas of 2 across: an all-reduce's 2 * 1/2; a quantized
+      // reduction's all-to-all and all-gather, counted whole, 1/2.
       EXPECT_DOUBLE_EQ(r["wire_bytes_intra_node"].get<double>(), double(p.group[1]) / 2);
-      EXPECT_DOUBLE_EQ(r["wire_bytes_inter_node"].get<double>(), double(p.group[2]));
+      const bool quantized = r["reduce_dtype"] == "int8";
+      EXPECT_DOUBLE_EQ(r["wire_bytes_inter_node"].get<double>(), double(p.group[2]) / (quantized ? 2 : 1));
       ++checked;
     }
   }

@@ -230,13 +230,25 @@ TEST_P(QuantizedReduction, EachShardIsTheRankOrderSumOfTheDequantizedPartsAndThe
       std::vector<float> acc(n, 0.0f);  // the grad shard starts from zero; each reduction adds into it
       for (int m = 0; m < kMicro; ++m) {
         std::vector<float> red = group_sum(0, m, s);
-        if (replicas > 1) {  // HYBRID: the replicas' shards summed in fp32 in rank order, scaled once
-          for (int q = 1; q < replicas; ++q) {
-            const std::vector<float> other = group_sum(q, m, s);
-            for (size_t i = 0; i < n; ++i) red[i] = red[i] + other[i];
+        if (replicas > 1) {
+          // HYBRID: across the replicas, the shard cut into one part per
+          // replica (the last padded with zeros); part t summed as the shard
+          // group sums (each replica's part quantized, added in replica order,
+          // scaled once), then that sum quantized once more and dequantized
+          // (the all-gather's bytes, which every replica decodes alike).
+          const size_t per = (n + size_t(replicas) - 1) / size_t(replicas);
+          std::vector<std::vector<float>> shards;
+          for (int q = 0; q < replicas; ++q) {
+            shards.push_back(group_sum(q, m, s));
+            shards.back().resize(per * size_t(replicas), 0.0f);
           }
-          if (!c.sum) {
-            for (float& v : red) v = v * (1.0f / float(replicas));
+          for (size_t t = 0; t < size_t(replicas); ++t) {
+            std::vector<std::vector<float>> parts;
+            for (const auto& sh : shards)
+              parts.emplace_back(sh.begin() + long(t * per), sh.begin() + long((t + 1) * per));
+            const std::vector<float> sum = ref_sum(parts, per, kBlock, c.qtype, c.sum ? 1.0f : 1.0f / float(replicas));
+            const std::vector<float> back = ref_round_trip(sum.data(), per, kBlock, c.qtype);
+            for (size_t i = 0; i < per && t * per + i < n; ++i) red[t * per + i] = back[i];
           }
         }
         for (size_t i = 0; i < n; ++i) acc[i] = acc[i] + red[i];
@@ -279,10 +291,15 @@ TEST_P(QuantizedReduction, EachShardIsTheRankOrderSumOfTheDequantizedPartsAndThe
     if (c.world == 1) {
       EXPECT_EQ(st.all_to_all_calls, 0u) << "a world of one has nothing to reduce";
     } else {
-      EXPECT_EQ(st.all_to_all_calls, uint64_t(kMicro));
-      EXPECT_EQ(st.all_to_all_nbytes, uint64_t(kMicro) * k::quant_packed_bytes(n, kBlock) * size_t(shard_world));
-      const uint64_t replica_bytes = replicas > 1 ? uint64_t(kMicro) * n * sizeof(float) : 0u;
-      EXPECT_EQ(st.all_reduce_nbytes, replica_bytes) << "HYBRID's replicas average the fp32 shard";
+      // HYBRID: an all-to-all and an all-gather of packed parts across the replicas too.
+      const uint64_t replica_part =
+          replicas > 1 ? k::quant_packed_bytes((n + size_t(replicas) - 1) / size_t(replicas), kBlock) * size_t(replicas)
+                       : 0u;
+      EXPECT_EQ(st.all_to_all_calls, uint64_t(kMicro) * (replicas > 1 ? 2u : 1u));
+      EXPECT_EQ(st.all_to_all_nbytes,
+                uint64_t(kMicro) * (k::quant_packed_bytes(n, kBlock) * size_t(shard_world) + replica_part));
+      EXPECT_EQ(st.replica_group_nbytes, uint64_t(kMicro) * 2 * replica_part);
+      EXPECT_EQ(st.all_reduce_nbytes, 0u) << "no fp32 all-reduce across the replicas either";
     }
     EXPECT_OK(fsdp_ctx_finalize(raw));
   });
@@ -297,6 +314,7 @@ INSTANTIATE_TEST_SUITE_P(Strategies, QuantizedReduction,
                                            Case{"FULL_SHARD", 4, FSDP_DTYPE_FP32, k::QType::kFp8E4m3, false, true},
                                            Case{"SHARD_GRAD_OP", 2, FSDP_DTYPE_BF16, k::QType::kInt8},
                                            Case{"HYBRID_SHARD", 4, FSDP_DTYPE_FP32, k::QType::kInt8},
+                                           Case{"HYBRID_SHARD", 6, FSDP_DTYPE_BF16, k::QType::kInt8},  // 3 replicas
                                            Case{"HYBRID_SHARD_ZERO2", 4, FSDP_DTYPE_BF16, k::QType::kFp8E4m3, false,
                                                 true, true},
                                            Case{"FULL_SHARD", 2, FSDP_DTYPE_BF16, k::QType::kInt8, true},

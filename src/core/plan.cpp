@@ -109,7 +109,12 @@ RankPlan plan_rank(const Options& o, int world, int local_world, const std::vect
       p.reduce_scatter += b;
       add(shard_group, b);
     }
-    if (replicas > 1) {
+    if (replicas > 1 && o.reduce_quantized) {  // Unit::all_reduce_quantized: an all-to-all and an all-gather
+      const uint64_t part = kernels::quant_packed_bytes((ts + size_t(replicas) - 1) / size_t(replicas), o.reduce_block);
+      p.all_to_all += part * static_cast<uint64_t>(replicas);
+      p.all_gather += part * static_cast<uint64_t>(replicas);
+      add(PlanGroup::kReplica, 2 * part * static_cast<uint64_t>(replicas));
+    } else if (replicas > 1) {
       p.all_reduce += ts * res;
       add(PlanGroup::kReplica, ts * res);
     }

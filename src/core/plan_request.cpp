@@ -208,13 +208,15 @@ std::string plan_request(const std::string& request) {
       const double device =
           (o.offload_cpu ? 0.0 : double(persistent)) + gathered + double(p.largest_gathered) + double(p.secondary_peak);
       // Each group's bytes on the wire per GPU (a ring's (n-1)/n of the data,
-      // twice for an all-reduce), on the link it crosses.
+      // twice for an all-reduce: the replicas' unless the reduction is
+      // quantized, whose all-to-all and all-gather are counted whole), on the
+      // link it crosses.
       const double n_world = c.gpus, n_shard = p.shard_size, n_rep = double(c.gpus) / p.shard_size;
       auto ring = [](double n) { return n > 1 ? (n - 1) / n : 0.0; };
       const bool no_shard = o.sharding == Sharding::kNoShard;
       const double world_wire = double(p.group[0]) * ring(n_world) * (no_shard ? 2 : 1);
       const double shard_wire = double(p.group[1]) * ring(n_shard);
-      const double replica_wire = double(p.group[2]) * ring(n_rep) * 2;
+      const double replica_wire = double(p.group[2]) * ring(n_rep) * (o.reduce_quantized ? 1 : 2);
       const double secondary_wire = double(p.group[3]) * ring(p.secondary_size);
       double intra = secondary_wire, inter = replica_wire;
       (c.gpus > c.per_node ? inter : intra) += world_wire;

@@ -376,7 +376,7 @@ void Unit::reduce_task(void* grads) {
   if (quantized) {
     out = reduce_scatter_quantized(*rt.shard_comm, grads, op);
     out_data = out.data();
-    if (rt.replica_comm != nullptr) rt.replica_comm->all_reduce(out_data, out_data, shard, rd, op, replica_label_);
+    if (rt.replica_comm != nullptr) all_reduce_quantized(*rt.replica_comm, out.as<float>(), shard, op);
   } else if (rt.sharded()) {
     out = Buffer(rt.dev, &rt.mem, MemCategory::kScratch, rd, shard, /*zeroed=*/false);
     out_data = out.data();
@@ -424,6 +424,37 @@ Buffer Unit::reduce_scatter_quantized(comm::Communicator& c, const void* grads, 
     rt_.dev->fill_nan(recv.data(), recv.nbytes());
   }
   return out;
+}
+
+void Unit::all_reduce_quantized(comm::Communicator& c, float* shard, size_t n, comm::RedOp op) const {
+  const size_t w = static_cast<size_t>(c.world_size()), block = rt_.opts.reduce_block;
+  const size_t p = (n + w - 1) / w;  // each replica's part; the last one padded with zeros
+  const kernels::QType qt = rt_.opts.reduce_qtype;
+  const size_t part = kernels::quant_packed_bytes(p, block);  // a multiple of 4 bytes
+  Buffer padded;
+  float* x = shard;
+  if (p * w != n) {
+    padded = Buffer(rt_.dev, &rt_.mem, MemCategory::kScratch, DType::kFp32, p * w, /*zeroed=*/true);
+    rt_.dev->copy(padded.data(), shard, n * sizeof(float));
+    x = padded.as<float>();
+  }
+  Buffer send(rt_.dev, &rt_.mem, MemCategory::kScratch, DType::kFp32, part / sizeof(float) * w, /*zeroed=*/false);
+  Buffer recv(rt_.dev, &rt_.mem, MemCategory::kScratch, DType::kFp32, part / sizeof(float) * w, /*zeroed=*/false);
+  for (size_t r = 0; r < w; ++r) {
+    rt_.dev->quantize(static_cast<char*>(send.data()) + r * part, x + r * p, DType::kFp32, p, block, qt);
+  }
+  c.all_to_all(send.data(), recv.data(), part, replica_label_);
+  Buffer sum(rt_.dev, &rt_.mem, MemCategory::kScratch, DType::kFp32, p, /*zeroed=*/false);
+  const float scale = op == comm::RedOp::kAvg ? 1.0f / static_cast<float>(w) : 1.0f;
+  rt_.dev->dequantize_sum(sum.as<float>(), recv.data(), w, p, block, qt, scale);
+  rt_.dev->quantize(send.data(), sum.data(), DType::kFp32, p, block, qt);
+  c.all_gather(send.data(), recv.data(), part, replica_label_);
+  rt_.dev->dequantize(x, DType::kFp32, recv.data(), w, p, block, qt);
+  if (x != shard) rt_.dev->copy(shard, x, n * sizeof(float));
+  if (rt_.opts.debug_poison) {
+    rt_.dev->fill_nan(send.data(), send.nbytes());
+    rt_.dev->fill_nan(recv.data(), recv.nbytes());
+  }
 }
 
 EventPtr Unit::on_host_after(const EventPtr& copied, device::Stream::Task work) {

@@ -233,6 +233,12 @@ class Unit {
   // rank's received parts dequantized and summed in rank order in fp32
   // (scaled by 1/world for an average). Returns the fp32 shard (scratch).
   Buffer reduce_scatter_quantized(comm::Communicator& c, const void* grads, comm::RedOp op) const;
+  // HYBRID's all-reduce of that fp32 shard (n values) across the replicas
+  // over `c`, quantized too: the shard cut into one part per replica, packed,
+  // exchanged by an all-to-all and summed as above (each replica its part),
+  // then each part packed once more and all-gathered, every replica
+  // dequantizing the same bytes into `shard` (so the replicas stay equal).
+  void all_reduce_quantized(comm::Communicator& c, float* shard, size_t n, comm::RedOp op) const;
   // Elements of the reduced grads: the shard, or the padded params (NO_SHARD).
   size_t reduced_numel() const;
   // Whether this backward may hand out the grad shard itself as the grad buffer.
