@@ -121,7 +121,7 @@ int main(int argc, char** argv) {
       Buffer<uint8_t> parts(4 * part_bytes);
       for (size_t r = 0; r < 4; ++r) dev.quantize(parts.data() + r * part_bytes, x.data() + r * part, DType::kFp32, part, kBlock, t);
       run("dequantize_sum_4x" + tn + "_to_fp32", 4.0 * double(part_bytes) + 4.0 * double(part),
-          [&] { dev.dequantize_sum(sum_out.data(), parts.data(), 4, part, kBlock, t, 0.25f); });
+          [&] { dev.dequantize_sum(sum_out.data(), parts.data(), 4, part_bytes, part, kBlock, t, 0.25f); });
     }
   }
   return 0;

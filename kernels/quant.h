@@ -147,18 +147,19 @@ FSDP_HD void dequantize_block(const uint8_t* packed, size_t n, size_t block, siz
 }
 
 // The quantized reduction's end (reduce_dtype = int8 | fp8_e4m3): the block
-// k of out[0, n) = scale * the sum over the n_slices packed slices (laid one
-// after another, each of n values) of their dequantized values, added in fp32
+// k of out[0, n) = scale * the sum over the n_slices packed slices (each of n
+// values, `slice_stride` bytes apart: quant_packed_bytes(n, block) where laid
+// one after another) of their dequantized values, added in fp32
 // in slice order as kernels/reduce.h adds ranks (the first two, then each
 // next one), scaled once. Each slice is one rank's quantized part of the
 // same n grads, so this is a reduce-scatter's sum over dequantized inputs.
-FSDP_HD void dequantize_sum_block(const uint8_t* packed, size_t n_slices, size_t n, size_t block, size_t k, QType t,
-                                  float scale, float* out) {
+FSDP_HD void dequantize_sum_block(const uint8_t* packed, size_t n_slices, size_t slice_stride, size_t n, size_t block,
+                                  size_t k, QType t, float scale, float* out) {
   const size_t b = k * block;
   const size_t e = b + block < n ? b + block : n;
-  const size_t stride = quant_packed_bytes(n, block), scales = quant_scales_offset(n);
+  const size_t scales = quant_scales_offset(n);
   for (size_t s = 0; s < n_slices; ++s) {
-    const uint8_t* slice = packed + s * stride;
+    const uint8_t* slice = packed + s * slice_stride;
     const float sc = reinterpret_cast<const float*>(slice + scales)[k];
     if (s == 0) {
       for (size_t i = b; i < e; ++i) out[i] = dequantize(slice[i], sc, t);

@@ -251,9 +251,10 @@ TEST(CudaKernels, QuantizeAndDequantizeMatchTheCpuBitwise) {
         }
         // The quantized reduction's end: the slices' sum, scaled (average of 2).
         std::vector<float> sum(n, 0.0f);
-        cpu.dequantize_sum(sum.data(), want.data(), slices, n, block, t, 0.5f);
+        const size_t stride = fsdp::kernels::quant_packed_bytes(n, block);
+        cpu.dequantize_sum(sum.data(), want.data(), slices, stride, n, block, t, 0.5f);
         DeviceArray d_sum(gpu, nullptr, n * sizeof(float));
-        gpu.dequantize_sum(d_sum.as<float>(), d_q.ptr, slices, n, block, t, 0.5f);
+        gpu.dequantize_sum(d_sum.as<float>(), d_q.ptr, slices, stride, n, block, t, 0.5f);
         const std::vector<float> got_sum = d_sum.read<float>();
         for (size_t i = 0; i < n; ++i) {  // NaN's payload is the hardware's own
           ASSERT_TRUE(std::memcmp(&sum[i], &got_sum[i], sizeof(float)) == 0 ||

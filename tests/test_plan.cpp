@@ -170,6 +170,15 @@ std::vector<Case> grid() {
   cs.push_back({6, M{{"sharding", "HYBRID_SHARD_ZERO2"}, {"shard_group_size", "3"}, {"optimizer", "sgd"}}});
   cs.push_back({6, M{{"sharding", "HYBRID_SHARD_ZERO2"}, {"shard_group_size", "2"}, {"reduce_dtype", "fp8_e4m3"}}});
   cs.push_back({4, M{{"sharding", "HYBRID_SHARD"}, {"shard_group_size", "1"}}});
+  // reduce_hierarchy: the quantized reduction in two all-to-alls.
+  cs.push_back(
+      {8, M{{"sharding", "FULL_SHARD"}, {"param_dtype", "bf16"}, {"reduce_dtype", "int8"}, {"reduce_hierarchy", "2"}}});
+  cs.push_back({6, M{{"sharding", "SHARD_GRAD_OP"}, {"reduce_dtype", "fp8_e4m3"}, {"reduce_hierarchy", "3"}}});
+  cs.push_back({8, M{{"sharding", "HYBRID_SHARD"},
+                     {"shard_group_size", "4"},
+                     {"reduce_dtype", "int8"},
+                     {"reduce_hierarchy", "2"},
+                     {"secondary_shard", "2"}}});
   cs.push_back({2, M{{"sharding", "FULL_SHARD"}, {"optimizer", "host"}, {"host_state", "3"}}});
   return cs;
 }
@@ -237,10 +246,18 @@ TEST(PlanRequest, EachRowsBytesAreThePlansAndItsTimesTheLinksArithmetic) {
     EXPECT_EQ(r["persistent_bytes"].get<uint64_t>(), p.sharded_params + p.sharded_grads + p.optimizer_state);
     if (r["sharding"] == "FULL_SHARD" && r["secondary_shard"] == "off") {
       // The world's ring crosses nodes (4 GPUs, 2 per node): 3/4 of its bytes on the inter-node link.
-      const double wire = double(p.group[0]) * 3 / 4;
+      // A quantized reduction (reduce_hierarchy=node: groups of 2) moves 1/2 of its first all-to-all
+      // inside the node and 1/2 of its second across.
+      const bool quantized = r["reduce_dtype"] == "int8";
+      EXPECT_EQ(p.reduce_group, quantized ? 2 : 1);
+      const double local = double(p.reduce_local), cross = double(p.reduce_cross);
+      EXPECT_EQ(local, 2 * cross) << "4 ranks' parts in the first all-to-all, 2 groups' in the second";
+      EXPECT_EQ(cross > 0, quantized);
+      const double wire = (double(p.group[0]) - local - cross) * 3 / 4 + cross / 2;
       EXPECT_DOUBLE_EQ(r["wire_bytes_inter_node"].get<double>(), wire);
-      EXPECT_DOUBLE_EQ(r["comm_s"].get<double>(), wire / 50e9);
-      EXPECT_EQ(r["comm_hidden"].get<bool>(), wire / 50e9 <= compute);
+      EXPECT_DOUBLE_EQ(r["wire_bytes_intra_node"].get<double>(), local / 2);
+      EXPECT_DOUBLE_EQ(r["comm_s"].get<double>(), wire / 50e9 + local / 2 / 400e9);
+      EXPECT_EQ(r["comm_hidden"].get<bool>(), r["comm_s"].get<double>() <= compute);
       ++checked;
     }
     if (r["sharding"] == "HYBRID_SHARD" && r["secondary_shard"] == "off" && r["offload"] == "none") {

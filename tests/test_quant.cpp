@@ -293,10 +293,11 @@ TEST(QuantKernels, TheAvx512LoopsStreamedStoresWriteWhatTheirOrdinaryStoresWrite
       std::vector<float> a(n + 32, 1.0f), b(n + 32, 2.0f);
       float* pa = a.data() + (16 - reinterpret_cast<uintptr_t>(a.data()) % 64 / 4) % 16 + offset / 4;
       float* pb = b.data() + (16 - reinterpret_cast<uintptr_t>(b.data()) % 64 / 4) % 16 + offset / 4;
-      fsdp::device::avx512::dequantize_sum(packed.data(), slices, n, block, t, 0.5f, pa, 0, k::quant_blocks(n, block),
-                                           true);
-      fsdp::device::avx512::dequantize_sum(packed.data(), slices, n, block, t, 0.5f, pb, 0, k::quant_blocks(n, block),
-                                           false);
+      const size_t slice_bytes = k::quant_packed_bytes(n, block);
+      fsdp::device::avx512::dequantize_sum(packed.data(), slices, slice_bytes, n, block, t, 0.5f, pa, 0,
+                                           k::quant_blocks(n, block), true);
+      fsdp::device::avx512::dequantize_sum(packed.data(), slices, slice_bytes, n, block, t, 0.5f, pb, 0,
+                                           k::quant_blocks(n, block), false);
       ASSERT_EQ(std::memcmp(pa, pb, n * sizeof(float)), 0) << type_name(t) << " sum, offset " << offset;
       float first = 0.0f;  // value 0: the three slices' dequantized values summed in order, halved
       for (size_t s = 0; s < slices; ++s) {

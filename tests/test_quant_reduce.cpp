@@ -20,6 +20,7 @@
 #include <cstring>
 #include <map>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "../kernels/quant.h"
@@ -80,19 +81,28 @@ TEST(QuantReduceKernels, DequantizeSumAddsTheRanksDequantizedPartsInRankOrder) {
               x[s][i] = rng.uniform(-1.f, 1.f) * std::ldexp(1.0f, int((i / 64 + s) % 7) - 3);
           }
           if (n >= 200 && slices >= 2) x[1][130] = NAN;  // block 2 of slice 1: the sum's block 2 is NaN
-          const std::vector<uint8_t> packed = pack_slices(cpu, x, n, block, t);
-          for (float scale : {1.0f, 1.0f / static_cast<float>(slices)}) {
-            std::vector<float> out(n, 7.0f);
-            cpu.dequantize_sum(out.data(), packed.data(), slices, n, block, t, scale);
-            const std::vector<float> want = ref_sum(x, n, block, t, scale);
-            for (size_t i = 0; i < n; ++i) {
-              ASSERT_TRUE(equal_value(out[i], want[i])) << "element " << i << ": " << out[i] << " vs " << want[i];
+          const std::vector<uint8_t> dense = pack_slices(cpu, x, n, block, t);
+          // The slices one after another, and 64 bytes of junk apart (the
+          // hierarchical reduction's layout: one part of each rank's chunk).
+          const size_t pb = k::quant_packed_bytes(n, block);
+          std::vector<uint8_t> gapped(slices * (pb + 64), 0xA5);
+          for (size_t s = 0; s < slices; ++s) std::memcpy(&gapped[s * (pb + 64)], &dense[s * pb], pb);
+          for (auto [packed, stride] : {std::pair<const std::vector<uint8_t>*, size_t>(&dense, pb),
+                                        std::pair<const std::vector<uint8_t>*, size_t>(&gapped, pb + 64)})
+            for (float scale : {1.0f, 1.0f / static_cast<float>(slices)}) {
+              SCOPED_TRACE("slice stride " + std::to_string(stride));
+              std::vector<float> out(n, 7.0f);
+              cpu.dequantize_sum(out.data(), packed->data(), slices, stride, n, block, t, scale);
+              const std::vector<float> want = ref_sum(x, n, block, t, scale);
+              for (size_t i = 0; i < n; ++i) {
+                ASSERT_TRUE(equal_value(out[i], want[i])) << "element " << i << ": " << out[i] << " vs " << want[i];
+              }
+              if (n >= 200 && slices >= 2) {
+                for (size_t i = 128; i < 192; ++i)
+                  ASSERT_TRUE(std::isnan(out[i])) << "a NaN in one rank's block: " << i;
+                ASSERT_FALSE(std::isnan(out[block == 64 ? 127 : 256])) << "the next block is not";
+              }
             }
-            if (n >= 200 && slices >= 2) {
-              for (size_t i = 128; i < 192; ++i) ASSERT_TRUE(std::isnan(out[i])) << "a NaN in one rank's block: " << i;
-              ASSERT_FALSE(std::isnan(out[block == 64 ? 127 : 256])) << "the next block is not";
-            }
-          }
         }
       }
     }
@@ -111,12 +121,16 @@ struct Case {
   bool offload = false;
   bool frozen = false;  // param "c" frozen: the reduction covers the trainable block only
   bool sum = false;     // reduce_op=sum (else avg)
+  int group = 2;        // HYBRID: shard_group_size
+  int hier = 0;         // reduce_hierarchy's group size (0: unset, node: one host here, so one all-to-all)
 };
 
 std::string case_name(const ::testing::TestParamInfo<Case>& info) {
   const Case& c = info.param;
   return std::string(c.sharding) + "_world" + std::to_string(c.world) + "_" + dtype_config_name(c.dtype) + "_" +
-         type_name(c.qtype) + (c.offload ? "_offload" : "") + (c.frozen ? "_frozen" : "") + (c.sum ? "_sum" : "");
+         type_name(c.qtype) + (c.offload ? "_offload" : "") + (c.frozen ? "_frozen" : "") + (c.sum ? "_sum" : "") +
+         (c.group != 2 ? "_group" + std::to_string(c.group) : "") +
+         (c.hier != 0 ? "_hierarchy" + std::to_string(c.hier) : "");
 }
 
 const std::vector<ParamSpec> kParams = {{"a", {7, 13}}, {"b", {40}}, {"c", {9, 11}}};
@@ -142,7 +156,8 @@ std::map<std::string, std::string> options_of(const Case& c) {
                                           {"loss_scale", "off"},
                                           {"timeout_s", "30"}};
   if (c.offload) o["offload"] = "cpu";
-  if (hybrid(c)) o["shard_group_size"] = "2";
+  if (hybrid(c)) o["shard_group_size"] = std::to_string(c.group);
+  if (c.hier != 0) o["reduce_hierarchy"] = std::to_string(c.hier);
   return o;
 }
 
@@ -152,7 +167,9 @@ class QuantizedReduction : public ::testing::TestWithParam<Case> {};
 
 TEST_P(QuantizedReduction, EachShardIsTheRankOrderSumOfTheDequantizedPartsAndTheWireMovesThePackedBytes) {
   const Case c = GetParam();
-  const int shard_world = hybrid(c) ? 2 : c.world;
+  const int shard_world = hybrid(c) ? c.group : c.world;
+  // reduce_hierarchy: groups of h ranks of the shard group reduce first.
+  const int h = c.hier > 1 && c.hier < shard_world ? c.hier : 1, groups = shard_world / h;
   const int replicas = c.world / shard_world;
   run_ranks(c.world, [&](int rank, fsdp_local_group_t* group) {
     ConfigPtr cfg = make_config(options_of(c));
@@ -219,12 +236,22 @@ TEST_P(QuantizedReduction, EachShardIsTheRankOrderSumOfTheDequantizedPartsAndThe
         const std::vector<float> f = flat_of(0, m);
         return std::vector<float>(f.begin(), f.begin() + long(n));
       }
-      std::vector<std::vector<float>> parts;
-      for (int j = 0; j < shard_world; ++j) {
-        const std::vector<float> f = flat_of(q * shard_world + j, m);
-        parts.emplace_back(f.begin() + long(size_t(s) * n), f.begin() + long(size_t(s + 1) * n));
+      // Each group's members' parts summed (unscaled), then the groups' sums
+      // summed as parts again, in group order (one group: the flat sum).
+      std::vector<std::vector<float>> partials;
+      for (int g = 0; g < groups; ++g) {
+        std::vector<std::vector<float>> parts;
+        for (int j = 0; j < h; ++j) {
+          const std::vector<float> f = flat_of(q * shard_world + g * h + j, m);
+          parts.emplace_back(f.begin() + long(size_t(s) * n), f.begin() + long(size_t(s + 1) * n));
+        }
+        if (h == 1) {
+          partials.push_back(parts[0]);
+        } else {
+          partials.push_back(ref_sum(parts, n, kBlock, c.qtype, 1.0f));
+        }
       }
-      return ref_sum(parts, n, kBlock, c.qtype, c.sum ? 1.0f : 1.0f / float(shard_world));
+      return ref_sum(partials, n, kBlock, c.qtype, c.sum ? 1.0f : 1.0f / float(shard_world));
     };
     auto shard_of = [&](int s) {
       std::vector<float> acc(n, 0.0f);  // the grad shard starts from zero; each reduction adds into it
@@ -295,9 +322,16 @@ TEST_P(QuantizedReduction, EachShardIsTheRankOrderSumOfTheDequantizedPartsAndThe
       const uint64_t replica_part =
           replicas > 1 ? k::quant_packed_bytes((n + size_t(replicas) - 1) / size_t(replicas), kBlock) * size_t(replicas)
                        : 0u;
-      EXPECT_EQ(st.all_to_all_calls, uint64_t(kMicro) * (replicas > 1 ? 2u : 1u));
-      EXPECT_EQ(st.all_to_all_nbytes,
-                uint64_t(kMicro) * (k::quant_packed_bytes(n, kBlock) * size_t(shard_world) + replica_part));
+      // reduce_hierarchy: an all-to-all inside the groups (every rank's part
+      // of each shard) and one across them (one part per group).
+      const uint64_t shard_bytes = k::quant_packed_bytes(n, kBlock) * size_t(shard_world + (h > 1 ? groups : 0));
+      EXPECT_EQ(st.all_to_all_calls, uint64_t(kMicro) * ((replicas > 1 ? 2u : 1u) + (h > 1 ? 1u : 0u)));
+      EXPECT_EQ(st.all_to_all_nbytes, uint64_t(kMicro) * (shard_bytes + replica_part));
+      // The shard group's bytes: the params' gathers and the reduction's
+      // all-to-alls, the hierarchy's groups' included (not the replicas').
+      EXPECT_EQ(hybrid(c) ? st.shard_group_nbytes : st.world_group_nbytes,
+                st.all_gather_nbytes - uint64_t(kMicro) * replica_part + uint64_t(kMicro) * shard_bytes)
+          << "the hierarchy's groups count as the shard group's";
       EXPECT_EQ(st.replica_group_nbytes, uint64_t(kMicro) * 2 * replica_part);
       EXPECT_EQ(st.all_reduce_nbytes, 0u) << "no fp32 all-reduce across the replicas either";
     }
@@ -305,21 +339,27 @@ TEST_P(QuantizedReduction, EachShardIsTheRankOrderSumOfTheDequantizedPartsAndThe
   });
 }
 
-INSTANTIATE_TEST_SUITE_P(Strategies, QuantizedReduction,
-                         ::testing::Values(Case{"FULL_SHARD", 1, FSDP_DTYPE_BF16, k::QType::kInt8},
-                                           Case{"FULL_SHARD", 2, FSDP_DTYPE_FP32, k::QType::kInt8},
-                                           Case{"FULL_SHARD", 2, FSDP_DTYPE_BF16, k::QType::kFp8E4m3},
-                                           Case{"FULL_SHARD", 3, FSDP_DTYPE_BF16, k::QType::kInt8, false, true},
-                                           Case{"FULL_SHARD", 3, FSDP_DTYPE_FP32, k::QType::kInt8, false, false, true},
-                                           Case{"FULL_SHARD", 4, FSDP_DTYPE_FP32, k::QType::kFp8E4m3, false, true},
-                                           Case{"SHARD_GRAD_OP", 2, FSDP_DTYPE_BF16, k::QType::kInt8},
-                                           Case{"HYBRID_SHARD", 4, FSDP_DTYPE_FP32, k::QType::kInt8},
-                                           Case{"HYBRID_SHARD", 6, FSDP_DTYPE_BF16, k::QType::kInt8},  // 3 replicas
-                                           Case{"HYBRID_SHARD_ZERO2", 4, FSDP_DTYPE_BF16, k::QType::kFp8E4m3, false,
-                                                true, true},
-                                           Case{"FULL_SHARD", 2, FSDP_DTYPE_BF16, k::QType::kInt8, true},
-                                           Case{"FULL_SHARD", 3, FSDP_DTYPE_FP32, k::QType::kFp8E4m3, true, true}),
-                         case_name);
+INSTANTIATE_TEST_SUITE_P(
+    Strategies, QuantizedReduction,
+    ::testing::Values(Case{"FULL_SHARD", 1, FSDP_DTYPE_BF16, k::QType::kInt8},
+                      Case{"FULL_SHARD", 2, FSDP_DTYPE_FP32, k::QType::kInt8},
+                      Case{"FULL_SHARD", 2, FSDP_DTYPE_BF16, k::QType::kFp8E4m3},
+                      Case{"FULL_SHARD", 3, FSDP_DTYPE_BF16, k::QType::kInt8, false, true},
+                      Case{"FULL_SHARD", 3, FSDP_DTYPE_FP32, k::QType::kInt8, false, false, true},
+                      Case{"FULL_SHARD", 4, FSDP_DTYPE_FP32, k::QType::kFp8E4m3, false, true},
+                      Case{"SHARD_GRAD_OP", 2, FSDP_DTYPE_BF16, k::QType::kInt8},
+                      Case{"HYBRID_SHARD", 4, FSDP_DTYPE_FP32, k::QType::kInt8},
+                      Case{"HYBRID_SHARD", 6, FSDP_DTYPE_BF16, k::QType::kInt8},  // 3 replicas
+                      Case{"HYBRID_SHARD_ZERO2", 4, FSDP_DTYPE_BF16, k::QType::kFp8E4m3, false, true, true},
+                      Case{"FULL_SHARD", 2, FSDP_DTYPE_BF16, k::QType::kInt8, true},
+                      Case{"FULL_SHARD", 3, FSDP_DTYPE_FP32, k::QType::kFp8E4m3, true, true},
+                      // reduce_hierarchy: 4 groups of 2, 2 of 3, and a HYBRID
+                      // shard group of 4 in 2 groups of 2 (2 replicas).
+                      Case{"FULL_SHARD", 8, FSDP_DTYPE_BF16, k::QType::kInt8, false, false, false, 2, 2},
+                      Case{"FULL_SHARD", 6, FSDP_DTYPE_FP32, k::QType::kFp8E4m3, false, true, true, 2, 3},
+                      Case{"SHARD_GRAD_OP", 4, FSDP_DTYPE_BF16, k::QType::kFp8E4m3, true, false, false, 2, 2},
+                      Case{"HYBRID_SHARD", 8, FSDP_DTYPE_BF16, k::QType::kInt8, false, false, false, 4, 2}),
+    case_name);
 
 TEST(QuantizedReductionRefusals, NoShardIsUnsupportedWithItsReasonAndBadValuesNameTheChoices) {
   run_ranks(2, [&](int rank, fsdp_local_group_t* group) {
@@ -331,8 +371,31 @@ TEST(QuantizedReductionRefusals, NoShardIsUnsupportedWithItsReasonAndBadValuesNa
     EXPECT_NE(last_error_str().find("reduce_dtype=int8"), std::string::npos) << last_error_str();
     EXPECT_NE(last_error_str().find("NO_SHARD"), std::string::npos) << last_error_str();
   });
+  // reduce_hierarchy: a group size for a reduction that is no all-to-all,
+  // or one that does not divide the shard group, fails on every rank.
+  run_ranks(4, [&](int rank, fsdp_local_group_t* group) {
+    for (auto [dtype, size, status, says] :
+         {std::make_tuple("fp32", "2", FSDP_ERR_UNSUPPORTED, "reduce_dtype=fp32 reduces by a reduce-scatter"),
+          std::make_tuple("int8", "3", FSDP_ERR_INVALID_ARGUMENT, "divides the shard group's 4 ranks, not 3")}) {
+      ConfigPtr cfg = make_config(
+          {{"sharding", "FULL_SHARD"}, {"reduce_dtype", dtype}, {"reduce_hierarchy", size}, {"timeout_s", "30"}});
+      ASSERT_TRUE(cfg);
+      fsdp_ctx_t* raw = nullptr;
+      EXPECT_STATUS(status, fsdp_ctx_create(cfg.get(), group, group ? rank : -1, &raw));
+      EXPECT_EQ(raw, nullptr);
+      EXPECT_NE(last_error_str().find(says), std::string::npos) << last_error_str();
+    }
+  });
   ConfigPtr cfg = make_config({});
   ASSERT_TRUE(cfg);
+  EXPECT_STATUS(FSDP_ERR_INVALID_ARGUMENT, fsdp_config_set(cfg.get(), "reduce_hierarchy", "rack"));
+  EXPECT_NE(last_error_str().find("node, off, or a group size"), std::string::npos) << last_error_str();
+  for (auto [in, out] : {std::make_pair("off", "off"), std::make_pair("4", "4"), std::make_pair("NODE", "node")}) {
+    ASSERT_OK(fsdp_config_set(cfg.get(), "reduce_hierarchy", in));
+    char got[32] = {};
+    ASSERT_OK(fsdp_config_get(cfg.get(), "reduce_hierarchy", got, sizeof got, nullptr));
+    EXPECT_STREQ(got, out);
+  }
   EXPECT_STATUS(FSDP_ERR_INVALID_ARGUMENT, fsdp_config_set(cfg.get(), "reduce_dtype", "int4"));
   EXPECT_NE(last_error_str().find("int8, fp8_e4m3"), std::string::npos) << last_error_str();
   EXPECT_STATUS(FSDP_ERR_INVALID_ARGUMENT, fsdp_config_set(cfg.get(), "reduce_block", "8"));

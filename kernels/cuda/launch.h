@@ -32,8 +32,8 @@ cudaError_t dequantize(void* out, fsdp_dtype_t out_dtype, const void* packed, si
                        QType t, cudaStream_t s);
 // The quantized reduction's end (Device::dequantize_sum): one thread per
 // value sums the n_slices slices' dequantized values in slice order.
-cudaError_t dequantize_sum(float* out, const void* packed, size_t n_slices, size_t n, size_t block, QType t,
-                           float scale, cudaStream_t s);
+cudaError_t dequantize_sum(float* out, const void* packed, size_t n_slices, size_t slice_stride, size_t n, size_t block,
+                           QType t, float scale, cudaStream_t s);
 // acc[i] = acc[i] + src[i] in fp32, rounded once to acc's type (AddOp).
 cudaError_t add(void* acc, fsdp_dtype_t acc_dtype, const void* src, fsdp_dtype_t src_dtype, size_t n,
                 cudaStream_t s);

@@ -64,8 +64,9 @@ __global__ void __launch_bounds__(kThreads) dequantize_kernel(T* out, const uint
 // One thread per value: the slices' dequantized values added in slice order
 // (dequantize_sum_block's order and roundings), scaled once.
 __global__ void __launch_bounds__(kThreads) dequantize_sum_kernel(float* out, const uint8_t* packed, size_t n_slices,
-                                                                   size_t n, size_t block, QType t, float scale) {
-  const size_t stride = quant_packed_bytes(n, block), scales = quant_scales_offset(n);
+                                                                   size_t stride, size_t n, size_t block, QType t,
+                                                                   float scale) {
+  const size_t scales = quant_scales_offset(n);
   for (size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += static_cast<size_t>(gridDim.x) * blockDim.x) {
     float acc = 0.0f;
@@ -80,13 +81,13 @@ __global__ void __launch_bounds__(kThreads) dequantize_sum_kernel(float* out, co
 
 }  // namespace
 
-cudaError_t dequantize_sum(float* out, const void* packed, size_t n_slices, size_t n, size_t block, QType t,
-                           float scale, cudaStream_t s) {
+cudaError_t dequantize_sum(float* out, const void* packed, size_t n_slices, size_t slice_stride, size_t n,
+                           size_t block, QType t, float scale, cudaStream_t s) {
   if (n == 0 || n_slices == 0) return cudaSuccess;
-  if (block == 0) return cudaErrorInvalidValue;
+  if (block == 0 || slice_stride < quant_packed_bytes(n, block)) return cudaErrorInvalidValue;
   const auto grid = static_cast<unsigned>(std::min(kMaxBlocks, (n + kThreads - 1) / kThreads));
-  dequantize_sum_kernel<<<grid, kThreads, 0, s>>>(out, static_cast<const uint8_t*>(packed), n_slices, n, block, t,
-                                                  scale);
+  dequantize_sum_kernel<<<grid, kThreads, 0, s>>>(out, static_cast<const uint8_t*>(packed), n_slices, slice_stride, n,
+                                                  block, t, scale);
   return cudaGetLastError();
 }
 

@@ -20,6 +20,17 @@ namespace {
 
 using namespace config_parse;  // the option table's own helpers
 
+// A group option (secondary_shard, reduce_hierarchy): 0 off, -1 node (the
+// ranks on this host), else a group size.
+int parse_group(const char* key, const std::string& v, const char* expected) {
+  const std::string w = lower(trim(v));
+  if (w == "off" || w == "0" || w == "none") return 0;
+  if (w == "node") return -1;
+  return static_cast<int>(parse_int(key, v, 1, 1 << 20, expected));
+}
+
+std::string group_name(int g) { return g == 0 ? std::string("off") : g < 0 ? std::string("node") : std::to_string(g); }
+
 struct Entry {
   const char* key;
   std::vector<const char*> aliases;
@@ -68,21 +79,15 @@ const std::vector<Entry>& table() {
       {"secondary_shard",
        {},
        [](Options& o, const std::string& v) {
-         const std::string w = lower(trim(v));
-         if (w == "off" || w == "0" || w == "none") {
-           o.secondary_shard = 0;
-         } else if (w == "node") {
-           o.secondary_shard = -1;
-         } else {
-           o.secondary_shard =
-               static_cast<int>(parse_int("secondary_shard", v, 1, 1 << 20, "off, node, or a group size: an integer"));
-         }
+         o.secondary_shard = parse_group("secondary_shard", v, "off, node, or a group size: an integer");
        },
-       [](const Options& o) {
-         return o.secondary_shard == 0  ? std::string("off")
-                : o.secondary_shard < 0 ? std::string("node")
-                                        : std::to_string(o.secondary_shard);
-       }},
+       [](const Options& o) { return group_name(o.secondary_shard); }},
+      {"reduce_hierarchy",
+       {},
+       [](Options& o, const std::string& v) {
+         o.reduce_hierarchy = parse_group("reduce_hierarchy", v, "node, off, or a group size: an integer");
+       },
+       [](const Options& o) { return group_name(o.reduce_hierarchy); }},
       {"reduce_block",
        {},
        [](Options& o, const std::string& v) {

@@ -117,6 +117,13 @@ struct Options {
   // group only. 0: off; -1: the ranks of this host ("node"); n > 0: groups
   // of n consecutive ranks of the shard group.
   int secondary_shard = 0;
+  // The quantized reduction's hierarchy (ZeRO++'s qgZ): where the shard
+  // group spans hosts, an all-to-all inside groups of n consecutive ranks
+  // first (each rank's grads summed with its host's), then one across the
+  // groups, so that what leaves a host is one part per group instead of
+  // one per rank. -1: the ranks of this host ("node"); 0: off (one
+  // all-to-all over the shard group); n > 0: groups of n.
+  int reduce_hierarchy = -1;
   BackwardPrefetch backward_prefetch = BackwardPrefetch::kPre;  // PyTorch's default
   int limit_all_gathers = 2;
   LossScaleMode loss_scale_mode = LossScaleMode::kAuto;  // auto: dynamic for fp16, off otherwise

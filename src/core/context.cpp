@@ -16,6 +16,7 @@
 #include "async_save.h"
 #include "consensus.h"
 #include "device_plane.h"
+#include "plan.h"
 
 namespace fsdp::core {
 namespace {
@@ -28,10 +29,11 @@ std::string describe(const Options& o) {
   os << "sharding=" << sharding_name(o.sharding) << "\nparam_dtype=" << dtype_name(o.param_dtype)
      << "\nreduce_dtype=" << dtype_name(o.reduce_dtype()) << ","
      << (o.reduce_quantized ? static_cast<int>(o.reduce_qtype) : -1) << "," << o.reduce_block
-     << "\nsecondary_shard=" << o.secondary_shard << "\nreduce_op=" << static_cast<int>(o.reduce_op)
-     << "\noptimizer=" << static_cast<int>(o.optimizer) << "\nlr=" << o.lr << "\nbeta1=" << o.beta1
-     << "\nbeta2=" << o.beta2 << "\neps=" << o.eps << "\nweight_decay=" << o.weight_decay << "\nmomentum=" << o.momentum
-     << "\nnesterov=" << o.nesterov << "\nmax_grad_norm=" << o.max_grad_norm << "\nalign_bytes=" << o.align_bytes
+     << "\nsecondary_shard=" << o.secondary_shard << "\nreduce_hierarchy=" << o.reduce_hierarchy
+     << "\nreduce_op=" << static_cast<int>(o.reduce_op) << "\noptimizer=" << static_cast<int>(o.optimizer)
+     << "\nlr=" << o.lr << "\nbeta1=" << o.beta1 << "\nbeta2=" << o.beta2 << "\neps=" << o.eps
+     << "\nweight_decay=" << o.weight_decay << "\nmomentum=" << o.momentum << "\nnesterov=" << o.nesterov
+     << "\nmax_grad_norm=" << o.max_grad_norm << "\nalign_bytes=" << o.align_bytes
      << "\nkeep_param_dtype_shard=" << o.keeps_param_dtype_shard()
      << "\ngather_stream=" << auto_bool_name(o.gather_stream)
      << "\ngather_dtype=" << (o.gather_quantized ? static_cast<int>(o.gather_qtype) : -1) << "," << o.gather_block
@@ -122,6 +124,7 @@ Context::Context(const Options& opts, std::unique_ptr<comm::Communicator> world)
   agree(*rt_.comm, "fsdp_ctx_create (config)", describe(rt_.opts));
   setup_groups();
   setup_secondary();
+  setup_reduce_hierarchy();
   if (rt_.shard_size > 1 && !gathers_apart()) {
     // The gathers share the comm stream and the shard group's communicator
     // with the reductions, in the order the host issued them.
@@ -231,15 +234,42 @@ void Context::setup_secondary() {
   rt_.secondary_index = rt_.shard_index % g;
 }
 
+void Context::setup_reduce_hierarchy() {
+  const Options& o = rt_.opts;
+  if (!o.reduce_quantized || rt_.shard_size == 1) {
+    reduce_group_size(o, world_->local_world_size(), rt_.shard_size, "fsdp_ctx_create");  // refuses a size set in vain
+    return;
+  }
+  // The default (one host) may differ between hosts: agree before splitting.
+  const int asked = o.reduce_hierarchy > 0   ? o.reduce_hierarchy
+                    : o.reduce_hierarchy < 0 ? std::min(world_->local_world_size(), rt_.shard_size)
+                                             : 0;
+  agree(
+      *rt_.comm, "fsdp_ctx_create (reduce_hierarchy group size)",
+      "reduce_hierarchy=" + std::to_string(asked) + (o.reduce_hierarchy < 0 ? " (node: the ranks on this host)" : ""));
+  const int g = reduce_group_size(o, world_->local_world_size(), rt_.shard_size, "fsdp_ctx_create");
+  if (g == 1) return;
+  // Runs of g consecutive ranks of the shard group (a host, as launchers
+  // place them), and the ranks at one index of every run, each ordered by
+  // shard index, split off the shard group's synchronous communicator (its
+  // bytes count as the shard group's).
+  SyncComm& group = o.hybrid() ? *sync_shard_ : *sync_world_;
+  reduce_local_ = group.split(rt_.shard_index / g, rt_.shard_index, "split into the reduction's host groups");
+  reduce_cross_ = group.split(rt_.shard_index % g, rt_.shard_index, "split across the reduction's host groups");
+  rt_.reduce_local_comm = reduce_local_.get();
+  rt_.reduce_cross_comm = reduce_cross_.get();
+}
+
 void Context::abort_comms(const std::string& reason) {
-  for (comm::Communicator* c : {world_.get(), shard_.get(), replica_.get(), gather_comm_.get(), secondary_.get()}) {
+  for (comm::Communicator* c : {world_.get(), shard_.get(), replica_.get(), gather_comm_.get(), secondary_.get(),
+                                reduce_local_.get(), reduce_cross_.get()}) {
     if (c != nullptr) c->abort(reason);
   }
 }
 
 fsdp_status_t Context::async_error() const {
-  for (const comm::Communicator* c :
-       {world_.get(), shard_.get(), replica_.get(), gather_comm_.get(), secondary_.get()}) {
+  for (const comm::Communicator* c : {world_.get(), shard_.get(), replica_.get(), gather_comm_.get(), secondary_.get(),
+                                      reduce_local_.get(), reduce_cross_.get()}) {
     if (c != nullptr && c->failure() != FSDP_OK) return c->failure();
   }
   // Work that failed on a stream: the engine's own, and the host's streams
@@ -406,8 +436,8 @@ void Context::settle_units() {
   // A collective that NCCL aborted completes its GPU event as if it had run:
   // the waits above pass, and what they waited for holds whatever the buffer
   // held. The communicators know; nothing may read those results.
-  for (const comm::Communicator* c :
-       {world_.get(), shard_.get(), replica_.get(), gather_comm_.get(), secondary_.get()}) {
+  for (const comm::Communicator* c : {world_.get(), shard_.get(), replica_.get(), gather_comm_.get(), secondary_.get(),
+                                      reduce_local_.get(), reduce_cross_.get()}) {
     if (c != nullptr && c->failure() != FSDP_OK) {
       fail(c->failure(), rt_.where() + ": a collective of this context failed earlier (fsdp_ctx_async_error " +
                              "reported it); its results are not used");
@@ -429,8 +459,8 @@ void Context::check_failures(const char* call) const {
     if (s != nullptr) s->rethrow_failure();
   }
   for (const device::Stream* s : rt_.async_callers) s->rethrow_failure();
-  for (const comm::Communicator* c :
-       {world_.get(), shard_.get(), replica_.get(), gather_comm_.get(), secondary_.get()}) {
+  for (const comm::Communicator* c : {world_.get(), shard_.get(), replica_.get(), gather_comm_.get(), secondary_.get(),
+                                      reduce_local_.get(), reduce_cross_.get()}) {
     if (c != nullptr && c->failure() != FSDP_OK) {
       fail(c->failure(), std::string(call) + " (" + rt_.where() +
                              "): a collective of this context failed earlier (fsdp_ctx_async_error reported it); "

@@ -153,6 +153,9 @@ class Context {
   // secondary_shard: checks the option against the strategy and splits the
   // shard group into secondary groups (after setup_groups).
   void setup_secondary();
+  // reduce_hierarchy: splits the shard group into the quantized reduction's
+  // groups (runs of consecutive ranks: a host) and across them.
+  void setup_reduce_hierarchy();
   // Whether the gathers get a stream and a communicator of their own (gather_stream).
   bool gathers_apart();
   // Fails every collective of this context's communicators (never waits).
@@ -208,6 +211,7 @@ class Context {
   // The params' all-gathers, over the shard group (sharded over more than one rank).
   std::unique_ptr<comm::Communicator> gather_comm_;
   std::unique_ptr<comm::Communicator> secondary_;  // secondary_shard only
+  std::unique_ptr<comm::Communicator> reduce_local_, reduce_cross_;  // reduce_hierarchy where it groups
   // After the devices (their slots free through them), before the units and
   // the streams (whose tasks use the slots), so that they go after those.
   std::unique_ptr<SlotPool> gather_slots_;

@@ -21,6 +21,25 @@ size_t state_buffers(const Options& o) {
 
 }  // namespace
 
+int reduce_group_size(const Options& o, int local_world, int shard_size, const std::string& who) {
+  if (o.reduce_hierarchy > 0 && !o.reduce_quantized) {
+    fail(FSDP_ERR_UNSUPPORTED,
+         who + ": reduce_hierarchy=" + std::to_string(o.reduce_hierarchy) +
+             " groups the quantized reduction's all-to-all, and reduce_dtype=" + dtype_name(o.reduce_dtype()) +
+             " reduces by a reduce-scatter (set reduce_dtype=int8 or fp8_e4m3, or "
+             "reduce_hierarchy=node or off)");
+  }
+  if (!o.reduce_quantized || shard_size <= 1 || o.reduce_hierarchy == 0) return 1;
+  const int g = o.reduce_hierarchy > 0 ? o.reduce_hierarchy : std::min(local_world, shard_size);
+  if (g > shard_size || shard_size % g != 0) {
+    fail(FSDP_ERR_INVALID_ARGUMENT,
+         who + ": reduce_hierarchy needs a group size that divides the shard group's " + std::to_string(shard_size) +
+             " ranks, not " + std::to_string(g) +
+             (o.reduce_hierarchy < 0 ? " (node: the ranks on this host; set reduce_hierarchy=off or a size)" : ""));
+  }
+  return g == shard_size ? 1 : g;
+}
+
 RankPlan plan_rank(const Options& o, int world, int local_world, const std::vector<PlanUnit>& units) {
   RankPlan p;
   const bool sharded = o.sharding != Sharding::kNoShard;
@@ -45,6 +64,7 @@ RankPlan plan_rank(const Options& o, int world, int local_world, const std::vect
     }
     p.secondary_size = g;
   }
+  p.reduce_group = sharded ? reduce_group_size(o, local_world, s, "plan") : 1;
   const PlanGroup shard_group = o.hybrid() ? PlanGroup::kShard : PlanGroup::kWorld;
   const size_t pes = dtype_size(o.param_dtype), res = dtype_size(o.reduce_dtype());
   const bool lowp = o.param_dtype != DType::kFp32 && (o.keeps_param_dtype_shard() || !gathers);
@@ -100,7 +120,14 @@ RankPlan plan_rank(const Options& o, int world, int local_world, const std::vect
       add(PlanGroup::kWorld, b);
       continue;
     }
-    if (o.reduce_quantized) {
+    if (o.reduce_quantized && p.reduce_group > 1) {  // Unit::reduce_scatter_hierarchical
+      const uint64_t part = kernels::quant_packed_bytes(ts, o.reduce_block);
+      const uint64_t local = part * static_cast<uint64_t>(s), cross = part * static_cast<uint64_t>(s / p.reduce_group);
+      p.all_to_all += local + cross;
+      p.reduce_local += local;
+      p.reduce_cross += cross;
+      add(shard_group, local + cross);
+    } else if (o.reduce_quantized) {
       const uint64_t b = kernels::quant_packed_bytes(ts, o.reduce_block) * static_cast<uint64_t>(s);
       p.all_to_all += b;
       add(shard_group, b);

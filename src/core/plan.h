@@ -31,6 +31,7 @@ enum class PlanGroup { kWorld, kShard, kReplica, kSecondary, kCount };
 struct RankPlan {
   int shard_size = 1;      // ranks per shard group
   int secondary_size = 1;  // ranks per secondary group (secondary_shard; 1: off)
+  int reduce_group = 1;    // ranks per group of the quantized reduction's first stage (1: one all-to-all)
   // Persistent bytes (fsdp_memory_stats after the first step).
   uint64_t sharded_params = 0;  // fp32 master, and the param_dtype shard where kept
   uint64_t sharded_grads = 0;   // fp32 grad shards of trainable units
@@ -44,6 +45,9 @@ struct RankPlan {
   // grads reduced once), as fsdp_comm_stats counts them.
   uint64_t all_gather = 0, reduce_scatter = 0, all_reduce = 0, all_to_all = 0;
   std::array<uint64_t, static_cast<size_t>(PlanGroup::kCount)> group{};
+  // Of all_to_all (and of the shard group's bytes): the hierarchical
+  // quantized reduction's two stages, inside the groups and across them.
+  uint64_t reduce_local = 0, reduce_cross = 0;
   uint64_t step_total() const { return all_gather + reduce_scatter + all_reduce + all_to_all; }
 };
 
@@ -52,6 +56,14 @@ struct RankPlan {
 // Throws INVALID_ARGUMENT for a group size that does not divide, as
 // fsdp_ctx_create would.
 RankPlan plan_rank(const Options& o, int world, int local_world, const std::vector<PlanUnit>& units);
+
+// reduce_hierarchy resolved: the ranks per group of the quantized
+// reduction's first all-to-all over a shard group of `shard_size` ranks,
+// `local_world` on each host; 1 where it is one all-to-all (off, not
+// quantized, or one group holds the whole shard group). Throws, prefixed
+// by `who`: UNSUPPORTED for a group size set with a reduce_dtype that is
+// not quantized; INVALID_ARGUMENT for one that does not divide shard_size.
+int reduce_group_size(const Options& o, int local_world, int shard_size, const std::string& who);
 
 // fsdp_plan: the JSON request (docs/scaling.md, "The planner") answered as
 // JSON, one row per candidate configuration. FSDP_ERR_INVALID_ARGUMENT for a

@@ -214,13 +214,18 @@ std::string plan_request(const std::string& request) {
       const double n_world = c.gpus, n_shard = p.shard_size, n_rep = double(c.gpus) / p.shard_size;
       auto ring = [](double n) { return n > 1 ? (n - 1) / n : 0.0; };
       const bool no_shard = o.sharding == Sharding::kNoShard;
-      const double world_wire = double(p.group[0]) * ring(n_world) * (no_shard ? 2 : 1);
-      const double shard_wire = double(p.group[1]) * ring(n_shard);
+      // The hierarchical quantized reduction's stages come out of their
+      // group's bytes: the first inside its groups, the second across them.
+      const double staged = double(p.reduce_local + p.reduce_cross);
+      const double world_wire = (double(p.group[0]) - (o.hybrid() ? 0.0 : staged)) * ring(n_world) * (no_shard ? 2 : 1);
+      const double shard_wire = (double(p.group[1]) - (o.hybrid() ? staged : 0.0)) * ring(n_shard);
       const double replica_wire = double(p.group[2]) * ring(n_rep) * (o.reduce_quantized ? 1 : 2);
       const double secondary_wire = double(p.group[3]) * ring(p.secondary_size);
       double intra = secondary_wire, inter = replica_wire;
       (c.gpus > c.per_node ? inter : intra) += world_wire;
       (p.shard_size > c.per_node ? inter : intra) += shard_wire;
+      (p.reduce_group > c.per_node ? inter : intra) += double(p.reduce_local) * ring(p.reduce_group);
+      (p.shard_size > c.per_node ? inter : intra) += double(p.reduce_cross) * ring(n_shard / p.reduce_group);
       const double comm_s = intra / c.intra + inter / c.inter;
       const double step_s = std::max(compute_s, comm_s);
       const bool fits = device <= c.memory;

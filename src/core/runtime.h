@@ -40,6 +40,12 @@ struct Runtime {
   comm::Communicator* world_comm = nullptr;
   comm::Communicator* shard_comm = nullptr;
   comm::Communicator* replica_comm = nullptr;  // HYBRID_SHARD with more than one replica; else null
+  // The quantized reduction's hierarchy (reduce_hierarchy, on the comm
+  // stream as the shard group's): the shard group's ranks of this rank's
+  // group, and those of every group at this rank's index in it; null when
+  // the reduction is one all-to-all.
+  comm::Communicator* reduce_local_comm = nullptr;
+  comm::Communicator* reduce_cross_comm = nullptr;
   MemoryTracker mem;
   Trace trace;
   device::Stream* stream = nullptr;  // the comm stream: reductions, the step's norm, every synchronous collective

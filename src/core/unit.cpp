@@ -403,6 +403,7 @@ void Unit::reduce_task(void* grads) {
 }
 
 Buffer Unit::reduce_scatter_quantized(comm::Communicator& c, const void* grads, comm::RedOp op) const {
+  if (rt_.reduce_local_comm != nullptr) return reduce_scatter_hierarchical(grads, op);
   const size_t w = static_cast<size_t>(c.world_size()), n = trainable_shard_numel(), block = rt_.opts.reduce_block;
   const kernels::QType qt = rt_.opts.reduce_qtype;
   const DType pd = rt_.opts.param_dtype;
@@ -418,10 +419,51 @@ Buffer Unit::reduce_scatter_quantized(comm::Communicator& c, const void* grads, 
   c.all_to_all(send.data(), recv.data(), part, reduce_label_);
   Buffer out(rt_.dev, &rt_.mem, MemCategory::kScratch, DType::kFp32, n, /*zeroed=*/false);
   const float scale = op == comm::RedOp::kAvg ? 1.0f / static_cast<float>(w) : 1.0f;
-  rt_.dev->dequantize_sum(out.as<float>(), recv.data(), w, n, block, qt, scale);
+  rt_.dev->dequantize_sum(out.as<float>(), recv.data(), w, part, n, block, qt, scale);
   if (rt_.opts.debug_poison) {
     rt_.dev->fill_nan(send.data(), send.nbytes());
     rt_.dev->fill_nan(recv.data(), recv.nbytes());
+  }
+  return out;
+}
+
+Buffer Unit::reduce_scatter_hierarchical(const void* grads, comm::RedOp op) const {
+  // Shard index s = q * g + l: the l-th rank of group q, groups of g ranks.
+  comm::Communicator& local = *rt_.reduce_local_comm;
+  comm::Communicator& cross = *rt_.reduce_cross_comm;
+  const size_t g = static_cast<size_t>(local.world_size()), groups = static_cast<size_t>(cross.world_size());
+  const size_t n = trainable_shard_numel(), block = rt_.opts.reduce_block;
+  const kernels::QType qt = rt_.opts.reduce_qtype;
+  const DType pd = rt_.opts.param_dtype;
+  const size_t part = kernels::quant_packed_bytes(n, block);  // a multiple of 4 bytes
+  Buffer send(rt_.dev, &rt_.mem, MemCategory::kScratch, DType::kFp32, part / sizeof(float) * g * groups,
+              /*zeroed=*/false);
+  Buffer recv(rt_.dev, &rt_.mem, MemCategory::kScratch, DType::kFp32, part / sizeof(float) * g * groups,
+              /*zeroed=*/false);
+  auto at = [part](Buffer& b, size_t i) { return static_cast<char*>(b.data()) + i * part; };
+  // To member j: the parts of shards q * g + j, q = 0, 1, ... (in q order).
+  for (size_t j = 0; j < g; ++j) {
+    for (size_t q = 0; q < groups; ++q) {
+      rt_.dev->quantize(at(send, j * groups + q), static_cast<const char*>(grads) + (q * g + j) * n * dtype_size(pd),
+                        pd, n, block, qt);
+    }
+  }
+  local.all_to_all(send.data(), recv.data(), groups * part, reduce_label_);
+  // From member j, its part of shard q * g + l at recv[j][q]: group q's sum
+  // of this rank's index, over the members in order.
+  Buffer partial(rt_.dev, &rt_.mem, MemCategory::kScratch, DType::kFp32, n * groups, /*zeroed=*/false);
+  for (size_t q = 0; q < groups; ++q) {
+    rt_.dev->dequantize_sum(partial.as<float>() + q * n, at(recv, q), g, groups * part, n, block, qt, 1.0f);
+    rt_.dev->quantize(at(send, q), partial.as<float>() + q * n, DType::kFp32, n, block, qt);
+  }
+  cross.all_to_all(send.data(), recv.data(), part, reduce_label_);
+  Buffer out(rt_.dev, &rt_.mem, MemCategory::kScratch, DType::kFp32, n, /*zeroed=*/false);
+  const float scale = op == comm::RedOp::kAvg ? 1.0f / static_cast<float>(g * groups) : 1.0f;
+  rt_.dev->dequantize_sum(out.as<float>(), recv.data(), groups, part, n, block, qt, scale);
+  if (rt_.opts.debug_poison) {
+    rt_.dev->fill_nan(send.data(), send.nbytes());
+    rt_.dev->fill_nan(recv.data(), recv.nbytes());
+    rt_.dev->fill_nan(partial.data(), partial.nbytes());
   }
   return out;
 }
@@ -446,7 +488,7 @@ void Unit::all_reduce_quantized(comm::Communicator& c, float* shard, size_t n, c
   c.all_to_all(send.data(), recv.data(), part, replica_label_);
   Buffer sum(rt_.dev, &rt_.mem, MemCategory::kScratch, DType::kFp32, p, /*zeroed=*/false);
   const float scale = op == comm::RedOp::kAvg ? 1.0f / static_cast<float>(w) : 1.0f;
-  rt_.dev->dequantize_sum(sum.as<float>(), recv.data(), w, p, block, qt, scale);
+  rt_.dev->dequantize_sum(sum.as<float>(), recv.data(), w, part, p, block, qt, scale);
   rt_.dev->quantize(send.data(), sum.data(), DType::kFp32, p, block, qt);
   c.all_gather(send.data(), recv.data(), part, replica_label_);
   rt_.dev->dequantize(x, DType::kFp32, recv.data(), w, p, block, qt);

@@ -233,6 +233,13 @@ class Unit {
   // rank's received parts dequantized and summed in rank order in fp32
   // (scaled by 1/world for an average). Returns the fp32 shard (scratch).
   Buffer reduce_scatter_quantized(comm::Communicator& c, const void* grads, comm::RedOp op) const;
+  // The same over reduce_hierarchy's groups (ZeRO++'s qgZ): an all-to-all
+  // inside this rank's group moves to each member the parts of the shards
+  // at its index in every group, each summed there over the group in fp32;
+  // those partial sums, packed once more, go by an all-to-all across the
+  // groups to their shards' ranks, which sum them in group order. What
+  // leaves a group is one part per group instead of one per rank.
+  Buffer reduce_scatter_hierarchical(const void* grads, comm::RedOp op) const;
   // HYBRID's all-reduce of that fp32 shard (n values) across the replicas
   // over `c`, quantized too: the shard cut into one part per replica, packed,
   // exchanged by an all-to-all and summed as above (each replica its part),

@@ -172,9 +172,10 @@ class Device {
                           kernels::QType t) = 0;
   // The quantized reduction's end (kernels::dequantize_sum_block): out[i] =
   // scale * the sum over the n_slices packed slices, in slice (rank) order
-  // in fp32, of their dequantized values (n values each).
-  virtual void dequantize_sum(float* out, const void* packed, size_t n_slices, size_t n, size_t block, kernels::QType t,
-                              float scale) = 0;
+  // in fp32, of their dequantized values (n values each; a slice starts
+  // slice_stride bytes after the one before, at least its packed bytes).
+  virtual void dequantize_sum(float* out, const void* packed, size_t n_slices, size_t slice_stride, size_t n,
+                              size_t block, kernels::QType t, float scale) = 0;
   // cast and accumulate that also set src[i] = 0 once read: the grads read as
   // zeros again after the pass that consumes them, with no memset pass of
   // their own (the next backward adds into them as they are).

@@ -403,22 +403,22 @@ void CpuDevice::dequantize(void* out, DType out_dtype, const void* packed, size_
   });
 }
 
-void CpuDevice::dequantize_sum(float* out, const void* packed, size_t n_slices, size_t n, size_t block,
+void CpuDevice::dequantize_sum(float* out, const void* packed, size_t n_slices, size_t stride, size_t n, size_t block,
                                kernels::QType t, float scale) {
   const auto* in = static_cast<const uint8_t*>(packed);
   const float* fp8 = e4m3_table();
-  const size_t stride = kernels::quant_packed_bytes(n, block), scales = kernels::quant_scales_offset(n);
+  const size_t scales = kernels::quant_scales_offset(n);
   const bool simd = avx512::quant_available();
   const bool stream = n * sizeof(float) > avx512::stream_store_bytes() * size_t(pool_.size());
   pool_.parallel_for(kernels::quant_blocks(n, block), std::max<size_t>(1, 16 * kGrain / block),
                      [&](size_t b, size_t e) {
                        if (simd) {
-                         avx512::dequantize_sum(in, n_slices, n, block, t, scale, out, b, e, stream);
+                         avx512::dequantize_sum(in, n_slices, stride, n, block, t, scale, out, b, e, stream);
                          return;
                        }
                        for (size_t k = b; k < e; ++k) {
                          if (t == kernels::QType::kInt8) {
-                           kernels::dequantize_sum_block(in, n_slices, n, block, k, t, scale, out);
+                           kernels::dequantize_sum_block(in, n_slices, stride, n, block, k, t, scale, out);
                            continue;
                          }
                          // dequantize_sum_block's fp8 arm, the decode looked up (the same bits).

@@ -377,14 +377,14 @@ FSDP_AVX512_INLINE void sum_tile(const uint8_t* packed, size_t n_slices, size_t 
 
 }  // namespace
 
-FSDP_AVX512 void dequantize_sum(const uint8_t* packed, size_t n_slices, size_t n, size_t block, kernels::QType t,
-                                float scale, float* out, size_t kb, size_t ke, bool stream) {
-  const size_t stride = k::quant_packed_bytes(n, block), scales = k::quant_scales_offset(n);
+FSDP_AVX512 void dequantize_sum(const uint8_t* packed, size_t n_slices, size_t stride, size_t n, size_t block,
+                                kernels::QType t, float scale, float* out, size_t kb, size_t ke, bool stream) {
+  const size_t scales = k::quant_scales_offset(n);
   const __m512 sc_all = _mm512_set1_ps(scale);
   for (size_t kk = kb; kk < ke; ++kk) {
     const size_t b = kk * block;
     if (b + block > n || block % 128 != 0 || n_slices == 0) {
-      k::dequantize_sum_block(packed, n_slices, n, block, kk, t, scale, out);
+      k::dequantize_sum_block(packed, n_slices, stride, n, block, kk, t, scale, out);
       continue;
     }
     const bool nt = stream && reinterpret_cast<uintptr_t>(out + b) % 64 == 0;
@@ -407,9 +407,11 @@ bool quant_available() { return false; }
 bool quantize(const void*, DType, size_t, size_t, kernels::QType, uint8_t*, size_t, size_t) { return false; }
 bool dequantize(const uint8_t*, size_t, size_t, kernels::QType, void*, DType, size_t, size_t, bool) { return false; }
 size_t stream_store_bytes() { return size_t(2) << 20; }
-void dequantize_sum(const uint8_t* packed, size_t n_slices, size_t n, size_t block, kernels::QType t, float scale,
-                    float* out, size_t kb, size_t ke, bool) {
-  for (size_t kk = kb; kk < ke; ++kk) kernels::dequantize_sum_block(packed, n_slices, n, block, kk, t, scale, out);
+void dequantize_sum(const uint8_t* packed, size_t n_slices, size_t stride, size_t n, size_t block, kernels::QType t,
+                    float scale, float* out, size_t kb, size_t ke, bool) {
+  for (size_t kk = kb; kk < ke; ++kk) {
+    kernels::dequantize_sum_block(packed, n_slices, stride, n, block, kk, t, scale, out);
+  }
 }
 
 #endif

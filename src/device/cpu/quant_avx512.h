@@ -62,8 +62,8 @@ bool dequantize(const uint8_t* packed, size_t n, size_t block, kernels::QType t,
                 size_t ke, bool stream);
 
 // kernels::dequantize_sum_block over the blocks [kb, ke); stream as above.
-void dequantize_sum(const uint8_t* packed, size_t n_slices, size_t n, size_t block, kernels::QType t, float scale,
-                    float* out, size_t kb, size_t ke, bool stream);
+void dequantize_sum(const uint8_t* packed, size_t n_slices, size_t slice_stride, size_t n, size_t block,
+                    kernels::QType t, float scale, float* out, size_t kb, size_t ke, bool stream);
 
 // A core's private cache (L2) in bytes, or 2 MiB where the system does not say.
 size_t stream_store_bytes();

@@ -70,8 +70,8 @@ class CudaDevice final : public Device {
   void quantize(void* packed, const void* x, DType x_dtype, size_t n, size_t block, kernels::QType t) override;
   void dequantize(void* out, DType out_dtype, const void* packed, size_t n_slices, size_t n, size_t block,
                   kernels::QType t) override;
-  void dequantize_sum(float* out, const void* packed, size_t n_slices, size_t n, size_t block, kernels::QType t,
-                      float scale) override;
+  void dequantize_sum(float* out, const void* packed, size_t n_slices, size_t slice_stride, size_t n, size_t block,
+                      kernels::QType t, float scale) override;
   void cast_clear(void* dst, DType dst_dtype, void* src, DType src_dtype, size_t numel) override;
   void accumulate_clear(float* acc, void* src, DType src_dtype, float scale, size_t numel, double* acc_sq) override;
   void adam(const AdamArgs& args) override;

@@ -43,10 +43,10 @@ void CudaDevice::dequantize(void* out, DType out_dtype, const void* packed, size
   issued(k::dequantize(out, code(out_dtype), packed, n_slices, n, block, t, target()), "dequantize");
 }
 
-void CudaDevice::dequantize_sum(float* out, const void* packed, size_t n_slices, size_t n, size_t block,
-                                kernels::QType t, float scale) {
+void CudaDevice::dequantize_sum(float* out, const void* packed, size_t n_slices, size_t slice_stride, size_t n,
+                                size_t block, kernels::QType t, float scale) {
   bind(ordinal_);
-  issued(k::dequantize_sum(out, packed, n_slices, n, block, t, scale, target()), "dequantize_sum");
+  issued(k::dequantize_sum(out, packed, n_slices, slice_stride, n, block, t, scale, target()), "dequantize_sum");
 }
 
 void CudaDevice::cast_clear(void* dst, DType dst_dtype, void* src, DType src_dtype, size_t numel) {
