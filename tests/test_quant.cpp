@@ -267,7 +267,16 @@ TEST(QuantKernels, TheAvx512LoopsStreamedStoresWriteWhatTheirOrdinaryStoresWrite
     std::vector<uint8_t> packed(stride * slices);
     for (size_t s = 0; s < slices; ++s) {
       fsdp::device::avx512::quantize(x.data() + s * n, fsdp::DType::kFp32, n, block, t, packed.data() + s * stride, 0,
-                                     k::quant_blocks(n, block));
+                                     k::quant_blocks(n, block), false);
+    }
+    // The codes streamed: the reference's bytes where aligned and where not.
+    const std::vector<uint8_t> want_packed = ref_packed(std::vector<float>(x.begin(), x.begin() + n), block, t);
+    for (size_t offset : {size_t(0), size_t(16)}) {
+      std::vector<uint8_t> buf(stride + 128, 0x33);
+      uint8_t* p = buf.data() + (64 - reinterpret_cast<uintptr_t>(buf.data()) % 64) % 64 + offset;
+      fsdp::device::avx512::quantize(x.data(), fsdp::DType::kFp32, n, block, t, p, 0, k::quant_blocks(n, block), true);
+      ASSERT_EQ(std::memcmp(p, packed.data(), stride), 0) << type_name(t) << " codes streamed, offset " << offset;
+      ASSERT_EQ(std::memcmp(p, want_packed.data(), stride), 0) << type_name(t) << " codes, offset " << offset;
     }
     for (fsdp_dtype_t odt : {FSDP_DTYPE_FP32, FSDP_DTYPE_BF16, FSDP_DTYPE_FP16}) {
       for (size_t offset : {size_t(0), size_t(16)}) {  // bytes: aligned, then not
@@ -306,6 +315,29 @@ TEST(QuantKernels, TheAvx512LoopsStreamedStoresWriteWhatTheirOrdinaryStoresWrite
       }
       ASSERT_TRUE(same_value(pa[0], first * 0.5f)) << type_name(t) << " sum, offset " << offset;
     }
+  }
+}
+
+// fp8's NaN codes (0x7f, 0xff) under a finite scale: the quantizer never
+// writes them there, but a packed buffer that has them must decode to NaN in
+// every dtype, as the functor does, through the loops that pair bf16 values.
+TEST(QuantKernels, Fp8NaNCodesUnderAFiniteScaleDecodeToNaNInEveryDtype) {
+  fsdp::device::CpuDevice cpu(1, fsdp::device::Pool::kDevice);
+  const size_t n = 512, block = 256;
+  std::vector<uint8_t> packed(k::quant_packed_bytes(n, block));
+  for (size_t i = 0; i < n; ++i) packed[i] = static_cast<uint8_t>((i * 37) % 0x7f | (i % 2) << 7);  // no NaN
+  packed[5] = 0x7f;
+  packed[300] = 0xff;
+  const float scales[2] = {0.5f, 3.0f};
+  std::memcpy(packed.data() + k::quant_scales_offset(n), scales, sizeof scales);
+  for (fsdp_dtype_t odt : {FSDP_DTYPE_FP32, FSDP_DTYPE_BF16, FSDP_DTYPE_FP16}) {
+    std::vector<uint8_t> out(n * dtype_nbytes(odt));
+    cpu.dequantize(out.data(), static_cast<fsdp::DType>(odt), packed.data(), 1, n, block, k::QType::kFp8E4m3);
+    for (size_t i = 0; i < n; ++i) {
+      const float want = round_to(odt, float(e4m3_value(packed[i]) * double(scales[i / block])));
+      ASSERT_TRUE(same_value(load_elem(out.data(), i, odt), want)) << dtype_config_name(odt) << " value " << i;
+    }
+    EXPECT_TRUE(std::isnan(load_elem(out.data(), 5, odt)) && std::isnan(load_elem(out.data(), 300, odt)));
   }
 }
 

@@ -376,11 +376,13 @@ FSDP_SIMD_CLONES void dequantize_loop(const uint8_t* in, size_t n, size_t block,
 void CpuDevice::quantize(void* packed, const void* x, DType x_dtype, size_t n, size_t block, kernels::QType t) {
   auto* out = static_cast<uint8_t*>(packed);
   const bool simd = avx512::quant_available();
+  // Codes larger than the threads' own caches are streamed, as dequantize's outputs.
+  const bool stream = n > avx512::stream_store_bytes() * size_t(pool_.size());
   with_dtype(x_dtype, const_cast<void*>(x), [&](auto* in) {
     // Chunks of whole quantization blocks.
     pool_.parallel_for(kernels::quant_blocks(n, block), std::max<size_t>(1, 16 * kGrain / block),
                        [&](size_t b, size_t e) {
-                         if (!simd || !avx512::quantize(in, x_dtype, n, block, t, out, b, e)) {
+                         if (!simd || !avx512::quantize(in, x_dtype, n, block, t, out, b, e, stream)) {
                            quantize_loop(in, n, block, t, out, b, e);
                          }
                        });

@@ -7,6 +7,7 @@
 // attribute here left every constant broadcast inside the loops.)
 #include "quant_avx512.h"
 
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <type_traits>
@@ -64,16 +65,36 @@ FSDP_AVX512_INLINE void store16(float* p, __m512 v) {
     _mm512_storeu_ps(p, v);
   }
 }
+// kernels::f32_to_bf16_bits' rounding to nearest even, in each lane's low
+// 16 bits; wrong for a NaN whose low bits carry (store16 below handles it).
+FSDP_AVX512_INLINE __m512i bf16_round_top(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  return _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
+}
 // kernels::f32_to_bf16_bits, 16 at a time.
 template <bool Stream>
 FSDP_AVX512_INLINE void store16(k::bf16_t* p, __m512 v) {
   const __m512i u = _mm512_castps_si512(v);
   const __mmask16 nan =
       _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
   const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x0040));
-  store_bits<Stream>(p, _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, quiet)));
+  store_bits<Stream>(p, _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, bf16_round_top(v), quiet)));
+}
+// store16's bf16 rounding of 32 values, for lanes that are not NaN or are a
+// NaN whose low 16 bits are clear (which stays that NaN, quiet): the
+// two halves' rounded top bits packed to words (vpackusdw interleaves the
+// halves by 128-bit lane; the qword permutation puts them back in order), so
+// that 32 values cost two shuffles where two vpmovdw take four.
+template <bool Stream>
+FSDP_AVX512_INLINE void store32_bf16(k::bf16_t* p, __m512 lo, __m512 hi) {
+  const __m512i words = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7),
+                                                 _mm512_packus_epi32(bf16_round_top(lo), bf16_round_top(hi)));
+  if (Stream) {
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(p), words);
+  } else {
+    _mm512_storeu_si512(p, words);
+  }
 }
 // kernels::f32_to_fp16_bits: the conversion instruction rounds to nearest
 // even with subnormals and infinities as IEEE says, and keeps a NaN's sign and
@@ -119,11 +140,11 @@ FSDP_AVX512_INLINE uint32_t absmax_bits(const k::bf16_t* x, size_t b, size_t len
 // default, which nothing in libfsdp changes). No clamp to +-127: |m| is at
 // most 127 * (1 + 2^-22) (|x| <= absmax, scale = absmax / 127 rounded), so
 // its code is within +-127 already.
-FSDP_AVX512_INLINE __m128i int8_codes(__m512 m, __mmask16& near) {
+FSDP_AVX512_INLINE __m512i int8_codes(__m512 m, __mmask16& near) {
   const __m512i c = _mm512_cvtps_epi32(m);
   const __m512 q = _mm512_cvtepi32_ps(c);
   near |= _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_sub_ps(m, q)), _mm512_set1_ps(0.5f - kTieMargin), _CMP_GT_OQ);
-  return _mm512_cvtepi32_epi8(c);
+  return c;
 }
 
 // kernels::f32_to_e4m3_bits of m, 16 at a time, for finite m (a block that
@@ -133,25 +154,38 @@ FSDP_AVX512_INLINE __m128i int8_codes(__m512 m, __mmask16& near) {
 // magnitude rounds in the integer bits, half up at bit 20 (a carry moves
 // into the exponent as it should): the same code as the functor's ties to
 // even wherever the 20 dropped bits are not within 2^6 of 2^19, and those
-// lanes are flagged. Below 2^-6 the codes 0..8 count steps of 2^-9, checked
-// against the half-steps like int8's.
+// lanes are flagged. Below 2^-6 the codes 0..8 count steps of 2^-9, which
+// is the spacing of fp32's binade [2^-6, 2^-5) at 3 mantissa bits: so
+// m + 2^-6 (one rounding at 2^-29, far inside the flagged margin) rounds in
+// the same integer bits, 8 codes up, with no branch on zeros.
 // The division's fallback (TiesToEven) rounds as the functor does: half a
-// step less one, plus the kept lowest bit.
+// step less one, plus the kept lowest bit; below 2^-6 it scales by 2^9
+// exactly instead, since there the sum's own rounding could land a value
+// next to a tie on it.
 template <bool TiesToEven>
-FSDP_AVX512_INLINE __m128i e4m3_codes(__m512 m, __mmask16& near) {
-  const __m512i a = _mm512_and_si512(_mm512_castps_si512(m), _mm512_set1_epi32(0x7fffffff));
+FSDP_AVX512_INLINE __m512i e4m3_codes(__m512 m, __mmask16& near) {
+  __m512i a = _mm512_and_si512(_mm512_castps_si512(m), _mm512_set1_epi32(0x7fffffff));
+  const __mmask16 is_normal = _mm512_cmpge_epu32_mask(a, _mm512_set1_epi32(0x3c800000));  // 2^-6
+  if (!TiesToEven) {
+    const __m512 shifted = _mm512_add_ps(_mm512_castsi512_ps(a), _mm512_set1_ps(0x1p-6f));
+    a = _mm512_mask_sub_epi32(a, static_cast<__mmask16>(~is_normal), _mm512_castps_si512(shifted),
+                              _mm512_set1_epi32(8 << 20));
+  }
   // + half a step, - the exponent's rebias (120 << 3 codes, at bit 20).
-  __m512i up = _mm512_add_epi32(a, _mm512_set1_epi32(0x80000 - (960 << 20)));
+  __m512i up;
   if (TiesToEven) {
     const __m512i kept_lsb = _mm512_and_si512(_mm512_srli_epi32(a, 20), _mm512_set1_epi32(1));
-    up = _mm512_add_epi32(_mm512_sub_epi32(up, _mm512_set1_epi32(1)), kept_lsb);
+    up = _mm512_add_epi32(_mm512_add_epi32(a, _mm512_set1_epi32(0x80000 - 1 - (960 << 20))), kept_lsb);
+  } else {
+    // 64 more, for the flag: (up + 64) mod 2^20 < 128 (no bit of 0xfff80
+    // set) is within 2^6 of the half-step. The extra 64 changes the code's
+    // bits only within 64 below a carry, a lane the flag sends to the
+    // fallback anyway: one add serves both.
+    up = _mm512_add_epi32(a, _mm512_set1_epi32(0x80000 + 64 - (960 << 20)));
+    near |= _mm512_testn_epi32_mask(up, _mm512_set1_epi32(0xfff80));
   }
-  const __mmask16 is_normal = _mm512_cmpge_epu32_mask(a, _mm512_set1_epi32(0x3c800000));  // 2^-6
-  // (up + 64) mod 2^20 < 128: no bit of 0xfff80 set.
-  near |=
-      _mm512_mask_testn_epi32_mask(is_normal, _mm512_add_epi32(up, _mm512_set1_epi32(64)), _mm512_set1_epi32(0xfff80));
   __m512i mag = _mm512_srli_epi32(up, 20);
-  if (is_normal != 0xffff) {  // zeros and the few values below 2^-6
+  if (TiesToEven && is_normal != 0xffff) {  // zeros and the few values below 2^-6
     const __m512 y = _mm512_mul_ps(_mm512_castsi512_ps(a), _mm512_set1_ps(512.0f));
     const __m512i c = _mm512_cvtps_epi32(y);
     const __m512 ry = _mm512_cvtepi32_ps(c);
@@ -159,14 +193,47 @@ FSDP_AVX512_INLINE __m128i e4m3_codes(__m512 m, __mmask16& near) {
                                     _mm512_set1_ps(0.5f - kTieMargin), _CMP_GT_OQ);
     mag = _mm512_mask_blend_epi32(is_normal, c, mag);
   }
-  const __m512i code =
-      _mm512_mask_or_epi32(mag, _mm512_movepi32_mask(_mm512_castps_si512(m)), mag, _mm512_set1_epi32(0x80));
-  return _mm512_cvtepi32_epi8(code);
+  return _mm512_mask_or_epi32(mag, _mm512_movepi32_mask(_mm512_castps_si512(m)), mag, _mm512_set1_epi32(0x80));
 }
 
+// The codes of 16 values, one per 32-bit lane (int8's sign-extended, fp8's
+// 0..255).
 template <bool TiesToEven = false>
-FSDP_AVX512_INLINE __m128i codes(__m512 m, k::QType t, __mmask16& near) {
+FSDP_AVX512_INLINE __m512i codes(__m512 m, k::QType t, __mmask16& near) {
   return t == k::QType::kInt8 ? int8_codes(m, near) : e4m3_codes<TiesToEven>(m, near);
+}
+
+// 64 codes from four vectors of them, in order: two word packs and a byte
+// pack (signed saturation for int8, unsigned for fp8: both exact on codes)
+// leave 128-bit lane L holding each vector's values 4L..4L+3, which one
+// dword permutation puts back, where four vpmovdb take eight shuffles.
+// Interleaved: the vectors are load64's of bf16 (lane L of c[0] and c[1]
+// holding values 8L..8L+7, of c[2] and c[3] values 32 + 8L..), whose word
+// packs are already in order: a qword permutation then.
+template <bool Interleaved>
+FSDP_AVX512_INLINE __m512i pack64(const __m512i (&c)[4], k::QType t) {
+  const __m512i w01 = _mm512_packs_epi32(c[0], c[1]), w23 = _mm512_packs_epi32(c[2], c[3]);
+  const __m512i b = t == k::QType::kInt8 ? _mm512_packs_epi16(w01, w23) : _mm512_packus_epi16(w01, w23);
+  const __m512i order = Interleaved ? _mm512_setr_epi32(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15)
+                                    : _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_epi32(order, b);
+}
+
+// 64 values as fp32, in four vectors: in order, except bf16's, which are
+// widened by unpacking against zero (one shuffle per 16 values, no shift)
+// into pack64<true>'s interleaved layout.
+template <typename T>
+FSDP_AVX512_INLINE void load64(const T* x, __m512 (&v)[4]) {
+  for (int j = 0; j < 4; ++j) v[j] = load16(x + 16 * j);
+}
+template <>
+FSDP_AVX512_INLINE void load64(const k::bf16_t* x, __m512 (&v)[4]) {
+  const __m512i zero = _mm512_setzero_si512();
+  for (int h = 0; h < 2; ++h) {
+    const __m512i w = _mm512_loadu_si512(x + 32 * h);
+    v[2 * h] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, w));
+    v[2 * h + 1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, w));
+  }
 }
 
 // kernels::e4m3_bits_to_f32 of 16 codes. Codes 8..126 (the normal values)
@@ -201,9 +268,50 @@ FSDP_AVX512_INLINE __m512 values(__m128i bytes, k::QType t) {
 
 FSDP_AVX512_INLINE __m128i load_bytes(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
 
+// One block of a finite scale of at least 2^-126. Blocks of a multiple of 64
+// values store 64 codes at a time (streamed where the caller says so: the
+// packed output is 64-byte aligned and larger than the caches), so that the
+// bytes written cost no read of their line first.
+template <bool Stream, typename T>
+FSDP_AVX512_INLINE void quantize_whole_block(const T* x, size_t b, size_t block, k::QType t, float scale,
+                                             uint8_t* out) {
+  const __m512 r = _mm512_set1_ps(1.0f / scale);
+  if (block % 64 == 0) {
+    for (size_t i = b; i < b + block; i += 64) {
+      for (size_t p = 0; p < 64 * sizeof(T); p += 64) prefetch_ahead(reinterpret_cast<const char*>(x + i) + p);
+      __m512 v[4];
+      __m512i c[4];
+      __mmask16 near = 0;
+      load64(x + i, v);
+      for (int j = 0; j < 4; ++j) c[j] = codes(_mm512_mul_ps(v[j], r), t, near);
+      if (near != 0) {  // near a half-step: the functor's quotient itself
+        for (int j = 0; j < 4; ++j) c[j] = codes<true>(_mm512_div_ps(v[j], _mm512_set1_ps(scale)), t, near);
+      }
+      const __m512i bytes = pack64<std::is_same_v<T, k::bf16_t>>(c, t);
+      if (Stream) {
+        _mm512_stream_si512(reinterpret_cast<__m512i*>(out + i), bytes);
+      } else {
+        _mm512_storeu_si512(out + i, bytes);
+      }
+    }
+    return;
+  }
+  for (size_t i = b; i < b + block; i += 16) {
+    prefetch_ahead(x + i);
+    const __m512 v = load16(x + i);
+    __mmask16 near = 0;
+    __m512i c = codes(_mm512_mul_ps(v, r), t, near);
+    // Near a half-step: the functor's quotient itself (near is not read again).
+    if (near != 0) c = codes<true>(_mm512_div_ps(v, _mm512_set1_ps(scale)), t, near);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm512_cvtepi32_epi8(c));
+  }
+}
+
 template <typename T>
-FSDP_AVX512 void quantize_loop(const T* x, size_t n, size_t block, k::QType t, uint8_t* out, size_t kb, size_t ke) {
+FSDP_AVX512 void quantize_loop(const T* x, size_t n, size_t block, k::QType t, uint8_t* out, size_t kb, size_t ke,
+                               bool stream) {
   float* scales = reinterpret_cast<float*>(out + k::quant_scales_offset(n));
+  const bool nt = stream && reinterpret_cast<uintptr_t>(out) % 64 == 0;
   for (size_t kk = kb; kk < ke; ++kk) {
     const size_t b = kk * block;
     if (b + block > n || block % 16 != 0) {
@@ -217,16 +325,8 @@ FSDP_AVX512 void quantize_loop(const T* x, size_t n, size_t block, k::QType t, u
       continue;
     }
     scales[kk] = scale;
-    const __m512 r = _mm512_set1_ps(1.0f / scale);
-    for (size_t i = b; i < b + block; i += 16) {
-      prefetch_ahead(x + i);
-      const __m512 v = load16(x + i);
-      __mmask16 near = 0;
-      __m128i c = codes(_mm512_mul_ps(v, r), t, near);
-      // Near a half-step: the functor's quotient itself (near is not read again).
-      if (near != 0) c = codes<true>(_mm512_div_ps(v, _mm512_set1_ps(scale)), t, near);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), c);
-    }
+    nt ? quantize_whole_block<true>(x, b, block, t, scale, out)
+       : quantize_whole_block<false>(x, b, block, t, scale, out);
   }
 }
 
@@ -267,6 +367,22 @@ FSDP_AVX512_INLINE void dequantize_whole_block(const uint8_t* slice, size_t b, s
     }
   }
   const __m512 scale = _mm512_set1_ps(sc);
+  if constexpr (std::is_same_v<T, k::bf16_t>) {
+    // A finite scale times int8 codes is never NaN. fp8's codes 0x7f and
+    // 0xff (which the quantizer writes only under a NaN scale) decode to the
+    // quiet NaN 0x7fc00000 with its sign, and a product with a finite scale
+    // keeps that NaN (x86 returns the NaN operand): low 16 bits clear, which
+    // the rounding add leaves a NaN, the functor's bits (tested).
+    if (block % 32 == 0 && std::isfinite(sc)) {
+      for (size_t i = b; i < b + block; i += 32) {
+        if (i % 64 == 0) prefetch_ahead(slice + i);
+        const __m512 lo = _mm512_mul_ps(values(load_bytes(slice + i), t), scale);
+        const __m512 hi = _mm512_mul_ps(values(load_bytes(slice + i + 16), t), scale);
+        store32_bf16<Stream>(o + i, lo, hi);
+      }
+      return;
+    }
+  }
   for (size_t i = b; i < b + block; i += 16) {
     if (i % 64 == 0) prefetch_ahead(slice + i);
     store16<Stream>(o + i, _mm512_mul_ps(values(load_bytes(slice + i), t), scale));
@@ -286,7 +402,10 @@ FSDP_AVX512 void dequantize_loop(const uint8_t* packed, size_t n, size_t block, 
     }
     const float sc = reinterpret_cast<const float*>(slice + k::quant_scales_offset(n))[kk];
     T* o = out + s * n;
-    if (stream && reinterpret_cast<uintptr_t>(o + b) % (16 * sizeof(T)) == 0) {
+    // Streamed stores need their width's alignment: 64 bytes for fp32 and for
+    // bf16's 32-value stores, 32 for fp16's 16.
+    constexpr size_t kAlign = std::is_same_v<T, k::fp16_t> ? 32 : 64;
+    if (stream && reinterpret_cast<uintptr_t>(o + b) % kAlign == 0) {
       dequantize_whole_block<true>(slice, b, block, t, sc, o);
     } else {
       dequantize_whole_block<false>(slice, b, block, t, sc, o);
@@ -308,19 +427,22 @@ bool quant_available() {
 }
 
 bool quantize(const void* x, DType x_dtype, size_t n, size_t block, kernels::QType t, uint8_t* out, size_t kb,
-              size_t ke) {
+              size_t ke, bool stream) {
   switch (x_dtype) {
     case DType::kFp32:
-      quantize_loop(static_cast<const float*>(x), n, block, t, out, kb, ke);
-      return true;
+      quantize_loop(static_cast<const float*>(x), n, block, t, out, kb, ke, stream);
+      break;
     case DType::kBf16:
-      quantize_loop(static_cast<const k::bf16_t*>(x), n, block, t, out, kb, ke);
-      return true;
+      quantize_loop(static_cast<const k::bf16_t*>(x), n, block, t, out, kb, ke, stream);
+      break;
     case DType::kFp16:
-      quantize_loop(static_cast<const k::fp16_t*>(x), n, block, t, out, kb, ke);
-      return true;
+      quantize_loop(static_cast<const k::fp16_t*>(x), n, block, t, out, kb, ke, stream);
+      break;
+    default:
+      return false;
   }
-  return false;
+  if (stream) _mm_sfence();
+  return true;
 }
 
 bool dequantize(const uint8_t* packed, size_t n, size_t block, kernels::QType t, void* out, DType out_dtype, size_t kb,
@@ -404,7 +526,7 @@ FSDP_AVX512 void dequantize_sum(const uint8_t* packed, size_t n_slices, size_t s
 #else  // no AVX-512 loops in this build (not x86-64 GCC)
 
 bool quant_available() { return false; }
-bool quantize(const void*, DType, size_t, size_t, kernels::QType, uint8_t*, size_t, size_t) { return false; }
+bool quantize(const void*, DType, size_t, size_t, kernels::QType, uint8_t*, size_t, size_t, bool) { return false; }
 bool dequantize(const uint8_t*, size_t, size_t, kernels::QType, void*, DType, size_t, size_t, bool) { return false; }
 size_t stream_store_bytes() { return size_t(2) << 20; }
 void dequantize_sum(const uint8_t* packed, size_t n_slices, size_t stride, size_t n, size_t block, kernels::QType t,

@@ -19,6 +19,12 @@
 //   of the product (half up, which differs from ties-to-even only at the
 //   flagged half-steps). tests/test_quant.cpp feeds values on and next to
 //   every tie.
+// - Codes are packed 64 at a time (two word packs, a byte pack and one
+//   permutation, where vpmovdb takes two shuffles per 16), bf16 outputs
+//   without AVX512-BF16 32 at a time the same way; both the shuffle port's
+//   limit on this kind of loop.
+// - fp8 codes below 2^-6 (zeros among them) round as m + 2^-6 in the next
+//   binade's integer bits, without a branch (e4m3_codes).
 // - A block's values are read twice (absmax, then codes): each 16 values of
 //   the codes' pass prefetch the line 4 KiB ahead, so that memory keeps
 //   streaming while the core computes (0.65 -> 0.9 of copy on one thread).
@@ -48,8 +54,10 @@ bool quant_available();
 
 // Returns false (having done nothing) for an input or output type it does not
 // take (then the caller runs the generic loop): inputs fp32, bf16, fp16.
+// stream: the codes of blocks of a multiple of 64 values are stored
+// non-temporally (where out is 64-byte aligned), as for dequantize below.
 bool quantize(const void* x, DType x_dtype, size_t n, size_t block, kernels::QType t, uint8_t* out, size_t kb,
-              size_t ke);
+              size_t ke, bool stream);
 
 // Dequantizes the blocks [kb, ke) of n_slices packed slices laid one after
 // another (j / blocks is the slice) into out (fp32, bf16 or fp16). stream:
