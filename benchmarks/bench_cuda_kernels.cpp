@@ -5,7 +5,10 @@
 // its op from the step's scalars in device memory: what fsdp_step runs), the
 // per-range fused AdamW pass (with the same clearing, the row to compare the
 // multi-tensor pass with), the grad shard's accumulation with and without its
-// fused sum of squares, the multi-tensor sum of squares, and the casts. Each
+// fused sum of squares, the multi-tensor sum of squares, the casts, and the
+// quantized all-gather's and reduction's passes (quantize a shard in blocks of
+// 256 to int8 / fp8_e4m3, dequantize 8 gathered slices, the quantized
+// reduction's dequantize-and-sum of 8 slices; goal >= 0.8). Each
 // line is one JSON object: bytes moved per second and its ratio to the copy's
 // (goal for the engine's optimizer pass, the adamw_spans rows: >= 0.85).
 // Without a GPU it prints one line saying it was skipped and exits 0.
@@ -13,6 +16,8 @@
 //   bench_cuda_kernels [--log2n 28] [--reps 20]
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -23,12 +28,63 @@
 #include "bench_cuda_util.h"
 #include "bench_util.h"
 #include "device/cuda/cuda_device.h"
+#include "kernels/quant.h"
 
 using fsdp::DType;
 using fsdp::bench::best_gpu_seconds;
 using fsdp::bench::JsonLine;
 using fsdp::device::cuda::CudaDevice;
 using fsdp::device::cuda::CudaStream;
+
+// The quantized gather's and reduction's passes (issue 37), on values that
+// fill every block (zeros would take the kernels' shortcut for scale 0):
+// quantize n values from fp32 and bf16, dequantize them as 8 gathered
+// slices of n / 8 into bf16 and fp32, and sum 8 slices of n / 8 values in
+// fp32 (the quantized reduce-scatter's end). Bytes: what each pass reads and
+// writes once, the scales included.
+template <typename Array, typename Report>
+void quant_rows(CudaDevice& gpu, CudaStream& s, size_t n, int reps, float* f32, void* bf16, float* f32_out,
+                Array& array, Report& report) {
+  using fsdp::kernels::QType;
+  constexpr size_t kBlock = 256, kSlices = 8;
+  {
+    std::vector<float> host(n);
+    uint32_t x = 12345;
+    for (size_t i = 0; i < n; ++i) {
+      x = x * 1664525u + 1013904223u;
+      host[i] = static_cast<float>(static_cast<int32_t>(x)) * 1e-9f;  // -2.1 .. 2.1
+    }
+    gpu.copy_from_host(f32, host.data(), n * 4);
+  }
+  gpu.cast(bf16, DType::kBf16, f32, DType::kFp32, n);
+  const size_t n_slice = n / kSlices, stride = fsdp::kernels::quant_packed_bytes(n_slice, kBlock);
+  const double scales = 4.0 * static_cast<double>(fsdp::kernels::quant_blocks(n, kBlock));
+  auto* packed =
+      reinterpret_cast<uint8_t*>(array(std::max(fsdp::kernels::quant_packed_bytes(n, kBlock), kSlices * stride)));
+  for (QType t : {QType::kInt8, QType::kFp8E4m3}) {
+    const std::string q = t == QType::kInt8 ? "int8" : "fp8_e4m3";
+    for (DType from : {DType::kFp32, DType::kBf16}) {
+      const void* x = from == DType::kFp32 ? static_cast<const void*>(f32) : bf16;
+      report(("quantize_" + std::string(fsdp::dtype_name(from)) + "_to_" + q).c_str(),
+             static_cast<double>(n) * (fsdp::dtype_size(from) + 1) + scales,
+             best_gpu_seconds(s, reps, [&] { gpu.quantize(packed, x, from, n, kBlock, t); }));
+    }
+    // 8 ranks' slices, as the all-gather lays them out.
+    for (size_t k = 0; k < kSlices; ++k)
+      gpu.quantize(packed + k * stride, f32 + k * n_slice, DType::kFp32, n_slice, kBlock, t);
+    const double packed_bytes = static_cast<double>(kSlices * stride);
+    for (DType to : {DType::kBf16, DType::kFp32}) {
+      void* out = to == DType::kFp32 ? static_cast<void*>(f32_out) : bf16;
+      report(("dequantize_" + q + "_to_" + std::string(fsdp::dtype_name(to)) + " (8 slices)").c_str(),
+             packed_bytes + static_cast<double>(kSlices * n_slice * fsdp::dtype_size(to)),
+             best_gpu_seconds(s, reps, [&] { gpu.dequantize(out, to, packed, kSlices, n_slice, kBlock, t); }));
+    }
+    report(("dequantize_sum_" + q + " (8 slices)").c_str(), packed_bytes + 4.0 * static_cast<double>(n_slice),
+           best_gpu_seconds(s, reps, [&] {
+             gpu.dequantize_sum(f32_out, packed, kSlices, stride, n_slice, kBlock, t, 1.0f / kSlices);
+           }));
+  }
+}
 
 int main(int argc, char** argv) {
   int log2n = 28, reps = 20;
@@ -146,6 +202,7 @@ int main(int argc, char** argv) {
   report("cast_bf16_to_fp32", 6.0 * n,
          best_gpu_seconds(s, reps, [&] { gpu.cast(p, DType::kFp32, lowp, DType::kBf16, n); }));
   report("sum_squares (read by the host)", 4.0 * n, best_gpu_seconds(s, reps, [&] { (void)gpu.sum_squares(g, n); }));
+  quant_rows(gpu, s, n, reps, p, lowp, m, array, report);
   for (void* b : blocks) gpu.free(b);
   return 0;
 }

@@ -217,49 +217,82 @@ TEST(CudaKernels, AddMatchesTheCpuBitwiseForEveryDtypePair) {
   EXPECT_FALSE(gpu.readable(nullptr));
 }
 
+// The first element of `t` storage where a and b differ in their bits, or -1;
+// two NaNs are equal whatever their payloads (the GPU's arithmetic makes its
+// canonical NaN, x86 keeps the operand's).
+long first_difference_nan_equal(DType t, const std::vector<uint8_t>& a, const std::vector<uint8_t>& b) {
+  const size_t es = fsdp::dtype_size(t);
+  if (a.size() != b.size()) return static_cast<long>(std::min(a.size(), b.size()) / es);
+  std::vector<float> fa(a.size() / es), fb(b.size() / es);
+  CpuDevice cpu(1, Pool::kDevice);
+  cpu.cast(fa.data(), DType::kFp32, a.data(), t, fa.size());
+  cpu.cast(fb.data(), DType::kFp32, b.data(), t, fb.size());
+  for (size_t i = 0; i < fa.size(); ++i) {
+    const bool same = std::memcmp(a.data() + i * es, b.data() + i * es, es) == 0;
+    if (!same && !(std::isnan(fa[i]) && std::isnan(fb[i]))) return static_cast<long>(i);
+  }
+  return -1;
+}
+
 // The quantized all-gather's and reduction's passes (kernels/quant.h): the
 // GPU packs, unpacks and sums as the CPU, including NaN, infinite, zero and
-// short blocks.
+// short blocks, through the warp-per-block kernels (blocks of 128, 256 and
+// 1024 values, aligned arrays) and the plain ones (a block of 100 values,
+// arrays one element off their alignment, the last partial block).
 TEST(CudaKernels, QuantizeAndDequantizeMatchTheCpuBitwise) {
   SKIP_WITHOUT_GPU();
   CudaDevice gpu(0);
   CpuDevice cpu(1, Pool::kDevice);
-  for (fsdp::kernels::QType t : {fsdp::kernels::QType::kInt8, fsdp::kernels::QType::kFp8E4m3}) {
-    for (size_t n : kSizes) {
-      for (DType in_t : kDtypes) {
-        SCOPED_TRACE("n=" + std::to_string(n) + " from " + fsdp::dtype_name(in_t) +
-                     (t == fsdp::kernels::QType::kInt8 ? " int8" : " fp8"));
-        const size_t block = 256, slices = 2;
-        std::vector<float> v = random_floats(n * slices, 8, 50.0f);
-        if (v.size() > 300) v[3] = NAN, v[290] = INFINITY;           // two blocks of NaN
-        for (size_t i = 0; i < std::min<size_t>(v.size(), 16); ++i) v[v.size() - 1 - i] = 0.0f;  // zeros
-        std::vector<uint8_t> src = storage(cpu, in_t, v);
-        const size_t bytes = fsdp::kernels::quant_packed_bytes(n, block), es = fsdp::dtype_size(in_t);
-        std::vector<uint8_t> want(bytes * slices);
-        for (size_t s = 0; s < slices; ++s) cpu.quantize(want.data() + s * bytes, src.data() + s * n * es, in_t, n, block, t);
-        DeviceArray d_src = upload(gpu, src), d_q(gpu, nullptr, want.size());
-        for (size_t s = 0; s < slices; ++s) {
-          gpu.quantize(d_q.as<uint8_t>() + s * bytes, d_src.as<uint8_t>() + s * n * es, in_t, n, block, t);
-        }
-        EXPECT_EQ(first_difference(want, d_q.read<uint8_t>()), -1) << "packed bytes";
-        for (DType out_t : kDtypes) {
-          std::vector<uint8_t> out(n * slices * fsdp::dtype_size(out_t));
-          cpu.dequantize(out.data(), out_t, want.data(), slices, n, block, t);
-          DeviceArray d_out(gpu, nullptr, out.size());
-          gpu.dequantize(d_out.ptr, out_t, d_q.ptr, slices, n, block, t);
-          EXPECT_EQ(first_difference(out, d_out.read<uint8_t>()), -1) << "into " << fsdp::dtype_name(out_t);
-        }
-        // The quantized reduction's end: the slices' sum, scaled (average of 2).
-        std::vector<float> sum(n, 0.0f);
-        const size_t stride = fsdp::kernels::quant_packed_bytes(n, block);
-        cpu.dequantize_sum(sum.data(), want.data(), slices, stride, n, block, t, 0.5f);
-        DeviceArray d_sum(gpu, nullptr, n * sizeof(float));
-        gpu.dequantize_sum(d_sum.as<float>(), d_q.ptr, slices, stride, n, block, t, 0.5f);
-        const std::vector<float> got_sum = d_sum.read<float>();
-        for (size_t i = 0; i < n; ++i) {  // NaN's payload is the hardware's own
-          ASSERT_TRUE(std::memcmp(&sum[i], &got_sum[i], sizeof(float)) == 0 ||
-                      (std::isnan(sum[i]) && std::isnan(got_sum[i])))
-              << "dequantize_sum element " << i << ": " << sum[i] << " vs " << got_sum[i];
+  struct Case {
+    size_t block, skew;  // skew: elements (values) / bytes (codes) off the pool's alignment
+  };
+  for (const Case c : {Case{256, 0}, Case{128, 0}, Case{1024, 0}, Case{100, 0}, Case{256, 1}}) {
+    for (fsdp::kernels::QType t : {fsdp::kernels::QType::kInt8, fsdp::kernels::QType::kFp8E4m3}) {
+      for (size_t n : kSizes) {
+        for (DType in_t : kDtypes) {
+          SCOPED_TRACE("block=" + std::to_string(c.block) + " skew=" + std::to_string(c.skew) +
+                       " n=" + std::to_string(n) + " from " + fsdp::dtype_name(in_t) +
+                       (t == fsdp::kernels::QType::kInt8 ? " int8" : " fp8"));
+          const size_t block = c.block, slices = 2;
+          std::vector<float> v = random_floats(n * slices, 8, 50.0f);
+          if (v.size() > 300) v[3] = NAN, v[290] = INFINITY;                                       // two blocks of NaN
+          for (size_t i = 0; i < std::min<size_t>(v.size(), 16); ++i) v[v.size() - 1 - i] = 0.0f;  // zeros
+          std::vector<uint8_t> src = storage(cpu, in_t, v);
+          const size_t bytes = fsdp::kernels::quant_packed_bytes(n, block), es = fsdp::dtype_size(in_t);
+          std::vector<uint8_t> want(bytes * slices);
+          for (size_t s = 0; s < slices; ++s) {
+            cpu.quantize(want.data() + s * bytes, src.data() + s * n * es, in_t, n, block, t);
+          }
+          DeviceArray d_src(gpu, nullptr, src.size() + c.skew * es), d_q(gpu, nullptr, want.size() + c.skew);
+          uint8_t* g_src = d_src.as<uint8_t>() + c.skew * es;
+          uint8_t* g_q = d_q.as<uint8_t>() + c.skew;
+          gpu.copy_from_host(g_src, src.data(), src.size());
+          for (size_t s = 0; s < slices; ++s) gpu.quantize(g_q + s * bytes, g_src + s * n * es, in_t, n, block, t);
+          std::vector<uint8_t> got = d_q.read<uint8_t>();
+          got.erase(got.begin(), got.begin() + static_cast<long>(c.skew));
+          EXPECT_EQ(first_difference(want, got), -1) << "packed bytes";
+          for (DType out_t : kDtypes) {
+            const size_t os = fsdp::dtype_size(out_t);
+            std::vector<uint8_t> out(n * slices * os);
+            cpu.dequantize(out.data(), out_t, want.data(), slices, n, block, t);
+            DeviceArray d_out(gpu, nullptr, out.size() + c.skew * os);
+            gpu.dequantize(d_out.as<uint8_t>() + c.skew * os, out_t, g_q, slices, n, block, t);
+            std::vector<uint8_t> got_out = d_out.read<uint8_t>();
+            got_out.erase(got_out.begin(), got_out.begin() + static_cast<long>(c.skew * os));
+            EXPECT_EQ(first_difference_nan_equal(out_t, out, got_out), -1) << "into " << fsdp::dtype_name(out_t);
+          }
+          // The quantized reduction's end: the slices' sum, scaled (average of 2).
+          std::vector<float> sum(n, 0.0f);
+          cpu.dequantize_sum(sum.data(), want.data(), slices, bytes, n, block, t, 0.5f);
+          DeviceArray d_sum(gpu, nullptr, (n + c.skew) * sizeof(float));
+          gpu.dequantize_sum(d_sum.as<float>() + c.skew, g_q, slices, bytes, n, block, t, 0.5f);
+          std::vector<float> got_sum = d_sum.read<float>();
+          got_sum.erase(got_sum.begin(), got_sum.begin() + static_cast<long>(c.skew));
+          std::vector<uint8_t> sum_bytes(n * 4), got_sum_bytes(n * 4);
+          std::memcpy(sum_bytes.data(), sum.data(), n * 4);
+          std::memcpy(got_sum_bytes.data(), got_sum.data(), n * 4);
+          EXPECT_EQ(first_difference_nan_equal(DType::kFp32, sum_bytes, got_sum_bytes), -1) << "dequantize_sum";
+          if (::testing::Test::HasFailure()) return;
         }
       }
     }

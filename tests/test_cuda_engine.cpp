@@ -316,6 +316,39 @@ TEST(CudaEngine, RanksSharingOneGpuTrainBitwiseLikeTheSameWorldOnTheCpu) {
   }
 }
 
+// Quantized gathers (gather_dtype) and reductions (reduce_dtype int8 /
+// fp8_e4m3), with the node-local secondary shard, on ranks sharing one GPU:
+// the GPU's quantize / dequantize / dequantize_sum kernels (blocks of 128:
+// the warp-per-block kernels and, for the last partial block, the plain
+// ones) give the same bits as the same world on the CPU device, whose
+// equivalence with an unsharded reference that models the quantization
+// tests/test_quant.cpp and tests/test_quant_reduce.cpp check.
+TEST(CudaEngine, QuantizedGathersAndReductionsTrainBitwiseLikeTheCpu) {
+  SKIP_WITHOUT_GPU();
+  struct Case {
+    const char *sharding, *gather, *reduce, *secondary;
+  };
+  const Case cases[] = {{"FULL_SHARD", "int8", "fp32", "off"},
+                        {"FULL_SHARD", "fp8_e4m3", "int8", "2"},
+                        {"SHARD_GRAD_OP", "int8", "fp8_e4m3", "off"},
+                        {"HYBRID_SHARD", "fp8_e4m3", "int8", "off"}};
+  for (int world : {2, 4}) {
+    for (const Case& c : cases) {
+      for (const char* dtype : {"fp32", "bf16"}) {
+        SCOPED_TRACE("world " + std::to_string(world) + " " + c.sharding + " gather " + c.gather + " reduce " +
+                     c.reduce + " secondary " + c.secondary + " " + dtype);
+        std::map<std::string, std::string> opts = {{"sharding", c.sharding},         {"param_dtype", dtype},
+                                                   {"gather_dtype", c.gather},       {"reduce_dtype", c.reduce},
+                                                   {"secondary_shard", c.secondary}, {"gather_block", "128"},
+                                                   {"reduce_block", "128"},          {"timeout_s", "60"}};
+        if (std::string(c.sharding) == "HYBRID_SHARD") opts["shard_group_size"] = "2";
+        expect_gpu_trains_like_cpu(opts, world);
+        if (::testing::Test::HasFatalFailure()) return;
+      }
+    }
+  }
+}
+
 // comm=nccl at a world of one (a process with no launcher): the NCCL
 // communicator forms, carries the context's host-memory collectives (config
 // and registration checks, staged through the GPU) and the engine trains as

@@ -29,7 +29,8 @@
 # with a / in it names it too), FSDP_GPU_CHECK_OUT (a folder that receives
 # the logs and the summary as the run goes, default the build folder's
 # gpu-check/), FSDP_GPU_CHECK_BUDGET_S (this invocation's time, default 570 s),
-# FSDP_CUDA_ARCHS (default native, the GPU present). Relative folders are
+# FSDP_CUDA_ARCHS (default native, the GPU present), FSDP_GPU_CHECK_TARGETS
+# (build only these CMake targets; default all). Relative folders are
 # taken from where the command runs; the default build folder is the
 # checkout's build/gpu.
 #

@@ -268,7 +268,13 @@ stage_build() {
   GC_RUN_LD="" GC_NCCL_BUILD="" GC_NCCL_PY_DIR="" GC_CUDNN_LIB_DIR=""
   find_gpu_libraries
   command -v ninja >/dev/null && cmake_args+=(-G Ninja)
-  id=$(gc_source_id "${cmake_args[@]}" "$(cd "$GC_ROOT/.gpu-deps" 2>/dev/null && compgen -G '*.deb')")
+  # FSDP_GPU_CHECK_TARGETS: build only these targets (a short lease that
+  # runs a few binaries); part of the stamp, so a later full build is not
+  # taken for this one.
+  local targets=()
+  read -ra targets <<<"${FSDP_GPU_CHECK_TARGETS:-}"
+  id=$(gc_source_id "${cmake_args[@]}" "targets=${targets[*]}" \
+    "$(cd "$GC_ROOT/.gpu-deps" 2>/dev/null && compgen -G '*.deb')")
   if gc_build_is_current "$id"; then
     gc_note "reusing the finished build of these sources in $GC_BUILD ($(sed -n 's/^finished=//p' "$(gc_stamp)"))"
     # shellcheck source=/dev/null
@@ -292,7 +298,8 @@ stage_build() {
     gc_stage_end FAIL "configure failed (exit $rc; log: logs/configure.log)"
     return
   fi
-  gc_timed 570 "$GC_STATE/logs/build.log" env "${configure_env[@]}" cmake --build "$GC_BUILD" -j"$(nproc)"
+  gc_timed 570 "$GC_STATE/logs/build.log" env "${configure_env[@]}" cmake --build "$GC_BUILD" -j"$(nproc)" \
+    ${targets[@]:+--target "${targets[@]}"}
   rc=$?
   if [ $rc -eq 124 ] || [ $rc -eq 137 ] || [ $rc -eq 125 ]; then
     gc_stage_end FAIL "the build did not finish in this invocation's time: run the build stage again, it goes on where it stopped"

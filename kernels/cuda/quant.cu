@@ -1,5 +1,12 @@
 // kernels/cuda/quant.cu - the quantized all-gather's and reduction's kernels over
 // the functions of kernels/quant.h: the CPU's bits (tests/test_cuda.cpp).
+// Where the block is 128, 256, 512 or 1024 values and the arrays are aligned
+// for 4-element accesses (the pool's buffers are), one warp takes a block:
+// each lane holds 4 values per 128, loaded and stored as one vector access
+// (vec4.cuh) and its 4 codes as one 32-bit word; the block's absmax is a
+// warp shuffle of the values' bits (kernels::block_scale's order). Other
+// blocks, the last partial block and misaligned arrays take the plain
+// kernels (one value per thread).
 #include <algorithm>
 #include <type_traits>
 
@@ -7,6 +14,7 @@
 #include "../quant.h"
 #include "dispatch.cuh"
 #include "launch.h"
+#include "vec4.cuh"
 
 namespace fsdp::kernels::cuda {
 namespace {
@@ -18,11 +26,11 @@ constexpr size_t kMaxBlocks = 65535;  // grid-stride beyond
 // in any order) and whether it is finite, then each thread its values.
 template <typename T>
 __global__ void __launch_bounds__(kThreads) quantize_kernel(uint8_t* packed, const T* x, size_t n, size_t block,
-                                                             QType t) {
+                                                             size_t k0, QType t) {
   __shared__ float amax_s[kThreads];
   __shared__ int finite_s[kThreads];
   const size_t blocks = quant_blocks(n, block);
-  for (size_t k = blockIdx.x; k < blocks; k += gridDim.x) {
+  for (size_t k = k0 + blockIdx.x; k < blocks; k += gridDim.x) {
     const size_t b = k * block, e = min(b + block, n);
     float amax = 0.0f;
     int finite = 1;
@@ -48,26 +56,28 @@ __global__ void __launch_bounds__(kThreads) quantize_kernel(uint8_t* packed, con
   }
 }
 
+// Slice blockIdx.y (and every gridDim.y-th after it), values [j0, n).
 template <typename T>
 __global__ void __launch_bounds__(kThreads) dequantize_kernel(T* out, const uint8_t* packed, size_t n_slices, size_t n,
-                                                               size_t block, QType t) {
-  const size_t stride = quant_packed_bytes(n, block), total = n_slices * n;
-  for (size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
-       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
-    const size_t s = i / n, j = i % n;
+                                                               size_t block, size_t j0, QType t) {
+  const size_t stride = quant_packed_bytes(n, block);
+  for (size_t s = blockIdx.y; s < n_slices; s += gridDim.y) {
     const uint8_t* slice = packed + s * stride;
-    const float scale = reinterpret_cast<const float*>(slice + quant_scales_offset(n))[j / block];
-    store(out, i, kernels::dequantize(slice[j], scale, t));
+    const float* scales = reinterpret_cast<const float*>(slice + quant_scales_offset(n));
+    for (size_t j = j0 + static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < n;
+         j += static_cast<size_t>(gridDim.x) * blockDim.x) {
+      store(out, s * n + j, kernels::dequantize(slice[j], scales[j / block], t));
+    }
   }
 }
 
 // One thread per value: the slices' dequantized values added in slice order
 // (dequantize_sum_block's order and roundings), scaled once.
 __global__ void __launch_bounds__(kThreads) dequantize_sum_kernel(float* out, const uint8_t* packed, size_t n_slices,
-                                                                   size_t stride, size_t n, size_t block, QType t,
-                                                                   float scale) {
+                                                                   size_t stride, size_t n, size_t block, size_t i0,
+                                                                   QType t, float scale) {
   const size_t scales = quant_scales_offset(n);
-  for (size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+  for (size_t i = i0 + static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += static_cast<size_t>(gridDim.x) * blockDim.x) {
     float acc = 0.0f;
     for (size_t s = 0; s < n_slices; ++s) {
@@ -79,15 +89,168 @@ __global__ void __launch_bounds__(kThreads) dequantize_sum_kernel(float* out, co
   }
 }
 
+// ---- one warp per block of J * 128 values (J = 1, 2, 4, 8)
+
+constexpr int kWarpsPerBlock = kThreads / 32;
+
+__device__ __forceinline__ size_t warp_index() {
+  return (static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+}
+__device__ __forceinline__ size_t warp_count() { return static_cast<size_t>(gridDim.x) * blockDim.x / 32; }
+
+// The warp's largest value of `most` (bits of magnitudes: an order-free max).
+__device__ __forceinline__ uint32_t warp_max(uint32_t most) {
+  for (int o = 16; o > 0; o /= 2) most = max(most, __shfl_xor_sync(0xffffffffu, most, o));
+  return most;
+}
+
+// Blocks [0, full) of x, each J * 128 values; packed's codes and scales as
+// quantize_kernel writes them. Lane l holds the groups of 4 at j * 32 + l.
+template <typename T, int J>
+__global__ void __launch_bounds__(kThreads) quantize_warp_kernel(uint8_t* packed, const T* x, size_t n, size_t full,
+                                                                  QType t) {
+  constexpr size_t kBlock = size_t(J) * 128;
+  const unsigned lane = threadIdx.x % 32;
+  float* scales = reinterpret_cast<float*>(packed + quant_scales_offset(n));
+  for (size_t k = warp_index(); k < full; k += warp_count()) {
+    const size_t g0 = k * kBlock / 4;  // the block's first group of 4
+    float v[J][4];
+    uint32_t most = 0;
+#pragma unroll
+    for (int j = 0; j < J; ++j) {
+      load4(x, g0 + static_cast<size_t>(j) * 32 + lane, v[j]);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) most = max(most, f32_bits(v[j][e]) & 0x7fffffffu);
+    }
+    most = warp_max(most);
+    const float scale = most < 0x7f800000u ? f32_from_bits(most) / qmax(t) : f32_from_bits(0x7fc00000u);
+    if (lane == 0) scales[k] = scale;
+#pragma unroll
+    for (int j = 0; j < J; ++j) {
+      uint32_t word = 0;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) word |= static_cast<uint32_t>(kernels::quantize(v[j][e], scale, t)) << (8 * e);
+      reinterpret_cast<uint32_t*>(packed)[g0 + static_cast<size_t>(j) * 32 + lane] = word;
+    }
+  }
+}
+
+// The 4 values of a code word with their block's scale.
+__device__ __forceinline__ void dequantize4(uint32_t word, float scale, QType t, float (&v)[4]) {
+#pragma unroll
+  for (int e = 0; e < 4; ++e) v[e] = kernels::dequantize(static_cast<uint8_t>(word >> (8 * e)), scale, t);
+}
+
+// Blocks [0, full) of slice blockIdx.y (and every gridDim.y-th after it).
+template <typename T, int J>
+__global__ void __launch_bounds__(kThreads) dequantize_warp_kernel(T* out, const uint8_t* packed, size_t n_slices,
+                                                                    size_t n, size_t full, QType t) {
+  constexpr size_t kBlock = size_t(J) * 128;
+  const size_t stride = quant_packed_bytes(n, kBlock);
+  const unsigned lane = threadIdx.x % 32;
+  for (size_t s = blockIdx.y; s < n_slices; s += gridDim.y) {
+    const uint8_t* slice = packed + s * stride;
+    const float* scales = reinterpret_cast<const float*>(slice + quant_scales_offset(n));
+    T* o = out + s * n;
+    for (size_t k = warp_index(); k < full; k += warp_count()) {
+      const float scale = scales[k];
+      const size_t g0 = k * kBlock / 4;
+#pragma unroll
+      for (int j = 0; j < J; ++j) {
+        const size_t g = g0 + static_cast<size_t>(j) * 32 + lane;
+        float v[4];
+        dequantize4(reinterpret_cast<const uint32_t*>(slice)[g], scale, t, v);
+        store4(o, g, v);
+      }
+    }
+  }
+}
+
+// Blocks [0, full) of the sum: each lane adds its 4 values over the slices in
+// slice order (dequantize_sum_block's order and roundings), scaled once.
+template <int J>
+__global__ void __launch_bounds__(kThreads) dequantize_sum_warp_kernel(float* out, const uint8_t* packed,
+                                                                        size_t n_slices, size_t stride, size_t n,
+                                                                        size_t full, QType t, float scale) {
+  constexpr size_t kBlock = size_t(J) * 128;
+  const size_t scales = quant_scales_offset(n);
+  const unsigned lane = threadIdx.x % 32;
+  for (size_t k = warp_index(); k < full; k += warp_count()) {
+    const size_t g0 = k * kBlock / 4;
+    float acc[J][4];
+    for (size_t s = 0; s < n_slices; ++s) {
+      const uint8_t* slice = packed + s * stride;
+      const float sc = reinterpret_cast<const float*>(slice + scales)[k];
+#pragma unroll
+      for (int j = 0; j < J; ++j) {
+        float v[4];
+        dequantize4(reinterpret_cast<const uint32_t*>(slice)[g0 + static_cast<size_t>(j) * 32 + lane], sc, t, v);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[j][e] = s == 0 ? v[e] : acc[j][e] + v[e];
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < J; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[j][e] = acc[j][e] * scale;
+      store4(out, g0 + static_cast<size_t>(j) * 32 + lane, acc[j]);
+    }
+  }
+}
+
+// J for a block of J * 128 values (1, 2, 4 or 8), else 0: the plain kernels.
+int warp_groups(size_t block) {
+  return block % 128 == 0 && (block / 128 == 1 || block / 128 == 2 || block / 128 == 4 || block / 128 == 8)
+             ? static_cast<int>(block / 128)
+             : 0;
+}
+
+// Calls fn(std::integral_constant<int, J>) for J = 1, 2, 4 or 8.
+template <typename Fn>
+void with_groups(int j, Fn&& fn) {
+  switch (j) {
+    case 1:
+      fn(std::integral_constant<int, 1>{});
+      break;
+    case 2:
+      fn(std::integral_constant<int, 2>{});
+      break;
+    case 4:
+      fn(std::integral_constant<int, 4>{});
+      break;
+    default:
+      fn(std::integral_constant<int, 8>{});
+      break;
+  }
+}
+
+unsigned warp_grid(size_t blocks) {
+  return static_cast<unsigned>(std::min(kMaxBlocks, (blocks + kWarpsPerBlock - 1) / kWarpsPerBlock));
+}
+unsigned plain_grid(size_t n) { return static_cast<unsigned>(std::min(kMaxBlocks, (n + kThreads - 1) / kThreads)); }
+unsigned slice_grid(size_t n_slices) { return static_cast<unsigned>(std::min<size_t>(n_slices, 65535)); }
+
 }  // namespace
 
 cudaError_t dequantize_sum(float* out, const void* packed, size_t n_slices, size_t slice_stride, size_t n,
                            size_t block, QType t, float scale, cudaStream_t s) {
   if (n == 0 || n_slices == 0) return cudaSuccess;
   if (block == 0 || slice_stride < quant_packed_bytes(n, block)) return cudaErrorInvalidValue;
-  const auto grid = static_cast<unsigned>(std::min(kMaxBlocks, (n + kThreads - 1) / kThreads));
-  dequantize_sum_kernel<<<grid, kThreads, 0, s>>>(out, static_cast<const uint8_t*>(packed), n_slices, slice_stride, n,
-                                                  block, t, scale);
+  const auto* q = static_cast<const uint8_t*>(packed);
+  const int groups = warp_groups(block);
+  size_t done = 0;
+  if (groups > 0 && aligned(out, 16) && aligned(q, 4) && slice_stride % 4 == 0 && n >= block) {
+    const size_t full = n / block;
+    with_groups(groups, [&](auto j) {
+      dequantize_sum_warp_kernel<decltype(j)::value>
+          <<<warp_grid(full), kThreads, 0, s>>>(out, q, n_slices, slice_stride, n, full, t, scale);
+    });
+    done = full * block;
+  }
+  if (done < n) {
+    dequantize_sum_kernel<<<plain_grid(n - done), kThreads, 0, s>>>(out, q, n_slices, slice_stride, n, block, done, t,
+                                                                   scale);
+  }
   return cudaGetLastError();
 }
 
@@ -95,23 +258,50 @@ cudaError_t quantize(void* packed, const void* x, fsdp_dtype_t x_dtype, size_t n
                      cudaStream_t s) {
   if (n == 0) return cudaSuccess;
   if (block == 0) return cudaErrorInvalidValue;
-  const auto grid = static_cast<unsigned>(std::min(kMaxBlocks, quant_blocks(n, block)));
+  auto* q = static_cast<uint8_t*>(packed);
   return with_dtype(x_dtype, const_cast<void*>(x), [&](auto* in) {
     using T = std::remove_pointer_t<decltype(in)>;
-    quantize_kernel<T><<<grid, kThreads, 0, s>>>(static_cast<uint8_t*>(packed), in, n, block, t);
+    const int groups = warp_groups(block);
+    size_t full = 0;
+    if (groups > 0 && aligned(in, 4 * sizeof(T)) && aligned(q, 4)) {
+      full = n / block;
+      if (full > 0) {
+        with_groups(groups, [&](auto j) {
+          quantize_warp_kernel<T, decltype(j)::value><<<warp_grid(full), kThreads, 0, s>>>(q, in, n, full, t);
+        });
+      }
+    }
+    const size_t blocks = quant_blocks(n, block);
+    if (full < blocks) {
+      const auto grid = static_cast<unsigned>(std::min(kMaxBlocks, blocks - full));
+      quantize_kernel<T><<<grid, kThreads, 0, s>>>(q, in, n, block, full, t);
+    }
     return cudaGetLastError();
   });
 }
 
 cudaError_t dequantize(void* out, fsdp_dtype_t out_dtype, const void* packed, size_t n_slices, size_t n, size_t block,
                        QType t, cudaStream_t s) {
-  const size_t total = n_slices * n;
-  if (total == 0) return cudaSuccess;
+  if (n_slices == 0 || n == 0) return cudaSuccess;
   if (block == 0) return cudaErrorInvalidValue;
-  const auto grid = static_cast<unsigned>(std::min(kMaxBlocks, (total + kThreads - 1) / kThreads));
+  const auto* q = static_cast<const uint8_t*>(packed);
   return with_dtype(out_dtype, out, [&](auto* o) {
     using T = std::remove_pointer_t<decltype(o)>;
-    dequantize_kernel<T><<<grid, kThreads, 0, s>>>(o, static_cast<const uint8_t*>(packed), n_slices, n, block, t);
+    const int groups = warp_groups(block);
+    size_t done = 0;
+    // Every slice's first value aligned too: n * sizeof(T) a multiple of the vector's bytes.
+    if (groups > 0 && aligned(o, 4 * sizeof(T)) && aligned(q, 4) && (n_slices == 1 || n % 4 == 0) && n >= block) {
+      const size_t full = n / block;
+      with_groups(groups, [&](auto j) {
+        dequantize_warp_kernel<T, decltype(j)::value>
+            <<<dim3(warp_grid(full), slice_grid(n_slices)), kThreads, 0, s>>>(o, q, n_slices, n, full, t);
+      });
+      done = full * block;
+    }
+    if (done < n) {
+      dequantize_kernel<T><<<dim3(plain_grid(n - done), slice_grid(n_slices)), kThreads, 0, s>>>(o, q, n_slices, n,
+                                                                                                 block, done, t);
+    }
     return cudaGetLastError();
   });
 }
