@@ -244,7 +244,7 @@ TEST(CudaKernels, QuantizeAndDequantizeMatchTheCpuBitwise) {
   CudaDevice gpu(0);
   CpuDevice cpu(1, Pool::kDevice);
   struct Case {
-    size_t block, skew;  // skew: elements (values) / bytes (codes) off the pool's alignment
+    size_t block, skew;  // skew: elements (values, outputs) / 4 bytes (packed) off the pool's alignment
   };
   for (const Case c : {Case{256, 0}, Case{128, 0}, Case{1024, 0}, Case{100, 0}, Case{256, 1}}) {
     for (fsdp::kernels::QType t : {fsdp::kernels::QType::kInt8, fsdp::kernels::QType::kFp8E4m3}) {
@@ -263,13 +263,13 @@ TEST(CudaKernels, QuantizeAndDequantizeMatchTheCpuBitwise) {
           for (size_t s = 0; s < slices; ++s) {
             cpu.quantize(want.data() + s * bytes, src.data() + s * n * es, in_t, n, block, t);
           }
-          DeviceArray d_src(gpu, nullptr, src.size() + c.skew * es), d_q(gpu, nullptr, want.size() + c.skew);
+          DeviceArray d_src(gpu, nullptr, src.size() + c.skew * es), d_q(gpu, nullptr, want.size() + 4 * c.skew);
           uint8_t* g_src = d_src.as<uint8_t>() + c.skew * es;
-          uint8_t* g_q = d_q.as<uint8_t>() + c.skew;
+          uint8_t* g_q = d_q.as<uint8_t>() + 4 * c.skew;
           gpu.copy_from_host(g_src, src.data(), src.size());
           for (size_t s = 0; s < slices; ++s) gpu.quantize(g_q + s * bytes, g_src + s * n * es, in_t, n, block, t);
           std::vector<uint8_t> got = d_q.read<uint8_t>();
-          got.erase(got.begin(), got.begin() + static_cast<long>(c.skew));
+          got.erase(got.begin(), got.begin() + static_cast<long>(4 * c.skew));
           EXPECT_EQ(first_difference(want, got), -1) << "packed bytes";
           for (DType out_t : kDtypes) {
             const size_t os = fsdp::dtype_size(out_t);
@@ -297,6 +297,18 @@ TEST(CudaKernels, QuantizeAndDequantizeMatchTheCpuBitwise) {
       }
     }
   }
+  // A packed buffer off the 4-byte alignment of its fp32 scales is refused,
+  // naming the pass, and the device goes on working.
+  DeviceArray d_x(gpu, nullptr, 1024 * 4), d_p(gpu, nullptr, fsdp::kernels::quant_packed_bytes(1024, 256) + 4);
+  gpu.zero(d_x.ptr, 1024 * 4);
+  expect_error(FSDP_ERR_INVALID_ARGUMENT, "quantize failed", [&] {
+    gpu.quantize(d_p.as<uint8_t>() + 2, d_x.ptr, DType::kFp32, 1024, 256, fsdp::kernels::QType::kInt8);
+  });
+  expect_error(FSDP_ERR_INVALID_ARGUMENT, "dequantize failed", [&] {
+    gpu.dequantize(d_x.ptr, DType::kFp32, d_p.as<uint8_t>() + 2, 1, 1024, 256, fsdp::kernels::QType::kInt8);
+  });
+  gpu.quantize(d_p.ptr, d_x.ptr, DType::kFp32, 1024, 256, fsdp::kernels::QType::kInt8);
+  EXPECT_EQ(d_p.read<uint8_t>()[0], 0) << "the device works after the refusals";
 }
 
 TEST(CudaKernels, UnalignedArraysTakeTheScalarPathWithTheSameBits) {

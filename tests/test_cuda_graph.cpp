@@ -285,9 +285,14 @@ TEST(CudaGraph, ThreadRanksSharingTheGpuAreRefusedACaptureAndTrainOnUnchanged) {
     std::thread t1(body, 1);
     body(0);
     t1.join();
-    for (Rank& r : ranks) {
-      if (r.ctx != nullptr) close(r);
-    }
+    // Each rank closes on a thread of its own: fsdp_ctx_finalize is a
+    // collective (closing them one after the other on one thread hung).
+    auto close_rank = [&](int rank) {
+      if (ranks[static_cast<size_t>(rank)].ctx != nullptr) close(ranks[static_cast<size_t>(rank)]);
+    };
+    std::thread c1(close_rank, 1);
+    close_rank(0);
+    c1.join();
     fsdp_local_group_destroy(group);
   };
   std::vector<Result> eager, tried;

@@ -187,6 +187,21 @@ std::vector<float> values_at_ties(size_t n, size_t block, k::QType t, fsdp_dtype
 
 }  // namespace
 
+// The 0-3 bytes between a slice's codes and its scales are zeros, whatever
+// the buffer held: every byte the all-gather moves is defined, and the CPU
+// and the GPU (tests/test_cuda.cpp) pack the same bytes.
+TEST(QuantKernels, ThePaddingBeforeTheScalesIsZeroed) {
+  fsdp::device::CpuDevice cpu(2, fsdp::device::Pool::kDevice);
+  for (size_t n : {size_t(1), size_t(2), size_t(3), size_t(4), size_t(257), size_t(1027)}) {
+    SCOPED_TRACE("n=" + std::to_string(n));
+    std::vector<float> x(n, 0.5f);
+    std::vector<uint8_t> packed(k::quant_packed_bytes(n, 256), 0xff);
+    cpu.quantize(packed.data(), x.data(), fsdp::DType::kFp32, n, 256, k::QType::kInt8);
+    for (size_t i = n; i < k::quant_scales_offset(n); ++i) EXPECT_EQ(packed[i], 0) << "byte " << i;
+    EXPECT_EQ(packed[0], 127) << "the codes are there";  // 0.5 / (0.5 / 127)
+  }
+}
+
 TEST(QuantKernels, TheCpuDevicePacksTheFormatsCodesOnAndNextToEveryTieAndUnpacksThemInEveryDtype) {
   fsdp::device::CpuDevice cpu(2, fsdp::device::Pool::kDevice);
   for (k::QType t : kTypes) {

@@ -24,14 +24,19 @@ namespace fsdp::kernels::cuda {
 cudaError_t cast(void* out, fsdp_dtype_t out_dtype, void* in, fsdp_dtype_t in_dtype, size_t n, bool clear,
                  cudaStream_t s);
 // The quantized all-gather's ends (kernels/quant.h, Device::quantize and
-// dequantize): one thread block per quantization block packs x[0, n); one
-// thread per value unpacks n_slices packed slices into out.
+// dequantize): x[0, n) packed, n_slices packed slices unpacked into out. A
+// warp per block where the block is 128, 256, 512 or 1024 values and the
+// values are aligned for 4-element vectors, else a thread block per block
+// (quantize) or a thread per value. Packed slices hold fp32 scales: a packed
+// buffer that is not 4-byte aligned is cudaErrorInvalidValue, nothing
+// launched.
 cudaError_t quantize(void* packed, const void* x, fsdp_dtype_t x_dtype, size_t n, size_t block, QType t,
                      cudaStream_t s);
 cudaError_t dequantize(void* out, fsdp_dtype_t out_dtype, const void* packed, size_t n_slices, size_t n, size_t block,
                        QType t, cudaStream_t s);
-// The quantized reduction's end (Device::dequantize_sum): one thread per
-// value sums the n_slices slices' dequantized values in slice order.
+// The quantized reduction's end (Device::dequantize_sum): the n_slices
+// slices' dequantized values summed in slice order (a warp per block, as
+// above, else a thread per value); packed and slice_stride 4-byte aligned.
 cudaError_t dequantize_sum(float* out, const void* packed, size_t n_slices, size_t slice_stride, size_t n, size_t block,
                            QType t, float scale, cudaStream_t s);
 // acc[i] = acc[i] + src[i] in fp32, rounded once to acc's type (AddOp).

@@ -10,6 +10,10 @@
 #include <algorithm>
 #include <type_traits>
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
 #include "../cast.h"
 #include "../quant.h"
 #include "dispatch.cuh"
@@ -51,6 +55,9 @@ __global__ void __launch_bounds__(kThreads) quantize_kernel(uint8_t* packed, con
     }
     const float scale = finite_s[0] ? amax_s[0] / qmax(t) : f32_from_bits(0x7fc00000u);
     if (threadIdx.x == 0) reinterpret_cast<float*>(packed + quant_scales_offset(n))[k] = scale;
+    // The 0-3 bytes between the codes and the scales: zeros, so that every
+    // byte the all-gather moves is defined (and the same on every device).
+    if (k + 1 == blocks && n + threadIdx.x < quant_scales_offset(n)) packed[n + threadIdx.x] = 0;
     for (size_t i = b + threadIdx.x; i < e; i += blockDim.x) packed[i] = kernels::quantize(load(x, i), scale, t);
     __syncthreads();  // the shared arrays are reused by the next block of the loop
   }
@@ -104,48 +111,128 @@ __device__ __forceinline__ uint32_t warp_max(uint32_t most) {
   return most;
 }
 
-// Blocks [0, full) of x, each J * 128 values; packed's codes and scales as
-// quantize_kernel writes them. Lane l holds the groups of 4 at j * 32 + l.
+// Blocks a warp takes at once, so that each lane has 64 bytes of loads in
+// flight before the blocks' shuffles wait for them. (Loading the next
+// blocks' vectors before working on these measured slower on an H200:
+// docs/gpu.md, "GPU runs".)
 template <typename T, int J>
-__global__ void __launch_bounds__(kThreads) quantize_warp_kernel(uint8_t* packed, const T* x, size_t n, size_t full,
-                                                                  QType t) {
-  constexpr size_t kBlock = size_t(J) * 128;
-  const unsigned lane = threadIdx.x % 32;
-  float* scales = reinterpret_cast<float*>(packed + quant_scales_offset(n));
-  for (size_t k = warp_index(); k < full; k += warp_count()) {
-    const size_t g0 = k * kBlock / 4;  // the block's first group of 4
-    float v[J][4];
-    uint32_t most = 0;
+constexpr int kUnroll = 16 / static_cast<int>(sizeof(T)) / J > 0 ? 16 / static_cast<int>(sizeof(T)) / J : 1;
+
+// The 4 codes of v / scale (quantize()'s bits: the same IEEE division, int8's
+// round-to-nearest-even and clamp as one conversion, fp8 by the GPU's own
+// E4M3 conversion, round to nearest even and saturating, where it has one).
+template <QType Q>
+__device__ __forceinline__ uint32_t encode4(const float (&v)[4], float scale) {
+  if (!(scale > 0.0f)) return 0;  // zero or NaN scale: zero codes
+  uint32_t word = 0;
+  if constexpr (Q == QType::kInt8) {
 #pragma unroll
-    for (int j = 0; j < J; ++j) {
-      load4(x, g0 + static_cast<size_t>(j) * 32 + lane, v[j]);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) most = max(most, f32_bits(v[j][e]) & 0x7fffffffu);
+    for (int e = 0; e < 4; ++e) {
+      const int c = min(127, max(-127, __float2int_rn(v[e] / scale)));
+      word |= (static_cast<uint32_t>(c) & 0xffu) << (8 * e);
     }
-    most = warp_max(most);
-    const float scale = most < 0x7f800000u ? f32_from_bits(most) / qmax(t) : f32_from_bits(0x7fc00000u);
-    if (lane == 0) scales[k] = scale;
+  } else {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(v[0] / scale, v[1] / scale), __NV_SATFINITE, __NV_E4M3);
+    const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(v[2] / scale, v[3] / scale), __NV_SATFINITE, __NV_E4M3);
+    word = lo | (hi << 16);
+#else
 #pragma unroll
-    for (int j = 0; j < J; ++j) {
-      uint32_t word = 0;
+    for (int e = 0; e < 4; ++e) word |= static_cast<uint32_t>(f32_to_e4m3_bits(v[e] / scale)) << (8 * e);
+#endif
+  }
+  return word;
+}
+
+// The 4 codes' exact values times the scale (dequantize()'s bits), in FP32
+// arithmetic and bit operations only: int8 through the 1.5 * 2^23 magic
+// number; E4M3 as the fp32 whose exponent and mantissa fields are the
+// code's (a subnormal fp32 for E4M3's subnormals) times 2^120 (exact), each
+// code moved to the top byte by one byte permutation; 0x7f / 0xff are NaN.
+template <QType Q>
+__device__ __forceinline__ void decode4(uint32_t word, float scale, float (&v)[4]) {
+  if constexpr (Q == QType::kInt8) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) word |= static_cast<uint32_t>(kernels::quantize(v[j][e], scale, t)) << (8 * e);
-      reinterpret_cast<uint32_t*>(packed)[g0 + static_cast<size_t>(j) * 32 + lane] = word;
+    for (int e = 0; e < 4; ++e) {
+      const int c = static_cast<int8_t>(word >> (8 * e));
+      v[e] = (__int_as_float(0x4b400000 + c) - 12582912.0f) * scale;
+    }
+  } else {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const uint32_t top = __byte_perm(word, 0u, 0x0444u | (static_cast<uint32_t>(e) << 12));  // code e << 24
+      v[e] = (__uint_as_float((top & 0x80000000u) | ((top >> 4) & 0x07f00000u)) * 0x1p120f) * scale;
+    }
+    if (((word & 0x7f7f7f7fu) + 0x01010101u) & 0x80808080u) {  // a NaN code (magnitude 0x7f) among them
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        if (((word >> (8 * e)) & 0x7fu) == 0x7fu) v[e] = __uint_as_float(0x7fffffffu);
+      }
     }
   }
 }
 
-// The 4 values of a code word with their block's scale.
-__device__ __forceinline__ void dequantize4(uint32_t word, float scale, QType t, float (&v)[4]) {
+// 4 values rounded to the storage type by the GPU's conversions (round to
+// nearest even: cast.h's bits, its NaN included, since every NaN the GPU's
+// arithmetic makes is 0x7fffffff).
+__device__ __forceinline__ void store4_rn(float* p, size_t g, const float (&v)[4]) { store4(p, g, v); }
+__device__ __forceinline__ void store4_rn(bf16_t* p, size_t g, const float (&v)[4]) {
+  const __nv_bfloat162 a = __floats2bfloat162_rn(v[0], v[1]), b = __floats2bfloat162_rn(v[2], v[3]);
+  reinterpret_cast<uint2*>(p)[g] = make_uint2(reinterpret_cast<const uint32_t&>(a), reinterpret_cast<const uint32_t&>(b));
+}
+__device__ __forceinline__ void store4_rn(fp16_t* p, size_t g, const float (&v)[4]) {
+  const __half2 a = __floats2half2_rn(v[0], v[1]), b = __floats2half2_rn(v[2], v[3]);
+  reinterpret_cast<uint2*>(p)[g] = make_uint2(reinterpret_cast<const uint32_t&>(a), reinterpret_cast<const uint32_t&>(b));
+}
+
+// Blocks [0, full) of x, each J * 128 values, kUnroll at a time; packed's
+// codes and scales as quantize_kernel writes them. Lane l holds the groups
+// of 4 at j * 32 + l of each block.
+template <typename T, int J, QType Q>
+__global__ void __launch_bounds__(kThreads) quantize_warp_kernel(uint8_t* packed, const T* x, size_t n, size_t full) {
+  constexpr int U = kUnroll<T, J>;
+  constexpr size_t kGroups = size_t(J) * 32;  // groups of 4 per block
+  const unsigned lane = threadIdx.x % 32;
+  float* scales = reinterpret_cast<float*>(packed + quant_scales_offset(n));
+  for (size_t k0 = warp_index() * U; k0 < full; k0 += warp_count() * U) {
+    float v[U][J][4];
+    uint32_t most[U];
 #pragma unroll
-  for (int e = 0; e < 4; ++e) v[e] = kernels::dequantize(static_cast<uint8_t>(word >> (8 * e)), scale, t);
+    for (int u = 0; u < U; ++u) {
+      most[u] = 0;
+      if (k0 + u >= full) continue;
+#pragma unroll
+      for (int j = 0; j < J; ++j) load4(x, (k0 + u) * kGroups + j * 32 + lane, v[u][j]);
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (k0 + u >= full) continue;
+#pragma unroll
+      for (int j = 0; j < J; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) most[u] = max(most[u], f32_bits(v[u][j][e]) & 0x7fffffffu);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) most[u] = warp_max(most[u]);
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (k0 + u >= full) continue;
+      const float scale = most[u] < 0x7f800000u ? f32_from_bits(most[u]) / qmax(Q) : f32_from_bits(0x7fc00000u);
+      if (lane == 0) scales[k0 + u] = scale;
+#pragma unroll
+      for (int j = 0; j < J; ++j) {
+        reinterpret_cast<uint32_t*>(packed)[(k0 + u) * kGroups + j * 32 + lane] = encode4<Q>(v[u][j], scale);
+      }
+    }
+  }
 }
 
 // Blocks [0, full) of slice blockIdx.y (and every gridDim.y-th after it).
-template <typename T, int J>
+template <typename T, int J, QType Q>
 __global__ void __launch_bounds__(kThreads) dequantize_warp_kernel(T* out, const uint8_t* packed, size_t n_slices,
-                                                                    size_t n, size_t full, QType t) {
-  constexpr size_t kBlock = size_t(J) * 128;
+                                                                    size_t n, size_t full) {
+  constexpr size_t kBlock = size_t(J) * 128, kGroups = size_t(J) * 32;
   const size_t stride = quant_packed_bytes(n, kBlock);
   const unsigned lane = threadIdx.x % 32;
   for (size_t s = blockIdx.y; s < n_slices; s += gridDim.y) {
@@ -154,13 +241,14 @@ __global__ void __launch_bounds__(kThreads) dequantize_warp_kernel(T* out, const
     T* o = out + s * n;
     for (size_t k = warp_index(); k < full; k += warp_count()) {
       const float scale = scales[k];
-      const size_t g0 = k * kBlock / 4;
+      uint32_t words[J];
+#pragma unroll
+      for (int j = 0; j < J; ++j) words[j] = reinterpret_cast<const uint32_t*>(slice)[k * kGroups + j * 32 + lane];
 #pragma unroll
       for (int j = 0; j < J; ++j) {
-        const size_t g = g0 + static_cast<size_t>(j) * 32 + lane;
         float v[4];
-        dequantize4(reinterpret_cast<const uint32_t*>(slice)[g], scale, t, v);
-        store4(o, g, v);
+        decode4<Q>(words[j], scale, v);
+        store4_rn(o, k * kGroups + j * 32 + lane, v);
       }
     }
   }
@@ -168,23 +256,23 @@ __global__ void __launch_bounds__(kThreads) dequantize_warp_kernel(T* out, const
 
 // Blocks [0, full) of the sum: each lane adds its 4 values over the slices in
 // slice order (dequantize_sum_block's order and roundings), scaled once.
-template <int J>
+template <int J, QType Q>
 __global__ void __launch_bounds__(kThreads) dequantize_sum_warp_kernel(float* out, const uint8_t* packed,
                                                                         size_t n_slices, size_t stride, size_t n,
-                                                                        size_t full, QType t, float scale) {
-  constexpr size_t kBlock = size_t(J) * 128;
+                                                                        size_t full, float scale) {
+  constexpr size_t kGroups = size_t(J) * 32;
   const size_t scales = quant_scales_offset(n);
   const unsigned lane = threadIdx.x % 32;
   for (size_t k = warp_index(); k < full; k += warp_count()) {
-    const size_t g0 = k * kBlock / 4;
     float acc[J][4];
+#pragma unroll 4
     for (size_t s = 0; s < n_slices; ++s) {
       const uint8_t* slice = packed + s * stride;
       const float sc = reinterpret_cast<const float*>(slice + scales)[k];
 #pragma unroll
       for (int j = 0; j < J; ++j) {
         float v[4];
-        dequantize4(reinterpret_cast<const uint32_t*>(slice)[g0 + static_cast<size_t>(j) * 32 + lane], sc, t, v);
+        decode4<Q>(reinterpret_cast<const uint32_t*>(slice)[k * kGroups + j * 32 + lane], sc, v);
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[j][e] = s == 0 ? v[e] : acc[j][e] + v[e];
       }
@@ -193,7 +281,7 @@ __global__ void __launch_bounds__(kThreads) dequantize_sum_warp_kernel(float* ou
     for (int j = 0; j < J; ++j) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[j][e] = acc[j][e] * scale;
-      store4(out, g0 + static_cast<size_t>(j) * 32 + lane, acc[j]);
+      store4(out, k * kGroups + j * 32 + lane, acc[j]);
     }
   }
 }
@@ -224,6 +312,16 @@ void with_groups(int j, Fn&& fn) {
   }
 }
 
+// Calls fn(std::integral_constant<QType, Q>) for t.
+template <typename Fn>
+void with_qtype(QType t, Fn&& fn) {
+  if (t == QType::kInt8) {
+    fn(std::integral_constant<QType, QType::kInt8>{});
+  } else {
+    fn(std::integral_constant<QType, QType::kFp8E4m3>{});
+  }
+}
+
 unsigned warp_grid(size_t blocks) {
   return static_cast<unsigned>(std::min(kMaxBlocks, (blocks + kWarpsPerBlock - 1) / kWarpsPerBlock));
 }
@@ -236,14 +334,17 @@ cudaError_t dequantize_sum(float* out, const void* packed, size_t n_slices, size
                            size_t block, QType t, float scale, cudaStream_t s) {
   if (n == 0 || n_slices == 0) return cudaSuccess;
   if (block == 0 || slice_stride < quant_packed_bytes(n, block)) return cudaErrorInvalidValue;
+  if (!aligned(packed, 4) || slice_stride % 4 != 0) return cudaErrorInvalidValue;  // the fp32 scales misaligned
   const auto* q = static_cast<const uint8_t*>(packed);
   const int groups = warp_groups(block);
   size_t done = 0;
-  if (groups > 0 && aligned(out, 16) && aligned(q, 4) && slice_stride % 4 == 0 && n >= block) {
+  if (groups > 0 && aligned(out, 16) && n >= block) {
     const size_t full = n / block;
     with_groups(groups, [&](auto j) {
-      dequantize_sum_warp_kernel<decltype(j)::value>
-          <<<warp_grid(full), kThreads, 0, s>>>(out, q, n_slices, slice_stride, n, full, t, scale);
+      with_qtype(t, [&](auto qt) {
+        dequantize_sum_warp_kernel<decltype(j)::value, decltype(qt)::value>
+            <<<warp_grid(full), kThreads, 0, s>>>(out, q, n_slices, slice_stride, n, full, scale);
+      });
     });
     done = full * block;
   }
@@ -258,16 +359,21 @@ cudaError_t quantize(void* packed, const void* x, fsdp_dtype_t x_dtype, size_t n
                      cudaStream_t s) {
   if (n == 0) return cudaSuccess;
   if (block == 0) return cudaErrorInvalidValue;
+  if (!aligned(packed, 4)) return cudaErrorInvalidValue;  // the fp32 scales misaligned
   auto* q = static_cast<uint8_t*>(packed);
   return with_dtype(x_dtype, const_cast<void*>(x), [&](auto* in) {
     using T = std::remove_pointer_t<decltype(in)>;
     const int groups = warp_groups(block);
     size_t full = 0;
-    if (groups > 0 && aligned(in, 4 * sizeof(T)) && aligned(q, 4)) {
+    if (groups > 0 && aligned(in, 4 * sizeof(T))) {
       full = n / block;
       if (full > 0) {
         with_groups(groups, [&](auto j) {
-          quantize_warp_kernel<T, decltype(j)::value><<<warp_grid(full), kThreads, 0, s>>>(q, in, n, full, t);
+          with_qtype(t, [&](auto qt) {
+            constexpr int kJ = decltype(j)::value;
+            quantize_warp_kernel<T, kJ, decltype(qt)::value>
+                <<<warp_grid((full + kUnroll<T, kJ> - 1) / kUnroll<T, kJ>), kThreads, 0, s>>>(q, in, n, full);
+          });
         });
       }
     }
@@ -284,17 +390,20 @@ cudaError_t dequantize(void* out, fsdp_dtype_t out_dtype, const void* packed, si
                        QType t, cudaStream_t s) {
   if (n_slices == 0 || n == 0) return cudaSuccess;
   if (block == 0) return cudaErrorInvalidValue;
+  if (!aligned(packed, 4)) return cudaErrorInvalidValue;  // the fp32 scales misaligned
   const auto* q = static_cast<const uint8_t*>(packed);
   return with_dtype(out_dtype, out, [&](auto* o) {
     using T = std::remove_pointer_t<decltype(o)>;
     const int groups = warp_groups(block);
     size_t done = 0;
     // Every slice's first value aligned too: n * sizeof(T) a multiple of the vector's bytes.
-    if (groups > 0 && aligned(o, 4 * sizeof(T)) && aligned(q, 4) && (n_slices == 1 || n % 4 == 0) && n >= block) {
+    if (groups > 0 && aligned(o, 4 * sizeof(T)) && (n_slices == 1 || n % 4 == 0) && n >= block) {
       const size_t full = n / block;
       with_groups(groups, [&](auto j) {
-        dequantize_warp_kernel<T, decltype(j)::value>
-            <<<dim3(warp_grid(full), slice_grid(n_slices)), kThreads, 0, s>>>(o, q, n_slices, n, full, t);
+        with_qtype(t, [&](auto qt) {
+          dequantize_warp_kernel<T, decltype(j)::value, decltype(qt)::value>
+              <<<dim3(warp_grid(full), slice_grid(n_slices)), kThreads, 0, s>>>(o, q, n_slices, n, full);
+        });
       });
       done = full * block;
     }

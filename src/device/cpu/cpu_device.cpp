@@ -387,6 +387,9 @@ void CpuDevice::quantize(void* packed, const void* x, DType x_dtype, size_t n, s
                          }
                        });
   });
+  // The 0-3 bytes between the codes and the scales: zeros, so that every
+  // byte the all-gather moves is defined, the same on every device.
+  std::memset(out + n, 0, kernels::quant_scales_offset(n) - n);
 }
 
 void CpuDevice::dequantize(void* out, DType out_dtype, const void* packed, size_t n_slices, size_t n, size_t block,
