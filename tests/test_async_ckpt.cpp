@@ -491,7 +491,12 @@ TEST(AsyncCkptProcesses, RestoresAfterRankOneDied) {
 // A bigger net, so that the copies and writes take most of the child's time.
 const Net kKillNet = Net::make(3, 160);
 constexpr int kKillWorld = 4;
-constexpr int kKillSteps = 40;
+// Each child trains this many steps from where it starts (a fresh run from 0,
+// a resumed one from what the last child left), so that every child's run is
+// as long as the calibrated one and a kill lands at any point of any step;
+// runs stop at kKillMaxSteps, the reference's length.
+constexpr int kKillRunSteps = 10;
+constexpr int kKillMaxSteps = 40;
 
 // In a forked process: trains step after step, after each one a snapshot
 // (or an async save) of it, until killed. `resume`: first restores what an
@@ -510,7 +515,7 @@ constexpr int kKillSteps = 40;
                          : fsdp_restore(job.ctx.get(), nullptr, where.c_str(), &source));
       first = static_cast<int>(step_of(job));
     }
-    for (int s = first; s < kKillSteps; ++s) {
+    for (int s = first; s < std::min(first + kKillRunSteps, kKillMaxSteps); ++s) {
       ASSERT_NO_FATAL_FAILURE(train(job, kKillNet, s, s + 1, kKillWorld, rank));
       ASSERT_OK(snapshot ? fsdp_snapshot(job.ctx.get(), where.c_str()) : fsdp_save_async(job.ctx.get(), where.c_str()));
     }
@@ -550,8 +555,8 @@ void kill_and_check(bool snapshot, int kills) {
   // Fresh runs start from one of two inits, so that a state mixed from two
   // runs' snapshots of the same step matches neither run's reference.
   const uint64_t seeds[2] = {9, 10};
-  const std::vector<State> refs[2] = {reference_states(kKillNet, kKillWorld, "FULL_SHARD", seeds[0], kKillSteps),
-                                      reference_states(kKillNet, kKillWorld, "FULL_SHARD", seeds[1], kKillSteps)};
+  const std::vector<State> refs[2] = {reference_states(kKillNet, kKillWorld, "FULL_SHARD", seeds[0], kKillMaxSteps),
+                                      reference_states(kKillNet, kKillWorld, "FULL_SHARD", seeds[1], kKillMaxSteps)};
   TempDir tmp;
   const std::string where = tmp / (snapshot ? "shm" : "ck");
   std::mt19937 rng(snapshot ? 1 : 2);
@@ -571,8 +576,9 @@ void kill_and_check(bool snapshot, int kills) {
         std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - t0).count());
   }
   // Until `kills` children were killed (a child may finish its run first:
-  // a resumed one has fewer steps left; a fresh one on a machine whose load
-  // fell since the calibration, and each such finish shortens the delays).
+  // one that resumes near kKillMaxSteps has fewer steps left; a fresh one on
+  // a machine whose load fell since the calibration, and each such finish
+  // shortens the delays).
   int killed = 0;
   for (int i = 0; killed < kills && i < 5 * kills; ++i) {
     const pid_t pid = fork();
@@ -628,7 +634,7 @@ void kill_and_check(bool snapshot, int kills) {
         for (const auto& k : common) newest = std::max(newest, k.second);
         EXPECT_EQ(int64_t(step), newest) << "kill " << i << ": not the newest common step";
       }
-      ASSERT_LE(step, uint64_t(kKillSteps));
+      ASSERT_LE(step, uint64_t(kKillMaxSteps));
       ASSERT_GE(step, 1u);
       const State got = gather(job, kKillNet);
       EXPECT_TRUE(bitwise_equal(got, refs[0][step]) || bitwise_equal(got, refs[1][step]))
