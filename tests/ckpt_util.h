@@ -151,6 +151,38 @@ inline bool bitwise_equal(const State& a, const State& b) {
   return true;
 }
 
+// base_options, with HYBRID_SHARD's shard groups of half the world.
+inline std::map<std::string, std::string> options_for(const std::string& sharding, int world) {
+  auto o = base_options(sharding);
+  if (sharding == "HYBRID_SHARD") o["shard_group_size"] = std::to_string(world / 2);
+  return o;
+}
+
+// The uninterrupted run's gathered state after steps 0..n (index = steps done).
+inline std::vector<State> reference_states(const Net& net, int world, const std::string& sharding, uint64_t seed,
+                                           int n) {
+  std::vector<State> ref(static_cast<size_t>(n) + 1);
+  run_ranks(world, [&](int rank, fsdp_local_group_t* group) {
+    Job job;
+    open_job(job, net, options_for(sharding, world), rank, group);
+    ASSERT_NO_FATAL_FAILURE(set_state(job, make_init(net, seed)));
+    for (int s = 0; s <= n; ++s) {
+      if (s > 0) {
+        ASSERT_NO_FATAL_FAILURE(train(job, net, s - 1, s, world, rank));
+      }
+      State st = gather(job, net);
+      if (rank == 0) ref[size_t(s)] = st;
+    }
+  });
+  return ref;
+}
+
+inline uint64_t step_of(Job& job) {
+  uint64_t step = 0;
+  EXPECT_OK(fsdp_ctx_step(job.ctx.get(), &step));
+  return step;
+}
+
 // ---- an independent safetensors reader ------------------------------------------
 
 struct StTensor {
