@@ -99,6 +99,37 @@ FSDP_HD uint8_t quantize(float x, float scale, QType t) {
   return t == QType::kFp8E4m3 ? f32_to_e4m3_bits(x / scale) : int8_code(x / scale);
 }
 
+// quantize()'s code from a product instead of the division, for loops where
+// the division is the cost (the GPU's packs of 16-bit grads: issue-bound).
+// q = v * inv with inv = 1 / scale (each one IEEE rounding) is within
+// 3.01 * 2^-24 * |q| of v / scale rounded once, so both round to the same
+// code unless a rounding boundary of the code grid lies that close to q;
+// near_code_boundary() says so with a margin of at least 5, and there the
+// division decides:
+// - int8: within 2^-13 of a half-integer (q's distance from its nearest
+//   integer at least 0.5 - 2^-13; from |q| = 128 on both clamp to +-127);
+// - E4M3 from 2^-6 on: within 16 fp32 ulps of a midpoint between two codes
+//   (the low 20 bits of q near 0x80000; 3 mantissa bits are the code's);
+// - E4M3 below 2^-6 (its subnormal quantum 2^-9): within 2^-16 of a
+//   midpoint, in units of the quantum.
+// A zero or NaN scale gives 0 codes; an infinite inv (scale below 2^-128)
+// the division. The same bits as quantize() (tests/test_quant_reduce.cpp,
+// on and around every boundary).
+FSDP_HD bool near_code_boundary(float q, QType t) {
+  if (t == QType::kInt8) return fabsf(q - rintf(q)) >= 0.5f - 0x1p-13f;
+  const uint32_t b = f32_bits(q) & 0x7fffffffu;
+  if (b >= 0x3c800000u) return (b & 0xfffffu) - 0x7fff0u <= 32u;  // unsigned wrap: 0x7fff0..0x80010
+  const float s = f32_from_bits(b) * 512.0f;                      // exact
+  return fabsf(s - rintf(s)) >= 0.5f - 0x1p-16f;
+}
+
+FSDP_HD uint8_t quantize_by_reciprocal(float x, float scale, float inv, QType t) {
+  if (!(scale > 0.0f)) return 0;
+  float q = x * inv;
+  if (!(inv <= 0x1.fffffep127f) || near_code_boundary(q, t)) q = x / scale;
+  return t == QType::kFp8E4m3 ? f32_to_e4m3_bits(q) : int8_code(q);
+}
+
 FSDP_HD float dequantize(uint8_t q, float scale, QType t) {
   const float v = t == QType::kInt8 ? static_cast<float>(static_cast<int8_t>(q)) : e4m3_bits_to_f32(q);
   return v * scale;

@@ -109,6 +109,64 @@ TEST(QuantReduceKernels, DequantizeSumAddsTheRanksDequantizedPartsInRankOrder) {
   }
 }
 
+// The GPU packs take each code from v * (1 / scale) where that gives
+// quantize()'s code (the division's): checked on and within 64 ulps of every
+// rounding boundary of both code grids (int8's half-integers, and some past
+// the clamp; E4M3's midpoints, negative ones too) times scales of every kind (random
+// mantissas, powers of two, all mantissa bits set, the smallest normal, a
+// subnormal one whose reciprocal overflows), and on random values of
+// N(0, 0.02)-like blocks, where the product must decide nearly always.
+TEST(QuantReduceKernels, TheReciprocalPathGivesTheDivisionsCodesOnAndAroundEveryBoundary) {
+  Rng rng(41);
+  std::vector<float> scales = {1.0f, 0.5f, 0x1p-20f, 0x1.fffffep-1f, 0x1.fffffep-8f, 0x1p-126f, 3e-38f, 1e-39f, 1e30f};
+  for (int i = 0; i < 16; ++i) scales.push_back(rng.uniform(1e-6f, 1e-3f) * (i % 2 ? 1.0f : 1e-20f));
+  for (const k::QType t : kTypes) {
+    std::vector<float> bounds;  // in code units
+    if (t == k::QType::kInt8) {
+      for (int c = -128; c < 128; ++c) bounds.push_back(float(c) + 0.5f);
+      for (const float f : {128.5f, -200.5f, 1e6f, 9e6f}) bounds.push_back(f);  // clamped either way
+    } else {
+      for (int c = 0; c < 0x7e; ++c) {  // midpoints of consecutive finite codes, and past 448
+        const float mid = float((e4m3_value(c) + e4m3_value(c + 1)) / 2);
+        bounds.push_back(mid);
+        bounds.push_back(-mid);
+      }
+      bounds.push_back(464.0f);
+    }
+    size_t checked = 0;
+    for (const float s : scales) {
+      const float inv = 1.0f / s;
+      for (const float b : bounds) {
+        const float x0 = b * s;
+        for (int d = -64; d <= 64; ++d) {
+          const float x = f32_from_bits(uint32_t(int64_t(f32_bits(x0)) + d));
+          if (!std::isfinite(x)) continue;
+          ASSERT_EQ(k::quantize_by_reciprocal(x, s, inv, t), k::quantize(x, s, t))
+              << type_name(t) << " x " << x << " scale " << s << " (boundary " << b << ")";
+          ++checked;
+        }
+      }
+    }
+    EXPECT_GT(checked, scales.size() * bounds.size() * 100);
+    size_t near = 0, n = 0;
+    for (int blk = 0; blk < 256; ++blk) {
+      std::vector<float> x(256);
+      float most = 0;
+      for (auto& v : x) {
+        v = rng.uniform(-0.05f, 0.05f) * rng.uniform(0.f, 1.f);
+        most = std::max(most, std::fabs(v));
+      }
+      const float s = most / qmax_of(t), inv = 1.0f / s;
+      for (const float v : x) {
+        ASSERT_EQ(k::quantize_by_reciprocal(v, s, inv, t), k::quantize(v, s, t)) << type_name(t) << " x " << v;
+        near += k::near_code_boundary(v * inv, t) ? 1 : 0;
+        ++n;
+      }
+    }
+    EXPECT_LT(near, n / 1000) << type_name(t) << ": the division decided " << near << " of " << n << " codes";
+  }
+}
+
 // ---- the engine ----
 
 namespace {

@@ -118,27 +118,42 @@ __device__ __forceinline__ uint32_t warp_max(uint32_t most) {
 template <typename T, int J>
 constexpr int kUnroll = 16 / static_cast<int>(sizeof(T)) / J > 0 ? 16 / static_cast<int>(sizeof(T)) / J : 1;
 
-// The 4 codes of v / scale (quantize()'s bits: the same IEEE division, int8's
+// The 4 codes of v / scale (quantize()'s bits): the quotients as products
+// with inv = 1 / scale, each by the division where near_code_boundary() says
+// the product might round to another code (rare: quantize_by_reciprocal's
+// rule, tested on the CPU; an IEEE division is about ten instructions, and
+// these passes are bound by instructions, docs/gpu.md). Then int8's
 // round-to-nearest-even and clamp as one conversion, fp8 by the GPU's own
-// E4M3 conversion, round to nearest even and saturating, where it has one).
+// E4M3 conversion, round to nearest even and saturating, where it has one.
 template <QType Q>
-__device__ __forceinline__ uint32_t encode4(const float (&v)[4], float scale) {
+__device__ __forceinline__ uint32_t encode4(const float (&v)[4], float scale, float inv) {
   if (!(scale > 0.0f)) return 0;  // zero or NaN scale: zero codes
+  float q[4];
+  bool near = !(inv <= 0x1.fffffep127f);
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    q[e] = __fmul_rn(v[e], inv);
+    near |= near_code_boundary(q[e], Q);
+  }
+  if (near) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) q[e] = __fdiv_rn(v[e], scale);
+  }
   uint32_t word = 0;
   if constexpr (Q == QType::kInt8) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const int c = min(127, max(-127, __float2int_rn(v[e] / scale)));
+      const int c = static_cast<int>(fminf(127.0f, fmaxf(-127.0f, rintf(q[e]))));  // rintf(q) as near_code_boundary's
       word |= (static_cast<uint32_t>(c) & 0xffu) << (8 * e);
     }
   } else {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-    const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(v[0] / scale, v[1] / scale), __NV_SATFINITE, __NV_E4M3);
-    const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(v[2] / scale, v[3] / scale), __NV_SATFINITE, __NV_E4M3);
+    const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(q[0], q[1]), __NV_SATFINITE, __NV_E4M3);
+    const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(q[2], q[3]), __NV_SATFINITE, __NV_E4M3);
     word = lo | (hi << 16);
 #else
 #pragma unroll
-    for (int e = 0; e < 4; ++e) word |= static_cast<uint32_t>(f32_to_e4m3_bits(v[e] / scale)) << (8 * e);
+    for (int e = 0; e < 4; ++e) word |= static_cast<uint32_t>(f32_to_e4m3_bits(q[e])) << (8 * e);
 #endif
   }
   return word;
@@ -219,10 +234,11 @@ __global__ void __launch_bounds__(kThreads) quantize_warp_kernel(uint8_t* packed
     for (int u = 0; u < U; ++u) {
       if (k0 + u >= full) continue;
       const float scale = most[u] < 0x7f800000u ? f32_from_bits(most[u]) / qmax(Q) : f32_from_bits(0x7fc00000u);
+      const float inv = __frcp_rn(scale);
       if (lane == 0) scales[k0 + u] = scale;
 #pragma unroll
       for (int j = 0; j < J; ++j) {
-        reinterpret_cast<uint32_t*>(packed)[(k0 + u) * kGroups + j * 32 + lane] = encode4<Q>(v[u][j], scale);
+        reinterpret_cast<uint32_t*>(packed)[(k0 + u) * kGroups + j * 32 + lane] = encode4<Q>(v[u][j], scale, inv);
       }
     }
   }
