@@ -108,8 +108,8 @@ VARIANTS = {
 }
 
 
-def run(cmd, cwd=None):
-    return subprocess.run(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def run(cmd, cwd=None, env=None):
+    return subprocess.run(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def main():
@@ -168,6 +168,11 @@ def main():
         real_map = f.read()
 
     tmp = tempfile.mkdtemp(prefix="fsdp-abi-test-")
+    # ccache, where installed (CI's runs after the first compile nothing):
+    # paths under the temporary folder are hashed relative to the compile's
+    # working directory, so a new folder's name does not miss the cache.
+    ccache = None if any("ccache" in os.path.basename(c[1][0]) for c in compiles.values()) else shutil.which("ccache")
+    cc_env = dict(os.environ, CCACHE_BASEDIR=tmp, CCACHE_NOHASHDIR="true") if ccache else None
     t0 = time.monotonic()
     try:
         base = os.path.join(tmp, "baseline.abi")
@@ -214,12 +219,16 @@ def main():
                 vcmd[vcmd.index("-o") + 1] = new_obj
                 if os.path.join(vdir, os.path.relpath(src, SRC)) not in vcmd:
                     fail(f"variant {name}: cannot move the compile of {src} to the copy")
-                jobs.append((name, obj, new_obj, directory, vcmd))
+                if ccache:
+                    vcmd = [ccache] + vcmd
+                # From the variant's own folder: with ccache's base_dir at the
+                # temporary folder, the copy's paths hash the same in every run.
+                jobs.append((name, obj, new_obj, vdir, vcmd))
 
         print(f"test_check_abi: compiling {len(jobs)} translation units for "
               f"{len({j[0] for j in jobs})} source variants")
         with concurrent.futures.ThreadPoolExecutor(max(1, os.cpu_count() or 1)) as pool:
-            results = list(pool.map(lambda j: run(j[4], cwd=j[3]), jobs))
+            results = list(pool.map(lambda j: run(j[4], cwd=j[3], env=cc_env), jobs))
         replaced = {}
         for (name, obj, new_obj, _, vcmd), r in zip(jobs, results):
             if r.returncode:
@@ -227,8 +236,7 @@ def main():
             replaced.setdefault(name, {})[obj] = new_obj
         t_compile = time.monotonic() - t0
 
-        failures = []
-        for name, (edits, hidden, soname, want_rc, want_text) in VARIANTS.items():
+        def link_and_check(name, hidden, soname):
             vdir = os.path.join(tmp, name)
             os.makedirs(vdir, exist_ok=True)
             out = os.path.join(vdir, "libfsdp.so")
@@ -239,8 +247,6 @@ def main():
                     a = replaced.get(name, {}).get(obj, obj)
                 elif a.startswith("-Wl,--version-script=") and hidden:
                     vmap = os.path.join(vdir, "libfsdp.map")
-                    if real_map.count("  local:\n") != 1:
-                        fail("src/libfsdp.map changed shape (one '  local:' line expected): update this test")
                     with open(vmap, "w") as f:
                         f.write(real_map.replace("  local:\n", "  local:\n" + "".join(f"    {h};\n" for h in hidden)))
                     a = "-Wl,--version-script=" + vmap
@@ -250,8 +256,20 @@ def main():
             cmd[cmd.index("-o") + 1] = out
             r = run(cmd, cwd=link_cwd)
             if r.returncode:
-                fail(f"variant {name}: linking failed:\n{shlex.join(cmd)}\n{r.stdout}")
-            r = run([CHECK, "--baseline", base, out])
+                return None, f"linking failed:\n{shlex.join(cmd)}\n{r.stdout}"
+            return run([CHECK, "--baseline", base, out]), None
+
+        if real_map.count("  local:\n") != 1:
+            fail("src/libfsdp.map changed shape (one '  local:' line expected): update this test")
+        # The variants link and are checked at once (abidw and abidiff take
+        # most of this test's time, one process each).
+        with concurrent.futures.ThreadPoolExecutor(max(1, os.cpu_count() or 1)) as pool:
+            checked = {name: pool.submit(link_and_check, name, v[1], v[2]) for name, v in VARIANTS.items()}
+        failures = []
+        for name, (edits, hidden, soname, want_rc, want_text) in VARIANTS.items():
+            r, error = checked[name].result()
+            if error:
+                fail(f"variant {name}: {error}")
             missing = [t for t in want_text if t not in r.stdout]
             ok = r.returncode == want_rc and not missing
             verdict = "pass" if r.returncode == 0 else f"fail ({r.returncode})"

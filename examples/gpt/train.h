@@ -103,7 +103,9 @@ struct Phase {
 // train_phase.cpp: one phase of training on its ranks, and what it measures.
 double peak_rss_bytes();
 fsdp_config_t* make_config(const Options& o, bool unsharded);
-std::string effective_device(const Options& o);
+// A key's value as the contexts get it: the demo's settings, then FSDP_*
+// variables ("device": --device, or FSDP_DEVICE, else cpu).
+std::string config_value(const Options& o, const char* key);
 Memory memory_of(fsdp_ctx_t* ctx);
 // Every rank's memory, on every rank.
 std::vector<Memory> all_memory(fsdp_ctx_t* ctx, int rank, int world);
@@ -120,6 +122,9 @@ double median(std::vector<double> v);
 void print_memory_table(const char* title, const PhaseResult& r);
 std::string sample_text(const Options& o, const std::vector<std::vector<float>>& params, const std::string& prompt,
                         int n, bool lora = false);
+// The validation loss of `params` (fp32, the phases' windows) by one
+// unsharded forward without libfsdp.
+double unsharded_val_loss(const Options& o, const gpt::Corpus& corpus, const std::vector<std::vector<float>>& params);
 void merge_traces(const std::string& out, int world);
 Json memory_json(const std::vector<Memory>& mem);
 void print_stalls(const PhaseResult& r);

@@ -41,7 +41,7 @@ int main_bench(const Options& o) {
   Json j = {{"framework", "libfsdp"},
             {"variant", o.bf16_shard < 0 ? "default" : (o.bf16_shard ? "bf16-shard" : "no-bf16-shard")},
             {"world", world},
-            {"device", effective_device(o)},
+            {"device", config_value(o, "device")},
             {"layers", o.shape.layers},
             {"width", o.shape.width},
             {"heads", o.shape.heads},
@@ -232,7 +232,7 @@ int main(int argc, char** argv) {
                 o.shape.layers + 2);
     std::printf("text: %s (%zu train / %zu validation bytes); unigram baseline (validation): %.4f nats/byte\n",
                 o.text.c_str(), corpus.train.size(), corpus.val.size(), unigram);
-    const std::string device = effective_device(o);
+    const std::string device = config_value(o, "device");
     if (device != "cpu") std::printf("device: %s (the thread-ranks share it)\n", device.c_str());
     std::printf(
         "training: %s, param_dtype %s, reduce fp32, AdamW (wd %.2g, 0 on biases, norms, embeddings), lr %.2g,"
@@ -254,7 +254,7 @@ int main(int argc, char** argv) {
     pa.save = ckpt;
     set_snapshots(o, pa);
     pa.trace = o.trace.empty() && o.plot.empty() ? "" : (o.trace.empty() ? o.plot + "/trace.json" : o.trace);
-    pa.want_params = !two_phases && o.sample_chars > 0;
+    pa.want_params = !two_phases;  // the sample and the unsharded validation loss
     if (!two_phases) pa.export_dir = o.export_dir;
     if (!o.plot.empty()) std::filesystem::create_directories(o.plot);
     std::printf("== %d ranks, steps 1-%lld\n", o.ranks, static_cast<long long>(first_end));
@@ -273,7 +273,7 @@ int main(int argc, char** argv) {
       pb.last_step = o.steps;
       pb.resume = ckpt;
       pb.export_dir = o.export_dir;
-      pb.want_params = o.sample_chars > 0;
+      pb.want_params = true;
       std::printf("\n== %d ranks, resumed from the checkpoint, steps %lld-%d\n", o.resume_ranks,
                   static_cast<long long>(first_end + 1), o.steps);
       run_phase(o, corpus, pb, o.steps, b);
@@ -286,6 +286,11 @@ int main(int argc, char** argv) {
     const double final_val = last->lines.back().val_loss;
     std::printf("\nvalidation loss %.4f nats/byte against the unigram baseline's %.4f (%.0f%% of it)\n", final_val,
                 unigram, 100.0 * final_val / unigram);
+    // The trained fp32 master (what a checkpoint or an export holds), without
+    // the rounding of the gathers (to param_dtype, or gather_dtype's codes).
+    const double master_val = unsharded_val_loss(o, corpus, last->final_params);
+    std::printf("the same windows on the fp32 master params, one unsharded forward without libfsdp: %.4f nats/byte\n",
+                master_val);
     if (o.sample_chars > 0)
       std::printf("\nsample (temperature 0.8):\n%s\n",
                   sample_text(o, last->final_params, "Alice ", o.sample_chars).c_str());
@@ -329,6 +334,12 @@ int main(int argc, char** argv) {
                std::to_string(saved) + " saved, " + std::to_string(loaded) + " loaded)");
         if (!(b.step_losses.back() < first)) fail("check: the resumed run's loss is not below the start's");
       }
+      // fp32 params gathered as they are: the sharded forward is the
+      // unsharded one's up to the order of fp32 sums.
+      if (o.dtype == "fp32" && config_value(o, "gather_dtype") == "param" &&
+          !(std::fabs(final_val - master_val) <= 1e-4 * master_val))
+        fail("check: the sharded validation loss " + std::to_string(final_val) +
+             " is not the unsharded forward's on the gathered params, " + std::to_string(master_val));
       std::printf("\ncheck passed\n");
     }
     return 0;

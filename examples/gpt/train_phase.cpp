@@ -50,14 +50,14 @@ fsdp_config_t* make_config(const Options& o, bool unsharded) {
   return guard.release();
 }
 
-// The device the contexts run on: --device, or FSDP_DEVICE, else cpu.
-std::string effective_device(const Options& o) {
+// A key's value as the contexts get it: the demo's settings, then FSDP_*.
+std::string config_value(const Options& o, const char* key) {
   fsdp_config_t* cfg = make_config(o, false);
-  char device[32] = {};
-  const fsdp_status_t st = fsdp_config_get(cfg, "device", device, sizeof device, nullptr);
+  char v[64] = {};
+  const fsdp_status_t st = fsdp_config_get(cfg, key, v, sizeof v, nullptr);
   fsdp_config_destroy(cfg);
   CHECK(st);
-  return device;
+  return v;
 }
 
 Memory memory_of(fsdp_ctx_t* ctx) {

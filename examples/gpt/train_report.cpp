@@ -29,12 +29,12 @@ void print_memory_table(const char* title, const PhaseResult& r) {
               static_cast<double>(r.activation_bytes) / mib);
 }
 
-// Samples `n` bytes after `prompt` from the full params (rank 0, no libfsdp);
-// with `lora`, the adapters' params follow the base's.
-std::string sample_text(const Options& o, const std::vector<std::vector<float>>& params, const std::string& prompt,
-                        int n, bool lora) {
+namespace {
+
+// The specs of the model's units (and with `lora`, the adapters' after
+// them), with views on `params` in that order.
+std::vector<gpt::UnitView<float>> views_of(const Options& o, const std::vector<std::vector<float>>& params, bool lora) {
   std::vector<gpt::UnitSpec> specs = gpt::model_units(o.shape);
-  const size_t n_base = specs.size();
   if (lora) {
     const auto adapters = gpt::lora_units(o.shape, o.lora);
     specs.insert(specs.end(), adapters.begin(), adapters.end());
@@ -42,7 +42,18 @@ std::string sample_text(const Options& o, const std::vector<std::vector<float>>&
   std::vector<gpt::UnitView<float>> views(specs.size());
   size_t k = 0;
   for (size_t u = 0; u < specs.size(); ++u)
-    for (size_t i = 0; i < specs[u].params.size(); ++i) views[u].p.push_back(params[k++].data());
+    for (size_t i = 0; i < specs[u].params.size(); ++i) views[u].p.push_back(params.at(k++).data());
+  return views;
+}
+
+}  // namespace
+
+// Samples `n` bytes after `prompt` from the full params (rank 0, no libfsdp);
+// with `lora`, the adapters' params follow the base's.
+std::string sample_text(const Options& o, const std::vector<std::vector<float>>& params, const std::string& prompt,
+                        int n, bool lora) {
+  const std::vector<gpt::UnitView<float>> views = views_of(o, params, lora);
+  const size_t n_base = gpt::model_units(o.shape).size();
   gpt::Model<float> model(o.shape, 1, false, lora ? gpt::Lora{o.lora, o.lora_alpha} : gpt::Lora{});
   std::string text = prompt;
   std::mt19937_64 rng(o.seed);
@@ -66,6 +77,31 @@ std::string sample_text(const Options& o, const std::vector<std::vector<float>>&
   for (char& ch : text)  // what a terminal shows: bytes outside printable ASCII as '?'
     if (ch != '\n' && (static_cast<unsigned char>(ch) < 32 || static_cast<unsigned char>(ch) > 126)) ch = '?';
   return text;
+}
+
+// The validation loss of the phases' val_loss() (the same eval_batches x
+// batch windows: rank r's window i is window r * local + i of the batch), on
+// `params` in fp32 by one unsharded forward, without libfsdp.
+double unsharded_val_loss(const Options& o, const gpt::Corpus& corpus, const std::vector<std::vector<float>>& params) {
+  const std::vector<gpt::UnitView<float>> views = views_of(o, params, false);
+  gpt::Model<float> model(o.shape, o.batch, false);
+  const int t = o.shape.context;
+  const size_t L = static_cast<size_t>(o.shape.layers);
+  std::vector<uint8_t> window(static_cast<size_t>(t) + 1), inputs(static_cast<size_t>(o.batch) * t),
+      targets(inputs.size());
+  double sum = 0;
+  for (int k = 0; k < o.eval_batches; ++k) {
+    for (int i = 0; i < o.batch; ++i) {
+      gpt::sample_window(corpus.val, o.seed + 77, k, i, t, window.data());
+      std::memcpy(inputs.data() + static_cast<size_t>(i) * t, window.data(), static_cast<size_t>(t));
+      std::memcpy(targets.data() + static_cast<size_t>(i) * t, window.data() + 1, static_cast<size_t>(t));
+    }
+    model.embed_forward(views[0], inputs.data(), t);
+    for (size_t l = 0; l < L; ++l) model.block_forward(static_cast<int>(l), views[1 + l]);
+    model.final_forward(views[1 + L]);
+    sum += model.head_forward(views[0], targets.data());
+  }
+  return sum / o.eval_batches;
 }
 
 void merge_traces(const std::string& out, int world) {
