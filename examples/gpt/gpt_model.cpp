@@ -516,6 +516,16 @@ void sample_window(const std::vector<uint8_t>& data, uint64_t seed, int64_t step
   std::memcpy(out, data.data() + start, static_cast<size_t>(t) + 1);
 }
 
+void load_batch(const std::vector<uint8_t>& data, uint64_t seed, int64_t step, int first, int count, int t,
+                uint8_t* inputs, uint8_t* targets) {
+  std::vector<uint8_t> w(static_cast<size_t>(t) + 1);
+  for (int i = 0; i < count; ++i) {
+    sample_window(data, seed, step, first + i, t, w.data());
+    std::memcpy(inputs + static_cast<size_t>(i) * t, w.data(), static_cast<size_t>(t));
+    std::memcpy(targets + static_cast<size_t>(i) * t, w.data() + 1, static_cast<size_t>(t));
+  }
+}
+
 double lr_schedule(double base, int64_t step, int64_t total) {
   const double warm = std::max(1.0, 0.05 * static_cast<double>(total));
   if (static_cast<double>(step) <= warm) return base * static_cast<double>(step) / warm;

@@ -157,6 +157,12 @@ double unigram_loss(const std::vector<uint8_t>& train, const std::vector<uint8_t
 // and the targets one to the right) starting at an offset drawn from
 // (seed, step, index), the same on every rank whatever the world size.
 void sample_window(const std::vector<uint8_t>& data, uint64_t seed, int64_t step, int index, int t, uint8_t* out);
+// Sequences first .. first+count-1 of the batch of `step`: their t tokens
+// into inputs [count, t], the next tokens into targets [count, t].
+void load_batch(const std::vector<uint8_t>& data, uint64_t seed, int64_t step, int first, int count, int t,
+                uint8_t* inputs, uint8_t* targets);
+// The validation windows' seed: the run's seed plus this.
+constexpr uint64_t kValSeedOffset = 77;
 
 // The learning rate of step `step` (1-based) of `total`: linear warmup over
 // the first 5% of the steps, then cosine decay to a tenth of `base`.

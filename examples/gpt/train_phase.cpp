@@ -107,7 +107,6 @@ class Rank {
     first_step_ = sh.phase.first_step;
     if (!sh.phase.snapshot.empty()) restore();
     const int t = o_.shape.context;
-    window_.resize(static_cast<size_t>(local_) * (t + 1));
     inputs_.resize(static_cast<size_t>(local_) * t);
     targets_.resize(inputs_.size());
   }
@@ -261,13 +260,7 @@ class Rank {
 
   // Fills inputs/targets with this rank's sequences of the global batch of `step`.
   void load_batch(const std::vector<uint8_t>& data, uint64_t seed, int64_t step) {
-    const int t = o_.shape.context;
-    for (int i = 0; i < local_; ++i) {
-      uint8_t* w = window_.data() + static_cast<size_t>(i) * (t + 1);
-      gpt::sample_window(data, seed, step, rank_ * local_ + i, t, w);
-      std::memcpy(inputs_.data() + static_cast<size_t>(i) * t, w, static_cast<size_t>(t));
-      std::memcpy(targets_.data() + static_cast<size_t>(i) * t, w + 1, static_cast<size_t>(t));
-    }
+    gpt::load_batch(data, seed, step, rank_ * local_, local_, o_.shape.context, inputs_.data(), targets_.data());
   }
 
   double train_step(int64_t step) {
@@ -280,7 +273,7 @@ class Rank {
   double val_loss() {
     double sum = 0;
     for (int k = 0; k < o_.eval_batches; ++k) {
-      load_batch(sh_.corpus->val, o_.seed + 77, k);
+      load_batch(sh_.corpus->val, o_.seed + gpt::kValSeedOffset, k);
       sum += model_->eval(inputs_.data(), targets_.data());
     }
     sum /= o_.eval_batches;
@@ -310,7 +303,7 @@ class Rank {
   int rank_ = 0, world_ = 1, local_ = 1;
   int64_t first_step_ = 0;  // the phase's, or the step a restore resumed at
   std::unique_ptr<gpt::Trainer> model_;
-  std::vector<uint8_t> window_, inputs_, targets_;
+  std::vector<uint8_t> inputs_, targets_;
 };
 
 // Runs a phase on `phase.world` thread-ranks (0: as this process's one rank).

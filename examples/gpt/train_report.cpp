@@ -87,15 +87,10 @@ double unsharded_val_loss(const Options& o, const gpt::Corpus& corpus, const std
   gpt::Model<float> model(o.shape, o.batch, false);
   const int t = o.shape.context;
   const size_t L = static_cast<size_t>(o.shape.layers);
-  std::vector<uint8_t> window(static_cast<size_t>(t) + 1), inputs(static_cast<size_t>(o.batch) * t),
-      targets(inputs.size());
+  std::vector<uint8_t> inputs(static_cast<size_t>(o.batch) * t), targets(inputs.size());
   double sum = 0;
   for (int k = 0; k < o.eval_batches; ++k) {
-    for (int i = 0; i < o.batch; ++i) {
-      gpt::sample_window(corpus.val, o.seed + 77, k, i, t, window.data());
-      std::memcpy(inputs.data() + static_cast<size_t>(i) * t, window.data(), static_cast<size_t>(t));
-      std::memcpy(targets.data() + static_cast<size_t>(i) * t, window.data() + 1, static_cast<size_t>(t));
-    }
+    gpt::load_batch(corpus.val, o.seed + gpt::kValSeedOffset, k, 0, o.batch, t, inputs.data(), targets.data());
     model.embed_forward(views[0], inputs.data(), t);
     for (size_t l = 0; l < L; ++l) model.block_forward(static_cast<int>(l), views[1 + l]);
     model.final_forward(views[1 + L]);
