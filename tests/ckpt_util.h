@@ -49,7 +49,7 @@ inline State make_init(const Net& net, uint64_t seed) {
 constexpr int kRows = 12;  // rows of data per step, split over the ranks (divisible by 1..4)
 
 // Row b of step s's data: a target for every element of unit k's param i.
-inline float target(int step, int row, size_t k, size_t i, size_t e) {
+FSDP_TEST_OWN_MATH inline float target(int step, int row, size_t k, size_t i, size_t e) {
   uint64_t h = (uint64_t(step) * 1315423911u) ^ (uint64_t(row) << 20) ^ (uint64_t(k) << 40) ^ (uint64_t(i) << 52) ^ e;
   Rng r(h);
   return r.uniform(-1.f, 1.f);

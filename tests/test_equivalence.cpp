@@ -23,7 +23,7 @@ constexpr int kBatch = 24;  // divisible by 1, 2, 3, 4 (and by 2 micro-batches p
 constexpr int kSteps = 20;
 constexpr double kLr = 1e-2;
 constexpr double kBeta1 = 0.9, kBeta2 = 0.999, kEps = 1e-8;
-constexpr size_t kQuantBlock = 32;  // reduce_block of the quantized-reduction cases: several blocks per part
+constexpr size_t kQuantBlock = 32;       // reduce_block of the quantized-reduction cases: several blocks per part
 constexpr double kInt8ReduceTol = 2e-3;  // reduce_dtype=int8's tolerance: see its cases in variant_cases
 
 using Tensor = std::vector<float>;
@@ -81,9 +81,12 @@ Params make_init(const Model& m, uint64_t seed) {
 }
 
 // ---- the model's math, shared by the reference and the libfsdp-driven run ----
+// (on the test's own tensors, FSDP_TEST_OWN_MATH: rank_runner.h; libfsdp's
+// buffers are read and written only in load_params and add_elem)
 
 // h = act(W x + b) for `rows` rows of x [rows, in].
-void unit_forward(const Model& m, size_t u, const UnitParams& p, const Tensor& x, int rows, Tensor& h) {
+FSDP_TEST_OWN_MATH void unit_forward(const Model& m, size_t u, const UnitParams& p, const Tensor& x, int rows,
+                                     Tensor& h) {
   if (!m.is_linear(u)) {
     h.resize(x.size());
     for (size_t i = 0; i < x.size(); ++i) h[i] = p[0][0] * x[i];
@@ -92,17 +95,18 @@ void unit_forward(const Model& m, size_t u, const UnitParams& p, const Tensor& x
   const int in = m.dims[u], out = m.dims[u + 1];
   const bool act = u + 1 < m.n_linear();
   h.assign(size_t(rows) * size_t(out), 0.f);
+  const float *w = p[0].data(), *b = p[1].data(), *xs = x.data();
   for (int r = 0; r < rows; ++r)
     for (int o = 0; o < out; ++o) {
-      float z = p[1][size_t(o)];
-      for (int i = 0; i < in; ++i) z += p[0][size_t(o * in + i)] * x[size_t(r * in + i)];
+      float z = b[o];
+      for (int i = 0; i < in; ++i) z += w[o * in + i] * xs[r * in + i];
       h[size_t(r * out + o)] = act ? std::tanh(z) : z;
     }
 }
 
 // Given dL/dh, the unit's param grads g (overwritten) and dL/dx.
-void unit_backward(const Model& m, size_t u, const UnitParams& p, const Tensor& x, const Tensor& h, const Tensor& dh,
-                   int rows, UnitParams& g, Tensor& dx) {
+FSDP_TEST_OWN_MATH void unit_backward(const Model& m, size_t u, const UnitParams& p, const Tensor& x, const Tensor& h,
+                                      const Tensor& dh, int rows, UnitParams& g, Tensor& dx) {
   if (!m.is_linear(u)) {
     float ds = 0.f;
     dx.resize(x.size());
@@ -117,16 +121,27 @@ void unit_backward(const Model& m, size_t u, const UnitParams& p, const Tensor& 
   const bool act = u + 1 < m.n_linear();
   Tensor dz(dh.size());
   for (size_t i = 0; i < dh.size(); ++i) dz[i] = act ? dh[i] * (1.f - h[i] * h[i]) : dh[i];
-  g = {Tensor(size_t(out) * size_t(in), 0.f), Tensor(size_t(out), 0.f)};
-  dx.assign(size_t(rows) * size_t(in), 0.f);
+  g = {Tensor(size_t(out) * size_t(in)), Tensor(size_t(out))};
+  dx.resize(size_t(rows) * size_t(in));
+  // Each sum in a register, its terms in row (or output) order from 0: the
+  // same float operations as accumulating in place row by row, with two
+  // loads per product instead of six accesses (what the sanitizers pay for).
+  const float *w = p[0].data(), *xs = x.data(), *dzs = dz.data();
+  for (int o = 0; o < out; ++o) {
+    float gb = 0.f;
+    for (int r = 0; r < rows; ++r) gb += dzs[r * out + o];
+    g[1][size_t(o)] = gb;
+    for (int i = 0; i < in; ++i) {
+      float gw = 0.f;
+      for (int r = 0; r < rows; ++r) gw += dzs[r * out + o] * xs[r * in + i];
+      g[0][size_t(o * in + i)] = gw;
+    }
+  }
   for (int r = 0; r < rows; ++r)
-    for (int o = 0; o < out; ++o) {
-      const float d = dz[size_t(r * out + o)];
-      g[1][size_t(o)] += d;
-      for (int i = 0; i < in; ++i) {
-        g[0][size_t(o * in + i)] += d * x[size_t(r * in + i)];
-        dx[size_t(r * in + i)] += d * p[0][size_t(o * in + i)];
-      }
+    for (int i = 0; i < in; ++i) {
+      float s = 0.f;
+      for (int o = 0; o < out; ++o) s += dzs[r * out + o] * w[o * in + i];
+      dx[size_t(r * in + i)] = s;
     }
 }
 
@@ -191,9 +206,8 @@ struct RefOptions {
 };
 
 bool frozen_at(const RefOptions& o, size_t u, size_t i, int step) {
-  const bool listed = (o.frozen >> u & 1u) != 0 ||
-                      std::find(o.frozen_params.begin(), o.frozen_params.end(), std::make_pair(u, i)) !=
-                          o.frozen_params.end();
+  const bool listed = (o.frozen >> u & 1u) != 0 || std::find(o.frozen_params.begin(), o.frozen_params.end(),
+                                                             std::make_pair(u, i)) != o.frozen_params.end();
   return listed && (o.unfreeze_at < 0 || step < o.unfreeze_at);
 }
 
@@ -263,7 +277,8 @@ Params step_grads(const Model& m, const Params& p_round, const Data& d, const Re
 Params quantized_step_grads(const Model& m, const Params& p_round, const Data& d, const RefOptions& o) {
   const int rows = kBatch / o.world, sw = o.shard_world, groups = o.world / sw;
   std::vector<Params> per_rank;
-  for (int r = 0; r < o.world; ++r) per_rank.push_back(rounded(grads_on_rows(m, p_round, d, r * rows, rows, 1.f), o.dtype));
+  for (int r = 0; r < o.world; ++r)
+    per_rank.push_back(rounded(grads_on_rows(m, p_round, d, r * rows, rows, 1.f), o.dtype));
   if (o.world == 1) return per_rank[0];  // alone: nothing to reduce, the grads added exactly
   const auto qt = static_cast<fsdp::kernels::QType>(o.quant);
   Params out = per_rank[0];
