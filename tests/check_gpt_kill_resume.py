@@ -19,7 +19,7 @@ import signal
 import subprocess
 import sys
 
-STEPS, EVERY, KILL_AT = 40, 4, 21
+STEPS, EVERY, KILL_AT = 24, 4, 13
 LINE = re.compile(r"^step\s+(\d+)\s+train\s+\S+\s+val\s+(\S+)")
 
 

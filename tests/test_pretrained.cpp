@@ -47,9 +47,9 @@ struct FileTensor {
 FileTensor make_tensor(const std::string& name, const std::string& dtype, std::vector<int64_t> shape, uint64_t seed) {
   size_t n = numel_of(shape);
   std::vector<float> v = Rng(seed).uniform_vec(n, -2.f, 2.f);
-  for (float& x : v) {
-    if (dtype == "BF16") x = round_to(FSDP_DTYPE_BF16, x);
-    if (dtype == "F16") x = round_to(FSDP_DTYPE_FP16, x);
+  if (dtype == "BF16" || dtype == "F16") {
+    const fsdp_dtype_t dt = dtype == "BF16" ? FSDP_DTYPE_BF16 : FSDP_DTYPE_FP16;
+    for (float& x : v) x = round_to(dt, x);
   }
   return {name, dtype, std::move(shape), std::move(v)};
 }
@@ -60,14 +60,12 @@ std::pair<std::string, std::string> safetensors_parts(const std::vector<FileTens
   head["__metadata__"] = {{"format", "pt"}};
   std::string data;
   for (const FileTensor& t : tensors) {
-    std::string bytes;
-    for (float x : t.values) {
-      if (t.dtype == "F32") {
-        bytes.append(reinterpret_cast<const char*>(&x), 4);
-      } else {
-        uint16_t h = t.dtype == "BF16" ? f32_to_bf16(x) : f32_to_fp16(x);
-        bytes.append(reinterpret_cast<const char*>(&h), 2);
-      }
+    const bool f32 = t.dtype == "F32", bf16 = t.dtype == "BF16";
+    std::string bytes(t.values.size() * (f32 ? 4 : 2), '\0');
+    if (f32 && !bytes.empty()) std::memcpy(&bytes[0], t.values.data(), bytes.size());
+    for (size_t i = 0; !f32 && i < t.values.size(); ++i) {
+      const uint16_t h = bf16 ? f32_to_bf16(t.values[i]) : f32_to_fp16(t.values[i]);
+      std::memcpy(&bytes[2 * i], &h, 2);
     }
     head[t.name] = {{"dtype", t.dtype}, {"shape", t.shape}, {"data_offsets", {data.size(), data.size() + bytes.size()}}};
     data += bytes;

@@ -37,9 +37,12 @@ void to_f32(const std::string& dtype, const unsigned char* raw, size_t n, float*
     std::memcpy(out, raw, n * sizeof(float));
     return;
   }
+  // The dtype's name compared once, not per element (a string compare per
+  // value was most of a large load's conversion).
+  const bool bf16 = dtype == "BF16";
   for (size_t i = 0; i < n; ++i) {
     uint16_t h = static_cast<uint16_t>(raw[2 * i] | (raw[2 * i + 1] << 8));
-    out[i] = dtype == "BF16" ? kernels::bf16_bits_to_f32(h) : kernels::fp16_bits_to_f32(h);
+    out[i] = bf16 ? kernels::bf16_bits_to_f32(h) : kernels::fp16_bits_to_f32(h);
   }
 }
 
