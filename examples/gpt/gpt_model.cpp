@@ -508,21 +508,28 @@ double unigram_loss(const std::vector<uint8_t>& train, const std::vector<uint8_t
   return loss / static_cast<double>(text.size());
 }
 
-void sample_window(const std::vector<uint8_t>& data, uint64_t seed, int64_t step, int index, int t, uint8_t* out) {
+namespace {
+
+// Where sample_window's window starts in `data`.
+const uint8_t* window_start(const std::vector<uint8_t>& data, uint64_t seed, int64_t step, int index, int t) {
   uint64_t state = seed ^ (static_cast<uint64_t>(step) * 0xd1b54a32d192ed03ull) ^
                    (static_cast<uint64_t>(index) * 0x8cb92ba72f3d8dd7ull);
   const size_t span = data.size() - static_cast<size_t>(t) - 1;
-  const size_t start = static_cast<size_t>(splitmix(state) % span);
-  std::memcpy(out, data.data() + start, static_cast<size_t>(t) + 1);
+  return data.data() + static_cast<size_t>(splitmix(state) % span);
+}
+
+}  // namespace
+
+void sample_window(const std::vector<uint8_t>& data, uint64_t seed, int64_t step, int index, int t, uint8_t* out) {
+  std::memcpy(out, window_start(data, seed, step, index, t), static_cast<size_t>(t) + 1);
 }
 
 void load_batch(const std::vector<uint8_t>& data, uint64_t seed, int64_t step, int first, int count, int t,
                 uint8_t* inputs, uint8_t* targets) {
-  std::vector<uint8_t> w(static_cast<size_t>(t) + 1);
   for (int i = 0; i < count; ++i) {
-    sample_window(data, seed, step, first + i, t, w.data());
-    std::memcpy(inputs + static_cast<size_t>(i) * t, w.data(), static_cast<size_t>(t));
-    std::memcpy(targets + static_cast<size_t>(i) * t, w.data() + 1, static_cast<size_t>(t));
+    const uint8_t* w = window_start(data, seed, step, first + i, t);
+    std::memcpy(inputs + static_cast<size_t>(i) * t, w, static_cast<size_t>(t));
+    std::memcpy(targets + static_cast<size_t>(i) * t, w + 1, static_cast<size_t>(t));
   }
 }
 

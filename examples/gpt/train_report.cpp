@@ -46,6 +46,19 @@ std::vector<gpt::UnitView<float>> views_of(const Options& o, const std::vector<s
   return views;
 }
 
+// One forward of the whole model on `views` (views_of's order; `n_base`
+// base units, then with `lora` the adapters): the head's loss on `targets`
+// (null: only the logits).
+double forward(gpt::Model<float>& model, const Options& o, const std::vector<gpt::UnitView<float>>& views,
+               size_t n_base, bool lora, const uint8_t* tokens, int t, const uint8_t* targets) {
+  const size_t L = static_cast<size_t>(o.shape.layers);
+  model.embed_forward(views[0], tokens, t);
+  for (size_t l = 0; l < L; ++l)
+    model.block_forward(static_cast<int>(l), views[1 + l], lora ? &views[n_base + l] : nullptr);
+  model.final_forward(views[1 + L]);
+  return model.head_forward(views[0], targets);
+}
+
 }  // namespace
 
 // Samples `n` bytes after `prompt` from the full params (rank 0, no libfsdp);
@@ -57,15 +70,10 @@ std::string sample_text(const Options& o, const std::vector<std::vector<float>>&
   gpt::Model<float> model(o.shape, 1, false, lora ? gpt::Lora{o.lora, o.lora_alpha} : gpt::Lora{});
   std::string text = prompt;
   std::mt19937_64 rng(o.seed);
-  const size_t L = static_cast<size_t>(o.shape.layers);
   for (int c = 0; c < n; ++c) {
     const size_t t = std::min(text.size(), static_cast<size_t>(o.shape.context));
     const auto* tokens = reinterpret_cast<const uint8_t*>(text.data() + text.size() - t);
-    model.embed_forward(views[0], tokens, static_cast<int>(t));
-    for (size_t l = 0; l < L; ++l)
-      model.block_forward(static_cast<int>(l), views[1 + l], lora ? &views[n_base + l] : nullptr);
-    model.final_forward(views[1 + L]);
-    model.head_forward(views[0], nullptr);
+    forward(model, o, views, n_base, lora, tokens, static_cast<int>(t), nullptr);
     const float* logits = model.last_logits();
     std::vector<double> p(gpt::kVocab);
     const double temperature = 0.8;
@@ -86,15 +94,11 @@ double unsharded_val_loss(const Options& o, const gpt::Corpus& corpus, const std
   const std::vector<gpt::UnitView<float>> views = views_of(o, params, false);
   gpt::Model<float> model(o.shape, o.batch, false);
   const int t = o.shape.context;
-  const size_t L = static_cast<size_t>(o.shape.layers);
   std::vector<uint8_t> inputs(static_cast<size_t>(o.batch) * t), targets(inputs.size());
   double sum = 0;
   for (int k = 0; k < o.eval_batches; ++k) {
     gpt::load_batch(corpus.val, o.seed + gpt::kValSeedOffset, k, 0, o.batch, t, inputs.data(), targets.data());
-    model.embed_forward(views[0], inputs.data(), t);
-    for (size_t l = 0; l < L; ++l) model.block_forward(static_cast<int>(l), views[1 + l]);
-    model.final_forward(views[1 + L]);
-    sum += model.head_forward(views[0], targets.data());
+    sum += forward(model, o, views, views.size(), false, inputs.data(), t, targets.data());
   }
   return sum / o.eval_batches;
 }
