@@ -55,6 +55,14 @@ FSDP_TEST_OWN_MATH inline float target(int step, int row, size_t k, size_t i, si
   return r.uniform(-1.f, 1.f);
 }
 
+// The grad of element e (value p) of param i of unit k at `step`: the mean of
+// p - target over rows [row0, row0 + rows).
+FSDP_TEST_OWN_MATH inline float mean_grad(float p, int step, int row0, int rows, size_t k, size_t i, size_t e) {
+  float g = 0;
+  for (int b = row0; b < row0 + rows; ++b) g += (p - target(step, b, k, i, e)) / float(rows);
+  return g;
+}
+
 struct Job {
   CtxPtr ctx;
   std::vector<fsdp_unit_t*> units;
@@ -114,12 +122,8 @@ inline void train(Job& job, const Net& net, int s0, int s1, int world, int rank)
         ASSERT_OK(fsdp_grad_ptr(job.units[k], i, &gp));
         const size_t n = numel_of(net.units[k][i].shape);
         job.host.run([pp, gp, n, dt, s, rank, rows, k, i] {
-          for (size_t e = 0; e < n; ++e) {
-            const float p = load_elem(pp, e, dt);
-            float g = 0;
-            for (int b = rank * rows; b < (rank + 1) * rows; ++b) g += (p - target(s, b, k, i, e)) / float(rows);
-            add_elem(gp, e, dt, g);
-          }
+          for (size_t e = 0; e < n; ++e)
+            add_elem(gp, e, dt, mean_grad(load_elem(pp, e, dt), s, rank * rows, rows, k, i, e));
         });
       }
       ASSERT_OK(fsdp_backward_end(job.units[k], stream));

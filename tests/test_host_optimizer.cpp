@@ -57,9 +57,7 @@ void train_host(Job& job, Kind kind, int s0, int s1, int world, int rank) {
         ASSERT_OK(fsdp_param_ptr(job.units[k], i, &pp));
         ASSERT_OK(fsdp_grad_ptr(job.units[k], i, &gp));
         for (size_t e = 0; e < numel_of(kNet.units[k][i].shape); ++e) {
-          float p = static_cast<float*>(pp)[e], g = 0;
-          for (int b = rank * rows; b < (rank + 1) * rows; ++b) g += (p - target(s, b, k, i, e)) / float(rows);
-          static_cast<float*>(gp)[e] += g;
+          static_cast<float*>(gp)[e] += mean_grad(static_cast<float*>(pp)[e], s, rank * rows, rows, k, i, e);
         }
       }
       ASSERT_OK(fsdp_backward_end(job.units[k], nullptr));
@@ -101,8 +99,7 @@ State reference(Kind kind, const State& init, const std::vector<std::pair<size_t
     for (size_t k = 0; k < p.size(); ++k)
       for (size_t i = 0; i < p[k].size(); ++i)
         for (size_t e = 0; e < p[k][i].size(); ++e) {
-          float acc = 0;
-          for (int b = 0; b < kRows; ++b) acc += (p[k][i][e] - target(s, b, k, i, e)) / float(kRows);
+          float acc = mean_grad(p[k][i][e], s, 0, kRows, k, i, e);
           if (std::find(frozen.begin(), frozen.end(), std::make_pair(k, i)) != frozen.end()) acc = 0;
           g[k][i][e] = acc;
           sq += double(acc) * acc;
