@@ -314,6 +314,10 @@ class _NaiveGlue:
                 h = torch.func.functional_call(self.head.blocks[0], ps, (h,))
             leaves.append(ps)
         loss = ((self.head.out(self.head.ln_f(h)) - y) ** 2).mean()
+        # The test's ordering, not the glue's: debug_poison's fill is queued on the comm stream after the
+        # slot's last reader, so a collective queued after it returns once every slot holds NaN (as in
+        # DebugPoison.* of test_misuse). Without it the read below races the fill (a step read NaN or not).
+        self.ctx.metrics_reduce([0.0])
         loss.backward()  # reads the views saved in forward: the units' gathered memory, given back
         for (u, names), ps in reversed(list(zip(self.units, leaves))):
             with u.backward():
