@@ -265,6 +265,11 @@ inline void write_file(const std::string& path, const std::string& bytes) {
   f.write(bytes.data(), std::streamsize(bytes.size()));
 }
 
+// A checkpoint's metadata (fsdp_checkpoint.json), parsed.
+inline nlohmann::json read_meta(const std::string& dir) {
+  return nlohmann::json::parse(read_file(dir + "/fsdp_checkpoint.json"));
+}
+
 // Rewrites a checkpoint's metadata file and its CRC-32 file together: a
 // consistent but wrong metadata file, as a buggy writer would leave.
 inline void write_meta_consistently(const std::string& dir, const std::string& text) {
