@@ -6,10 +6,8 @@
 #    ships it inside): every test in bindings/python/tests but the adapters', and the numpy example.
 #    `import fsdp` needs nothing more than numpy.
 # 2. The adapters (fsdp.torch, fsdp.jax) against their frameworks' own unsharded runs, in a venv with
-#    torch, transformers, JAX and safetensors from PyPI (bindings/python/tests/requirements-frameworks.txt).
-#    That venv is kept between runs (FSDP_FRAMEWORKS_VENV, by default ~/.cache/libfsdp/frameworks-venv:
-#    outside the checkout, so that CI's fresh clones reuse it) and reinstalled only when the
-#    requirements change; the same wheel goes into it. Where it cannot be made (no PyPI), the adapter
+#    torch, transformers, JAX and safetensors from PyPI, kept between runs (tools/frameworks_venv.sh);
+#    the same wheel goes into it. Where it cannot be made (no PyPI), the adapter
 #    tests run in the first venv, where each skips saying why, and the skips are counted below.
 #
 # Usage: tools/test_python.sh
@@ -60,29 +58,10 @@ fi
 
 echo "== the framework adapters (${present[*]})"
 fw="${FSDP_FRAMEWORKS_VENV:-$HOME/.cache/libfsdp/frameworks-venv}"
-req="$root/bindings/python/tests/requirements-frameworks.txt"
-stamp="$fw/.requirements.sha256"
-want="$(sha256sum "$req" | cut -d' ' -f1)"
 fw_ok=1
-# A changed requirements file is first installed over the kept venv (pip changes only what differs: a
-# package added need not download torch again); the venv is made anew only if that fails.
-if [[ -x "$fw/bin/python" && "$(cat "$stamp" 2>/dev/null)" != "$want" ]]; then
-  echo "   updating $fw to $req"
-  if pipq "$fw/bin/python" -r "$req"; then
-    echo "$want" >"$stamp"
-  fi
-fi
-if [[ ! -x "$fw/bin/python" || "$(cat "$stamp" 2>/dev/null)" != "$want" ]]; then
-  echo "   making $fw (torch, transformers, JAX from PyPI: a few minutes once, then reused)"
-  start=$SECONDS
-  rm -rf "$fw"
-  if python3 -m venv "$fw" && pipq "$fw/bin/python" -r "$req"; then
-    echo "$want" >"$stamp"
-    echo "   made in $((SECONDS - start)) s"
-  else
-    fw_ok=0
-    echo "   could not make the frameworks venv; the adapter tests run without their frameworks and skip" >&2
-  fi
+if ! tools/frameworks_venv.sh; then
+  fw_ok=0
+  echo "   the adapter tests run without their frameworks and skip" >&2
 fi
 cd "$root/bindings/python/tests"
 if [[ $fw_ok == 1 ]]; then
