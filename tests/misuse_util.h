@@ -19,20 +19,22 @@ using Call = std::pair<const char*, std::function<fsdp_status_t()>>;
 
 inline const std::vector<ParamSpec> kParams = {{"w", {4, 3}}, {"b", {4}}};
 
-// A context with one registered unit: by default a world of one (group NULL).
+// A context with one registered unit (`params`, by default kParams): by
+// default a world of one (group NULL).
 struct Single {
   CtxPtr ctx;
   fsdp_unit_t* unit = nullptr;
 };
 
 inline void make_single(Single& s, const std::map<std::string, std::string>& opts = {},
-                        fsdp_local_group_t* group = nullptr, int rank = 0) {
+                        fsdp_local_group_t* group = nullptr, int rank = 0,
+                        const std::vector<ParamSpec>& params = kParams) {
   ConfigPtr cfg = make_config(opts);
   ASSERT_TRUE(cfg);
   fsdp_ctx_t* raw = nullptr;
   ASSERT_OK(fsdp_ctx_create(cfg.get(), group, rank, &raw));
   s.ctx.reset(raw);
-  ASSERT_OK(register_unit(raw, "u", kParams, &s.unit));
+  ASSERT_OK(register_unit(raw, "u", params, &s.unit));
 }
 
 inline std::string get_option(const fsdp_config_t* cfg, const char* key) {

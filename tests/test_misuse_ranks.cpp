@@ -516,16 +516,12 @@ TEST(HybridShard, ShardInfoCoversTheShardGroupNotTheWorld) {
   const std::vector<ParamSpec> params = {{"w", {10, 10}}};
   std::vector<size_t> offsets(4), numels(4);
   run_ranks(4, [&](int rank, fsdp_local_group_t* group) {
-    ConfigPtr cfg = make_config({{"sharding", "HYBRID_SHARD"}, {"shard_group_size", "2"}, {"align_bytes", "16"}});
-    ASSERT_TRUE(cfg);
-    fsdp_ctx_t* raw = nullptr;
-    ASSERT_OK(fsdp_ctx_create(cfg.get(), group, rank, &raw));
-    CtxPtr ctx(raw);
-    fsdp_unit_t* u = nullptr;
-    ASSERT_OK(register_unit(raw, "u", params, &u));
+    Single s;
+    make_single(s, {{"sharding", "HYBRID_SHARD"}, {"shard_group_size", "2"}, {"align_bytes", "16"}}, group, rank,
+                params);
     float* p = nullptr;
-    ASSERT_OK(fsdp_shard_info(u, &p, &offsets[size_t(rank)], &numels[size_t(rank)]));
-    EXPECT_OK(fsdp_ctx_finalize(raw));
+    ASSERT_OK(fsdp_shard_info(s.unit, &p, &offsets[size_t(rank)], &numels[size_t(rank)]));
+    EXPECT_OK(fsdp_ctx_finalize(s.ctx.get()));
   });
   // 100 elements padded to a multiple of 2 * 4 = 104, so shards of 52.
   for (int r = 0; r < 4; ++r) {
