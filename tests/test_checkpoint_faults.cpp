@@ -1,6 +1,7 @@
 // Proves that a checkpoint survives what goes wrong around it: damage to any
 // of its files is refused with an error naming the file and tensor while the
-// context stays as it was; a crash between two files, or between the two
+// context stays as it was; a model or optimizer it does not fit is refused
+// before anything is read; a crash between two files, or between the two
 // renames, leaves the previous checkpoint loadable; a read or write error on
 // one rank fails every rank saying so; bad arguments write nothing. What loads
 // and resumes is test_checkpoint.cpp's. The training around them computes
@@ -132,6 +133,23 @@ std::vector<Damage> damages() {
   };
 }
 
+// A sharded checkpoint of kNet saved at world 2 after 2 steps (in "ck"),
+// made once and shared by the tests that damage or misfit it.
+const std::string& good_checkpoint() {
+  static TempDir* good = [] {
+    auto* t = new TempDir;
+    run_ranks(2, [&](int rank, fsdp_local_group_t* group) {
+      Job job;
+      open_job(job, kNet, base_options("FULL_SHARD"), rank, group);
+      ASSERT_NO_FATAL_FAILURE(set_state(job, make_init(kNet, 6)));
+      ASSERT_NO_FATAL_FAILURE(train(job, kNet, 0, 2, 2, rank));
+      ASSERT_OK(fsdp_save(job.ctx.get(), (*t / "ck").c_str(), "sharded"));
+    });
+    return t;
+  }();
+  return good->path();
+}
+
 class Corruption : public ::testing::TestWithParam<Damage> {};
 
 // State of a job trained 1 step from init 5, then (optionally) a load
@@ -163,21 +181,10 @@ State damaged_run(const std::string* bad_dir, const Damage* d, State* before, St
 }
 
 TEST_P(Corruption, IsRefusedNamingTheFileAndTheContextIsUnchanged) {
-  static TempDir* good = [] {
-    auto* t = new TempDir;
-    run_ranks(2, [&](int rank, fsdp_local_group_t* group) {
-      Job job;
-      open_job(job, kNet, base_options("FULL_SHARD"), rank, group);
-      ASSERT_NO_FATAL_FAILURE(set_state(job, make_init(kNet, 6)));
-      ASSERT_NO_FATAL_FAILURE(train(job, kNet, 0, 2, 2, rank));
-      ASSERT_OK(fsdp_save(job.ctx.get(), (*t / "ck").c_str(), "sharded"));
-    });
-    return t;
-  }();
   static const State control = damaged_run(nullptr, nullptr, nullptr, nullptr);
   TempDir tmp;
   std::string bad = tmp / "bad";
-  copy_dir(*good / "ck", bad);
+  copy_dir(good_checkpoint() + "/ck", bad);
   GetParam().apply(bad);
   State before, after;
   State end = damaged_run(&bad, &GetParam(), &before, &after);
@@ -189,6 +196,42 @@ TEST_P(Corruption, IsRefusedNamingTheFileAndTheContextIsUnchanged) {
 
 INSTANTIATE_TEST_SUITE_P(Checkpoint, Corruption, ::testing::ValuesIn(damages()),
                          [](const auto& i) { return i.param.name; });
+
+// A checkpoint of other units, or of an optimizer keeping other state, does
+// not fit: refused before anything is read.
+TEST(Checkpoint, LoadRefusesOtherUnitsOrOptimizer) {
+  struct Misfit {
+    Net net;
+    std::map<std::string, std::string> opts;
+    std::string says;
+  };
+  auto sgd = base_options("FULL_SHARD");
+  sgd["optimizer"] = "sgd";
+  // kNet's params without blocks.2, plus a head: every offender named at once.
+  Net other = Net::make(2, 10);
+  other.units.push_back({{"head.weight", {4, 4}}});
+  const std::vector<Misfit> misfits = {
+      {Net::make(4, 10), base_options("FULL_SHARD"),
+       "registered but not in the checkpoint: 'blocks.3.weight' and 'blocks.3.bias'"},
+      {other, base_options("FULL_SHARD"),
+       "registered but not in the checkpoint: 'head.weight'; in the checkpoint but not registered: "
+       "'blocks.2.bias' and 'blocks.2.weight'"},
+      {Net::make(3, 12), base_options("FULL_SHARD"),
+       "shapes differ: 'blocks.0.weight' ([10, 6] saved, [12, 7] registered)"},
+      {kNet, sgd, "optimizer 'adamw' keeps state [exp_avg, exp_avg_sq]"},
+  };
+  for (const Misfit& m : misfits) {
+    run_ranks(2, [&](int rank, fsdp_local_group_t* group) {
+      Job job;
+      open_job(job, m.net, m.opts, rank, group);
+      fsdp_status_t st = fsdp_load(job.ctx.get(), (good_checkpoint() + "/ck").c_str());
+      std::string msg = last_error_str();
+      EXPECT_EQ(st, FSDP_ERR_INVALID_ARGUMENT) << msg;
+      EXPECT_NE(msg.find(m.says), std::string::npos) << msg;
+      EXPECT_NE(msg.find("fsdp_checkpoint.json"), std::string::npos) << msg;
+    });
+  }
+}
 
 // ---- crash safety --------------------------------------------------------------------
 
