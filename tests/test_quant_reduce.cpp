@@ -109,6 +109,42 @@ TEST(QuantReduceKernels, DequantizeSumAddsTheRanksDequantizedPartsInRankOrder) {
   }
 }
 
+// Every E4M3 code through the sum: the CPU device decodes a tile of 128
+// codes with no zero, subnormal or NaN among them without checking each
+// value, and the others value by value. Here two ranks' slices of 512 codes
+// (tiles of 128 in blocks of 256): rank 0's all normal, rank 1's with every
+// code 0..255 in its middle two tiles (beside normal ones in the same
+// block); each sum against the format's values times the scales, in slice
+// order, in fp32.
+TEST(QuantReduceKernels, EveryFp8CodeSumsAsItsValueInTilesWithAndWithoutTheOddCodes) {
+  fsdp::device::CpuDevice cpu(1, fsdp::device::Pool::kDevice);
+  const size_t n = 512, block = 256, pb = k::quant_packed_bytes(n, block);
+  const float block_scales[2][2] = {{0.75f, 1.5f}, {0.5f, 0x1p-3f}};
+  std::vector<uint8_t> packed(2 * pb, 0);
+  std::vector<int> normal;  // the finite normal codes, both signs
+  for (int c = 0; c < 256; ++c) {
+    if ((c & 0x7f) >= 8 && (c & 0x7f) != 0x7f) normal.push_back(c);
+  }
+  for (size_t s = 0; s < 2; ++s) {
+    for (size_t i = 0; i < n; ++i) {
+      const bool every = s == 1 && i >= 128 && i < 384;
+      packed[s * pb + i] = uint8_t(every ? int(i - 128) : normal[(i * 7 + s * 3) % normal.size()]);
+    }
+    std::memcpy(&packed[s * pb + k::quant_scales_offset(n)], block_scales[s], sizeof(block_scales[s]));
+  }
+  for (const float scale : {1.0f, 0.5f}) {
+    std::vector<float> out(n, 7.0f);
+    cpu.dequantize_sum(out.data(), packed.data(), 2, pb, n, block, k::QType::kFp8E4m3, scale);
+    for (size_t i = 0; i < n; ++i) {
+      const float a = float(e4m3_value(packed[i])) * block_scales[0][i / block];
+      const float b = float(e4m3_value(packed[pb + i])) * block_scales[1][i / block];
+      const float want = (a + b) * scale;
+      ASSERT_TRUE(equal_value(out[i], want))
+          << "element " << i << " (rank 1's code " << int(packed[pb + i]) << "): " << out[i] << " vs " << want;
+    }
+  }
+}
+
 // The GPU packs take each code from v * (1 / scale) where that gives
 // quantize()'s code (the division's): checked on and within 64 ulps of every
 // rounding boundary of both code grids (int8's half-integers, and some past

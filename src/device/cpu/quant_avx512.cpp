@@ -7,6 +7,7 @@
 // attribute here left every constant broadcast inside the loops.)
 #include "quant_avx512.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -108,28 +109,46 @@ FSDP_AVX512_INLINE void prefetch_ahead(const void* p) {
   _mm_prefetch(static_cast<const char*>(p) + kAheadBytes, _MM_HINT_T0);
 }
 
-// kernels::block_scale's largest magnitude (as bits) of x[b, b + len).
+// kernels::block_scale's largest magnitude (as bits) of x[b, b + len); with
+// `least`, also the smallest there.
 template <typename T>
-FSDP_AVX512_INLINE uint32_t absmax_bits(const T* x, size_t b, size_t len) {
+FSDP_AVX512_INLINE uint32_t absmax_bits(const T* x, size_t b, size_t len, uint32_t* least = nullptr) {
   const __m512i mask = _mm512_set1_epi32(0x7fffffff);
-  __m512i m = _mm512_setzero_si512();
-  for (size_t i = b; i < b + len; i += 16)
-    m = _mm512_max_epu32(m, _mm512_and_si512(_mm512_castps_si512(load16(x + i)), mask));
+  __m512i m = _mm512_setzero_si512(), lo = mask;
+  for (size_t i = b; i < b + len; i += 16) {
+    const __m512i a = _mm512_and_si512(_mm512_castps_si512(load16(x + i)), mask);
+    m = _mm512_max_epu32(m, a);
+    if (least != nullptr) lo = _mm512_min_epu32(lo, a);
+  }
+  if (least != nullptr) *least = _mm512_reduce_min_epu32(lo);
   return _mm512_reduce_max_epu32(m);
 }
 // bf16: 32 magnitudes per vector, in their own 16 bits.
 template <>
-FSDP_AVX512_INLINE uint32_t absmax_bits(const k::bf16_t* x, size_t b, size_t len) {
+FSDP_AVX512_INLINE uint32_t absmax_bits(const k::bf16_t* x, size_t b, size_t len, uint32_t* least) {
   if (len % 32 != 0) {
     const __m512i mask = _mm512_set1_epi32(0x7fffffff);
-    __m512i m = _mm512_setzero_si512();
-    for (size_t i = b; i < b + len; i += 16)
-      m = _mm512_max_epu32(m, _mm512_and_si512(_mm512_castps_si512(load16(x + i)), mask));
+    __m512i m = _mm512_setzero_si512(), lo = mask;
+    for (size_t i = b; i < b + len; i += 16) {
+      const __m512i a = _mm512_and_si512(_mm512_castps_si512(load16(x + i)), mask);
+      m = _mm512_max_epu32(m, a);
+      if (least != nullptr) lo = _mm512_min_epu32(lo, a);
+    }
+    if (least != nullptr) *least = _mm512_reduce_min_epu32(lo);
     return _mm512_reduce_max_epu32(m);
   }
   const __m512i mask = _mm512_set1_epi16(0x7fff);
-  __m512i m = _mm512_setzero_si512();
-  for (size_t i = b; i < b + len; i += 32) m = _mm512_max_epu16(m, _mm512_and_si512(_mm512_loadu_si512(x + i), mask));
+  __m512i m = _mm512_setzero_si512(), lo = mask;
+  for (size_t i = b; i < b + len; i += 32) {
+    const __m512i a = _mm512_and_si512(_mm512_loadu_si512(x + i), mask);
+    m = _mm512_max_epu16(m, a);
+    if (least != nullptr) lo = _mm512_min_epu16(lo, a);
+  }
+  if (least != nullptr) {
+    const __m512i wide = _mm512_min_epu32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(lo)),
+                                          _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(lo, 1)));
+    *least = _mm512_reduce_min_epu32(wide) << 16;
+  }
   const __m512i wide = _mm512_max_epu32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(m)),
                                         _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(m, 1)));
   return _mm512_reduce_max_epu32(wide) << 16;
@@ -162,11 +181,12 @@ FSDP_AVX512_INLINE __m512i int8_codes(__m512 m, __mmask16& near) {
 // step less one, plus the kept lowest bit; below 2^-6 it scales by 2^9
 // exactly instead, since there the sum's own rounding could land a value
 // next to a tie on it.
-template <bool TiesToEven>
+// AllNormal: the caller knows every |m| is at least 2^-6 (quantize_loop).
+template <bool TiesToEven, bool AllNormal = false>
 FSDP_AVX512_INLINE __m512i e4m3_codes(__m512 m, __mmask16& near) {
   __m512i a = _mm512_and_si512(_mm512_castps_si512(m), _mm512_set1_epi32(0x7fffffff));
   const __mmask16 is_normal = _mm512_cmpge_epu32_mask(a, _mm512_set1_epi32(0x3c800000));  // 2^-6
-  if (!TiesToEven) {
+  if (!TiesToEven && !AllNormal) {
     const __m512 shifted = _mm512_add_ps(_mm512_castsi512_ps(a), _mm512_set1_ps(0x1p-6f));
     a = _mm512_mask_sub_epi32(a, static_cast<__mmask16>(~is_normal), _mm512_castps_si512(shifted),
                               _mm512_set1_epi32(8 << 20));
@@ -197,10 +217,16 @@ FSDP_AVX512_INLINE __m512i e4m3_codes(__m512 m, __mmask16& near) {
 }
 
 // The codes of 16 values, one per 32-bit lane (int8's sign-extended, fp8's
-// 0..255).
-template <bool TiesToEven = false>
-FSDP_AVX512_INLINE __m512i codes(__m512 m, k::QType t, __mmask16& near) {
-  return t == k::QType::kInt8 ? int8_codes(m, near) : e4m3_codes<TiesToEven>(m, near);
+// 0..255). The format is a template argument, as in every pack loop below:
+// a branch on it per vector kept GCC from unrolling the loops over 64
+// values, whose code vectors then went through the stack.
+template <k::QType Q, bool TiesToEven = false, bool AllNormal = false>
+FSDP_AVX512_INLINE __m512i codes(__m512 m, __mmask16& near) {
+  if constexpr (Q == k::QType::kInt8) {
+    return int8_codes(m, near);
+  } else {
+    return e4m3_codes<TiesToEven, AllNormal>(m, near);
+  }
 }
 
 // 64 codes from four vectors of them, in order: two word packs and a byte
@@ -210,10 +236,10 @@ FSDP_AVX512_INLINE __m512i codes(__m512 m, k::QType t, __mmask16& near) {
 // Interleaved: the vectors are load64's of bf16 (lane L of c[0] and c[1]
 // holding values 8L..8L+7, of c[2] and c[3] values 32 + 8L..), whose word
 // packs are already in order: a qword permutation then.
-template <bool Interleaved>
-FSDP_AVX512_INLINE __m512i pack64(const __m512i (&c)[4], k::QType t) {
+template <k::QType Q, bool Interleaved>
+FSDP_AVX512_INLINE __m512i pack64(const __m512i (&c)[4]) {
   const __m512i w01 = _mm512_packs_epi32(c[0], c[1]), w23 = _mm512_packs_epi32(c[2], c[3]);
-  const __m512i b = t == k::QType::kInt8 ? _mm512_packs_epi16(w01, w23) : _mm512_packus_epi16(w01, w23);
+  const __m512i b = Q == k::QType::kInt8 ? _mm512_packs_epi16(w01, w23) : _mm512_packus_epi16(w01, w23);
   const __m512i order = Interleaved ? _mm512_setr_epi32(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15)
                                     : _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
   return _mm512_permutexvar_epi32(order, b);
@@ -224,11 +250,13 @@ FSDP_AVX512_INLINE __m512i pack64(const __m512i (&c)[4], k::QType t) {
 // into pack64<true>'s interleaved layout.
 template <typename T>
 FSDP_AVX512_INLINE void load64(const T* x, __m512 (&v)[4]) {
+#pragma GCC unroll 4
   for (int j = 0; j < 4; ++j) v[j] = load16(x + 16 * j);
 }
 template <>
 FSDP_AVX512_INLINE void load64(const k::bf16_t* x, __m512 (&v)[4]) {
   const __m512i zero = _mm512_setzero_si512();
+#pragma GCC unroll 2
   for (int h = 0; h < 2; ++h) {
     const __m512i w = _mm512_loadu_si512(x + 32 * h);
     v[2 * h] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, w));
@@ -240,12 +268,15 @@ FSDP_AVX512_INLINE void load64(const k::bf16_t* x, __m512 (&v)[4]) {
 // are their bits moved to fp32's sign, exponent and mantissa with the bias
 // changed (the sign-extended byte shifted left by 20 holds the sign at bit 31
 // and the magnitude at bits 20-26); the others (zero, subnormals, NaN) take
-// the functor's full arithmetic, only where a lane has one.
+// the functor's full arithmetic, only where a lane has one. AllNormal: the
+// caller found none among them (e4m3_all_normal), so nothing is checked.
+template <bool AllNormal = false>
 FSDP_AVX512_INLINE __m512 e4m3_values(__m128i bytes) {
   const __m512i shifted = _mm512_slli_epi32(_mm512_cvtepi8_epi32(bytes), 20);
-  const __m512i mag20 = _mm512_and_si512(shifted, _mm512_set1_epi32(0x07f00000));
   __m512i bits =
       _mm512_add_epi32(_mm512_and_si512(shifted, _mm512_set1_epi32(int(0x87f00000u))), _mm512_set1_epi32(120 << 23));
+  if (AllNormal) return _mm512_castsi512_ps(bits);
+  const __m512i mag20 = _mm512_and_si512(shifted, _mm512_set1_epi32(0x07f00000));
   // mag - 8 >= 119 (unsigned): mag < 8 or mag == 127.
   const __mmask16 odd =
       _mm512_cmpge_epu32_mask(_mm512_sub_epi32(mag20, _mm512_set1_epi32(8 << 20)), _mm512_set1_epi32(119 << 20));
@@ -266,16 +297,25 @@ FSDP_AVX512_INLINE __m512 values(__m128i bytes, k::QType t) {
   return t == k::QType::kInt8 ? _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)) : e4m3_values(bytes);
 }
 
+// Whether the 64 E4M3 codes at p are all normal values (magnitude 8..126:
+// no zero, subnormal or NaN), checked on the bytes (three operations per 64
+// codes) so that e4m3_values<true> can skip its check per 16.
+FSDP_AVX512_INLINE bool e4m3_all_normal(const uint8_t* p) {
+  const __m512i mag = _mm512_and_si512(_mm512_loadu_si512(p), _mm512_set1_epi8(0x7f));
+  return _mm512_cmpge_epu8_mask(_mm512_sub_epi8(mag, _mm512_set1_epi8(8)), _mm512_set1_epi8(119)) == 0;
+}
+
 FSDP_AVX512_INLINE __m128i load_bytes(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
 
 // One block of a finite scale of at least 2^-126. Blocks of a multiple of 64
 // values store 64 codes at a time (streamed where the caller says so: the
 // packed output is 64-byte aligned and larger than the caches), so that the
 // bytes written cost no read of their line first.
-template <bool Stream, typename T>
-FSDP_AVX512_INLINE void quantize_whole_block(const T* x, size_t b, size_t block, k::QType t, float scale,
-                                             uint8_t* out) {
-  const __m512 r = _mm512_set1_ps(1.0f / scale);
+// AllNormal: every value's quotient is at least fp8's smallest normal, 2^-6,
+// in magnitude (int8 ignores it).
+template <k::QType Q, bool Stream, bool AllNormal, typename T>
+FSDP_AVX512_INLINE void quantize_whole_block(const T* x, size_t b, size_t block, float scale, float inv, uint8_t* out) {
+  const __m512 r = _mm512_set1_ps(inv);
   if (block % 64 == 0) {
     for (size_t i = b; i < b + block; i += 64) {
       for (size_t p = 0; p < 64 * sizeof(T); p += 64) prefetch_ahead(reinterpret_cast<const char*>(x + i) + p);
@@ -283,11 +323,13 @@ FSDP_AVX512_INLINE void quantize_whole_block(const T* x, size_t b, size_t block,
       __m512i c[4];
       __mmask16 near = 0;
       load64(x + i, v);
-      for (int j = 0; j < 4; ++j) c[j] = codes(_mm512_mul_ps(v[j], r), t, near);
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) c[j] = codes<Q, false, AllNormal>(_mm512_mul_ps(v[j], r), near);
       if (near != 0) {  // near a half-step: the functor's quotient itself
-        for (int j = 0; j < 4; ++j) c[j] = codes<true>(_mm512_div_ps(v[j], _mm512_set1_ps(scale)), t, near);
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; ++j) c[j] = codes<Q, true>(_mm512_div_ps(v[j], _mm512_set1_ps(scale)), near);
       }
-      const __m512i bytes = pack64<std::is_same_v<T, k::bf16_t>>(c, t);
+      const __m512i bytes = pack64<Q, std::is_same_v<T, k::bf16_t>>(c);
       if (Stream) {
         _mm512_stream_si512(reinterpret_cast<__m512i*>(out + i), bytes);
       } else {
@@ -300,33 +342,57 @@ FSDP_AVX512_INLINE void quantize_whole_block(const T* x, size_t b, size_t block,
     prefetch_ahead(x + i);
     const __m512 v = load16(x + i);
     __mmask16 near = 0;
-    __m512i c = codes(_mm512_mul_ps(v, r), t, near);
+    __m512i c = codes<Q, false, AllNormal>(_mm512_mul_ps(v, r), near);
     // Near a half-step: the functor's quotient itself (near is not read again).
-    if (near != 0) c = codes<true>(_mm512_div_ps(v, _mm512_set1_ps(scale)), t, near);
+    if (near != 0) c = codes<Q, true>(_mm512_div_ps(v, _mm512_set1_ps(scale)), near);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm512_cvtepi32_epi8(c));
   }
 }
 
-template <typename T>
-FSDP_AVX512 void quantize_loop(const T* x, size_t n, size_t block, k::QType t, uint8_t* out, size_t kb, size_t ke,
-                               bool stream) {
+template <k::QType Q, typename T>
+FSDP_AVX512 void quantize_loop(const T* x, size_t n, size_t block, uint8_t* out, size_t kb, size_t ke, bool stream) {
   float* scales = reinterpret_cast<float*>(out + k::quant_scales_offset(n));
   const bool nt = stream && reinterpret_cast<uintptr_t>(out) % 64 == 0;
-  for (size_t kk = kb; kk < ke; ++kk) {
-    const size_t b = kk * block;
-    if (b + block > n || block % 16 != 0) {
-      k::quantize_block(x, n, block, kk, t, out);
-      continue;
+  // Blocks go in groups of 8: their magnitudes first, then their scales and
+  // the scales' reciprocals by two vector divisions (each lane the scalar
+  // division's bits), then their codes, whose values the first pass left in
+  // the caches. A division per block waited for its block's largest value,
+  // and the codes for it.
+  constexpr size_t kGroup = 8;
+  for (size_t k0 = kb; k0 < ke; k0 += kGroup) {
+    const size_t g = std::min(kGroup, ke - k0);
+    // fp8: also the least magnitude, to skip the codes' subnormal arithmetic
+    // where every quotient is a normal value (x * (1 / scale) is monotonic
+    // in |x|, so the least one's quotient bounds them all).
+    alignas(32) uint32_t most[kGroup] = {}, least[kGroup] = {};
+    for (size_t j = 0; j < g; ++j) {
+      const size_t b = (k0 + j) * block;
+      if (b + block <= n && block % 16 == 0)
+        most[j] = absmax_bits(x, b, block, Q == k::QType::kInt8 ? nullptr : &least[j]);
     }
-    const uint32_t most = absmax_bits(x, b, block);
-    const float scale = most < 0x7f800000u ? k::f32_from_bits(most) / k::qmax(t) : k::f32_from_bits(0x7fc00000u);
-    if (!(scale >= 0x1p-126f)) {  // 0, NaN or subnormal: the functor's rules
-      k::quantize_block(x, n, block, kk, t, out);
-      continue;
+    const __m256i m = _mm256_load_si256(reinterpret_cast<const __m256i*>(most));
+    const __m256 finite = _mm256_div_ps(_mm256_castsi256_ps(m), _mm256_set1_ps(k::qmax(Q)));
+    alignas(32) float scale[kGroup], inv[kGroup];
+    const __m256 sc = _mm256_mask_blend_ps(_mm256_cmpge_epu32_mask(m, _mm256_set1_epi32(0x7f800000)), finite,
+                                           _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc00000)));
+    _mm256_store_ps(scale, sc);
+    _mm256_store_ps(inv, _mm256_div_ps(_mm256_set1_ps(1.0f), sc));
+    for (size_t j = 0; j < g; ++j) {
+      const size_t kk = k0 + j, b = kk * block;
+      // A short last block, or a scale of 0, NaN or a subnormal: the functor's rules.
+      if (b + block > n || block % 16 != 0 || !(scale[j] >= 0x1p-126f)) {
+        k::quantize_block(x, n, block, kk, Q, out);
+        continue;
+      }
+      scales[kk] = scale[j];
+      if (Q != k::QType::kInt8 && k::f32_from_bits(least[j]) * inv[j] >= 0x1p-6f) {
+        nt ? quantize_whole_block<Q, true, true>(x, b, block, scale[j], inv[j], out)
+           : quantize_whole_block<Q, false, true>(x, b, block, scale[j], inv[j], out);
+      } else {
+        nt ? quantize_whole_block<Q, true, false>(x, b, block, scale[j], inv[j], out)
+           : quantize_whole_block<Q, false, false>(x, b, block, scale[j], inv[j], out);
+      }
     }
-    scales[kk] = scale;
-    nt ? quantize_whole_block<true>(x, b, block, t, scale, out)
-       : quantize_whole_block<false>(x, b, block, t, scale, out);
   }
 }
 
@@ -426,17 +492,29 @@ bool quant_available() {
   return on;
 }
 
+namespace {
+
+template <typename T>
+void quantize_as(const void* x, size_t n, size_t block, kernels::QType t, uint8_t* out, size_t kb, size_t ke,
+                 bool stream) {
+  const T* in = static_cast<const T*>(x);
+  t == k::QType::kInt8 ? quantize_loop<k::QType::kInt8>(in, n, block, out, kb, ke, stream)
+                       : quantize_loop<k::QType::kFp8E4m3>(in, n, block, out, kb, ke, stream);
+}
+
+}  // namespace
+
 bool quantize(const void* x, DType x_dtype, size_t n, size_t block, kernels::QType t, uint8_t* out, size_t kb,
               size_t ke, bool stream) {
   switch (x_dtype) {
     case DType::kFp32:
-      quantize_loop(static_cast<const float*>(x), n, block, t, out, kb, ke, stream);
+      quantize_as<float>(x, n, block, t, out, kb, ke, stream);
       break;
     case DType::kBf16:
-      quantize_loop(static_cast<const k::bf16_t*>(x), n, block, t, out, kb, ke, stream);
+      quantize_as<k::bf16_t>(x, n, block, t, out, kb, ke, stream);
       break;
     case DType::kFp16:
-      quantize_loop(static_cast<const k::fp16_t*>(x), n, block, t, out, kb, ke, stream);
+      quantize_as<k::fp16_t>(x, n, block, t, out, kb, ke, stream);
       break;
     default:
       return false;
@@ -489,6 +567,13 @@ FSDP_AVX512_INLINE void sum_tile(const uint8_t* packed, size_t n_slices, size_t 
     prefetch_ahead(slice + i0);
     prefetch_ahead(slice + i0 + 64);
     const __m512 sc = _mm512_set1_ps(reinterpret_cast<const float*>(slice + scales)[kk]);
+    if (T == k::QType::kFp8E4m3 && e4m3_all_normal(slice + i0) && e4m3_all_normal(slice + i0 + 64)) {
+      for (int c = 0; c < kChunks; ++c) {
+        const __m512 v = _mm512_mul_ps(e4m3_values<true>(load_bytes(slice + i0 + 16 * c)), sc);
+        acc[c] = s == 0 ? v : _mm512_add_ps(acc[c], v);
+      }
+      continue;
+    }
     for (int c = 0; c < kChunks; ++c) {
       const __m512 v = _mm512_mul_ps(values(load_bytes(slice + i0 + 16 * c), T), sc);
       acc[c] = s == 0 ? v : _mm512_add_ps(acc[c], v);
