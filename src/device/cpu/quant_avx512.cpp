@@ -110,9 +110,9 @@ FSDP_AVX512_INLINE void prefetch_ahead(const void* p) {
 }
 
 // kernels::block_scale's largest magnitude (as bits) of x[b, b + len); with
-// `least`, also the smallest there.
+// `least`, also the smallest there. 16 values per vector, as fp32.
 template <typename T>
-FSDP_AVX512_INLINE uint32_t absmax_bits(const T* x, size_t b, size_t len, uint32_t* least = nullptr) {
+FSDP_AVX512_INLINE uint32_t absmax_bits_by16(const T* x, size_t b, size_t len, uint32_t* least) {
   const __m512i mask = _mm512_set1_epi32(0x7fffffff);
   __m512i m = _mm512_setzero_si512(), lo = mask;
   for (size_t i = b; i < b + len; i += 16) {
@@ -123,20 +123,14 @@ FSDP_AVX512_INLINE uint32_t absmax_bits(const T* x, size_t b, size_t len, uint32
   if (least != nullptr) *least = _mm512_reduce_min_epu32(lo);
   return _mm512_reduce_max_epu32(m);
 }
+template <typename T>
+FSDP_AVX512_INLINE uint32_t absmax_bits(const T* x, size_t b, size_t len, uint32_t* least = nullptr) {
+  return absmax_bits_by16(x, b, len, least);
+}
 // bf16: 32 magnitudes per vector, in their own 16 bits.
 template <>
 FSDP_AVX512_INLINE uint32_t absmax_bits(const k::bf16_t* x, size_t b, size_t len, uint32_t* least) {
-  if (len % 32 != 0) {
-    const __m512i mask = _mm512_set1_epi32(0x7fffffff);
-    __m512i m = _mm512_setzero_si512(), lo = mask;
-    for (size_t i = b; i < b + len; i += 16) {
-      const __m512i a = _mm512_and_si512(_mm512_castps_si512(load16(x + i)), mask);
-      m = _mm512_max_epu32(m, a);
-      if (least != nullptr) lo = _mm512_min_epu32(lo, a);
-    }
-    if (least != nullptr) *least = _mm512_reduce_min_epu32(lo);
-    return _mm512_reduce_max_epu32(m);
-  }
+  if (len % 32 != 0) return absmax_bits_by16(x, b, len, least);
   const __m512i mask = _mm512_set1_epi16(0x7fff);
   __m512i m = _mm512_setzero_si512(), lo = mask;
   for (size_t i = b; i < b + len; i += 32) {
