@@ -67,6 +67,7 @@ TEST_P(Plan, PredictsTheMeasuredPersistentBytesAndEveryCollectivesBytesExactly) 
   }
   for (size_t u = 0; u < kUnits.size(); ++u) {
     fsdp::core::PlanUnit pu;
+    pu.name = "unit" + std::to_string(u);
     for (size_t i = 0; i < kUnits[u].size(); ++i) {
       pu.params.push_back({kUnits[u][i].name, kUnits[u][i].shape, 0});
       pu.frozen.push_back(kTrainable[u][i] == 0);
@@ -159,6 +160,16 @@ std::vector<Case> grid() {
                      {"gather_block", "64"},
                      {"reduce_dtype", "fp8_e4m3"},
                      {"reduce_block", "32"}}});
+  // gather_dtype_exclude: the units it names gather param_dtype values.
+  cs.push_back({4, M{{"sharding", "FULL_SHARD"},
+                     {"param_dtype", "bf16"},
+                     {"gather_dtype", "int8"},
+                     {"gather_dtype_exclude", "unit[02]"}}});
+  cs.push_back({8, M{{"sharding", "FULL_SHARD"},
+                     {"gather_dtype", "fp8_e4m3"},
+                     {"gather_block", "32"},
+                     {"secondary_shard", "4"},
+                     {"gather_dtype_exclude", "unit1"}}});
   cs.push_back({4, M{{"sharding", "FULL_SHARD"}, {"secondary_shard", "2"}, {"param_dtype", "bf16"}}});
   cs.push_back({8, M{{"sharding", "FULL_SHARD"}, {"secondary_shard", "4"}, {"gather_dtype", "int8"}}});
   cs.push_back({4, M{{"sharding", "HYBRID_SHARD"}, {"shard_group_size", "2"}}});
@@ -222,6 +233,7 @@ TEST(PlanRequest, EachRowsBytesAreThePlansAndItsTimesTheLinksArithmetic) {
   std::vector<fsdp::core::PlanUnit> pus;
   for (size_t u = 0; u < kUnits.size(); ++u) {
     fsdp::core::PlanUnit pu;
+    pu.name = "unit" + std::to_string(u);
     for (size_t i = 0; i < kUnits[u].size(); ++i) {
       pu.params.push_back({kUnits[u][i].name, kUnits[u][i].shape, 0});
       pu.frozen.push_back(kTrainable[u][i] == 0);
@@ -286,6 +298,44 @@ TEST(PlanRequest, EachRowsBytesAreThePlansAndItsTimesTheLinksArithmetic) {
       EXPECT_LE(lossy(b), lossy(r)) << "the best quantizes where a row as fast does not";
     }
   }
+}
+
+TEST(PlanRequest, TheOptionsGatherDtypeExcludeKeepsTheUnitsItNamesInParamDtypeInTheQuantizedRows) {
+  // Units layer0, layer1 and other (the size description's names).
+  const nlohmann::json req = {
+      {"model", {{"size", {{"layers", 2}, {"params_per_layer", 4096}, {"other_params", 3000}}}}},
+      {"cluster", cluster_json()},
+      {"tokens_per_gpu", 1000},
+      {"options", {{"gather_dtype_exclude", "oth*"}}}};
+  const nlohmann::json plan = plan_of(req.dump());
+  std::vector<fsdp::core::PlanUnit> pus;
+  for (const auto& [name, n] :
+       std::vector<std::pair<std::string, int64_t>>{{"layer0", 4096}, {"layer1", 4096}, {"other", 3000}}) {
+    fsdp::core::PlanUnit pu;
+    pu.name = name;
+    pu.params.push_back({name, {n}, 0});
+    pus.push_back(pu);
+  }
+  int quantized_rows = 0;
+  for (const nlohmann::json& r : plan["rows"]) {
+    SCOPED_TRACE(r.dump());
+    fsdp::core::Config conf;
+    conf.set("param_dtype", "bf16");
+    for (const auto& [k, v] : r.items()) {
+      if (v.is_string()) conf.set(k, v.get<std::string>());
+    }
+    const uint64_t plain = fsdp::core::plan_rank(conf.options(), 4, 2, pus).all_gather;
+    const bool quantized = r["gather_dtype"] == "int8";
+    if (quantized) conf.set("gather_dtype_exclude", "oth*");
+    const uint64_t want = fsdp::core::plan_rank(conf.options(), 4, 2, pus).all_gather;
+    EXPECT_EQ(r["step_bytes"]["all_gather"].get<uint64_t>(), want);
+    if (quantized) {
+      // "other" gathers 2 bytes a value instead of 1 + 4 / 256: more than without the exclusion.
+      EXPECT_GT(want, plain);
+      ++quantized_rows;
+    }
+  }
+  EXPECT_GT(quantized_rows, 0);
 }
 
 TEST(PlanRequest, ASafetensorsFilesHeadersMakeTheUnitsByTheRule) {

@@ -2,6 +2,8 @@
 // values. Adding an option is one entry here; no struct crosses the ABI.
 #include "config.h"
 
+#include <fnmatch.h>
+
 #include <algorithm>
 #include <cctype>
 #include <cmath>
@@ -30,6 +32,19 @@ int parse_group(const char* key, const std::string& v, const char* expected) {
 }
 
 std::string group_name(int g) { return g == 0 ? std::string("off") : g < 0 ? std::string("node") : std::to_string(g); }
+
+// A list option of fnmatch patterns (no_weight_decay, gather_dtype_exclude):
+// comma-separated, blanks around each trimmed, empty items dropped.
+std::vector<std::string> parse_patterns(const std::string& v) {
+  std::vector<std::string> pats;
+  std::stringstream ss(v);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    item = trim(item);
+    if (!item.empty()) pats.push_back(item);
+  }
+  return pats;
+}
 
 struct Entry {
   const char* key;
@@ -150,21 +165,8 @@ const std::vector<Entry>& table() {
        [](const Options& o) { return fmt(o.max_grad_norm); }},
       {"no_weight_decay",
        {},
-       [](Options& o, const std::string& v) {
-         std::vector<std::string> pats;
-         std::stringstream ss(v);
-         std::string item;
-         while (std::getline(ss, item, ',')) {
-           item = trim(item);
-           if (!item.empty()) pats.push_back(item);
-         }
-         o.no_weight_decay = pats;
-       },
-       [](const Options& o) {
-         std::string s;
-         for (const auto& p : o.no_weight_decay) s += (s.empty() ? "" : ",") + p;
-         return s;
-       }},
+       [](Options& o, const std::string& v) { o.no_weight_decay = parse_patterns(v); },
+       [](const Options& o) { return join_patterns(o.no_weight_decay); }},
       {"align_bytes",
        {},
        [](Options& o, const std::string& v) {
@@ -307,6 +309,10 @@ const std::vector<Entry>& table() {
          if (!o.gather_quantized) return std::string("param");
          return std::string(o.gather_qtype == kernels::QType::kInt8 ? "int8" : "fp8_e4m3");
        }},
+      {"gather_dtype_exclude",
+       {},
+       [](Options& o, const std::string& v) { o.gather_dtype_exclude = parse_patterns(v); },
+       [](const Options& o) { return join_patterns(o.gather_dtype_exclude); }},
       {"gather_block",
        {},
        [](Options& o, const std::string& v) {
@@ -415,6 +421,20 @@ const Entry& find_or_fail(const std::string& key) {
 }
 
 }  // namespace
+
+std::string join_patterns(const std::vector<std::string>& patterns) {
+  std::string s;
+  for (const auto& p : patterns) s += (s.empty() ? "" : ",") + p;
+  return s;
+}
+
+bool Options::quantizes_gathers_of(const std::string& unit_name) const {
+  if (!gather_quantized) return false;
+  for (const std::string& pat : gather_dtype_exclude) {
+    if (fnmatch(pat.c_str(), unit_name.c_str(), 0) == 0) return false;
+  }
+  return true;
+}
 
 bool debug_poison_from_env() {
   const char* v = std::getenv("FSDP_DEBUG_POISON");

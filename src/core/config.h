@@ -31,6 +31,8 @@ std::string optimizer_name(OptimizerKind k);
 // weight_decay options, or FSDP_ERR_INVALID_ARGUMENT naming `call`.
 void check_lr(double lr, const char* call);
 void check_weight_decay(double weight_decay, const char* call);
+// A list option's patterns as fsdp_config_get spells them: comma-separated.
+std::string join_patterns(const std::vector<std::string>& patterns);
 
 // One param group's hyperparameters, as fsdp_set_param_group takes them
 // ("lr_scale=0.1;beta2=0.95"; ';' or ',' between items): what the options
@@ -102,6 +104,12 @@ struct Options {
   bool gather_quantized = false;
   kernels::QType gather_qtype = kernels::QType::kInt8;
   size_t gather_block = 256;
+  // fnmatch patterns on unit names: the units they match gather param_dtype
+  // values while gather_dtype quantizes the others' (as float8 training
+  // keeps the embeddings and the output projection in full precision).
+  std::vector<std::string> gather_dtype_exclude;
+  // Whether the gathers of unit `unit_name` move gather_dtype's codes.
+  bool quantizes_gathers_of(const std::string& unit_name) const;
   // Quantized grad reduction (reduce_dtype=int8|fp8_e4m3): the reduce-scatter
   // of a sharded strategy becomes quantize (each rank's part for every rank,
   // in blocks of reduce_block values) -> all-to-all -> dequantize and sum in

@@ -35,6 +35,7 @@ std::string describe(const Options& o) {
      << "\nkeep_param_dtype_shard=" << o.keeps_param_dtype_shard()
      << "\ngather_stream=" << auto_bool_name(o.gather_stream)
      << "\ngather_dtype=" << (o.gather_quantized ? static_cast<int>(o.gather_qtype) : -1) << "," << o.gather_block
+     << "\ngather_dtype_exclude=" << join_patterns(o.gather_dtype_exclude)
      << "\nforward_prefetch=" << o.forward_prefetch << "\nbackward_prefetch=" << static_cast<int>(o.backward_prefetch)
      << "\nlimit_all_gathers=" << o.limit_all_gathers << "\nloss_scale=" << static_cast<int>(o.loss_scale_mode) << ","
      << o.loss_scale_static << "," << o.loss_scale_init << "," << o.loss_scale_growth << "," << o.loss_scale_backoff
@@ -89,6 +90,13 @@ Context::Context(const Options& opts, std::unique_ptr<comm::Communicator> world)
              " quantizes the reduce-scatter of a sharded strategy (each rank sums the quantized parts of its own "
              "shard); NO_SHARD all-reduces whole grads, which it does not quantize: use a sharded strategy, or "
              "reduce_dtype=bf16 to halve NO_SHARD's bytes");
+  }
+  if (!opts.gather_quantized && !opts.gather_dtype_exclude.empty()) {
+    fail(FSDP_ERR_INVALID_ARGUMENT,
+         "fsdp_ctx_create: gather_dtype_exclude=" + join_patterns(opts.gather_dtype_exclude) +
+             " names units whose gathers stay in param_dtype while gather_dtype quantizes the others'; with "
+             "gather_dtype=param no gather is quantized (set gather_dtype=int8 or fp8_e4m3, or leave "
+             "gather_dtype_exclude empty)");
   }
   rt_.dev = dev_.get();
   rt_.state_dev = dev_.get();
@@ -363,6 +371,7 @@ void Context::step(device::Stream& caller) {
                                      "): optimizer=host updates the shards itself: call fsdp_step_begin, update "
                                      "each trainable unit's shard (fsdp_shard_tensors), then fsdp_step_end");
   }
+  check_gather_exclusions("fsdp_step");
   rt_.join_capture(caller, "fsdp_step");
   device::Stream& run = step_stream(caller);
   settle_for_step(caller, run, "fsdp_step");
@@ -396,6 +405,25 @@ double Context::clip_grad_norm(device::Stream& caller, double max_norm) {
   return norm;
 }
 
+void Context::check_gather_exclusions(const char* call) {
+  if (exclusions_checked_) return;
+  for (const std::string& pat : rt_.opts.gather_dtype_exclude) {
+    std::string names;
+    bool matched = false;
+    for (const auto& u : units_) {
+      matched = matched || fnmatch(pat.c_str(), u->name().c_str(), 0) == 0;
+      if (u->index() < 8) names += (names.empty() ? "" : ", ") + base::quote(u->name());
+    }
+    if (!matched) {
+      fail(FSDP_ERR_INVALID_ARGUMENT,
+           std::string(call) + ": gather_dtype_exclude's pattern " + base::quote(pat) + " matches none of the " +
+               std::to_string(units_.size()) + " units registered (" + names + (units_.size() > 8 ? ", ..." : "") +
+               "), so every unit's gathers would be quantized; fix the pattern (fnmatch, on unit names)");
+    }
+  }
+  exclusions_checked_ = true;
+}
+
 void Context::settle_for_step(device::Stream& caller, device::Stream& run, const char* call) {
   check_no_unit_in_use(call);
   for (const auto& u : units_) {
@@ -424,6 +452,7 @@ bool Context::step_begin(device::Stream& caller, float* grad_scale) {
                                      optimizer_name(rt_.opts.optimizer) +
                                      " is libfsdp's own: call fsdp_step (fsdp_step_begin is optimizer=host's)");
   }
+  check_gather_exclusions("fsdp_step_begin");
   rt_.join_capture(caller, "fsdp_step_begin");
   device::Stream& run = step_stream(caller);
   settle_for_step(caller, run, "fsdp_step_begin");

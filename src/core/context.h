@@ -144,6 +144,10 @@ class Context {
   // use, or grads since the last fsdp_step.
   std::string between_steps_problem() const;
   bool host_update_ = false;  // fsdp_step_begin's verdict, for fsdp_step_end
+  // The first step's check that each gather_dtype_exclude pattern matches a
+  // registered unit: a misspelt one would leave every gather quantized.
+  void check_gather_exclusions(const char* call);
+  bool exclusions_checked_ = false;
   // Waits (on the host) for queued gathers, reductions and the last step,
   // and drops gathered params that an update would make stale: the units'
   // state before a call that reads or rewrites the shards, or finalize.

@@ -95,8 +95,9 @@ RankPlan plan_rank(const Options& o, int world, int local_world, const std::vect
     // The gathers: one all-gather per block, each rank's slice of it.
     if (collective_gathers) {
       uint64_t gather = 0;
+      const bool quantized = o.quantizes_gathers_of(u.name);
       for (const ShardRange& r : layout.shard_ranges(0)) {
-        gather += (o.gather_quantized ? kernels::quant_packed_bytes(r.numel, o.gather_block) : r.numel * pes) *
+        gather += (quantized ? kernels::quant_packed_bytes(r.numel, o.gather_block) : r.numel * pes) *
                   static_cast<uint64_t>(s);
       }
       p.all_gather += gather;  // forward's

@@ -23,6 +23,7 @@ namespace fsdp::core {
 struct PlanUnit {
   std::vector<ParamSpec> params;
   std::vector<bool> frozen;
+  std::string name;  // as registered (gather_dtype_exclude matches it)
 };
 
 // The group of ranks a collective runs over (as comm::CommGroup counts).

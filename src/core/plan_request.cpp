@@ -63,7 +63,7 @@ std::string unit_of(const std::string& name, const std::string& rule) {
   return "rest";
 }
 
-std::vector<PlanUnit> model_units(const json& m, std::vector<std::string>* names) {
+std::vector<PlanUnit> model_units(const json& m) {
   only_keys(m, {"safetensors", "unit_rule", "size", "units"}, "model");
   std::vector<PlanUnit> units;
   if (m.contains("safetensors")) {
@@ -77,7 +77,7 @@ std::vector<PlanUnit> model_units(const json& m, std::vector<std::string>* names
         auto [it, fresh] = index.emplace(u, units.size());
         if (fresh) {
           units.emplace_back();
-          names->push_back(u);
+          units.back().name = u;
         }
         units[it->second].params.push_back({t.name, t.shape, 0});
       }
@@ -91,12 +91,11 @@ std::vector<PlanUnit> model_units(const json& m, std::vector<std::string>* names
     const auto layers = static_cast<size_t>(positive(s, "layers", "model.size"));
     const auto per = static_cast<int64_t>(positive(s, "params_per_layer", "model.size"));
     for (size_t i = 0; i < layers; ++i) {
-      units.push_back({{{"layer" + std::to_string(i), {per}, 0}}, {}});
-      names->push_back("layer" + std::to_string(i));
+      const std::string name = "layer" + std::to_string(i);
+      units.push_back({{{name, {per}, 0}}, {}, name});
     }
     if (s.contains("other_params")) {
-      units.push_back({{{"other", {static_cast<int64_t>(positive(s, "other_params", "model.size"))}, 0}}, {}});
-      names->push_back("other");
+      units.push_back({{{"other", {static_cast<int64_t>(positive(s, "other_params", "model.size"))}, 0}}, {}, "other"});
     }
     return units;
   }
@@ -104,7 +103,7 @@ std::vector<PlanUnit> model_units(const json& m, std::vector<std::string>* names
   if (!list.is_array() || list.empty()) bad("model.units must be a non-empty array");
   for (const json& u : list) {
     PlanUnit pu;
-    names->push_back(u.value("name", "unit" + std::to_string(units.size())));
+    pu.name = u.value("name", "unit" + std::to_string(units.size()));
     for (const json& p : need(u, "params", "model.units[]")) {
       pu.params.push_back(
           {p.value("name", std::string()), need(p, "shape", "model.units[].params[]").get<std::vector<int64_t>>(), 0});
@@ -161,8 +160,7 @@ std::string plan_request(const std::string& request) {
   }
   try {
     only_keys(req, {"model", "cluster", "tokens_per_gpu", "options"}, "the request");
-    std::vector<std::string> unit_names;
-    const std::vector<PlanUnit> units = model_units(need(req, "model", "the request"), &unit_names);
+    const std::vector<PlanUnit> units = model_units(need(req, "model", "the request"));
     const json& cj = need(req, "cluster", "the request");
     only_keys(cj, {"gpus", "gpus_per_node", "intra_node_GBps", "inter_node_GBps", "peak_tflops", "mfu", "memory_GiB"},
               "cluster");
@@ -196,6 +194,9 @@ std::string plan_request(const std::string& request) {
       Config conf;
       for (const auto& [k, v] : base) conf.set(k, v);
       for (const auto& [k, v] : cand) conf.set(k, v);
+      // The options' gather_dtype_exclude applies to the quantized gathers'
+      // rows (with gather_dtype=param a context refuses it).
+      if (cand.at("gather_dtype") == "param") conf.set("gather_dtype_exclude", "");
       const Options& o = conf.options();
       const RankPlan p = plan_rank(o, c.gpus, c.per_node, units);
       // On the device: the persistent state (on the host with offload), the

@@ -55,7 +55,8 @@ Unit::Unit(Runtime& rt, size_t index, std::string name, std::vector<ParamSpec> p
       name_(std::move(name)),
       tag_(base::quote(name_) + " (#" + std::to_string(index_) + ")"),
       layout_(std::move(params), rt.opts.align_bytes / sizeof(float), rt.shard_world(), frozen),
-      trainable_(frozen.empty() || std::find(frozen.begin(), frozen.end(), false) != frozen.end()) {
+      trainable_(frozen.empty() || std::find(frozen.begin(), frozen.end(), false) != frozen.end()),
+      quantized_gathers_(rt.opts.quantizes_gathers_of(name_)) {
   segments_ = layout_.shard_segments(rt_.shard_rank());
   block_slices_ = layout_.shard_ranges(0);
   for (size_t i = 0; i < layout_.n_params(); ++i) {

@@ -271,6 +271,7 @@ class Unit {
   std::vector<Hyper> hyper_;
   UnitState state_ = UnitState::kSharded;
   bool trainable_ = true;
+  bool quantized_gathers_ = false;  // gather_dtype quantizes this unit's gathers (gather_dtype_exclude)
   bool grads_pending_ = false;
   bool sgrad_zero_ = true;       // the grad shard holds zeros (since the last step or load)
   bool grads_in_shard_ = false;  // this backward's grads are the grad shard itself (alone, fp32)

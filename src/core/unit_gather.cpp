@@ -35,7 +35,7 @@ void Unit::issue_gather(bool prefetch) {
                                         /*zeroed=*/false);
   // Quantized gathers (gather_dtype) start from the fp32 master; the others
   // from the param_dtype copy where one is kept.
-  const bool quantized = rt_.opts.gather_quantized && !copy_only;
+  const bool quantized = quantized_gathers_ && !copy_only;
   const void* src = lowp_.empty() || quantized ? master_.data() : lowp_.data();
   void* dst = gathered_.data();
   size_t nbytes = shard_numel() * es;
