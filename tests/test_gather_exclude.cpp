@@ -60,6 +60,18 @@ std::vector<float> values_of(size_t u, size_t p) {
   return v;
 }
 
+// kUnits registered in `ctx` in order, each param set to values_of's values.
+void register_units(fsdp_ctx_t* ctx, std::vector<fsdp_unit_t*>* units) {
+  units->assign(kUnits.size(), nullptr);
+  for (size_t u = 0; u < kUnits.size(); ++u) {
+    ASSERT_OK(register_unit(ctx, kUnits[u].name, kUnits[u].params, &(*units)[u]));
+    for (size_t p = 0; p < kUnits[u].params.size(); ++p) {
+      const std::vector<float> v = values_of(u, p);
+      ASSERT_OK(fsdp_param_set_values((*units)[u], p, v.data(), v.size()));
+    }
+  }
+}
+
 }  // namespace
 
 class GatherDtypeExclude : public ::testing::TestWithParam<Case> {};
@@ -82,14 +94,8 @@ TEST_P(GatherDtypeExclude, TheUnitsItNamesGatherParamDtypeValuesAndTheOthersTheC
     fsdp_ctx_t* raw = nullptr;
     ASSERT_OK(fsdp_ctx_create(cfg.get(), group, group ? rank : -1, &raw));
     CtxPtr ctx(raw);
-    std::vector<fsdp_unit_t*> units(kUnits.size());
-    for (size_t u = 0; u < kUnits.size(); ++u) {
-      ASSERT_OK(register_unit(raw, kUnits[u].name, kUnits[u].params, &units[u]));
-      for (size_t p = 0; p < kUnits[u].params.size(); ++p) {
-        const std::vector<float> v = values_of(u, p);
-        ASSERT_OK(fsdp_param_set_values(units[u], p, v.data(), v.size()));
-      }
-    }
+    std::vector<fsdp_unit_t*> units;
+    ASSERT_NO_FATAL_FAILURE(register_units(raw, &units));
     const size_t es = dtype_nbytes(c.dtype);
     for (size_t u = 0; u < kUnits.size(); ++u) {
       SCOPED_TRACE(kUnits[u].name);
@@ -178,14 +184,8 @@ TEST(GatherDtypeExcludeOption, APatternThatMatchesNoUnitIsRefusedAtTheFirstStepW
       fsdp_ctx_t* raw = nullptr;
       ASSERT_OK(fsdp_ctx_create(cfg.get(), group, rank, &raw));
       CtxPtr ctx(raw);
-      std::vector<fsdp_unit_t*> units(kUnits.size());
-      for (size_t u = 0; u < kUnits.size(); ++u) {
-        ASSERT_OK(register_unit(raw, kUnits[u].name, kUnits[u].params, &units[u]));
-        for (size_t p = 0; p < kUnits[u].params.size(); ++p) {
-          const std::vector<float> v = values_of(u, p);
-          ASSERT_OK(fsdp_param_set_values(units[u], p, v.data(), v.size()));
-        }
-      }
+      std::vector<fsdp_unit_t*> units;
+      ASSERT_NO_FATAL_FAILURE(register_units(raw, &units));
       for (fsdp_unit_t* unit : units) {
         ASSERT_OK(fsdp_forward_begin(unit, nullptr));
         ASSERT_OK(fsdp_forward_end(unit, nullptr));
