@@ -3,6 +3,7 @@
 
 #include <fnmatch.h>
 
+#include <algorithm>
 #include <cmath>
 #include <locale>
 #include <set>
@@ -408,13 +409,10 @@ double Context::clip_grad_norm(device::Stream& caller, double max_norm) {
 void Context::check_gather_exclusions(const char* call) {
   if (exclusions_checked_) return;
   for (const std::string& pat : rt_.opts.gather_dtype_exclude) {
-    std::string names;
-    bool matched = false;
-    for (const auto& u : units_) {
-      matched = matched || fnmatch(pat.c_str(), u->name().c_str(), 0) == 0;
-      if (u->index() < 8) names += (names.empty() ? "" : ", ") + base::quote(u->name());
-    }
-    if (!matched) {
+    auto matches = [&pat](const std::unique_ptr<Unit>& u) { return fnmatch(pat.c_str(), u->name().c_str(), 0) == 0; };
+    if (std::none_of(units_.begin(), units_.end(), matches)) {
+      std::string names;
+      for (size_t i = 0; i < units_.size() && i < 8; ++i) names += (i ? ", " : "") + base::quote(units_[i]->name());
       fail(FSDP_ERR_INVALID_ARGUMENT,
            std::string(call) + ": gather_dtype_exclude's pattern " + base::quote(pat) + " matches none of the " +
                std::to_string(units_.size()) + " units registered (" + names + (units_.size() > 8 ? ", ..." : "") +
