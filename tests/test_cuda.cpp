@@ -186,6 +186,41 @@ TEST(CudaKernels, QuantizeAndDequantizeMatchTheCpuBitwise) {
   EXPECT_EQ(d_p.read<uint8_t>()[0], 0) << "the device works after the refusals";
 }
 
+// Every code of both formats, as any packed buffer may hold them (the NaN
+// codes 0x7f / 0xff included, which quantize never makes): the GPU decodes
+// each as the CPU does, into each storage type and in the sum, through the
+// warp kernels' decode (from sm_89 on, the GPU's own E4M3 conversion).
+TEST(CudaKernels, EveryCodeDequantizesAsOnTheCpu) {
+  SKIP_WITHOUT_GPU();
+  CudaDevice gpu(0);
+  CpuDevice cpu(1, Pool::kDevice);
+  const size_t n = 256, block = 256, slices = 2;
+  const size_t bytes = fsdp::kernels::quant_packed_bytes(n, block);
+  const float scales[slices] = {0.75f, 3.0e-3f};
+  std::vector<uint8_t> packed(bytes * slices);
+  for (size_t s = 0; s < slices; ++s) {
+    for (size_t i = 0; i < n; ++i) packed[s * bytes + i] = static_cast<uint8_t>(s == 0 ? i : 255 - i);
+    std::memcpy(packed.data() + s * bytes + fsdp::kernels::quant_scales_offset(n), &scales[s], sizeof(float));
+  }
+  DeviceArray d_q = upload(gpu, packed);
+  for (fsdp::kernels::QType t : {fsdp::kernels::QType::kInt8, fsdp::kernels::QType::kFp8E4m3}) {
+    SCOPED_TRACE(t == fsdp::kernels::QType::kInt8 ? "int8" : "fp8");
+    for (DType out_t : kDtypes) {
+      std::vector<uint8_t> want(n * slices * fsdp::dtype_size(out_t));
+      cpu.dequantize(want.data(), out_t, packed.data(), slices, n, block, t);
+      DeviceArray d_out(gpu, nullptr, want.size());
+      gpu.dequantize(d_out.ptr, out_t, d_q.ptr, slices, n, block, t);
+      EXPECT_EQ(first_difference_nan_equal(out_t, want, d_out.read<uint8_t>()), -1)
+          << "into " << fsdp::dtype_name(out_t);
+    }
+    std::vector<uint8_t> want(n * sizeof(float));
+    cpu.dequantize_sum(reinterpret_cast<float*>(want.data()), packed.data(), slices, bytes, n, block, t, 0.5f);
+    DeviceArray d_sum(gpu, nullptr, want.size());
+    gpu.dequantize_sum(d_sum.as<float>(), d_q.ptr, slices, bytes, n, block, t, 0.5f);
+    EXPECT_EQ(first_difference_nan_equal(DType::kFp32, want, d_sum.read<uint8_t>()), -1) << "dequantize_sum";
+  }
+}
+
 TEST(CudaKernels, UnalignedArraysTakeTheScalarPathWithTheSameBits) {
   SKIP_WITHOUT_GPU();
   CudaDevice gpu(0);

@@ -159,11 +159,15 @@ __device__ __forceinline__ uint32_t encode4(const float (&v)[4], float scale, fl
   return word;
 }
 
-// The 4 codes' exact values times the scale (dequantize()'s bits), in FP32
-// arithmetic and bit operations only: int8 through the 1.5 * 2^23 magic
-// number; E4M3 as the fp32 whose exponent and mantissa fields are the
-// code's (a subnormal fp32 for E4M3's subnormals) times 2^120 (exact), each
-// code moved to the top byte by one byte permutation; 0x7f / 0xff are NaN.
+// The 4 codes' exact values times the scale (dequantize()'s bits). int8
+// through the 1.5 * 2^23 magic number. E4M3 from sm_89 on by the GPU's own
+// conversion, two codes to two fp16 values per instruction (exact: every
+// E4M3 value is an fp16 value; 0x7f / 0xff give a NaN, which the product
+// with the scale makes the GPU's 0x7fffffff), then to fp32 (exact). Before
+// sm_89, in FP32 arithmetic and bit operations: the fp32 whose exponent and
+// mantissa fields are the code's (a subnormal fp32 for E4M3's subnormals)
+// times 2^120 (exact), each code moved to the top byte by one byte
+// permutation; 0x7f / 0xff are NaN.
 template <QType Q>
 __device__ __forceinline__ void decode4(uint32_t word, float scale, float (&v)[4]) {
   if constexpr (Q == QType::kInt8) {
@@ -173,6 +177,16 @@ __device__ __forceinline__ void decode4(uint32_t word, float scale, float (&v)[4
       v[e] = (__int_as_float(0x4b400000 + c) - 12582912.0f) * scale;
     }
   } else {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    const float2 lo = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(
+        static_cast<__nv_fp8x2_storage_t>(word & 0xffffu), __NV_E4M3)));
+    const float2 hi = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(
+        static_cast<__nv_fp8x2_storage_t>(word >> 16), __NV_E4M3)));
+    v[0] = lo.x * scale;
+    v[1] = lo.y * scale;
+    v[2] = hi.x * scale;
+    v[3] = hi.y * scale;
+#else
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const uint32_t top = __byte_perm(word, 0u, 0x0444u | (static_cast<uint32_t>(e) << 12));  // code e << 24
@@ -184,6 +198,7 @@ __device__ __forceinline__ void decode4(uint32_t word, float scale, float (&v)[4
         if (((word >> (8 * e)) & 0x7fu) == 0x7fu) v[e] = __uint_as_float(0x7fffffffu);
       }
     }
+#endif
   }
 }
 
