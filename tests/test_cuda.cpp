@@ -131,6 +131,13 @@ TEST(CudaKernels, QuantizeAndDequantizeMatchTheCpuBitwise) {
           const size_t block = c.block, slices = 2;
           std::vector<float> v = random_floats(n * slices, 8, 50.0f);
           if (v.size() > 300) v[3] = NAN, v[290] = INFINITY;                                       // two blocks of NaN
+          // Whole blocks of zeros (scale 0), and of subnormals up to 190 * 2^-149,
+          // whose int8 scale of 2^-149 makes codes past 127 before the clamp.
+          if (v.size() >= 6144) {
+            std::fill(v.begin() + 2048, v.begin() + 4096, 0.0f);
+            for (size_t i = 4096; i < 6144; ++i)
+              v[i] = (i % 3 == 0 ? -1.0f : 1.0f) * std::ldexp(float(i % 190 + 1), -149);
+          }
           for (size_t i = 0; i < std::min<size_t>(v.size(), 16); ++i) v[v.size() - 1 - i] = 0.0f;  // zeros
           std::vector<uint8_t> src = storage(cpu, in_t, v);
           const size_t bytes = fsdp::kernels::quant_packed_bytes(n, block), es = fsdp::dtype_size(in_t);

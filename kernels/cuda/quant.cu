@@ -122,12 +122,15 @@ constexpr int kUnroll = 16 / static_cast<int>(sizeof(T)) / J > 0 ? 16 / static_c
 // with inv = 1 / scale, each by the division where near_code_boundary() says
 // the product might round to another code (rare: quantize_by_reciprocal's
 // rule, tested on the CPU; an IEEE division is about ten instructions, and
-// these passes are bound by instructions, docs/gpu.md). Then int8's
-// round-to-nearest-even and clamp as one conversion, fp8 by the GPU's own
-// E4M3 conversion, round to nearest even and saturating, where it has one.
+// these passes are bound by instructions, docs/gpu.md). Then int8's clamp
+// and round-to-nearest-even as one addition of 1.5 * 2^23 (exact below
+// 2^22: the sum's low byte is the code), the 4 bytes gathered by byte
+// permutations; fp8 by the GPU's own E4M3 conversion, round to nearest even
+// and saturating, where it has one. A zero or NaN scale (its inv infinite or
+// NaN, so the division runs) gives zero codes, by a select rather than a
+// branch.
 template <QType Q>
 __device__ __forceinline__ uint32_t encode4(const float (&v)[4], float scale, float inv) {
-  if (!(scale > 0.0f)) return 0;  // zero or NaN scale: zero codes
   float q[4];
   bool near = !(inv <= 0x1.fffffep127f);
 #pragma unroll
@@ -141,11 +144,10 @@ __device__ __forceinline__ uint32_t encode4(const float (&v)[4], float scale, fl
   }
   uint32_t word = 0;
   if constexpr (Q == QType::kInt8) {
+    uint32_t c[4];
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int c = static_cast<int>(fminf(127.0f, fmaxf(-127.0f, rintf(q[e]))));  // rintf(q) as near_code_boundary's
-      word |= (static_cast<uint32_t>(c) & 0xffu) << (8 * e);
-    }
+    for (int e = 0; e < 4; ++e) c[e] = __float_as_uint(__fadd_rn(fminf(127.0f, fmaxf(-127.0f, q[e])), 12582912.0f));
+    word = __byte_perm(__byte_perm(c[0], c[1], 0x0040u), __byte_perm(c[2], c[3], 0x0040u), 0x5410u);
   } else {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
     const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(q[0], q[1]), __NV_SATFINITE, __NV_E4M3);
@@ -156,7 +158,7 @@ __device__ __forceinline__ uint32_t encode4(const float (&v)[4], float scale, fl
     for (int e = 0; e < 4; ++e) word |= static_cast<uint32_t>(f32_to_e4m3_bits(q[e])) << (8 * e);
 #endif
   }
-  return word;
+  return scale > 0.0f ? word : 0u;
 }
 
 // The 4 codes' exact values times the scale (dequantize()'s bits). int8
@@ -215,47 +217,59 @@ __device__ __forceinline__ void store4_rn(fp16_t* p, size_t g, const float (&v)[
   reinterpret_cast<uint2*>(p)[g] = make_uint2(reinterpret_cast<const uint32_t&>(a), reinterpret_cast<const uint32_t&>(b));
 }
 
-// Blocks [0, full) of x, each J * 128 values, kUnroll at a time; packed's
-// codes and scales as quantize_kernel writes them. Lane l holds the groups
-// of 4 at j * 32 + l of each block.
+// The U blocks from block k0 of x, each J * 128 values, into packed's codes
+// (32-bit words) and scales. Lane l holds the groups of 4 at j * 32 + l of
+// each block; its loads and stores are at constant offsets from its own
+// pointers (no index arithmetic per access).
+template <typename T, int J, QType Q, int U>
+__device__ __forceinline__ void quantize_blocks(const T* x, uint32_t* codes, float* scales, size_t k0,
+                                                unsigned lane) {
+  constexpr unsigned kGroups = J * 32;  // groups of 4 per block
+  const T* xl = x + (k0 * kGroups + lane) * 4;
+  uint32_t* cl = codes + k0 * kGroups + lane;
+  float v[U][J][4];
+  uint32_t most[U];
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+#pragma unroll
+    for (int j = 0; j < J; ++j) load4(xl, u * kGroups + j * 32, v[u][j]);
+  }
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    most[u] = 0;
+#pragma unroll
+    for (int j = 0; j < J; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) most[u] = max(most[u], f32_bits(v[u][j][e]) & 0x7fffffffu);
+    }
+  }
+#pragma unroll
+  for (int u = 0; u < U; ++u) most[u] = warp_max(most[u]);
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const float scale = most[u] < 0x7f800000u ? f32_from_bits(most[u]) / qmax(Q) : f32_from_bits(0x7fc00000u);
+    const float inv = __frcp_rn(scale);
+    if (lane == 0) scales[k0 + u] = scale;
+#pragma unroll
+    for (int j = 0; j < J; ++j) cl[u * kGroups + j * 32] = encode4<Q>(v[u][j], scale, inv);
+  }
+}
+
+// Blocks [0, full) of x, each J * 128 values: kUnroll at a time, then the
+// rest one at a time; packed's codes and scales as quantize_kernel writes
+// them.
 template <typename T, int J, QType Q>
 __global__ void __launch_bounds__(kThreads) quantize_warp_kernel(uint8_t* packed, const T* x, size_t n, size_t full) {
   constexpr int U = kUnroll<T, J>;
-  constexpr size_t kGroups = size_t(J) * 32;  // groups of 4 per block
   const unsigned lane = threadIdx.x % 32;
+  auto* codes = reinterpret_cast<uint32_t*>(packed);
   float* scales = reinterpret_cast<float*>(packed + quant_scales_offset(n));
-  for (size_t k0 = warp_index() * U; k0 < full; k0 += warp_count() * U) {
-    float v[U][J][4];
-    uint32_t most[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      most[u] = 0;
-      if (k0 + u >= full) continue;
-#pragma unroll
-      for (int j = 0; j < J; ++j) load4(x, (k0 + u) * kGroups + j * 32 + lane, v[u][j]);
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      if (k0 + u >= full) continue;
-#pragma unroll
-      for (int j = 0; j < J; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) most[u] = max(most[u], f32_bits(v[u][j][e]) & 0x7fffffffu);
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u) most[u] = warp_max(most[u]);
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      if (k0 + u >= full) continue;
-      const float scale = most[u] < 0x7f800000u ? f32_from_bits(most[u]) / qmax(Q) : f32_from_bits(0x7fc00000u);
-      const float inv = __frcp_rn(scale);
-      if (lane == 0) scales[k0 + u] = scale;
-#pragma unroll
-      for (int j = 0; j < J; ++j) {
-        reinterpret_cast<uint32_t*>(packed)[(k0 + u) * kGroups + j * 32 + lane] = encode4<Q>(v[u][j], scale, inv);
-      }
-    }
+  const size_t whole = full / U * U;
+  for (size_t k0 = warp_index() * U; k0 < whole; k0 += warp_count() * U) {
+    quantize_blocks<T, J, Q, U>(x, codes, scales, k0, lane);
+  }
+  for (size_t k = whole + warp_index(); k < full; k += warp_count()) {
+    quantize_blocks<T, J, Q, 1>(x, codes, scales, k, lane);
   }
 }
 
