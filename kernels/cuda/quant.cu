@@ -122,9 +122,9 @@ constexpr int kUnroll = 16 / static_cast<int>(sizeof(T)) / J > 0 ? 16 / static_c
 // with inv = 1 / scale, each by the division where near_code_boundary() says
 // the product might round to another code (rare: quantize_by_reciprocal's
 // rule, tested on the CPU; an IEEE division is about ten instructions, and
-// these passes are bound by instructions, docs/gpu.md). Then int8's clamp
-// and round-to-nearest-even as one addition of 1.5 * 2^23 (exact below
-// 2^22: the sum's low byte is the code), the 4 bytes gathered by byte
+// these passes are bound by instructions, docs/gpu.md). Then int8's
+// quotients clamped to +-127 and rounded to nearest even by one addition of
+// 1.5 * 2^23 (the sum's low byte is the code), the 4 bytes gathered by byte
 // permutations; fp8 by the GPU's own E4M3 conversion, round to nearest even
 // and saturating, where it has one. A zero or NaN scale (its inv infinite or
 // NaN, so the division runs) gives zero codes, by a select rather than a
