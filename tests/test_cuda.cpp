@@ -109,6 +109,33 @@ long first_difference_nan_equal(DType t, const std::vector<uint8_t>& a, const st
   return -1;
 }
 
+// The GPU's dequantize (into every storage type) and dequantize_sum of
+// `slices` packed slices give the CPU's bits: `packed` on the host, `g_q`
+// its copy on the GPU; the outputs `skew` elements off the pool's alignment.
+static void expect_dequantized_as_on_the_cpu(CudaDevice& gpu, CpuDevice& cpu, const std::vector<uint8_t>& packed,
+                                             const uint8_t* g_q, size_t slices, size_t n, size_t block,
+                                             fsdp::kernels::QType t, size_t skew) {
+  for (DType out_t : kDtypes) {
+    const size_t os = fsdp::dtype_size(out_t);
+    std::vector<uint8_t> out(n * slices * os);
+    cpu.dequantize(out.data(), out_t, packed.data(), slices, n, block, t);
+    DeviceArray d_out(gpu, nullptr, out.size() + skew * os);
+    gpu.dequantize(d_out.as<uint8_t>() + skew * os, out_t, g_q, slices, n, block, t);
+    std::vector<uint8_t> got_out = d_out.read<uint8_t>();
+    got_out.erase(got_out.begin(), got_out.begin() + static_cast<long>(skew * os));
+    EXPECT_EQ(first_difference_nan_equal(out_t, out, got_out), -1) << "into " << fsdp::dtype_name(out_t);
+  }
+  // The quantized reduction's end: the slices' sum, scaled (average of 2).
+  const size_t bytes = fsdp::kernels::quant_packed_bytes(n, block);
+  std::vector<uint8_t> sum(n * sizeof(float));
+  cpu.dequantize_sum(reinterpret_cast<float*>(sum.data()), packed.data(), slices, bytes, n, block, t, 0.5f);
+  DeviceArray d_sum(gpu, nullptr, (n + skew) * sizeof(float));
+  gpu.dequantize_sum(d_sum.as<float>() + skew, g_q, slices, bytes, n, block, t, 0.5f);
+  std::vector<uint8_t> got_sum = d_sum.read<uint8_t>();
+  got_sum.erase(got_sum.begin(), got_sum.begin() + static_cast<long>(skew * sizeof(float)));
+  EXPECT_EQ(first_difference_nan_equal(DType::kFp32, sum, got_sum), -1) << "dequantize_sum";
+}
+
 // The quantized all-gather's and reduction's passes (kernels/quant.h): the
 // GPU packs, unpacks and sums as the CPU, including NaN, infinite, zero and
 // short blocks, through the warp-per-block kernels (blocks of 128, 256 and
@@ -153,27 +180,7 @@ TEST(CudaKernels, QuantizeAndDequantizeMatchTheCpuBitwise) {
           std::vector<uint8_t> got = d_q.read<uint8_t>();
           got.erase(got.begin(), got.begin() + static_cast<long>(4 * c.skew));
           EXPECT_EQ(first_difference(want, got), -1) << "packed bytes";
-          for (DType out_t : kDtypes) {
-            const size_t os = fsdp::dtype_size(out_t);
-            std::vector<uint8_t> out(n * slices * os);
-            cpu.dequantize(out.data(), out_t, want.data(), slices, n, block, t);
-            DeviceArray d_out(gpu, nullptr, out.size() + c.skew * os);
-            gpu.dequantize(d_out.as<uint8_t>() + c.skew * os, out_t, g_q, slices, n, block, t);
-            std::vector<uint8_t> got_out = d_out.read<uint8_t>();
-            got_out.erase(got_out.begin(), got_out.begin() + static_cast<long>(c.skew * os));
-            EXPECT_EQ(first_difference_nan_equal(out_t, out, got_out), -1) << "into " << fsdp::dtype_name(out_t);
-          }
-          // The quantized reduction's end: the slices' sum, scaled (average of 2).
-          std::vector<float> sum(n, 0.0f);
-          cpu.dequantize_sum(sum.data(), want.data(), slices, bytes, n, block, t, 0.5f);
-          DeviceArray d_sum(gpu, nullptr, (n + c.skew) * sizeof(float));
-          gpu.dequantize_sum(d_sum.as<float>() + c.skew, g_q, slices, bytes, n, block, t, 0.5f);
-          std::vector<float> got_sum = d_sum.read<float>();
-          got_sum.erase(got_sum.begin(), got_sum.begin() + static_cast<long>(c.skew));
-          std::vector<uint8_t> sum_bytes(n * 4), got_sum_bytes(n * 4);
-          std::memcpy(sum_bytes.data(), sum.data(), n * 4);
-          std::memcpy(got_sum_bytes.data(), got_sum.data(), n * 4);
-          EXPECT_EQ(first_difference_nan_equal(DType::kFp32, sum_bytes, got_sum_bytes), -1) << "dequantize_sum";
+          expect_dequantized_as_on_the_cpu(gpu, cpu, want, g_q, slices, n, block, t, c.skew);
           if (::testing::Test::HasFailure()) return;
         }
       }
@@ -212,19 +219,7 @@ TEST(CudaKernels, EveryCodeDequantizesAsOnTheCpu) {
   DeviceArray d_q = upload(gpu, packed);
   for (fsdp::kernels::QType t : {fsdp::kernels::QType::kInt8, fsdp::kernels::QType::kFp8E4m3}) {
     SCOPED_TRACE(t == fsdp::kernels::QType::kInt8 ? "int8" : "fp8");
-    for (DType out_t : kDtypes) {
-      std::vector<uint8_t> want(n * slices * fsdp::dtype_size(out_t));
-      cpu.dequantize(want.data(), out_t, packed.data(), slices, n, block, t);
-      DeviceArray d_out(gpu, nullptr, want.size());
-      gpu.dequantize(d_out.ptr, out_t, d_q.ptr, slices, n, block, t);
-      EXPECT_EQ(first_difference_nan_equal(out_t, want, d_out.read<uint8_t>()), -1)
-          << "into " << fsdp::dtype_name(out_t);
-    }
-    std::vector<uint8_t> want(n * sizeof(float));
-    cpu.dequantize_sum(reinterpret_cast<float*>(want.data()), packed.data(), slices, bytes, n, block, t, 0.5f);
-    DeviceArray d_sum(gpu, nullptr, want.size());
-    gpu.dequantize_sum(d_sum.as<float>(), d_q.ptr, slices, bytes, n, block, t, 0.5f);
-    EXPECT_EQ(first_difference_nan_equal(DType::kFp32, want, d_sum.read<uint8_t>()), -1) << "dequantize_sum";
+    expect_dequantized_as_on_the_cpu(gpu, cpu, packed, d_q.as<uint8_t>(), slices, n, block, t, 0);
   }
 }
 
